@@ -1,0 +1,158 @@
+"""Typed schema of a job file: one dataclass per YAML section, `JobConfig` at the top.
+
+Every field maps 1:1 to a YAML key (`algorithm.group_size` is `JobConfig.algorithm.group_size`).
+The dataclasses hold values only; `hpcrl.config.load` parses YAML into them and
+`hpcrl.config.validate` checks single fields and cross-field constraints with messages that name
+the YAML path, the bad value and the valid choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    preset: str | None = "tiny-qwen3-moe"
+    """Built-in tiny model (see hpcrl/models/presets.py), used when `config_path` is null."""
+    config_path: str | None = None
+    """Path to a HuggingFace config.json (Qwen3-MoE, Mixtral); relative to the job file."""
+    dtype: str = "float32"
+    """Parameter dtype: float32 | bfloat16 (bfloat16 needs a GPU)."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    task: str | None = "copy"
+    """Built-in synthetic task (see hpcrl/tasks/synthetic.py), used when `path` is null."""
+    path: str | None = None
+    """A .jsonl or .parquet file of prompts and answers; relative to the job file."""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    num_prompts_per_step: int = 8
+    """Distinct prompts per step; each is sampled `algorithm.group_size` times."""
+    seed: int = 0
+    """Seed of the prompt sampler (shuffle order)."""
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    name: str = "grpo"
+    group_size: int = 8
+    """Completions sampled per prompt; advantages are normalised within a group."""
+    clip_eps: float = 0.2
+    """PPO ratio clip: ratio is clipped to [1 - clip_eps, 1 + clip_eps]."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference (initial) policy; 0 disables the reference pass."""
+    kl_estimator: str = "k3"
+    """k1 | k2 | k3 (Schulman's estimators; k3 is the low-variance one GRPO uses)."""
+    loss_agg: str = "token-mean"
+    """token-mean | seq-mean-token-mean | seq-mean-token-sum."""
+    norm_adv_by_std: bool = True
+    """Divide group-centred rewards by the group's std (GRPO); false gives Dr. GRPO's advantages."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 0.0
+    """Global grad-norm clip; 0 disables."""
+    aux_loss_coef: float = 0.01
+    """MoE load-balancing loss coefficient (Megatron moe_aux_loss_coeff)."""
+    num_steps: int = 40
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    """Expert tensor parallel size (Megatron expert_tensor_parallel_size)."""
+    num_procs: int = 1
+    """Trainer ranks; data parallel size = num_procs / (tp * pp)."""
+    micro_batch_size: int = 64
+    """Sequences per micro-batch (gradient accumulation over micro-batches)."""
+    dispatcher: str = "alltoall"
+    """MoE token dispatcher: alltoall | allgather."""
+    seed: int = 1234
+    """Seed of the weight init, dropout and the rollout sampler."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    backend: str = "reference"
+    """reference (hpcrl's SGLang-protocol engine, CPU or GPU) | sglang (a real SGLang 0.5.x server)."""
+    num_engines: int = 1
+    tp_per_engine: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    server_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments passed unchanged to the engine server (e.g. sglang flags)."""
+    logprob_tolerance: float = 1e-4
+    """Max |engine log-prob - trainer log-prob| after a weight sync; larger stops the run."""
+    bucket_mb: int = 64
+    """Weight-sync bucket size (flattened-bucket broadcast)."""
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    fn: str = "token_match"
+    """Built-in reward name (see hpcrl/rewards/builtin.py) or `package.module:function`."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """Checkpoint directory; null means RUN_DIR/checkpoints."""
+    interval_steps: int = 0
+    """Save every N steps; 0 saves only at the end and on preemption."""
+    keep: int = 3
+    """How many complete checkpoints to keep."""
+
+
+@dataclass(kw_only=True)
+class ResourcesConfig:
+    device: str = "cpu"
+    """cpu | cuda."""
+    nodes: int = 1
+    """Nodes of the trainer component (Slurm); 1 for local runs."""
+    rollout_nodes: int = 0
+    """Nodes of the rollout component (Slurm); 0 colocates rollout with the trainer."""
+    gpus_per_node: int = 0
+    cpus_per_rank: int = 1
+    timeout_s: float = 300.0
+    """Deadline of one phase of one step (any MPI wait); a rank silent longer is reported and the job stops."""
+    startup_timeout_s: float = 600.0
+    """Deadline for all ranks to start (imports, model build, engine launch)."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    run_dir: str | None = None
+    """Run directory; null means runs/<name>-<timestamp>. `hpcrl run --run-dir` overrides."""
+    tensorboard: bool = True
+    progress: bool = True
+    """Progress bar on stderr (step, reward, step time)."""
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    name: str = "job"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    base_dir: str = field(default=".", metadata={"internal": True})
+    """Directory of the job file; relative paths resolve against it (not a YAML key)."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the MPI world: controller + trainer ranks + one rank per rollout engine."""
+        return 1 + self.trainer.num_procs + self.rollout.num_engines

@@ -1,0 +1,1 @@
+"""hpcrl/controller."""

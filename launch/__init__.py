@@ -1,0 +1,1 @@
+"""launch: executors that start one hpcrl MPI world (local mpiexec, Slurm hetjob), signals, requeue."""

@@ -1,0 +1,1 @@
+"""Jinja2 sbatch templates rendered by `launch` (shipped as package data)."""

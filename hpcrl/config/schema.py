@@ -28,7 +28,9 @@ class DataConfig:
     path: str | None = None
     """A .jsonl or .parquet file of prompts and answers; relative to the job file."""
     prompt_key: str = "prompt"
+    """Column (JSON key) of the prompt text in `path`."""
     answer_key: str = "answer"
+    """Column (JSON key) of the reference answer in `path`, passed to the reward."""
     num_prompts_per_step: int = 8
     """Distinct prompts per step; each is sampled `algorithm.group_size` times."""
     seed: int = 0
@@ -38,6 +40,7 @@ class DataConfig:
 @dataclass(kw_only=True)
 class AlgorithmConfig:
     name: str = "grpo"
+    """RL algorithm: grpo (with `norm_adv_by_std: false` it is Dr. GRPO)."""
     group_size: int = 8
     """Completions sampled per prompt; advantages are normalised within a group."""
     clip_eps: float = 0.2
@@ -51,22 +54,31 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = True
     """Divide group-centred rewards by the group's std (GRPO); false gives Dr. GRPO's advantages."""
     lr: float = 1e-3
+    """Optimizer (Adam) learning rate."""
     weight_decay: float = 0.0
+    """Optimizer weight decay (0 disables)."""
     adam_beta1: float = 0.9
+    """Adam beta1, in [0, 1)."""
     adam_beta2: float = 0.999
+    """Adam beta2, in [0, 1)."""
     adam_eps: float = 1e-8
+    """Adam epsilon."""
     grad_clip: float = 0.0
     """Global grad-norm clip; 0 disables."""
     aux_loss_coef: float = 0.01
     """MoE load-balancing loss coefficient (Megatron moe_aux_loss_coeff)."""
     num_steps: int = 40
+    """RL steps (generate -> reward -> update -> weight sync) of the run."""
 
 
 @dataclass(kw_only=True)
 class TrainerConfig:
     tp: int = 1
+    """Tensor parallel size (Megatron tensor_model_parallel_size) of the dense layers and attention."""
     pp: int = 1
+    """Pipeline parallel size; must divide the number of layers."""
     ep: int = 1
+    """Expert parallel size; must divide the number of experts."""
     etp: int = 1
     """Expert tensor parallel size (Megatron expert_tensor_parallel_size)."""
     num_procs: int = 1
@@ -84,10 +96,15 @@ class RolloutConfig:
     backend: str = "reference"
     """reference (hpcrl's SGLang-protocol engine, CPU or GPU) | sglang (a real SGLang 0.5.x server)."""
     num_engines: int = 1
+    """Rollout engines (servers); each holds a full copy of the policy, one MPI rank each."""
     tp_per_engine: int = 1
+    """Tensor parallel size inside one engine (sglang only; the reference engine needs 1)."""
     temperature: float = 1.0
+    """Sampling temperature (> 0)."""
     top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]; 1 samples from the full distribution."""
     max_new_tokens: int = 8
+    """Tokens generated per completion at most; prompt + completion must fit the model's context."""
     server_args: list[str] = field(default_factory=list)
     """Extra command-line arguments passed unchanged to the engine server (e.g. sglang flags)."""
     logprob_tolerance: float = 1e-4
@@ -121,7 +138,9 @@ class ResourcesConfig:
     rollout_nodes: int = 0
     """Nodes of the rollout component (Slurm); 0 colocates rollout with the trainer."""
     gpus_per_node: int = 0
+    """GPUs per node requested from Slurm (device cuda); 0 with device cpu."""
     cpus_per_rank: int = 1
+    """CPU cores per rank (Slurm --cpus-per-task)."""
     timeout_s: float = 300.0
     """Deadline of one phase of one step (any MPI wait); a rank silent longer is reported and the job stops."""
     startup_timeout_s: float = 600.0
@@ -133,6 +152,7 @@ class LoggingConfig:
     run_dir: str | None = None
     """Run directory; null means runs/<name>-<timestamp>. `hpcrl run --run-dir` overrides."""
     tensorboard: bool = True
+    """Write TensorBoard event files into the run directory."""
     progress: bool = True
     """Progress bar on stderr (step, reward, step time)."""
 
@@ -140,6 +160,7 @@ class LoggingConfig:
 @dataclass(kw_only=True)
 class JobConfig:
     name: str = "job"
+    """Job name: letters, digits, '.', '_', '-' (run directory and Slurm job name)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)

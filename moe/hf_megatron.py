@@ -1,0 +1,350 @@
+"""HF checkpoint names <-> Megatron-core local parameter names and slices, for MoE decoders.
+
+Pure tensor bookkeeping (no torch.distributed, no hpcrl): given a HuggingFace config.json dict
+(Qwen3-MoE or Mixtral) and one rank's coordinates in a Megatron layout (TP/PP/EP/ETP), say which
+global box of which HF *checkpoint-named* tensor each entry of that rank's Megatron state dict
+holds. From that one table follow `hf_to_megatron` (full HF tensors -> one rank's shards) and
+`megatron_to_hf` (the shards of all ranks -> full HF tensors), and the resharding engine can plan
+transfers from the same `Piece`s.
+
+Megatron layout facts used here (megatron-core 0.16.1, local layer spec, SequentialMLP experts):
+  * `linear_qkv` [ng*(nq/ng+2)*hd, H] is grouped by query group: for each KV group g the rows are
+    (the nq/ng query heads of g, the key head g, the value head g). TP splits whole groups (dim 0).
+  * `linear_fc1` of a GLU expert is [gate; up]; under ETP each rank holds [gate_r; up_r].
+  * `linear_qkv`, `linear_fc1`, word embeddings and `output_layer` split along dim 0;
+    `linear_proj` and `linear_fc2` along dim 1; norms and the router are replicated.
+  * Local expert j on EP rank p is global expert p * E/ep + j; under PP the layer index in names
+    is local to the stage (stage s holds layers [s*L/pp, (s+1)*L/pp)).
+
+Shape legend: V vocab, H hidden, L layers, E experts, I expert FFN size, hd head dim,
+nq query heads, ng KV heads (query groups).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from moe.slices import Box
+
+FAMILIES = ("qwen3_moe", "mixtral")
+
+
+@dataclass(frozen=True, slots=True)
+class HFModelDims:
+    """The dimensions of a Qwen3-MoE / Mixtral decoder, read from its HF config.json dict."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_ffn_size: int
+    qk_norm: bool
+    norm_topk_prob: bool
+    tied_embeddings: bool
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+
+    @staticmethod
+    def from_hf_config(cfg: Mapping) -> HFModelDims:
+        """Parse and validate a config dict; unsupported features raise ValueError naming the key."""
+        family = cfg.get("model_type")
+        if family not in FAMILIES:
+            raise ValueError(f"config.json model_type={family!r} is not supported; valid: {FAMILIES}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json hidden_act={cfg['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
+        if cfg.get("attention_bias", False):
+            raise ValueError("config.json attention_bias=true is not supported; use a bias-free model")
+        rope = cfg.get("rope_parameters") or {}
+        if (rope_type := rope.get("rope_type", "default")) != "default" or cfg.get("rope_scaling"):
+            raise ValueError(f"config.json rope_type={rope_type!r} / rope_scaling is not supported; "
+                             "only plain RoPE ('default')")
+        theta = rope.get("rope_theta", cfg.get("rope_theta"))
+        if theta is None:
+            raise ValueError("config.json has neither rope_parameters.rope_theta nor rope_theta")
+        max_pos = int(cfg.get("max_position_embeddings", 4096))
+        window = cfg.get("sliding_window")
+        if (cfg.get("use_sliding_window", family == "mixtral") and window is not None
+                and window < max_pos):
+            raise ValueError(f"config.json sliding_window={window} < max_position_embeddings={max_pos}: "
+                             "sliding-window attention is not supported; set sliding_window to null")
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        if family == "qwen3_moe":
+            if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+                raise ValueError("config.json decoder_sparse_step != 1 or non-empty mlp_only_layers: "
+                                 "dense MLP layers are not supported (every layer must be MoE)")
+            num_experts, ffn = int(cfg["num_experts"]), int(cfg["moe_intermediate_size"])
+            norm_topk = bool(cfg.get("norm_topk_prob", False))
+        else:
+            num_experts, ffn = int(cfg["num_local_experts"]), int(cfg["intermediate_size"])
+            norm_topk = True  # Mixtral always renormalises the top-k softmax weights
+        return HFModelDims(
+            family=family, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+            num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            num_experts=num_experts, top_k=int(cfg["num_experts_per_tok"]), moe_ffn_size=ffn,
+            qk_norm=family == "qwen3_moe", norm_topk_prob=norm_topk,
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+            max_position_embeddings=max_pos)
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every HF checkpoint tensor name -> global shape, in sorted name order."""
+        H, hd = self.hidden_size, self.head_dim
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, H),
+                                              "model.norm.weight": (H,)}
+        if not self.tied_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, H)
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (H,)
+            shapes[p + "post_attention_layernorm.weight"] = (H,)
+            shapes[p + "self_attn.q_proj.weight"] = (self.num_heads * hd, H)
+            shapes[p + "self_attn.k_proj.weight"] = (self.num_kv_heads * hd, H)
+            shapes[p + "self_attn.v_proj.weight"] = (self.num_kv_heads * hd, H)
+            shapes[p + "self_attn.o_proj.weight"] = (H, self.num_heads * hd)
+            if self.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (hd,)
+                shapes[p + "self_attn.k_norm.weight"] = (hd,)
+            shapes[router_name(self, i)] = (self.num_experts, H)
+            for e in range(self.num_experts):
+                gate, up, down = expert_names(self, i, e)
+                shapes[gate] = shapes[up] = (self.moe_ffn_size, H)
+                shapes[down] = (H, self.moe_ffn_size)
+        return dict(sorted(shapes.items()))
+
+
+def router_name(dims: HFModelDims, layer: int) -> str:
+    block = "mlp" if dims.family == "qwen3_moe" else "block_sparse_moe"
+    return f"model.layers.{layer}.{block}.gate.weight"
+
+
+def expert_names(dims: HFModelDims, layer: int, expert: int) -> tuple[str, str, str]:
+    """The (gate, up, down) checkpoint names of one expert."""
+    if dims.family == "qwen3_moe":
+        p = f"model.layers.{layer}.mlp.experts.{expert}."
+        return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+    p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+    return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+
+
+@dataclass(frozen=True, slots=True)
+class RankCoords:
+    """One rank's position in a Megatron layout (ranks and sizes of the TP, PP, EP, ETP axes)."""
+
+    tp_rank: int = 0
+    tp: int = 1
+    pp_rank: int = 0
+    pp: int = 1
+    ep_rank: int = 0
+    ep: int = 1
+    etp_rank: int = 0
+    etp: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in ("tp", "pp", "ep", "etp"):
+            size, rank = getattr(self, axis), getattr(self, axis + "_rank")
+            if size < 1 or not 0 <= rank < size:
+                raise ValueError(f"RankCoords {axis}={size}, {axis}_rank={rank}: need 0 <= rank < size")
+
+    def check(self, dims: HFModelDims) -> None:
+        """Raise ValueError when the model does not split evenly over this layout."""
+        for what, n, axis, size in (("num_attention_heads", dims.num_heads, "tp", self.tp),
+                                    ("num_key_value_heads", dims.num_kv_heads, "tp", self.tp),
+                                    ("vocab_size", dims.vocab_size, "tp", self.tp),
+                                    ("num_hidden_layers", dims.num_layers, "pp", self.pp),
+                                    ("num_experts", dims.num_experts, "ep", self.ep),
+                                    ("moe_intermediate_size", dims.moe_ffn_size, "etp", self.etp)):
+            if n % size:
+                raise ValueError(f"model {what}={n} is not divisible by {axis}={size}; "
+                                 f"choose a {axis} that divides {n}")
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """`local[local_box]` of one Megatron tensor is `hf[hf_name][hf_box]`."""
+
+    hf_name: str
+    hf_box: Box
+    local_box: Box
+
+
+@dataclass(frozen=True, slots=True)
+class LocalParam:
+    """One entry of a rank's Megatron state dict: its name, local shape and HF pieces."""
+
+    name: str
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+
+def layer_range(dims: HFModelDims, coords: RankCoords) -> range:
+    """The global decoder layers held by this rank's pipeline stage."""
+    per_stage = dims.num_layers // coords.pp
+    return range(coords.pp_rank * per_stage, (coords.pp_rank + 1) * per_stage)
+
+
+def _whole(name: str, hf_name: str, shape: tuple[int, ...]) -> LocalParam:
+    return LocalParam(name, shape, (Piece(hf_name, Box.full(shape), Box.full(shape)),))
+
+
+def _split(name: str, hf_name: str, global_shape: tuple[int, ...], axis: int, parts: int,
+           index: int) -> LocalParam:
+    hf_box = Box.full(global_shape).split(axis, parts, index)
+    return LocalParam(name, hf_box.shape, (Piece(hf_name, hf_box, Box.full(hf_box.shape)),))
+
+
+def local_params(dims: HFModelDims, coords: RankCoords) -> list[LocalParam]:
+    """Every weight of this rank's Megatron state dict (no `_extra_state`), in a fixed order."""
+    coords.check(dims)
+    V, H, hd, tp, r = dims.vocab_size, dims.hidden_size, dims.head_dim, coords.tp, coords.tp_rank
+    first, last = coords.pp_rank == 0, coords.pp_rank == coords.pp - 1
+    out: list[LocalParam] = []
+    if first:
+        out.append(_split("embedding.word_embeddings.weight", "model.embed_tokens.weight", (V, H), 0, tp, r))
+    heads_per_group = dims.num_heads // dims.num_kv_heads
+    groups_local = dims.num_kv_heads // tp
+    rows_per_group = (heads_per_group + 2) * hd
+    E_local, I_local = dims.num_experts // coords.ep, dims.moe_ffn_size // coords.etp
+    for li, i in enumerate(layer_range(dims, coords)):
+        hp, mp = f"model.layers.{i}.", f"decoder.layers.{li}."
+        out.append(_whole(mp + "input_layernorm.weight", hp + "input_layernorm.weight", (H,)))
+        qkv: list[Piece] = []
+        for g in range(groups_local):
+            gg, off = r * groups_local + g, g * rows_per_group
+            nq = heads_per_group * hd
+            for hf, hf_off, local_off, n in (("q_proj", gg * nq, off, nq), ("k_proj", gg * hd, off + nq, hd),
+                                            ("v_proj", gg * hd, off + nq + hd, hd)):
+                qkv.append(Piece(f"{hp}self_attn.{hf}.weight", Box((hf_off, 0), (n, H)),
+                                 Box((local_off, 0), (n, H))))
+        out.append(LocalParam(mp + "self_attention.linear_qkv.weight", (groups_local * rows_per_group, H),
+                              tuple(qkv)))
+        if dims.qk_norm:
+            out.append(_whole(mp + "self_attention.q_layernorm.weight", hp + "self_attn.q_norm.weight", (hd,)))
+            out.append(_whole(mp + "self_attention.k_layernorm.weight", hp + "self_attn.k_norm.weight", (hd,)))
+        out.append(_split(mp + "self_attention.linear_proj.weight", hp + "self_attn.o_proj.weight",
+                          (H, dims.num_heads * hd), 1, tp, r))
+        out.append(_whole(mp + "pre_mlp_layernorm.weight", hp + "post_attention_layernorm.weight", (H,)))
+        out.append(_whole(mp + "mlp.router.weight", router_name(dims, i), (dims.num_experts, H)))
+        for j in range(E_local):
+            gate, up, down = expert_names(dims, i, coords.ep_rank * E_local + j)
+            ep = f"{mp}mlp.experts.local_experts.{j}."
+            rows = Box((coords.etp_rank * I_local, 0), (I_local, H))
+            out.append(LocalParam(ep + "linear_fc1.weight", (2 * I_local, H), (
+                Piece(gate, rows, Box((0, 0), (I_local, H))),
+                Piece(up, rows, Box((I_local, 0), (I_local, H))))))
+            out.append(_split(ep + "linear_fc2.weight", down, (H, dims.moe_ffn_size), 1, coords.etp,
+                              coords.etp_rank))
+    if last:
+        out.append(_whole("decoder.final_layernorm.weight", "model.norm.weight", (H,)))
+        # Tied embeddings: Megatron keeps no output weight on a single stage (it reuses the
+        # embedding); with PP the last stage holds a synchronised copy of the embedding.
+        if not dims.tied_embeddings:
+            out.append(_split("output_layer.weight", "lm_head.weight", (V, H), 0, tp, r))
+        elif coords.pp > 1:
+            out.append(_split("output_layer.weight", "model.embed_tokens.weight", (V, H), 0, tp, r))
+    return out
+
+
+def _index(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.shape))
+
+
+def hf_to_megatron(hf_sd: Mapping[str, torch.Tensor], dims: HFModelDims,
+                   coords: RankCoords) -> dict[str, torch.Tensor]:
+    """This rank's Megatron local state dict cut from full HF checkpoint-named tensors.
+
+    Raises KeyError naming a missing HF tensor and ValueError for a shape mismatch.
+    """
+    shapes = dims.hf_shapes()
+    for name, shape in shapes.items():
+        if name not in hf_sd:
+            raise KeyError(f"HF state dict lacks {name!r} (expected shape {shape})")
+        if tuple(hf_sd[name].shape) != shape:
+            raise ValueError(f"HF tensor {name!r} has shape {tuple(hf_sd[name].shape)}, expected {shape}")
+    out: dict[str, torch.Tensor] = {}
+    for p in local_params(dims, coords):
+        dtype = hf_sd[p.pieces[0].hf_name].dtype
+        local = torch.empty(p.shape, dtype=dtype)
+        for pc in p.pieces:
+            local[_index(pc.local_box)] = hf_sd[pc.hf_name][_index(pc.hf_box)]
+        out[p.name] = local
+    return out
+
+
+def megatron_to_hf(shards: Iterable[tuple[RankCoords, Mapping[str, torch.Tensor]]],
+                   dims: HFModelDims) -> dict[str, torch.Tensor]:
+    """Full HF checkpoint-named tensors (sorted by name) assembled from the shards of all ranks.
+
+    Replicated pieces may appear several times (TP/DP replicas); the first one seen wins. Raises
+    ValueError when some region of some HF tensor is held by no shard.
+    """
+    shapes = dims.hf_shapes()
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[str, set[Box]] = {name: set() for name in shapes}
+    for coords, sd in shards:
+        for p in local_params(dims, coords):
+            if p.name not in sd:
+                continue
+            local = sd[p.name]
+            assert tuple(local.shape) == p.shape, (p.name, tuple(local.shape), p.shape)
+            for pc in p.pieces:
+                if pc.hf_box in seen[pc.hf_name]:
+                    continue
+                seen[pc.hf_name].add(pc.hf_box)
+                full = out.get(pc.hf_name)
+                if full is None:
+                    full = out[pc.hf_name] = torch.empty(shapes[pc.hf_name], dtype=local.dtype)
+                full[_index(pc.hf_box)] = local[_index(pc.local_box)]
+    for name, shape in shapes.items():
+        covered = sum(b.numel for b in seen[name])
+        total = Box.full(shape).numel
+        if covered != total:
+            raise ValueError(f"shards cover {covered} of {total} elements of {name!r}; "
+                             "pass the shards of every TP/PP/EP/ETP rank")
+    return dict(sorted(out.items()))
+
+
+def hf_fused_to_checkpoint(sd: Mapping[str, torch.Tensor], dims: HFModelDims) -> dict[str, torch.Tensor]:
+    """transformers 5.x in-memory names (fused 3-D experts) -> on-disk checkpoint names, sorted.
+
+    In memory both families hold `model.layers.{i}.mlp.experts.gate_up_proj` [E, 2I, H] (gate rows
+    first) and `...mlp.experts.down_proj` [E, H, I] and the router at `...mlp.gate.weight`; on
+    disk (and in SGLang's loader) experts are separate 2-D tensors. Returns views, not copies.
+    """
+    out = dict(sd)
+    I = dims.moe_ffn_size
+    for i in range(dims.num_layers):
+        p = f"model.layers.{i}.mlp."
+        gate_up_EFH, down_EHI = out.pop(p + "experts.gate_up_proj"), out.pop(p + "experts.down_proj")
+        out[router_name(dims, i)] = out.pop(p + "gate.weight")
+        for e in range(dims.num_experts):
+            gate, up, down = expert_names(dims, i, e)
+            out[gate], out[up], out[down] = gate_up_EFH[e, :I], gate_up_EFH[e, I:], down_EHI[e]
+    return dict(sorted(out.items()))
+
+
+def hf_checkpoint_to_fused(sd: Mapping[str, torch.Tensor], dims: HFModelDims) -> dict[str, torch.Tensor]:
+    """The inverse of `hf_fused_to_checkpoint` (stacks the per-expert tensors into new tensors)."""
+    out = dict(sd)
+    for i in range(dims.num_layers):
+        p = f"model.layers.{i}.mlp."
+        gates, downs = [], []
+        for e in range(dims.num_experts):
+            gate, up, down = expert_names(dims, i, e)
+            gates.append(torch.cat([out.pop(gate), out.pop(up)], dim=0))
+            downs.append(out.pop(down))
+        out[p + "experts.gate_up_proj"] = torch.stack(gates)
+        out[p + "experts.down_proj"] = torch.stack(downs)
+        out[p + "gate.weight"] = out.pop(router_name(dims, i))
+    return out

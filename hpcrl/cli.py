@@ -38,7 +38,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from launch.local import run_local
+    from hpcrl.runner import run_local
 
     return run_local(args.job, args.overrides, args.run_dir)
 

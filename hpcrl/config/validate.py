@@ -1,0 +1,363 @@
+"""Semantic checks of a typed `JobConfig`: field ranges and choices, then cross-field constraints.
+
+`validate(job)` raises the first problem as a `ConfigError` naming the YAML key to change, the bad
+value and the valid values (for parallel sizes: the nearest sizes that fit the model). It reads the
+model's HF config.json, the data file and the reward import path, but needs no GPU and no process
+group: hardware availability is checked when the run starts. Megatron facts used here are from
+megatron-core 0.16.1 (transformer_config.py, attention.py) and notes/python_stack.md.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcrl.algorithms.grpo import KL_ESTIMATORS, LOSS_AGGS
+from hpcrl.config.errors import ConfigError
+from hpcrl.config.schema import JobConfig
+from hpcrl.models.presets import CONFIG_DIR, preset_names
+from hpcrl.rewards import load_reward_fn
+from hpcrl.tasks import TASKS, default_tokenizer, read_examples
+
+ALGORITHMS = ("grpo",)
+DTYPES = ("float32", "bfloat16")
+DEVICES = ("cpu", "cuda")
+DISPATCHERS = ("alltoall", "allgather")
+BACKENDS = ("reference", "sglang")
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""HF config keys of the routed-expert count: Qwen-MoE, Mixtral, DeepSeek-V3."""
+EXPERT_FFN_KEYS = ("moe_intermediate_size", "intermediate_size")
+"""Expert FFN width: Qwen-MoE / DeepSeek use moe_intermediate_size, Mixtral intermediate_size."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """' (did you mean 'x'?)' for the closest of `choices`, or '' when none is close."""
+    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _get(job: JobConfig, path: str) -> Any:
+    obj: Any = job
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
+    ("name", lambda v: re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", v) is not None,
+     "letters, digits, '.', '_' and '-' only, starting with a letter or digit (it names the run "
+     "directory and the Slurm job)"),
+    ("data.prompt_key", bool, "a non-empty column name"),
+    ("data.answer_key", bool, "a non-empty column name"),
+    ("data.num_prompts_per_step", lambda v: v >= 1, ">= 1"),
+    ("data.seed", lambda v: 0 <= v < 2**63, ">= 0 (numpy seeds cannot be negative)"),
+    ("algorithm.group_size", lambda v: v >= 2, ">= 2: advantages compare the completions of a group"),
+    ("algorithm.clip_eps", lambda v: 0 < v < 1, "in (0, 1), e.g. 0.2"),
+    ("algorithm.kl_coef", lambda v: v >= 0, ">= 0 (0 disables the KL penalty)"),
+    ("algorithm.lr", lambda v: v > 0, "> 0, e.g. 1e-6 for large models, 1e-3 for the tiny preset"),
+    ("algorithm.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("algorithm.adam_beta1", lambda v: 0 <= v < 1, "in [0, 1), e.g. 0.9"),
+    ("algorithm.adam_beta2", lambda v: 0 <= v < 1, "in [0, 1), e.g. 0.999"),
+    ("algorithm.adam_eps", lambda v: v > 0, "> 0, e.g. 1e-8"),
+    ("algorithm.grad_clip", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+    ("algorithm.aux_loss_coef", lambda v: v >= 0, ">= 0"),
+    ("algorithm.num_steps", lambda v: v >= 1, ">= 1"),
+    ("trainer.tp", lambda v: v >= 1, ">= 1"),
+    ("trainer.pp", lambda v: v >= 1, ">= 1"),
+    ("trainer.ep", lambda v: v >= 1, ">= 1"),
+    ("trainer.etp", lambda v: v >= 1, ">= 1"),
+    ("trainer.num_procs", lambda v: v >= 1, ">= 1"),
+    ("trainer.micro_batch_size", lambda v: v >= 1, ">= 1"),
+    ("trainer.seed", lambda v: 0 <= v < 2**63, ">= 0"),
+    ("rollout.num_engines", lambda v: v >= 1, ">= 1"),
+    ("rollout.tp_per_engine", lambda v: v >= 1, ">= 1"),
+    ("rollout.temperature", lambda v: v > 0, "> 0 (1.0 samples the policy as is)"),
+    ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]; 1.0 disables nucleus sampling"),
+    ("rollout.max_new_tokens", lambda v: v >= 1, ">= 1"),
+    ("rollout.logprob_tolerance", lambda v: v > 0, "> 0, e.g. 1e-4 (float32) or 5e-2 (bfloat16)"),
+    ("rollout.bucket_mb", lambda v: v >= 1, ">= 1 (MB)"),
+    ("checkpoint.dir", lambda v: v is None or v != "", "a directory path, or null for RUN_DIR/checkpoints"),
+    ("checkpoint.interval_steps", lambda v: v >= 0, ">= 0 (0 saves only at the end and on preemption)"),
+    ("checkpoint.keep", lambda v: v >= 1, ">= 1 (the latest checkpoint is always kept)"),
+    ("resources.nodes", lambda v: v >= 1, ">= 1"),
+    ("resources.rollout_nodes", lambda v: v >= 0, ">= 0 (0 colocates rollout with the trainer)"),
+    ("resources.gpus_per_node", lambda v: v >= 0, ">= 0"),
+    ("resources.cpus_per_rank", lambda v: v >= 1, ">= 1"),
+    ("resources.timeout_s", lambda v: v > 0, "> 0 seconds"),
+    ("resources.startup_timeout_s", lambda v: v > 0, "> 0 seconds"),
+    ("logging.run_dir", lambda v: v is None or v != "", "a directory path, or null for runs/<name>-<time>"),
+]
+
+_CHOICES: list[tuple[str, tuple[str, ...]]] = [
+    ("model.dtype", DTYPES),
+    ("algorithm.name", ALGORITHMS),
+    ("algorithm.kl_estimator", KL_ESTIMATORS),
+    ("algorithm.loss_agg", LOSS_AGGS),
+    ("trainer.dispatcher", DISPATCHERS),
+    ("rollout.backend", BACKENDS),
+    ("resources.device", DEVICES),
+]
+
+
+def _check_fields(job: JobConfig) -> None:
+    for path, choices in _CHOICES:
+        value = _get(job, path)
+        if value not in choices:
+            raise ConfigError(path, value, f"must be one of: {', '.join(choices)}"
+                                           f"{did_you_mean(value, choices)}")
+    for path, ok, requirement in _RULES:
+        value = _get(job, path)
+        if not ok(value):
+            raise ConfigError(path, value, f"must be {requirement}")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes of the policy model that parallel layouts must divide (from its HF config)."""
+
+    source: str
+    """How messages name the model: "preset 'tiny-qwen3-moe'" or "config.json /path"."""
+    path: str
+    """The YAML key that chose the model: model.preset or model.config_path."""
+    num_experts: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_hidden_layers: int
+    vocab_size: int
+    expert_ffn_size: int
+    max_position_embeddings: int | None
+
+
+def _read_model(job: JobConfig) -> ModelDims:
+    m = job.model
+    if m.config_path is not None:
+        key, value = "model.config_path", m.config_path
+        file = Path(job.base_dir, m.config_path)
+        source = f"config.json {file}"
+        if not file.is_file():
+            raise ConfigError(key, value, f"no such file ({file}); give a HuggingFace config.json "
+                                          "(relative to the job file), or set it to null and use "
+                                          f"model.preset ({', '.join(preset_names())})")
+        try:
+            hf = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(key, value, f"not a JSON file ({exc})") from None
+    else:
+        key, value = "model.preset", m.preset
+        names = preset_names()
+        if m.preset not in names:
+            raise ConfigError(key, value, f"unknown preset{did_you_mean(str(value), names)}; valid: "
+                                          f"{', '.join(names)}, or set model.config_path to a config.json")
+        source = f"preset {m.preset!r}"
+        hf = json.loads((CONFIG_DIR / f"{m.preset}.json").read_text())
+    if not isinstance(hf, dict):
+        raise ConfigError(key, value, "the model config must be a JSON object (a HuggingFace config.json)")
+
+    def size(names: tuple[str, ...], default: int | None = None, required: bool = True) -> int | None:
+        for name in names:
+            if name in hf:
+                v = hf[name]
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ConfigError(key, value, f"{source}: {name}={v!r} must be a positive integer")
+                return v
+        if default is None and required:
+            raise ConfigError(key, value, f"{source} has no {' / '.join(names)}; hpcrl trains "
+                                          "Mixture-of-Experts models (Qwen3-MoE, Mixtral, DeepSeek-V3)")
+        return default
+
+    heads = size(("num_attention_heads",))
+    return ModelDims(
+        source=source, path=key, num_experts=size(EXPERT_KEYS), num_attention_heads=heads,
+        num_key_value_heads=size(("num_key_value_heads",), default=heads),
+        num_hidden_layers=size(("num_hidden_layers",)), vocab_size=size(("vocab_size",)),
+        expert_ffn_size=size(EXPERT_FFN_KEYS),
+        max_position_embeddings=size(("max_position_embeddings",), required=False))
+
+
+def _strip_prefix(message: str, path: str, value: Any) -> str:
+    """Drop a leading "path='value': " that lower layers (rewards, tasks) already put in messages."""
+    for prefix in (f"{path}={value!r}: ", f"{path}={value!r} ", f"{path}={str(value)!r}: "):
+        if message.startswith(prefix):
+            return message[len(prefix):]
+    return message
+
+
+def _check_data_and_reward(job: JobConfig) -> int | None:
+    """Checks data and reward; returns the prompt length in tokens for synthetic tasks, else None."""
+    d = job.data
+    if d.path is not None:
+        if d.path == "":
+            raise ConfigError("data.path", d.path, "empty; give a .jsonl/.parquet file or null to use data.task")
+        file = Path(job.base_dir, d.path)
+        if not file.is_file():
+            raise ConfigError("data.path", d.path, f"no such file ({file}); give a .jsonl or .parquet "
+                                                   "file (relative to the job file), or null to use "
+                                                   f"data.task ({', '.join(TASKS)})")
+        try:
+            read_examples(file, d.prompt_key, d.answer_key)
+        except (ValueError, OSError) as exc:
+            raise ConfigError("data.path", d.path, _strip_prefix(str(exc), "data.path", str(file))) from None
+        prompt_len = None
+    else:
+        if d.task not in TASKS:
+            raise ConfigError("data.task", d.task, f"unknown task{did_you_mean(str(d.task), TASKS)}; "
+                                                   f"valid: {', '.join(TASKS)}, or set data.path to a file")
+        task = TASKS[d.task]
+        # Tasks draw prompts of fixed length; a few draws make that robust to future variants.
+        rng = np.random.default_rng(0)
+        tok = default_tokenizer()
+        prompt_len = max(len(tok.encode(task.make(rng)[0])) for _ in range(16))
+    try:
+        load_reward_fn(job.reward.fn)
+    except ValueError as exc:
+        raise ConfigError("reward.fn", job.reward.fn, _strip_prefix(str(exc), "reward.fn", job.reward.fn)) \
+            from None
+    return prompt_len
+
+
+def _nearest(candidates: Iterable[int], bad: int, k: int = 4) -> str:
+    """The k candidates closest to `bad`, ascending, as 'a, b, c'."""
+    best = sorted(set(candidates), key=lambda v: (abs(v - bad), v))[:k]
+    return ", ".join(str(v) for v in sorted(best))
+
+
+def _divisors(n: int) -> list[int]:
+    return [v for v in range(1, n + 1) if n % v == 0]
+
+
+def _check_parallel(job: JobConfig, m: ModelDims) -> None:
+    """Megatron layout constraints: each parallel size divides the model dimension it splits."""
+    t = job.trainer
+    src = m.source
+
+    def tp_fits(tp: int) -> bool:
+        # Megatron allows tp > kv heads when tp is a multiple of them (KV heads are replicated).
+        kv_ok = m.num_key_value_heads % tp == 0 or tp % m.num_key_value_heads == 0
+        return m.num_attention_heads % tp == 0 and kv_ok and m.vocab_size % tp == 0
+
+    valid_tp = f"valid tp for this model: {_nearest(filter(tp_fits, _divisors(m.num_attention_heads)), t.tp)}"
+    if m.num_attention_heads % t.tp:
+        raise ConfigError("trainer.tp", t.tp, f"num_attention_heads={m.num_attention_heads} of {src} "
+                                              f"is not divisible by tp={t.tp}; {valid_tp}")
+    if m.num_key_value_heads % t.tp and t.tp % m.num_key_value_heads:
+        raise ConfigError("trainer.tp", t.tp, f"num_key_value_heads={m.num_key_value_heads} of {src} is "
+                                              f"neither a multiple nor a divisor of tp={t.tp}; {valid_tp}")
+    if m.vocab_size % t.tp:
+        raise ConfigError("trainer.tp", t.tp, f"vocab_size={m.vocab_size} of {src} is not divisible by "
+                                              f"tp={t.tp} (vocab-parallel embedding); {valid_tp}")
+    for key, dim_name, dim in (("trainer.pp", "num_hidden_layers", m.num_hidden_layers),
+                               ("trainer.ep", "num_experts", m.num_experts),
+                               ("trainer.etp", "expert FFN size", m.expert_ffn_size)):
+        size = _get(job, key)
+        if dim % size:
+            raise ConfigError(key, size, f"{dim_name}={dim} of {src} is not divisible by "
+                                         f"{key.split('.')[1]}={size}; valid: {_nearest(_divisors(dim), size)}")
+    dense, expert = t.tp * t.pp, t.ep * t.etp * t.pp
+    step = math.lcm(dense, expert)
+    if t.num_procs % step:
+        valid = [step * k for k in range(max(1, t.num_procs // step - 1), t.num_procs // step + 3)]
+        raise ConfigError("trainer.num_procs", t.num_procs,
+                          f"ranks do not add up: num_procs must be a multiple of tp*pp={dense} (dense "
+                          f"layers: dp = num_procs/(tp*pp)) and of ep*etp*pp={expert} (experts: expert "
+                          f"dp = num_procs/(ep*etp*pp)); valid num_procs: {_nearest(valid, t.num_procs)}")
+    if job.resources.device == "cpu" and t.dispatcher == "alltoall" and t.etp > 1:
+        raise ConfigError("trainer.etp", t.etp, "the alltoall dispatcher with etp > 1 needs an uneven "
+                                                "all_gather that gloo (device cpu) cannot do; set "
+                                                "trainer.etp=1 or trainer.dispatcher=allgather")
+    dp = t.num_procs // dense
+    group = job.algorithm.group_size
+    n = job.data.num_prompts_per_step
+    if (n * group) % dp:
+        valid = [p for p in range(1, n + 2 * dp + 1) if (p * group) % dp == 0]
+        raise ConfigError("data.num_prompts_per_step", n,
+                          f"a step's {n}*group_size={n * group} sequences do not split evenly over the "
+                          f"dp={dp} data-parallel trainer ranks (num_procs/(tp*pp)); valid "
+                          f"num_prompts_per_step: {_nearest(valid, n)}")
+
+
+def _check_devices(job: JobConfig, m: ModelDims) -> None:
+    """dtype/backend/device consistency and GPU counts; nothing here touches the hardware."""
+    r, res = job.rollout, job.resources
+    if job.model.dtype == "bfloat16" and res.device != "cuda":
+        raise ConfigError("model.dtype", job.model.dtype, f"bfloat16 needs resources.device=cuda "
+                                                          f"(device is {res.device!r}); use float32 on CPU")
+    if r.backend == "reference" and r.tp_per_engine != 1:
+        raise ConfigError("rollout.tp_per_engine", r.tp_per_engine,
+                          "the reference engine runs one process per engine: use tp_per_engine=1, "
+                          "or rollout.backend=sglang on GPUs")
+    if r.backend == "sglang":
+        if res.device != "cuda":
+            raise ConfigError("rollout.backend", r.backend, f"SGLang needs GPUs: set resources.device=cuda "
+                                                            f"(device is {res.device!r}), or use backend "
+                                                            "reference on CPU")
+        t = r.tp_per_engine
+        if m.num_attention_heads % t or (m.num_key_value_heads % t and t % m.num_key_value_heads):
+            ok = [v for v in _divisors(m.num_attention_heads)
+                  if m.num_key_value_heads % v == 0 or v % m.num_key_value_heads == 0]
+            raise ConfigError("rollout.tp_per_engine", t,
+                              f"num_attention_heads={m.num_attention_heads} / num_key_value_heads="
+                              f"{m.num_key_value_heads} of {m.source} do not split over {t} GPUs; "
+                              f"valid tp_per_engine: {_nearest(ok, t)}")
+    if res.device == "cpu" and res.gpus_per_node:
+        raise ConfigError("resources.gpus_per_node", res.gpus_per_node,
+                          "must be 0 with resources.device=cpu (the GPUs would sit idle); "
+                          "set resources.device=cuda to use them")
+    if res.device == "cuda" and res.gpus_per_node:
+        gpus = res.nodes * res.gpus_per_node
+        if job.trainer.num_procs > gpus:
+            raise ConfigError("trainer.num_procs", job.trainer.num_procs,
+                              f"each trainer rank needs a GPU, and resources.nodes*gpus_per_node={gpus}; "
+                              f"use num_procs <= {gpus} or more nodes")
+        rollout_gpus = res.rollout_nodes * res.gpus_per_node
+        if res.rollout_nodes and r.num_engines * r.tp_per_engine > rollout_gpus:
+            raise ConfigError("rollout.num_engines", r.num_engines,
+                              f"num_engines*tp_per_engine={r.num_engines * r.tp_per_engine} GPUs exceed "
+                              f"resources.rollout_nodes*gpus_per_node={rollout_gpus}; use num_engines <= "
+                              f"{rollout_gpus // r.tp_per_engine} or more rollout_nodes")
+
+
+def _check_context(job: JobConfig, m: ModelDims, prompt_len: int | None) -> None:
+    """Synthetic tasks: the tokenizer fits the embedding and prompt + completion fit the context."""
+    if prompt_len is None:
+        return
+    vocab = default_tokenizer().vocab_size
+    if vocab > m.vocab_size:
+        raise ConfigError(m.path, _get(job, m.path), f"vocab_size={m.vocab_size} of {m.source} is smaller "
+                                                     f"than the {vocab} ids of the character tokenizer "
+                                                     f"that data.task uses; use a model with vocab_size >= {vocab}")
+    limit = m.max_position_embeddings
+    if limit is None:
+        return
+    room = limit - prompt_len
+    if room < 1:
+        raise ConfigError("data.task", job.data.task, f"prompts are {prompt_len} tokens, which leaves no "
+                                                      f"room under max_position_embeddings={limit} of {m.source}")
+    if job.rollout.max_new_tokens > room:
+        raise ConfigError("rollout.max_new_tokens", job.rollout.max_new_tokens,
+                          f"prompt ({prompt_len} tokens with <bos>, data.task={job.data.task}) + "
+                          f"max_new_tokens exceeds max_position_embeddings={limit} of {m.source}; "
+                          f"use max_new_tokens <= {room} (the task's answers are "
+                          f"{TASKS[job.data.task].answer_len} tokens)")
+
+
+def validate(job: JobConfig) -> None:
+    """Raise ConfigError for the first invalid value or inconsistent combination in `job`.
+
+    Order: single-field ranges and choices, the model config (preset or config.json), data and
+    reward, dtype/backend/device, Megatron layout divisibility and rank counts, context length.
+    Reads files and imports the reward module; needs no GPU. Does not modify `job`.
+    """
+    _check_fields(job)
+    dims = _read_model(job)
+    prompt_len = _check_data_and_reward(job)
+    _check_devices(job, dims)
+    _check_parallel(job, dims)
+    _check_context(job, dims, prompt_len)

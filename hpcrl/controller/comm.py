@@ -1,0 +1,198 @@
+"""The MPI control plane: roles, commands and replies, every wait under a deadline.
+
+One MPI world: rank 0 is the controller, then the trainer ranks, then one rank per rollout engine.
+Roles come from `COMM_WORLD.Split` (each role also gets its own communicator). The controller
+sends small pickled commands point-to-point and collects one reply per rank; waits poll
+non-blocking requests with a short sleep (so idle ranks do not spin on the 2-core laptop case)
+until a deadline, after which the silent ranks are named with role, host and phase.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpi4py import MPI
+
+TAG_COMMAND = 11
+TAG_REPLY = 12
+ROLES = ("controller", "trainer", "rollout")
+
+
+class RankFailure(RuntimeError):
+    """A rank crashed, hung or answered with an error. The message names rank, role, host, phase."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    role: str
+    host: str
+    pid: int
+
+    def describe(self) -> str:
+        return f"rank {self.rank} ({self.role}, host {self.host}, pid {self.pid})"
+
+
+@dataclass
+class Command:
+    op: str
+    step: int
+    payload: Any = None
+
+
+@dataclass
+class Reply:
+    rank: int
+    op: str
+    step: int
+    ok: bool
+    payload: Any = None
+    error: str = ""
+
+
+def role_of(world_rank: int, num_trainer: int) -> str:
+    if world_rank == 0:
+        return "controller"
+    return "trainer" if world_rank <= num_trainer else "rollout"
+
+
+@dataclass
+class World:
+    """This process's place in the job: world comm, role comm and the table of every rank."""
+
+    comm: Any
+    role: str
+    role_comm: Any
+    ranks: list[RankInfo] = field(default_factory=list)
+
+    @property
+    def rank(self) -> int:
+        return int(self.comm.Get_rank())
+
+    def ranks_of(self, role: str) -> list[int]:
+        return [r.rank for r in self.ranks if r.role == role]
+
+
+def join_world(num_trainer: int) -> World:
+    """Collective over COMM_WORLD: split into roles and exchange (role, host, pid) of every rank."""
+    comm = MPI.COMM_WORLD
+    role = role_of(comm.Get_rank(), num_trainer)
+    role_comm = comm.Split(color=ROLES.index(role), key=comm.Get_rank())
+    me = RankInfo(comm.Get_rank(), role, socket.gethostname(), os.getpid())
+    ranks = comm.allgather(me)
+    return World(comm, role, role_comm, ranks)
+
+
+def _receive(comm: Any, sources: list[int], tag: int, deadline: float) -> dict[int, Any]:
+    """Receive one pickled message from each source until the monotonic deadline; return what
+    arrived. Matched probes (improbe) size the buffer, so payloads of any size work. Sleeps back
+    off from 50 us to 1 ms between polls so waiting ranks leave the CPU to working ones."""
+    done: dict[int, Any] = {}
+    nap = 5e-5
+    while len(done) < len(sources):
+        for src in sources:
+            if src in done:
+                continue
+            msg = comm.improbe(source=src, tag=tag)
+            if msg is not None:
+                done[src] = msg.recv()
+                nap = 5e-5
+        if len(done) == len(sources) or time.monotonic() > deadline:
+            break
+        time.sleep(nap)
+        nap = min(nap * 2, 1e-3)
+    return done
+
+
+def _send_all(comm: Any, messages: dict[int, Any], tag: int, deadline: float) -> list[int]:
+    """Send each (dest -> object) without blocking past the deadline; return dests not reached."""
+    reqs = {dest: comm.isend(obj, dest=dest, tag=tag) for dest, obj in messages.items()}
+    pending = dict(reqs)
+    nap = 5e-5
+    while pending and time.monotonic() <= deadline:
+        for dest in [d for d, r in pending.items() if r.Test()]:
+            del pending[dest]
+        if pending:
+            time.sleep(nap)
+            nap = min(nap * 2, 1e-3)
+    return sorted(pending)
+
+
+class RoleGroup:
+    """Controller-side handle on the ranks of one role."""
+
+    def __init__(self, world: World, role: str) -> None:
+        self.world = world
+        self.role = role
+        self.ranks = world.ranks_of(role)
+
+    def call(self, op: str, step: int, payload: Any, timeout_s: float,
+             per_rank: dict[int, Any] | None = None) -> dict[int, Any]:
+        """Send `op` to every rank of the role and return {rank: reply payload}."""
+        return self.async_call(op, step, payload, per_rank, timeout_s).wait(timeout_s)
+
+    def async_call(self, op: str, step: int, payload: Any = None,
+                   per_rank: dict[int, Any] | None = None, timeout_s: float = 300.0) -> PendingCall:
+        """Send the command now (under the deadline); the replies are collected by `wait`."""
+        messages = {rank: Command(op, step, per_rank[rank] if per_rank is not None else payload)
+                    for rank in self.ranks}
+        unreached = _send_all(self.world.comm, messages, TAG_COMMAND, time.monotonic() + timeout_s)
+        if unreached:
+            who = "; ".join(self.world.ranks[r].describe() for r in unreached)
+            raise RankFailure(f"could not deliver phase '{op}' of step {step} within {timeout_s:.0f} s "
+                              f"to {who} (crashed, exited or hung; see its log in RUN_DIR/logs/)")
+        return PendingCall(self.world, op, step, list(self.ranks))
+
+
+class PendingCall:
+    """Replies still to come for one command; `wait` enforces the phase deadline."""
+
+    def __init__(self, world: World, op: str, step: int, sources: list[int]) -> None:
+        self.world, self.op, self.step, self.sources = world, op, step, sources
+
+    def wait(self, timeout_s: float) -> dict[int, Any]:
+        replies: dict[int, Reply] = _receive(self.world.comm, self.sources, TAG_REPLY,
+                                             time.monotonic() + timeout_s)
+        for rank, reply in sorted(replies.items()):
+            if not reply.ok:
+                raise RankFailure(f"{self.world.ranks[rank].describe()} failed in phase "
+                                  f"'{self.op}' of step {self.step}:\n{reply.error}")
+        missing = [r for r in self.sources if r not in replies]
+        if missing:
+            who = "; ".join(self.world.ranks[r].describe() for r in missing)
+            raise RankFailure(f"no answer within {timeout_s:.0f} s in phase '{self.op}' of step "
+                              f"{self.step} from {who} (crashed, exited or hung; see its log in "
+                              f"RUN_DIR/logs/)")
+        return {rank: reply.payload for rank, reply in replies.items()}
+
+
+class WorkerChannel:
+    """Worker-side: receive the controller's commands and answer them."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    def next_command(self, timeout_s: float) -> Command:
+        got = _receive(self.world.comm, [0], TAG_COMMAND, time.monotonic() + timeout_s)
+        if 0 not in got:
+            raise RankFailure(f"{self.world.ranks[self.world.rank].describe()}: the controller "
+                              f"({self.world.ranks[0].describe()}) sent no command for "
+                              f"{timeout_s:.0f} s")
+        return got[0]
+
+    def reply(self, cmd: Command, payload: Any = None, timeout_s: float = 300.0) -> None:
+        self._send(Reply(self.world.rank, cmd.op, cmd.step, True, payload), timeout_s)
+
+    def reply_error(self, cmd: Command, exc: BaseException, timeout_s: float = 30.0) -> None:
+        text = "".join(traceback.format_exception(exc)).rstrip()
+        self._send(Reply(self.world.rank, cmd.op, cmd.step, False, error=text), timeout_s)
+
+    def _send(self, reply: Reply, timeout_s: float) -> None:
+        if _send_all(self.world.comm, {0: reply}, TAG_REPLY, time.monotonic() + timeout_s):
+            raise RankFailure(f"{self.world.ranks[self.world.rank].describe()}: the controller did not "
+                              f"take the reply to '{reply.op}' of step {reply.step} within {timeout_s:.0f} s")

@@ -1,0 +1,82 @@
+"""The controller's step loop (rank 0). It reads like the algorithm; every phase lives elsewhere.
+
+    sampler --prompts--> RolloutGroup --(HTTP /generate)--> engines
+                              | tokens + engine log-probs
+                              v
+    reward_fn(prompt, completion, answer) --> rewards --> group advantages
+                              |
+    PolicyGroup.logprobs (Megatron: old / ref log-probs) --> sync check vs engine log-probs
+                              |
+    PolicyGroup.train (GRPO loss, DDP, Adam) --> PolicyGroup.push_weights
+              (Megatron shards -> HF tensors -> weight-update group broadcast -> engines)
+                              |
+    MetricsLogger.log --> Checkpointer.maybe_save
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hpcrl.algorithms.grpo import group_advantages
+from hpcrl.controller.session import Session
+from hpcrl.controller.sync_check import logprob_max_abs_diff
+
+
+class PhaseTimer:
+    """Accumulates wall time per named phase: `with timer("train"): ...`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._name = ""
+
+    def __call__(self, name: str) -> PhaseTimer:
+        self._name = name
+        return self
+
+    def __enter__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds[self._name] = time.perf_counter() - self._t0
+
+
+def run(s: Session) -> None:
+    """Train `s.job.algorithm.num_steps` GRPO steps from the checkpointer's resume step."""
+    job = s.job
+    algo, temperature = job.algorithm, job.rollout.temperature
+    for step in range(s.checkpointer.resume_step(), algo.num_steps):
+        t = PhaseTimer()
+        step_t0 = time.perf_counter()
+        s.phase(step, "generate")
+        with t("rollout"):
+            rollout = s.generate(step)
+        s.phase(step, "reward")
+        with t("reward"):
+            rewards = s.score(rollout)
+        s.phase(step, "logprobs")
+        with t("logprobs"):
+            logps = s.policy.logprobs(step, rollout, temperature)
+        sync_diff = logprob_max_abs_diff(rollout, logps.old_BT, job.rollout.logprob_tolerance, step)
+        advantages = group_advantages(torch.from_numpy(rewards), algo.group_size,
+                                      algo.norm_adv_by_std).numpy()
+        s.phase(step, "train")
+        with t("train"):
+            train = s.policy.train(step, rollout, advantages, logps, temperature)
+        s.phase(step, "sync")
+        with t("sync"):
+            sync = s.policy.push_weights(step)
+        s.metrics.log(step, {
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()),
+            "rollout/tokens": rollout.num_tokens,
+            "rollout/response_len": rollout.num_tokens / len(rollout.response_ids),
+            **{f"train/{k}": v for k, v in train.items()},
+            "sync/bytes": sync["bytes"],
+            "sync/logprob_max_abs_diff": sync_diff,
+            **{f"timing/{k}_s": round(v, 6) for k, v in t.seconds.items()},
+            "timing/step_s": round(time.perf_counter() - step_t0, 6),
+        })
+        s.checkpointer.maybe_save(step)
+

@@ -1,0 +1,59 @@
+"""Per-step metrics: RUN_DIR/metrics.jsonl, TensorBoard event files and a progress bar.
+
+One JSON object per step, flushed at once (a crash loses nothing already logged). Keys use the
+`group/name` convention (`reward/mean`, `timing/train_s`, `sync/bytes`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLogger:
+    """Writes each step's metrics to jsonl and TensorBoard and advances the progress bar."""
+
+    def __init__(self, run_dir: Path, num_steps: int, start_step: int = 0, tensorboard: bool = True,
+                 progress: bool = True) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self._bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=num_steps, initial=start_step, desc="hpcrl", unit="step",
+                             file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, "time": round(time.time(), 3), **metrics}
+        self._file.write(json.dumps(record, sort_keys=False) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, step)
+        if self._bar is not None:
+            self._bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
+                                  step_s=f"{metrics.get('timing/step_s', float('nan')):.2f}", refresh=False)
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        self._file.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """All records of RUN_DIR/metrics.jsonl, in order."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

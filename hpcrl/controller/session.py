@@ -1,0 +1,92 @@
+"""Everything the controller's loop talks to, built once on rank 0: worker groups, prompt
+sampler, tokenizer, reward function, metrics and checkpointer; plus start-up and shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from hpcrl.config.schema import JobConfig
+from hpcrl.controller.checkpointing import Checkpointer
+from hpcrl.controller.comm import World
+from hpcrl.controller.groups import PolicyGroup, Rollout, RolloutGroup
+from hpcrl.controller.metrics import MetricsLogger
+from hpcrl.rewards import load_reward_fn
+from hpcrl.tasks import default_tokenizer, make_sampler
+
+
+def sampling_seed(seed: int, step: int, index: int) -> int:
+    """Per-completion sampling seed: a pure function of (seed, step, index), so reruns and resumes
+    sample the same tokens."""
+    return zlib.crc32(f"{seed}:{step}:{index}".encode()) & 0x7FFFFFFF
+
+
+class Session:
+    def __init__(self, job: JobConfig, run_dir: Path, world: World) -> None:
+        self.job, self.run_dir, self.world = job, run_dir, world
+        res = job.resources
+        self.policy = PolicyGroup(world, res.timeout_s)
+        self.rollouts = RolloutGroup(world, res.timeout_s)
+        self.tokenizer = default_tokenizer()
+        d = job.data
+        self.sampler = make_sampler(d.task, d.path, d.prompt_key, d.answer_key, d.num_prompts_per_step, d.seed)
+        self.reward_fn = load_reward_fn(job.reward.fn)
+        self.checkpointer = Checkpointer(job.checkpoint.interval_steps, job.checkpoint.keep)
+        self.metrics: MetricsLogger | None = None
+        self._write_json(".ranks.json", [r.__dict__ for r in world.ranks])
+
+    def _write_json(self, name: str, obj: object) -> None:
+        tmp = self.run_dir / f"{name}.tmp"
+        tmp.write_text(json.dumps(obj))
+        os.replace(tmp, self.run_dir / name)
+
+    def phase(self, step: int, name: str) -> None:
+        """Record the current phase so a launcher can name it if a rank dies without a word."""
+        self._write_json(".phase.json", {"step": step, "phase": name})
+
+    def start(self) -> None:
+        """Start every worker (model build, engine launch), connect trainer -> engines and push the
+        initial weights, so the engines generate with exactly the trainer's policy from step 0."""
+        t = self.job.resources.startup_timeout_s
+        self.phase(-1, "startup")
+        trainers, engines = self.policy.async_init(t), self.rollouts.async_init(t)
+        trainers.wait()
+        urls = engines.wait()
+        self.phase(-1, "connect")
+        self.policy.connect_engines(urls)
+        self.phase(-1, "initial sync")
+        self.policy.push_weights(-1)
+        log = self.job.logging
+        self.metrics = MetricsLogger(self.run_dir, self.job.algorithm.num_steps, self.checkpointer.resume_step(),
+                                     tensorboard=log.tensorboard, progress=log.progress)
+
+    def generate(self, step: int) -> Rollout:
+        examples = [ex for ex in self.sampler.batch(step) for _ in range(self.job.algorithm.group_size)]
+        prompt_ids = [self.tokenizer.encode(ex.prompt) for ex in examples]
+        r = self.job.rollout
+        params = [{"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens,
+                   "stop_token_ids": [self.tokenizer.eos_id],
+                   "sampling_seed": sampling_seed(self.job.trainer.seed, step, i)}
+                  for i in range(len(examples))]
+        return self.rollouts.generate(step, examples, prompt_ids, params)
+
+    def score(self, rollout: Rollout) -> np.ndarray:
+        texts = [self.tokenizer.decode(ids) for ids in rollout.response_ids]
+        return np.array([float(self.reward_fn(ex.prompt, text, ex.answer))
+                         for ex, text in zip(rollout.examples, texts)], dtype=np.float32)
+
+    def finish(self) -> str:
+        """Hash the final policy, write RUN_DIR/final.json, stop the workers."""
+        self.phase(self.job.algorithm.num_steps, "finish")
+        digest = self.policy.policy_sha256(self.job.algorithm.num_steps)
+        if self.metrics is not None:
+            self.metrics.close()
+        self._write_json("final.json", {"policy_sha256": digest, "num_steps": self.job.algorithm.num_steps})
+        self.rollouts.shutdown()
+        self.policy.shutdown()
+        return digest

@@ -1,0 +1,72 @@
+"""A rollout rank: launches one generation engine server and drives it over SGLang's HTTP API.
+
+backend `reference`: hpcrl's reference engine (hpcrl.rollout.reference_server), CPU or GPU.
+backend `sglang`: a real SGLang 0.5.x server (`python -m sglang.launch_server`) started with dummy
+weights and no tokenizer; the trainer's initial weight sync loads the policy into it.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from hpcrl.config.schema import JobConfig
+from hpcrl.dist import free_port, routable_host
+
+
+def _launch_sglang(job: JobConfig, run_dir: Path, host: str, port: int, log_path: Path) -> subprocess.Popen:
+    """Start SGLang on the job's model config with dummy weights (the trainer pushes the real ones)."""
+    model_dir = run_dir / "engine_model"
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text((run_dir / "model_config.json").read_text())
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", host,
+           "--port", str(port), "--tp-size", str(job.rollout.tp_per_engine), "--load-format", "dummy",
+           "--skip-tokenizer-init", "--dtype", job.model.dtype, *job.rollout.server_args]
+    return subprocess.Popen(cmd, stdout=log_path.open("a"), stderr=subprocess.STDOUT)
+
+
+def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
+    from hpcrl.rollout.client import EngineClient, launch_reference_server
+
+    engine_index = world.role_comm.Get_rank()
+    state: dict = {}
+
+    def init(cmd):
+        host = routable_host() if job.resources.nodes + job.resources.rollout_nodes > 1 else "127.0.0.1"
+        port = free_port(host)
+        log_path = run_dir / "logs" / f"engine{engine_index}.log"
+        if job.rollout.backend == "reference":
+            device = job.resources.device
+            state["proc"] = launch_reference_server(str(run_dir / "model_config.json"), port, device,
+                                                    job.trainer.seed, str(log_path), host=host)
+            url = f"http://{host}:{port}"
+        else:
+            state["proc"] = _launch_sglang(job, run_dir, host, port, log_path)
+            url = f"http://{host}:{port}"
+        client = EngineClient(url, timeout_s=job.resources.timeout_s)
+        client.wait_healthy(job.resources.startup_timeout_s)
+        state["client"] = client
+        return url
+
+    def generate(cmd):
+        p = cmd.payload
+        outs = state["client"].generate(input_ids=p["input_ids"], sampling_params=p["sampling_params"],
+                                        return_logprob=True)
+        return [{"output_ids": o["output_ids"],
+                 "logprobs": [float(lp[0]) for lp in o["meta_info"]["output_token_logprobs"]],
+                 "finish_reason": o["meta_info"]["finish_reason"]["type"]} for o in outs]
+
+    def shutdown(cmd):
+        proc = state.get("proc")
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return None
+
+    return {"init": init, "generate": generate, "shutdown": shutdown}

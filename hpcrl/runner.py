@@ -1,0 +1,72 @@
+"""`hpcrl run`: validate the job, prepare the run dir, start the local MPI world, report.
+
+The run dir holds: config.yaml/config.json (resolved job), model_config.json (the HF config of the
+policy), metrics.jsonl, tensorboard/, logs/ (one file per worker rank and engine), final.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from hpcrl.config import load_job, to_dict
+from hpcrl.config.schema import JobConfig
+from hpcrl.models.presets import load_hf_config
+
+EXIT_FAILURE = 1
+
+
+def resolve_run_dir(job: JobConfig, cli_run_dir: str | None) -> Path:
+    if cli_run_dir:
+        return Path(cli_run_dir).resolve()
+    if job.logging.run_dir:
+        return (Path(job.base_dir) / job.logging.run_dir).resolve()
+    return (Path("runs") / f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+
+
+def prepare_run_dir(job: JobConfig, run_dir: Path) -> None:
+    """Create the run dir and write the resolved job and model configs into it."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "logs").mkdir(exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        from hpcrl.config.errors import ConfigError
+
+        raise ConfigError("--run-dir", str(run_dir), f"cannot create or write it ({exc.strerror}); "
+                          "choose a writable directory") from None
+    resolved = to_dict(job)
+    (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    hf = load_hf_config(job.model.preset, job.model.config_path)
+    (run_dir / "model_config.json").write_text(json.dumps(hf, indent=2))
+    for stale in ("final.json", ".phase.json", ".ranks.json", ".failure.txt"):
+        (run_dir / stale).unlink(missing_ok=True)
+
+
+def run_local(job_path: str, overrides: list[str], cli_run_dir: str | None) -> int:
+    from launch.local import run_world
+
+    job = load_job(job_path, overrides)
+    run_dir = resolve_run_dir(job, cli_run_dir)
+    prepare_run_dir(job, run_dir)
+    print(f"hpcrl run: {job.name}: {job.world_size} ranks (1 controller, {job.trainer.num_procs} trainer, "
+          f"{job.rollout.num_engines} rollout), run dir {run_dir}", flush=True)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2))))
+    rc, first_death = run_world(job.world_size, [sys.executable, "-m", "hpcrl.worker_main", str(run_dir)],
+                                run_dir, env=env)
+    if rc == 0 and (run_dir / "final.json").exists():
+        return 0
+    if not (run_dir / ".failure.txt").exists():
+        why = first_death or f"mpiexec exited with code {rc}"
+        print(f"hpcrl run failed: {why}; the MPI world was stopped. Logs: {run_dir / 'logs'}",
+              file=sys.stderr, flush=True)
+    return rc if rc not in (0, None) else EXIT_FAILURE

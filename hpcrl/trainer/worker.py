@@ -1,0 +1,95 @@
+"""A trainer rank: serves the controller's phases with a Megatron-core policy.
+
+Every trainer rank runs every phase (Megatron's collectives need all of them); results that are
+global (log-probs, metrics, hashes) come back from trainer rank 0, the others answer None.
+Trainer rank 0 also owns the weight sender: it broadcasts HF-named buckets into the engines over
+SGLang's weight-update group.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hpcrl.config.schema import JobConfig
+
+
+def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
+    state: dict = {}
+    is_leader = world.role_comm.Get_rank() == 0
+
+    def init(cmd):
+        import torch
+
+        from hpcrl.dist import init_torch_distributed
+        from hpcrl.trainer import megatron_compat
+        from hpcrl.trainer.policy import MegatronPolicy
+
+        megatron_compat.apply()
+        device = job.resources.device
+        if device == "cuda":
+            torch.cuda.set_device(world.role_comm.Get_rank() % torch.cuda.device_count())
+        init_torch_distributed(world.role_comm, "nccl" if device == "cuda" else "gloo",
+                               job.resources.timeout_s)
+        hf_config = json.loads((run_dir / "model_config.json").read_text())
+        policy = MegatronPolicy(hf_config, job.trainer, job.algorithm, device=device)
+        policy.init_from_seed(job.trainer.seed)
+        state["policy"] = policy
+        return None
+
+    def connect(cmd):
+        if is_leader:
+            from hpcrl.rollout.client import EngineClient
+            from hpcrl.rollout.weight_sender import WeightSender
+
+            clients = [EngineClient(url, timeout_s=job.resources.timeout_s) for url in cmd.payload]
+            sender = WeightSender(clients, backend="gloo", tp_per_engine=job.rollout.tp_per_engine)
+            sender.connect()
+            state["sender"] = sender
+        return None
+
+    def batch_of(payload):
+        from hpcrl.trainer.batch import Batch
+
+        return Batch.from_lists(payload["prompt_ids"], payload["response_ids"])
+
+    def logprobs(cmd):
+        p, policy = cmd.payload, state["policy"]
+        batch = batch_of(p)
+        old = policy.compute_logprobs(batch, model="policy", temperature=p["temperature"])
+        ref = None
+        if job.algorithm.kl_coef > 0:
+            ref = policy.compute_logprobs(batch, model="ref", temperature=p["temperature"])
+        if not is_leader:
+            return None
+        return {"old": old.numpy(), "ref": None if ref is None else ref.numpy()}
+
+    def train(cmd):
+        import torch
+
+        p = cmd.payload
+        ref = None if p["ref_logprobs"] is None else torch.from_numpy(p["ref_logprobs"])
+        return state["policy"].train_step(batch_of(p), torch.from_numpy(p["advantages"]),
+                                          torch.from_numpy(p["old_logprobs"]), ref,
+                                          temperature=p["temperature"])
+
+    def sync(cmd):
+        named = state["policy"].export_hf_state_dict()
+        if not is_leader:
+            return None
+        nbytes = state["sender"].push(list(named.items()), bucket_bytes=job.rollout.bucket_mb << 20,
+                                      flattened=True, weight_version=cmd.payload["weight_version"])
+        return {"bytes": nbytes}
+
+    def sha256(cmd):
+        return state["policy"].policy_sha256()
+
+    def shutdown(cmd):
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return None
+
+    return {"init": init, "connect": connect, "logprobs": logprobs, "train": train, "sync": sync,
+            "sha256": sha256, "shutdown": shutdown}

@@ -1,0 +1,102 @@
+"""Entry point of every rank of an hpcrl MPI world: `python -m hpcrl.worker_main RUN_DIR`.
+
+Rank 0 runs the controller loop; trainer and rollout ranks serve the controller's commands. Worker
+ranks write their output to RUN_DIR/logs/rank<r>-<role>.log. Any failure ends the whole world:
+a worker reports its traceback to the controller, which names rank, role, host and phase, then
+aborts every rank (MPI_Abort) so nothing is left behind.
+
+Fault injection for tests: HPCRL_FAULT="<rank>:<op>:<exit|crash|hang>" makes that rank exit(0),
+raise, or hang when it receives that command.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+EXIT_FAILURE = 1
+
+
+def _redirect_output(run_dir: Path, rank: int, role: str) -> None:
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_dir / f"rank{rank}-{role}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _maybe_inject_fault(rank: int, op: str) -> None:
+    spec = os.environ.get("HPCRL_FAULT", "")
+    if not spec:
+        return
+    f_rank, f_op, action = spec.split(":")
+    if int(f_rank) != rank or f_op != op:
+        return
+    print(f"HPCRL_FAULT: injecting {action} at {op}", flush=True)
+    if action == "exit":
+        os._exit(0)
+    if action == "crash":
+        raise RuntimeError(f"HPCRL_FAULT injected crash in {op}")
+    if action == "hang":
+        while True:
+            time.sleep(1)
+
+
+def serve(world, handlers: dict[str, Callable[[Any], Any]], idle_timeout_s: float) -> None:
+    """Answer commands until 'shutdown'. A handler error is reported to the controller, which
+    aborts the world; this rank then waits to be killed (the error is the controller's to tell)."""
+    from hpcrl.controller.comm import WorkerChannel
+
+    chan = WorkerChannel(world)
+    while True:
+        cmd = chan.next_command(idle_timeout_s)
+        _maybe_inject_fault(world.rank, cmd.op)
+        try:
+            result = handlers[cmd.op](cmd)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the controller
+            chan.reply_error(cmd, exc)
+            time.sleep(idle_timeout_s)
+            os._exit(EXIT_FAILURE)
+        chan.reply(cmd, result)
+        if cmd.op == "shutdown":
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    run_dir = Path(argv[0])
+    from hpcrl.config import job_from_dict
+    import json
+
+    job = job_from_dict(json.loads((run_dir / "config.json").read_text()), base_dir=str(run_dir))
+    from hpcrl.controller.comm import join_world
+
+    world = join_world(job.trainer.num_procs)
+    if world.role != "controller":
+        _redirect_output(run_dir, world.rank, world.role)
+    # A worker waits for its next command at most this long (a whole step of the other roles).
+    idle_timeout_s = 4 * job.resources.timeout_s + job.resources.startup_timeout_s
+    if world.role == "controller":
+        from hpcrl.controller.main import controller_main
+
+        return controller_main(job, run_dir, world)
+    if world.role == "trainer":
+        from hpcrl.trainer.worker import trainer_handlers
+
+        serve(world, trainer_handlers(job, run_dir, world), idle_timeout_s)
+    else:
+        from hpcrl.rollout.worker import rollout_handlers
+
+        serve(world, rollout_handlers(job, run_dir, world), idle_timeout_s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

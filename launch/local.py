@@ -1,0 +1,114 @@
+"""Local executor: start one MPI world with mpiexec (PyPI MPICH's Hydra, fork launcher) and
+supervise it until it ends, leaving no process behind.
+
+The world runs in its own session (process group). The supervisor forwards its output, forwards
+SIGINT/SIGTERM/SIGUSR1 to the world, watches every rank's pid (from RUN_DIR/.ranks.json, written
+by the controller) so a rank that dies without a word is named with its role, host and the phase
+the controller was in (RUN_DIR/.phase.json), and on exit kills whatever is left of the group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+def mpiexec_path() -> str:
+    """The mpiexec next to this Python (the PyPI `mpich` wheel installs it in the venv's bin)."""
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.exists():
+        return str(local)
+    found = shutil.which("mpiexec")
+    if not found:
+        raise FileNotFoundError("mpiexec not found: install hpcrl's dependencies (pip install mpich mpi4py) "
+                                "in the environment that runs hpcrl")
+    return found
+
+
+def _read_json(path: Path) -> object | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class _RankWatch(threading.Thread):
+    """Records the first rank whose process disappears, with the controller's phase at that time."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(daemon=True)
+        self.run_dir = run_dir
+        self.first_death: str | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        ranks = None
+        while not self.stop.wait(0.1):
+            ranks = ranks or _read_json(self.run_dir / ".ranks.json")
+            if not ranks:
+                continue
+            for r in ranks:
+                if not _alive(r["pid"]):
+                    phase = _read_json(self.run_dir / ".phase.json") or {}
+                    self.first_death = (f"rank {r['rank']} ({r['role']}, host {r['host']}, pid {r['pid']}) "
+                                        f"ended during phase '{phase.get('phase', '?')}' of step "
+                                        f"{phase.get('step', '?')}")
+                    return
+
+
+def _kill_group(pgid: int, grace_s: float) -> None:
+    """TERM then KILL every process of the world's session."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+
+
+def run_world(world_size: int, argv: list[str], run_dir: Path, env: dict[str, str] | None = None,
+              grace_s: float = 5.0) -> tuple[int, str | None]:
+    """Run `argv` as `world_size` MPI ranks; return (exit code, first rank death or None)."""
+    cmd = [mpiexec_path(), "-launcher", "fork", "-n", str(world_size), *argv]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    watch = _RankWatch(run_dir)
+    watch.start()
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        watch.stop.set()
+        _kill_group(proc.pid, grace_s)
+    return rc, watch.first_death

@@ -3,8 +3,9 @@
 The YAML is read with `yaml.safe_load`, overrides are applied to the raw mapping, and every value
 is checked against the type annotation of its schema field (no silent coercion except the one
 PyYAML forces on us: `1e-3` without a dot is a YAML string, so numeric strings are accepted where a
-float is expected). Relative `model.config_path` / `data.path` resolve against the job file's
-directory. Any problem raises `ConfigError` naming the YAML path, the bad value and the fix.
+float is expected). Relative paths (model.config_path, data.path, checkpoint.dir, logging.run_dir)
+resolve against the job file's directory. Any problem raises `ConfigError` naming the YAML path,
+the bad value and the fix.
 `to_dict` / `job_from_dict` give the resolved config as plain data and back (run-dir snapshots).
 """
 
@@ -25,8 +26,8 @@ from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import JobConfig
 from hpcrl.config.validate import did_you_mean, validate
 
-PATH_FIELDS = ("model.config_path", "data.path")
-"""Fields holding file paths; relative values resolve against `JobConfig.base_dir`."""
+PATH_FIELDS = ("model.config_path", "data.path", "checkpoint.dir", "logging.run_dir")
+"""Fields holding paths; relative values resolve against `JobConfig.base_dir` (the job file's dir)."""
 
 
 def _is_section(tp: Any) -> bool:
@@ -141,14 +142,17 @@ def _resolve(path: str | None, base_dir: str) -> str | None:
 def job_from_dict(d: dict, base_dir: str | os.PathLike = ".") -> JobConfig:
     """A `JobConfig` from plain data (a parsed job file or `to_dict` output), strictly typed.
 
-    Relative `model.config_path` and `data.path` become absolute paths under `base_dir`, which is
-    stored in `JobConfig.base_dir`. Raises ConfigError for unknown keys, wrong types and nulls.
+    Relative paths (`PATH_FIELDS`: model.config_path, data.path, checkpoint.dir, logging.run_dir;
+    `~` expanded) become absolute paths under `base_dir`, stored in `JobConfig.base_dir`.
+    Raises ConfigError for unknown keys, wrong types and nulls.
     Does not call `validate` (no file, model or reward checks); `load_job` does.
     """
     job = _build(JobConfig, d, "")
     job.base_dir = os.path.abspath(base_dir)
-    job.model.config_path = _resolve(job.model.config_path, job.base_dir)
-    job.data.path = _resolve(job.data.path, job.base_dir)
+    for key in PATH_FIELDS:
+        section, leaf = key.split(".")
+        obj = getattr(job, section)
+        setattr(obj, leaf, _resolve(getattr(obj, leaf), job.base_dir))
     return job
 
 

@@ -26,7 +26,7 @@ class DataConfig:
     task: str | None = "copy"
     """Built-in synthetic task (see hpcrl/tasks/synthetic.py), used when `path` is null."""
     path: str | None = None
-    """A .jsonl or .parquet file of prompts and answers; relative to the job file."""
+    """A .jsonl or .parquet file of prompts and answers (relative to the job file); wins over `task`."""
     prompt_key: str = "prompt"
     """Column (JSON key) of the prompt text in `path`."""
     answer_key: str = "answer"
@@ -122,7 +122,7 @@ class RewardConfig:
 @dataclass(kw_only=True)
 class CheckpointConfig:
     dir: str | None = None
-    """Checkpoint directory; null means RUN_DIR/checkpoints."""
+    """Checkpoint directory (relative to the job file); null means RUN_DIR/checkpoints."""
     interval_steps: int = 0
     """Save every N steps; 0 saves only at the end and on preemption."""
     keep: int = 3
@@ -142,7 +142,8 @@ class ResourcesConfig:
     cpus_per_rank: int = 1
     """CPU cores per rank (Slurm --cpus-per-task)."""
     timeout_s: float = 300.0
-    """Deadline of one phase of one step (any MPI wait); a rank silent longer is reported and the job stops."""
+    """Deadline of one phase of one step (any MPI wait); a rank silent longer is reported and the
+    job stops."""
     startup_timeout_s: float = 600.0
     """Deadline for all ranks to start (imports, model build, engine launch)."""
 
@@ -150,7 +151,8 @@ class ResourcesConfig:
 @dataclass(kw_only=True)
 class LoggingConfig:
     run_dir: str | None = None
-    """Run directory; null means runs/<name>-<timestamp>. `hpcrl run --run-dir` overrides."""
+    """Run directory (relative to the job file); null means runs/<name>-<timestamp> under the current
+    directory. `hpcrl run --run-dir` overrides it."""
     tensorboard: bool = True
     """Write TensorBoard event files into the run directory."""
     progress: bool = True

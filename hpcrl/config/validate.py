@@ -195,7 +195,8 @@ def _check_data_and_reward(job: JobConfig) -> int | None:
     d = job.data
     if d.path is not None:
         if d.path == "":
-            raise ConfigError("data.path", d.path, "empty; give a .jsonl/.parquet file or null to use data.task")
+            raise ConfigError("data.path", d.path, "empty; give a .jsonl/.parquet file, or null to use "
+                                                   "data.task")
         file = Path(job.base_dir, d.path)
         if not file.is_file():
             raise ConfigError("data.path", d.path, f"no such file ({file}); give a .jsonl or .parquet "
@@ -258,8 +259,9 @@ def _check_parallel(job: JobConfig, m: ModelDims) -> None:
                                ("trainer.etp", "expert FFN size", m.expert_ffn_size)):
         size = _get(job, key)
         if dim % size:
-            raise ConfigError(key, size, f"{dim_name}={dim} of {src} is not divisible by "
-                                         f"{key.split('.')[1]}={size}; valid: {_nearest(_divisors(dim), size)}")
+            leaf = key.split(".")[1]
+            raise ConfigError(key, size, f"{dim_name}={dim} of {src} is not divisible by {leaf}={size}; "
+                                         f"valid {leaf}: {_nearest(_divisors(dim), size)}")
     dense, expert = t.tp * t.pp, t.ep * t.etp * t.pp
     step = math.lcm(dense, expert)
     if t.num_procs % step:
@@ -330,16 +332,17 @@ def _check_context(job: JobConfig, m: ModelDims, prompt_len: int | None) -> None
         return
     vocab = default_tokenizer().vocab_size
     if vocab > m.vocab_size:
-        raise ConfigError(m.path, _get(job, m.path), f"vocab_size={m.vocab_size} of {m.source} is smaller "
-                                                     f"than the {vocab} ids of the character tokenizer "
-                                                     f"that data.task uses; use a model with vocab_size >= {vocab}")
+        raise ConfigError(m.path, _get(job, m.path),
+                          f"vocab_size={m.vocab_size} of {m.source} is smaller than the {vocab} ids of the "
+                          f"character tokenizer that data.task uses; use a model with vocab_size >= {vocab}")
     limit = m.max_position_embeddings
     if limit is None:
         return
     room = limit - prompt_len
     if room < 1:
-        raise ConfigError("data.task", job.data.task, f"prompts are {prompt_len} tokens, which leaves no "
-                                                      f"room under max_position_embeddings={limit} of {m.source}")
+        raise ConfigError("data.task", job.data.task,
+                          f"prompts are {prompt_len} tokens, which leaves no room under "
+                          f"max_position_embeddings={limit} of {m.source}")
     if job.rollout.max_new_tokens > room:
         raise ConfigError("rollout.max_new_tokens", job.rollout.max_new_tokens,
                           f"prompt ({prompt_len} tokens with <bos>, data.task={job.data.task}) + "

@@ -192,6 +192,18 @@ def _read_yaml(path: str | os.PathLike) -> Any:
     return raw
 
 
+def _unknown_override_hint(key: str, keys: list[str]) -> str:
+    sections = list(dict.fromkeys(k.split(".")[0] for k in keys if "." in k))
+    head = key.split(".")[0]
+    in_section = [k for k in keys if k.startswith(f"{head}.")]
+    if key == head and in_section:
+        return f"{key!r} is a section; set one of its keys: {', '.join(in_section)}"
+    if in_section:
+        return f"unknown key {key!r}{did_you_mean(key, keys)}; keys of {head}: {', '.join(in_section)}"
+    return (f"unknown key {key!r}{did_you_mean(key, keys)}; keys are `name` or SECTION.KEY with "
+            f"SECTION one of {', '.join(sections)}")
+
+
 def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict[str, str]:
     """Apply `a.b=value` overrides (value parsed as YAML) to the raw job mapping in place.
 
@@ -207,8 +219,7 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict[str, str]:
             raise ConfigError("--set", text, "expected KEY=VALUE with a dotted key, "
                                              "e.g. --set algorithm.lr=3e-4")
         if key not in keys:
-            raise ConfigError("--set", text, f"unknown key {key!r}{did_you_mean(key, keys)}; "
-                                             f"valid keys: {', '.join(keys)}")
+            raise ConfigError("--set", text, _unknown_override_hint(key, keys))
         try:
             value = yaml.safe_load(value_text)
         except yaml.YAMLError as exc:

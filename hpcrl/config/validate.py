@@ -25,6 +25,7 @@ from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import JobConfig
 from hpcrl.models.presets import CONFIG_DIR, preset_names
 from hpcrl.rewards import load_reward_fn
+from hpcrl.rewards.builtin import BUILTIN_REWARDS
 from hpcrl.tasks import TASKS, default_tokenizer, read_examples
 
 ALGORITHMS = ("grpo",)
@@ -143,7 +144,7 @@ def _read_model(job: JobConfig) -> ModelDims:
         file = Path(job.base_dir, m.config_path)
         source = f"config.json {file}"
         if not file.is_file():
-            raise ConfigError(key, value, f"no such file ({file}); give a HuggingFace config.json "
+            raise ConfigError(key, value, "no such file; give a HuggingFace config.json "
                                           "(relative to the job file), or set it to null and use "
                                           f"model.preset ({', '.join(preset_names())})")
         try:
@@ -153,6 +154,9 @@ def _read_model(job: JobConfig) -> ModelDims:
     else:
         key, value = "model.preset", m.preset
         names = preset_names()
+        if m.preset is None:
+            raise ConfigError(key, value, f"no model: set model.preset ({', '.join(names)}) or "
+                                          "model.config_path (a HuggingFace config.json)")
         if m.preset not in names:
             raise ConfigError(key, value, f"unknown preset{did_you_mean(str(value), names)}; valid: "
                                           f"{', '.join(names)}, or set model.config_path to a config.json")
@@ -199,7 +203,7 @@ def _check_data_and_reward(job: JobConfig) -> int | None:
                                                    "data.task")
         file = Path(job.base_dir, d.path)
         if not file.is_file():
-            raise ConfigError("data.path", d.path, f"no such file ({file}); give a .jsonl or .parquet "
+            raise ConfigError("data.path", d.path, "no such file; give a .jsonl or .parquet "
                                                    "file (relative to the job file), or null to use "
                                                    f"data.task ({', '.join(TASKS)})")
         try:
@@ -219,8 +223,10 @@ def _check_data_and_reward(job: JobConfig) -> int | None:
     try:
         load_reward_fn(job.reward.fn)
     except ValueError as exc:
-        raise ConfigError("reward.fn", job.reward.fn, _strip_prefix(str(exc), "reward.fn", job.reward.fn)) \
-            from None
+        hint = _strip_prefix(str(exc), "reward.fn", job.reward.fn)
+        if hint.startswith("is "):  # "reward.fn='x' is neither a built-in ... nor ..."
+            hint = f"unknown reward{did_you_mean(job.reward.fn, BUILTIN_REWARDS)}: it {hint}"
+        raise ConfigError("reward.fn", job.reward.fn, hint) from None
     return prompt_len
 
 

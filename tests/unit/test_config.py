@@ -1,0 +1,280 @@
+"""Job file loading and validation: every bad input is a ConfigError naming the YAML key, the bad
+value and the fix; good files give the typed config with defaults, overrides and resolved paths."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import textwrap
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpcrl.config import (ConfigError, JobConfig, job_from_dict, load_job, to_dict, valid_keys,
+                          validate)
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A Qwen3-MoE-shaped config with room for several layouts (heads 8, kv 4, 8 experts, 4 layers).
+MID_MODEL = {"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 4,
+             "num_attention_heads": 8, "num_key_value_heads": 4, "num_experts": 8,
+             "moe_intermediate_size": 48, "intermediate_size": 128, "max_position_embeddings": 64}
+
+
+def write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def model_file(tmp_path: Path, **changes: object) -> None:
+    cfg = {**MID_MODEL, **changes}
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    (tmp_path / "model.json").write_text(json.dumps(cfg))
+
+
+def data_file(tmp_path: Path, text: str) -> None:
+    (tmp_path / "train.jsonl").write_text(textwrap.dedent(text))
+
+
+# (id, job yaml, --set overrides, setup(tmp_path) or None, expected ConfigError.path,
+#  text that shows the bad value, a word of the hint)
+BAD = [
+    ("unknown-section", "modle: {preset: tiny-qwen3-moe}", [], None, "modle", "modle", "did you mean 'model'"),
+    ("unknown-key", "algorithm: {lrr: 0.1}", [], None, "algorithm.lrr", "0.1", "did you mean 'lr'"),
+    ("base-dir-not-a-key", "base_dir: /tmp", [], None, "base_dir", "/tmp", "valid keys"),
+    ("int-from-word", "algorithm: {group_size: eight}", [], None, "algorithm.group_size", "'eight'", "integer"),
+    ("bool-for-int", "trainer: {tp: true}", [], None, "trainer.tp", "True", "boolean"),
+    ("float-for-int", "trainer: {num_procs: 2.5}", [], None, "trainer.num_procs", "2.5", "integer"),
+    ("float-from-word", "algorithm: {lr: fast}", [], None, "algorithm.lr", "'fast'", "number"),
+    ("float-infinite", "algorithm: {lr: .inf}", [], None, "algorithm.lr", "inf", "finite"),
+    ("bool-from-string", "logging: {tensorboard: 'yes please'}", [], None, "logging.tensorboard",
+     "'yes please'", "true or false"),
+    ("null-not-allowed", "algorithm: {lr: null}", [], None, "algorithm.lr", "None", "null is not allowed"),
+    ("str-expected", "name: 123", [], None, "name", "123", "quote"),
+    ("list-expected", "rollout: {server_args: --foo}", [], None, "rollout.server_args", "'--foo'", "list"),
+    ("list-item-type", "rollout: {server_args: [--mem-fraction-static, 0.8]}", [], None,
+     "rollout.server_args[1]", "0.8", "string"),
+    ("section-not-mapping", "model: tiny-qwen3-moe", [], None, "model", "'tiny-qwen3-moe'", "mapping"),
+    ("bad-name", "name: my job", [], None, "name", "'my job'", "letters"),
+    ("lr-zero", "algorithm: {lr: 0}", [], None, "algorithm.lr", "0.0", "> 0"),
+    ("top-p-above-1", "rollout: {top_p: 1.5}", [], None, "rollout.top_p", "1.5", "(0, 1]"),
+    ("temperature-zero", "rollout: {temperature: 0}", [], None, "rollout.temperature", "0.0", "> 0"),
+    ("clip-eps-1", "algorithm: {clip_eps: 1.0}", [], None, "algorithm.clip_eps", "1.0", "(0, 1)"),
+    ("beta2-1", "algorithm: {adam_beta2: 1}", [], None, "algorithm.adam_beta2", "1.0", "[0, 1)"),
+    ("group-size-1", "algorithm: {group_size: 1}", [], None, "algorithm.group_size", "1", ">= 2"),
+    ("negative-seed", "data: {seed: -1}", [], None, "data.seed", "-1", ">= 0"),
+    ("keep-0", "checkpoint: {keep: 0}", [], None, "checkpoint.keep", "0", ">= 1"),
+    ("kl-estimator", "algorithm: {kl_estimator: k4}", [], None, "algorithm.kl_estimator", "'k4'", "k1, k2, k3"),
+    ("loss-agg", "algorithm: {loss_agg: token_mean}", [], None, "algorithm.loss_agg", "'token_mean'",
+     "did you mean 'token-mean'"),
+    ("algorithm-name", "algorithm: {name: ppo}", [], None, "algorithm.name", "'ppo'", "grpo"),
+    ("dispatcher", "trainer: {dispatcher: all2all}", [], None, "trainer.dispatcher", "'all2all'", "allgather"),
+    ("backend", "rollout: {backend: vllm}", [], None, "rollout.backend", "'vllm'", "reference, sglang"),
+    ("device", "resources: {device: gpu}", [], None, "resources.device", "'gpu'", "cpu, cuda"),
+    ("dtype", "model: {dtype: fp16}", [], None, "model.dtype", "'fp16'", "float32, bfloat16"),
+    ("unknown-preset", "model: {preset: tiny-qwen3}", [], None, "model.preset", "'tiny-qwen3'",
+     "did you mean 'tiny-qwen3-moe'"),
+    ("no-model", "model: {preset: null}", [], None, "model.preset", "None", "or model.config_path"),
+    ("config-path-missing", "model: {config_path: nowhere/config.json}", [], None, "model.config_path",
+     "nowhere/config.json", "no such file"),
+    ("config-not-json", "model: {config_path: model.json}", [],
+     lambda p: (p / "model.json").write_text("{oops"), "model.config_path", "model.json", "not a json"),
+    ("config-not-moe", "model: {config_path: model.json}", [], lambda p: model_file(p, num_experts=None),
+     "model.config_path", "model.json", "num_local_experts"),
+    ("unknown-task", "data: {task: cpy}", [], None, "data.task", "'cpy'", "did you mean 'copy'"),
+    ("data-missing", "data: {path: data/train.jsonl}", [], None, "data.path", "data/train.jsonl", "no such file"),
+    ("data-bad-json", "data: {path: train.jsonl}", [],
+     lambda p: data_file(p, '{"prompt": "a", "answer": "b"}\n{nope\n'), "data.path", "train.jsonl", "line 2"),
+    ("data-missing-key", "data: {path: train.jsonl, answer_key: solution}", [],
+     lambda p: data_file(p, '{"prompt": "a", "answer": "b"}\n'), "data.path", "train.jsonl", "answer_key"),
+    ("reward-unknown", "reward: {fn: tokn_match}", [], None, "reward.fn", "'tokn_match'",
+     "did you mean 'token_match'"),
+    ("reward-no-module", "reward: {fn: 'no_such_pkg.rewards:score'}", [], None, "reward.fn",
+     "no_such_pkg.rewards:score", "cannot import"),
+    ("ep-experts", "trainer: {ep: 3, num_procs: 3}", [], None, "trainer.ep", "3", "valid ep: 1, 2, 4"),
+    ("tp-heads", "trainer: {tp: 3, num_procs: 3}", [], None, "trainer.tp", "3", "valid tp for this model"),
+    ("tp-kv-heads", "model: {config_path: model.json}\ntrainer: {tp: 6, num_procs: 6}", [],
+     lambda p: model_file(p, num_attention_heads=12), "trainer.tp", "6", "num_key_value_heads=4"),
+    ("tp-vocab", "model: {config_path: model.json}\ntrainer: {tp: 4, num_procs: 4}", [],
+     lambda p: model_file(p, vocab_size=130), "trainer.tp", "4", "vocab_size=130"),
+    ("pp-layers", "trainer: {pp: 3, num_procs: 3}", [], None, "trainer.pp", "3", "valid pp: 1, 2"),
+    ("etp-ffn", "model: {config_path: model.json}\ntrainer: {etp: 5, num_procs: 5, dispatcher: allgather}", [],
+     lambda p: model_file(p, moe_intermediate_size=48), "trainer.etp", "5", "expert ffn size=48"),
+    ("ranks-add-up", "trainer: {tp: 2, ep: 4, num_procs: 6}", [], None, "trainer.num_procs", "6",
+     "valid num_procs: 4, 8, 12"),
+    ("etp-alltoall-cpu", "trainer: {etp: 2, num_procs: 2}", [], None, "trainer.etp", "2", "allgather"),
+    ("batch-split", "algorithm: {group_size: 3}\ndata: {num_prompts_per_step: 3}\ntrainer: {num_procs: 2}", [],
+     None, "data.num_prompts_per_step", "3", "valid num_prompts_per_step: 2, 4"),
+    ("reference-tp", "rollout: {tp_per_engine: 2}", [], None, "rollout.tp_per_engine", "2", "sglang"),
+    ("bf16-on-cpu", "model: {dtype: bfloat16}", [], None, "model.dtype", "'bfloat16'", "device=cuda"),
+    ("sglang-on-cpu", "rollout: {backend: sglang}", [], None, "rollout.backend", "'sglang'", "device=cuda"),
+    ("sglang-tp-heads", "rollout: {backend: sglang, tp_per_engine: 3}\nresources: {device: cuda}", [], None,
+     "rollout.tp_per_engine", "3", "valid tp_per_engine: 1, 2, 4"),
+    ("gpus-on-cpu", "resources: {gpus_per_node: 4}", [], None, "resources.gpus_per_node", "4", "device=cuda"),
+    ("too-few-gpus", "resources: {device: cuda, gpus_per_node: 2}\ntrainer: {num_procs: 4}", [], None,
+     "trainer.num_procs", "4", "num_procs <= 2"),
+    ("context-length", "rollout: {max_new_tokens: 100}", [], None, "rollout.max_new_tokens", "100",
+     "max_new_tokens <= 61"),
+    ("empty-run-dir", "logging: {run_dir: ''}", [], None, "logging.run_dir", "''", "null"),
+    ("set-without-equals", "name: ok", ["algorithm.lr"], None, "--set", "'algorithm.lr'", "key=value"),
+    ("set-unknown-key", "name: ok", ["algorithm.lrr=1"], None, "--set", "'algorithm.lrr=1'",
+     "did you mean 'algorithm.lr'"),
+    ("set-section", "name: ok", ["trainer=4"], None, "--set", "'trainer=4'", "is a section; set one of its keys"),
+    ("set-unknown-section", "name: ok", ["trainr.tp=2"], None, "--set", "'trainr.tp=2'",
+     "did you mean 'trainer.tp'"),
+    ("set-bad-yaml", "name: ok", ["rollout.server_args=[a, b"], None, "--set", "'rollout.server_args=[a, b'",
+     "not valid yaml"),
+    ("set-bad-type", "name: ok", ["trainer.tp=two"], None, "trainer.tp", "'two'", "set by --set trainer.tp=two"),
+    ("set-bad-range", "name: ok", ["algorithm.lr=-1e-3"], None, "algorithm.lr", "-0.001", "set by --set"),
+    ("yaml-syntax", "name: ok\nalgorithm:\n  lr: [1e-3\n", [], None, "job", "job.yaml", "line 4"),
+    ("top-level-list", "- model\n- data\n", [], None, "job", "job.yaml", "mapping"),
+    ("empty-file", "# nothing\n", [], None, "job", "job.yaml", "empty"),
+]
+
+
+@pytest.mark.parametrize(("text", "overrides", "setup", "path", "shown", "hint"),
+                         [case[1:] for case in BAD], ids=[case[0] for case in BAD])
+def test_bad_input_names_key_value_and_fix(tmp_path, text, overrides, setup, path, shown, hint):
+    if setup is not None:
+        setup(tmp_path)
+    job_file = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_job(job_file, overrides)
+    message = str(info.value)
+    assert info.value.path == path, message
+    assert shown in message, message
+    assert hint.lower() in message.lower(), message
+    assert "\n" not in message
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_job(tmp_path / "absent.yaml")
+    assert info.value.path == "job" and "absent.yaml" in str(info.value) and "does not exist" in str(info.value)
+
+
+def test_defaults_from_a_minimal_file(tmp_path):
+    job = load_job(write(tmp_path, "name: tiny\n"))
+    expected = JobConfig(name="tiny", base_dir=str(tmp_path.resolve()))
+    assert job == expected
+    assert job.world_size == 3
+    validate(job)  # idempotent, does not modify the job
+    assert job == expected
+
+
+def test_types_floats_and_null_sections(tmp_path):
+    job = load_job(write(tmp_path, """
+        model:
+        algorithm: {lr: 1e-3, kl_coef: 1, adam_eps: '1e-6'}
+        rollout: {server_args: [--foo, bar]}
+    """))
+    assert job.algorithm.lr == 1e-3 and type(job.algorithm.lr) is float
+    assert job.algorithm.kl_coef == 1.0 and type(job.algorithm.kl_coef) is float
+    assert job.algorithm.adam_eps == 1e-6
+    assert job.model.preset == "tiny-qwen3-moe"
+    assert job.rollout.server_args == ["--foo", "bar"]
+
+
+def test_overrides(tmp_path):
+    job_file = write(tmp_path, "name: base\ntrainer: {num_procs: 1}\n")
+    job = load_job(job_file, ["algorithm.lr=3e-4", "trainer.num_procs=4", "trainer.ep=4", "name=other",
+                              "rollout.server_args=[--a, '1']", "checkpoint.dir=null", "logging.progress=false",
+                              "trainer.tp=4"])
+    assert job.algorithm.lr == 3e-4
+    assert (job.trainer.num_procs, job.trainer.ep, job.trainer.tp) == (4, 4, 4)  # tp=4 > kv heads=2 is valid
+    assert job.name == "other"
+    assert job.rollout.server_args == ["--a", "1"]
+    assert job.checkpoint.dir is None and job.logging.progress is False
+
+
+def test_later_override_wins_and_value_may_contain_equals(tmp_path):
+    job = load_job(write(tmp_path, "name: x\n"), ["name=a", "name=b", "rollout.server_args=[--k=v]"])
+    assert job.name == "b" and job.rollout.server_args == ["--k=v"]
+
+
+def test_relative_paths_resolve_against_the_job_file(tmp_path, monkeypatch):
+    base = tmp_path.resolve()
+    (base / "cfg").mkdir()
+    (base / "cfg" / "model.json").write_text(json.dumps(MID_MODEL))
+    (base / "data").mkdir()
+    (base / "data" / "train.jsonl").write_text('{"q": "ab>", "a": "ba"}\n')
+    job_file = write(base, """
+        model: {config_path: ../cfg/model.json}
+        data: {path: ../data/train.jsonl, prompt_key: q, answer_key: a}
+        checkpoint: {dir: ckpt}
+        logging: {run_dir: runs/r1}
+    """, name="jobs/job.yaml")
+    monkeypatch.chdir(base / "data")  # the working directory must not matter
+    job = load_job(job_file)
+    assert job.base_dir == str(base / "jobs")
+    assert job.model.config_path == str(base / "cfg" / "model.json")
+    assert job.data.path == str(base / "data" / "train.jsonl")
+    assert job.checkpoint.dir == str(base / "jobs" / "ckpt")
+    assert job.logging.run_dir == str(base / "jobs" / "runs" / "r1")
+    relative = load_job(Path("..", "jobs", "job.yaml"))  # a relative job path resolves from the cwd
+    assert relative == job
+
+
+def test_round_trip_through_yaml_json_and_dict(tmp_path):
+    (tmp_path / "model.json").write_text(json.dumps(MID_MODEL))
+    job = load_job(write(tmp_path, """
+        name: rt
+        model: {config_path: model.json}
+        algorithm: {lr: 1e-5, adam_eps: 1e-8, norm_adv_by_std: false}
+        trainer: {tp: 2, ep: 4, num_procs: 4}
+        rollout: {server_args: [--x], temperature: 0.7}
+    """))
+    d = to_dict(job)
+    assert "base_dir" not in d
+    assert set(d) == {f.name for f in dataclasses.fields(JobConfig)} - {"base_dir"}
+    elsewhere = tmp_path / "run"
+    elsewhere.mkdir()
+    (elsewhere / "config.yaml").write_text(yaml.safe_dump(d, sort_keys=False))
+    again = load_job(elsewhere / "config.yaml")
+    assert dataclasses.replace(again, base_dir=job.base_dir) == job
+    from_json = job_from_dict(json.loads(json.dumps(d)), base_dir=elsewhere)
+    assert dataclasses.replace(from_json, base_dir=job.base_dir) == job
+    assert from_json.base_dir == str(elsewhere)
+
+
+def test_cuda_layout_validates_without_a_gpu(tmp_path):
+    model_file(tmp_path)
+    job = load_job(write(tmp_path, """
+        model: {config_path: model.json, dtype: bfloat16}
+        trainer: {tp: 2, pp: 2, ep: 4, etp: 1, num_procs: 8}
+        rollout: {backend: sglang, num_engines: 2, tp_per_engine: 4}
+        resources: {device: cuda, nodes: 2, gpus_per_node: 4, rollout_nodes: 2}
+    """))
+    assert job.world_size == 1 + 8 + 2
+
+
+def test_every_schema_key_is_documented_with_its_default():
+    docs = (REPO / "docs" / "config.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z_.]+)` \| `([^`]*)` \|", docs, flags=re.MULTILINE))
+    assert list(rows) == valid_keys(), "docs/config.md keys differ from the schema (order matters too)"
+    defaults = to_dict(JobConfig())
+    for key in valid_keys():
+        section, _, leaf = key.rpartition(".")
+        default = defaults[section][leaf] if section else defaults[leaf]
+        documented = yaml.safe_load(rows[key])
+        if isinstance(default, float):
+            documented = float(documented)
+        assert documented == default, f"docs/config.md: {key} default {rows[key]!r}, schema {default!r}"
+
+
+def test_schema_field_types_are_supported_by_the_loader():
+    # A field of a new type needs a new branch in load._coerce; this makes that impossible to miss.
+    for section in dataclasses.fields(JobConfig):
+        tp = typing.get_type_hints(JobConfig)[section.name]
+        if not dataclasses.is_dataclass(tp):
+            continue
+        for f in dataclasses.fields(tp):
+            hint = typing.get_type_hints(tp)[f.name]
+            assert hint in (int, float, bool, str, str | None, list[str]), f"{section.name}.{f.name}: {hint}"

@@ -57,8 +57,8 @@ def serve(world, handlers: dict[str, Callable[[Any], Any]], idle_timeout_s: floa
     chan = WorkerChannel(world)
     while True:
         cmd = chan.next_command(idle_timeout_s)
-        _maybe_inject_fault(world.rank, cmd.op)
         try:
+            _maybe_inject_fault(world.rank, cmd.op)
             result = handlers[cmd.op](cmd)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the controller
             chan.reply_error(cmd, exc)

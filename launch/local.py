@@ -19,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+from launch.procs import process_gone
+
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -41,14 +43,6 @@ def _read_json(path: Path) -> object | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 class _RankWatch(threading.Thread):
     """Records the first rank whose process disappears, with the controller's phase at that time."""
 
@@ -65,7 +59,7 @@ class _RankWatch(threading.Thread):
             if not ranks:
                 continue
             for r in ranks:
-                if not _alive(r["pid"]):
+                if process_gone(r["pid"]):
                     phase = _read_json(self.run_dir / ".phase.json") or {}
                     self.first_death = (f"rank {r['rank']} ({r['role']}, host {r['host']}, pid {r['pid']}) "
                                         f"ended during phase '{phase.get('phase', '?')}' of step "
@@ -92,7 +86,9 @@ def _kill_group(pgid: int, grace_s: float) -> None:
 def run_world(world_size: int, argv: list[str], run_dir: Path, env: dict[str, str] | None = None,
               grace_s: float = 5.0) -> tuple[int, str | None]:
     """Run `argv` as `world_size` MPI ranks; return (exit code, first rank death or None)."""
-    cmd = [mpiexec_path(), "-launcher", "fork", "-n", str(world_size), *argv]
+    # -disable-auto-cleanup: a rank that dies must not take the others down with it before the
+    # controller has named it; the controller then aborts the world and we kill what is left.
+    cmd = [mpiexec_path(), "-launcher", "fork", "-disable-auto-cleanup", "-n", str(world_size), *argv]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     watch = _RankWatch(run_dir)
     watch.start()

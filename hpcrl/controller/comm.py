@@ -14,9 +14,12 @@ import socket
 import time
 import traceback
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
+
+from launch.procs import process_gone
 
 TAG_COMMAND = 11
 TAG_REPLY = 12
@@ -88,13 +91,20 @@ def join_world(num_trainer: int) -> World:
     return World(comm, role, role_comm, ranks)
 
 
-def _receive(comm: Any, sources: list[int], tag: int, deadline: float) -> dict[int, Any]:
+def _receive(comm: Any, sources: list[int], tag: int, deadline: float,
+             gone: Callable[[list[int]], list[int]] | None = None) -> dict[int, Any]:
     """Receive one pickled message from each source until the monotonic deadline; return what
     arrived. Matched probes (improbe) size the buffer, so payloads of any size work. Sleeps back
-    off from 50 us to 1 ms between polls so waiting ranks leave the CPU to working ones."""
+    off from 50 us to 1 ms between polls so waiting ranks leave the CPU to working ones. `gone`
+    (checked twice a second) returns awaited sources known to be dead, which ends the wait early."""
     done: dict[int, Any] = {}
     nap = 5e-5
+    next_check = time.monotonic() + 0.5
     while len(done) < len(sources):
+        if gone is not None and time.monotonic() > next_check:
+            next_check = time.monotonic() + 0.5
+            if gone([s for s in sources if s not in done]):
+                break
         for src in sources:
             if src in done:
                 continue
@@ -157,18 +167,29 @@ class PendingCall:
 
     def wait(self, timeout_s: float) -> dict[int, Any]:
         replies: dict[int, Reply] = _receive(self.world.comm, self.sources, TAG_REPLY,
-                                             time.monotonic() + timeout_s)
+                                             time.monotonic() + timeout_s, self._dead)
         for rank, reply in sorted(replies.items()):
             if not reply.ok:
                 raise RankFailure(f"{self.world.ranks[rank].describe()} failed in phase "
                                   f"'{self.op}' of step {self.step}:\n{reply.error}")
         missing = [r for r in self.sources if r not in replies]
+        dead = self._dead(missing)
+        if dead:
+            who = "; ".join(self.world.ranks[r].describe() for r in dead)
+            raise RankFailure(f"{who} exited during phase '{self.op}' of step {self.step} without "
+                              f"answering (see its log in RUN_DIR/logs/)")
         if missing:
             who = "; ".join(self.world.ranks[r].describe() for r in missing)
             raise RankFailure(f"no answer within {timeout_s:.0f} s in phase '{self.op}' of step "
                               f"{self.step} from {who} (crashed, exited or hung; see its log in "
                               f"RUN_DIR/logs/)")
         return {rank: reply.payload for rank, reply in replies.items()}
+
+
+    def _dead(self, ranks: list[int]) -> list[int]:
+        """Awaited ranks on this host whose process is gone (remote ones are left to the deadline)."""
+        me = self.world.ranks[self.world.rank]
+        return [r for r in ranks if self.world.ranks[r].host == me.host and process_gone(self.world.ranks[r].pid)]
 
 
 class WorkerChannel:

@@ -1,0 +1,76 @@
+"""The MPI control plane under real mpiexec: roles from COMM_WORLD.Split, replies, and failures
+(a rank that exits early, hangs or raises) reported within the deadline with rank, role, host
+and phase, with no process left behind."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
+
+WORLD = Path(__file__).with_name("_roles_world.py")
+
+
+def _run(tmp_path: Path, fault: str | None, timeout_s: float = 5.0, num_trainer: int = 2):
+    env = dict(os.environ)
+    env.pop("HPCRL_FAULT", None)
+    if fault:
+        env["HPCRL_FAULT"] = fault
+    code = (
+        "import sys; from pathlib import Path; from launch.local import run_world;"
+        f"rc, death = run_world({1 + num_trainer + 1}, [sys.executable, {str(WORLD)!r}, {str(tmp_path)!r}, "
+        f"'{num_trainer}', '{timeout_s}'], Path({str(tmp_path)!r}));"
+        "print('RC', rc); print('DEATH', death)"
+    )
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=100)
+    return out.stdout + out.stderr, time.monotonic() - t0
+
+
+def _no_leftovers(tmp_path: Path) -> None:
+    time.sleep(0.5)
+    mine = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert not mine, [p.info["cmdline"] for p in mine]
+
+
+def test_roles_and_replies(tmp_path):
+    out, _ = _run(tmp_path, None)
+    assert "RC 0" in out, out
+    who = next(line for line in out.splitlines() if line.startswith("WHO "))
+    # controller = rank 0, trainer ranks 1..2, rollout rank 3; role communicators from Split
+    assert '"1": {"rank": 1, "role": "trainer", "role_rank": 0, "role_size": 2}' in who
+    assert '"2": {"rank": 2, "role": "trainer", "role_rank": 1, "role_size": 2}' in who
+    assert '"3": {"rank": 3, "role": "rollout", "role_rank": 0, "role_size": 1}' in who
+    assert 'RESULTS {"trainer": {"1": 6, "2": 12}, "rollout": {"3": 18}}' in out
+    _no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("fault, expect", [
+    ("2:work:hang", "no answer within 5 s in phase 'work' of step 0 from rank 2 (trainer, host"),
+    ("3:work:crash", "rank 3 (rollout, host"),
+])
+def test_hang_and_crash_are_named_within_the_deadline(tmp_path, fault, expect):
+    out, wall = _run(tmp_path, fault, timeout_s=5.0)
+    assert expect in out, out
+    assert "RC 0" not in out
+    assert socket.gethostname() in out
+    if "crash" in fault:
+        assert "failed in phase 'work' of step 0" in out and "HPCRL_FAULT injected crash" in out
+    assert wall < 60, wall
+    _no_leftovers(tmp_path)
+
+
+def test_rank_that_exits_early_is_named(tmp_path):
+    out, wall = _run(tmp_path, "1:work:exit", timeout_s=5.0)
+    # Hydra may end the world as soon as a rank exits without MPI_Finalize; either the
+    # controller's deadline or the launcher's rank watch names the rank.
+    assert ("rank 1 (trainer, host" in out and ("no answer within" in out or "DEATH rank 1 (trainer" in out)), out
+    assert "phase" in out
+    assert wall < 60
+    _no_leftovers(tmp_path)

@@ -1,0 +1,49 @@
+"""MoE model specs: every tensor of a model (HF name, global shape, dtype, kind, role) from config.json.
+
+Families: `deepseek_v3`, `qwen3_moe`, `mixtral`; each module exposes `SPECS: Mapping[str, MoESpec]`
+(flavor -> spec, built lazily) with a `debug` flavor, and `spec_from_config(cfg)`.
+
+    from moe.specs import get_spec, spec_from_config
+    spec = get_spec("deepseek_v3/671B")          # or get_spec("qwen3_moe", "30B-A3B")
+    spec = spec_from_config(load_config("path/to/config.json"))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from moe.specs import deepseek_v3, mixtral, qwen3_moe
+from moe.specs._types import (CONFIG_DIR, DTYPE_BYTES, ModelDims, MoESpec, Role, TensorKind, TensorSpec,
+                              load_config)
+
+__all__ = ["CONFIG_DIR", "DTYPE_BYTES", "FAMILIES", "ModelDims", "MoESpec", "Role", "TensorKind",
+           "TensorSpec", "get_spec", "load_config", "spec_from_config"]
+
+FAMILIES: Mapping[str, Mapping[str, MoESpec]] = {
+    deepseek_v3.FAMILY: deepseek_v3.SPECS,
+    qwen3_moe.FAMILY: qwen3_moe.SPECS,
+    mixtral.FAMILY: mixtral.SPECS,
+}
+_FROM_CONFIG = {deepseek_v3.FAMILY: deepseek_v3.spec_from_config, qwen3_moe.FAMILY: qwen3_moe.spec_from_config,
+                mixtral.FAMILY: mixtral.spec_from_config}
+
+
+def get_spec(family: str, flavor: str | None = None) -> MoESpec:
+    """A shipped spec by `family` and `flavor`, or by one string `"family/flavor"`."""
+    if flavor is None:
+        family, _, flavor = family.partition("/")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; valid: {sorted(FAMILIES)}")
+    flavors = FAMILIES[family]
+    if flavor not in flavors:
+        raise ValueError(f"unknown flavor {flavor!r} of {family}; valid: {sorted(flavors)}")
+    return flavors[flavor]
+
+
+def spec_from_config(cfg: Mapping[str, Any], flavor: str = "custom", **kwargs: Any) -> MoESpec:
+    """The spec of any supported config.json dict, dispatched on its `model_type`."""
+    family = cfg.get("model_type")
+    if family not in _FROM_CONFIG:
+        raise ValueError(f"config.json model_type={family!r} is not supported; valid: {sorted(_FROM_CONFIG)}")
+    return _FROM_CONFIG[family](cfg, flavor, **kwargs)

@@ -1,0 +1,267 @@
+"""Compatibility layer that lets megatron-core 0.16.1 train MoE GPT models on CPU (and without TE).
+
+Megatron-core assumes CUDA in a few hundred places; the training path of a GPTModel + MoE touches
+a handful of them. `apply()` installs narrow patches, each naming the call site it fixes (facts
+and measurements: notes/python_stack.md sections 2-2.4):
+
+  TE-less fix (GPU too): `moe_utils.py:1192 RouterGatingLinearFunction.forward` reads the name
+      `te_general_gemm`, which 0.16.1 defines only when transformer-engine imports.
+  CPU only (nothing below is touched when CUDA is available):
+  1. `torch` stand-in inside the Megatron modules listed in `_CPU_MODULES`: their `torch.cuda` is
+     a CPU namespace (current_device() -> "cpu"; streams/events are no-ops; synchronize and
+     empty_cache do nothing; the CUDA RNG calls use the CPU generator) and tensor factories
+     called with device="cuda" allocate on the CPU. Call sites: rotary_pos_embedding.py:162,
+     utils.py:631 GlobalMemoryBuffer, transformer/utils.py:35 causal mask,
+     token_dispatcher.py:445 Stream, schedules.py:2138, p2p_communication.py:190/313,
+     param_and_grad_buffer.py:783, optimizer.py:907, clip_grads.py:103/174, mappings.py:441,
+     layers.py:552 (sequence-parallel backward),
+     router.py:169, and the `add` of tensor_parallel/random.py:235.
+  2. `tensor_parallel/random.py:_get/_set_cuda_rng_state` (the RNG tracker's fork) use the
+     default CPU generator.
+  3. `torch_norm.py:32 WrappedTorchNorm.__new__` asserts `not sequence_parallel`; the patched
+     constructor builds the same torch norm and tags its params `sequence_parallel=True`, so
+     `finalize_model_grads` all-reduces their grads over TP (as it does for TE norms).
+  4. `token_dispatcher.py:876 maybe_move_tensor_to_cpu` only converts CUDA tensors, leaving the
+     alltoall split sizes as tensors that `all_to_all_single` rejects; CPU tensors are converted
+     to numpy when `as_numpy`.
+  5. `clip_grads.py:167 clip_grad_by_total_norm_fp32` asserts the grad type string
+     'torch.cuda.FloatTensor'; the patched function is the same in-place scaling for fp32 CPU
+     grads, so `grad_clip > 0` works.
+
+The patches touch private functions, so the module refuses any other megatron-core version.
+`apply()` is idempotent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+from typing import Any
+
+import torch
+
+MEGATRON_VERSION = "0.16.1"
+
+_CPU_MODULES = (
+    "megatron.core.utils",
+    "megatron.core.transformer.utils",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.attention",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.models.gpt.gpt_model",
+)
+
+_FACTORIES = frozenset({"tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn",
+                        "randint", "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor"})
+
+_applied = {"te": False, "cpu": False}
+
+
+def _cpu_device(device: Any) -> Any:
+    """Map a CUDA device spec to "cpu"; leave everything else alone."""
+    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return "cpu"
+    return device
+
+
+class _NoOpStream:
+    """Stands in for torch.cuda.Stream/Event: every stream is the same, work is synchronous."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _NoOpStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def wait_stream(self, *args: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any) -> _NoOpStream:
+        return self
+
+    def record(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_NO_OP_STREAM = _NoOpStream()
+
+
+class _CpuCuda(types.SimpleNamespace):
+    """The `torch.cuda` seen by patched Megatron modules on a CPU-only host."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+def _make_cpu_cuda() -> _CpuCuda:
+    def manual_seed(seed: int) -> None:
+        torch.default_generator.manual_seed(seed)
+
+    return _CpuCuda(
+        current_device=lambda: "cpu",
+        synchronize=lambda *a, **k: None,
+        empty_cache=lambda: None,
+        Stream=_NoOpStream,
+        Event=_NoOpStream,
+        current_stream=lambda *a, **k: _NO_OP_STREAM,
+        default_stream=lambda *a, **k: _NO_OP_STREAM,
+        stream=lambda *a, **k: contextlib.nullcontext(),
+        get_rng_state=lambda *a, **k: torch.get_rng_state(),
+        set_rng_state=lambda state, *a, **k: torch.set_rng_state(state),
+        manual_seed=manual_seed,
+        manual_seed_all=manual_seed,
+    )
+
+
+class _CpuTorch(types.ModuleType):
+    """Forwards to `torch`, except `cuda` (a CPU namespace) and factories given a CUDA device."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _make_cpu_cuda()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(torch, name)
+        if name in _FACTORIES:
+            def factory(*args: Any, _f: Any = attr, **kwargs: Any) -> Any:
+                if "device" in kwargs:
+                    kwargs["device"] = _cpu_device(kwargs["device"])
+                return _f(*args, **kwargs)
+
+            return factory
+        return attr
+
+
+def _check_version() -> None:
+    import megatron.core
+
+    if megatron.core.__version__ != MEGATRON_VERSION:
+        raise RuntimeError(
+            f"hpcrl.trainer.megatron_compat patches private functions of megatron-core "
+            f"{MEGATRON_VERSION}, but megatron-core {megatron.core.__version__} is installed; "
+            f"install megatron-core=={MEGATRON_VERSION} (the version pyproject.toml pins)")
+
+
+def _have_transformer_engine() -> bool:
+    from megatron.core.transformer.moe import moe_utils
+
+    return bool(getattr(moe_utils, "HAVE_TE", False))
+
+
+def _apply_te_fix() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _cpu_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _torch_norm_new(cls: type, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> Any:
+    """WrappedTorchNorm without the sequence-parallel assert (see patch 3)."""
+    if config.normalization == "RMSNorm":
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+    elif config.normalization == "LayerNorm":
+        norm = torch.nn.LayerNorm(normalized_shape=hidden_size, eps=eps)
+    else:
+        raise ValueError(f"normalization={config.normalization!r}; the CPU layer supports RMSNorm, LayerNorm")
+    if config.sequence_parallel:
+        for p in norm.parameters():
+            p.sequence_parallel = True
+    return norm
+
+
+def _maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """`moe_utils.maybe_move_tensor_to_cpu` that also gives numpy for CPU tensors (patch 4)."""
+    if torch.is_tensor(tensor):
+        tensor = tensor.cpu()
+        if as_numpy:
+            return tensor.numpy()
+    return tensor
+
+
+def _clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_norm: float,
+                                  use_decoupled_grad: bool = False) -> None:
+    """Scale fp32 grads in place by max_norm / total_norm when that is < 1 (patch 5)."""
+    from megatron.core.utils import to_local_if_dtensor
+
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = []
+    for param in parameters:
+        grad = getattr(param, attr, None)
+        if grad is not None:
+            assert grad.dtype == torch.float32, f"clip_grads expects fp32 grads, got {grad.dtype}"
+            grads.append(to_local_if_dtensor(grad).detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def _apply_cpu_patches() -> None:
+    cpu_torch = _CpuTorch()
+    for name in _CPU_MODULES:
+        importlib.import_module(name).torch = cpu_torch
+
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.tensor_parallel import random
+    from megatron.core.transformer import torch_norm
+    from megatron.core.transformer.moe import token_dispatcher
+
+    random._get_cuda_rng_state = _cpu_rng_state
+    random._set_cuda_rng_state = _set_cpu_rng_state
+    torch_norm.WrappedTorchNorm.__new__ = _torch_norm_new
+    token_dispatcher.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+
+
+def apply() -> None:
+    """Install the patches this process needs (idempotent): the TE-less fix whenever
+    transformer-engine is absent, the CPU patches when CUDA is unavailable.
+
+    Raises RuntimeError when megatron-core is not version 0.16.1.
+    """
+    _check_version()
+    if not _applied["te"] and not _have_transformer_engine():
+        _apply_te_fix()
+        _applied["te"] = True
+    if not _applied["cpu"] and not torch.cuda.is_available():
+        _apply_cpu_patches()
+        _applied["cpu"] = True

@@ -1,0 +1,111 @@
+"""Megatron-core GPTModel (MoE) for a HuggingFace Qwen3-MoE / Mixtral config and a parallel layout.
+
+`transformer_config` translates the HF config.json dict plus the trainer layout into a
+`TransformerConfig` that computes what HF's implementation computes: RMSNorm with the HF eps, q/k
+RMSNorm over the head dim (Qwen3), non-interleaved RoPE with the HF theta, grouped-query
+attention, a softmax router (top-k logits then softmax == HF's renormalised top-k softmax when
+`norm_topk_prob`; softmax then top-k otherwise), SwiGLU experts, no biases, no dropout. Every
+fusion is off (they need CUDA kernels); parameters are fp32 on CPU. `build_gpt_model` builds the
+module of this rank's pipeline stage; weights are left uninitialised because the policy always
+loads HF weights (`MegatronPolicy.init_from_seed` / `load_hf_state_dict`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from moe.hf_megatron import HFModelDims
+
+DISPATCHERS = ("alltoall", "allgather")
+
+
+def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: int, dispatcher: str,
+                       aux_loss_coef: float, device: str = "cpu"):  # -> TransformerConfig
+    """The TransformerConfig of `hf_config` under the layout (tp, pp, ep, etp).
+
+    Sequence parallelism is on whenever tp > 1 (Megatron requires it for MoE with TP).
+    Raises ValueError for an unknown dispatcher or a model that does not split over the layout.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"trainer.dispatcher={dispatcher!r}; valid: {', '.join(DISPATCHERS)}")
+    if dispatcher == "alltoall" and etp > 1 and device == "cpu":
+        # gloo cannot all_gather tensors of unequal size, which the alltoall path does under ETP.
+        raise ValueError("trainer.dispatcher='alltoall' with trainer.etp > 1 fails on gloo (uneven "
+                         "all_gather); use etp=1 or dispatcher='allgather' on CPU")
+    dims = HFModelDims.from_hf_config(hf_config)
+    return TransformerConfig(
+        num_layers=dims.num_layers,
+        hidden_size=dims.hidden_size,
+        num_attention_heads=dims.num_heads,
+        num_query_groups=dims.num_kv_heads,
+        kv_channels=dims.head_dim,
+        ffn_hidden_size=dims.moe_ffn_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=dims.rms_norm_eps,
+        qk_layernorm=dims.qk_norm,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # MoE
+        num_moe_experts=dims.num_experts,
+        moe_ffn_hidden_size=dims.moe_ffn_size,
+        moe_router_topk=dims.top_k,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not dims.norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=aux_loss_coef,
+        moe_token_dispatcher_type=dispatcher,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        # layout
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=tp > 1,
+        # numerics: fp32 everywhere, every CUDA fusion off
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=device == "cpu",
+        perform_initialization=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+    )
+
+
+def build_gpt_model(hf_config: Mapping, config) -> torch.nn.Module:  # config: TransformerConfig
+    """This rank's pipeline stage of the GPTModel (call after initialize_model_parallel)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    dims = HFModelDims.from_hf_config(hf_config)
+    spec = get_gpt_layer_local_spec(num_experts=dims.num_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=dims.qk_norm, normalization="RMSNorm")
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=dims.vocab_size,
+        max_sequence_length=dims.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=dims.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=dims.rope_theta,
+    )

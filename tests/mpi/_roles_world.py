@@ -36,8 +36,8 @@ def main() -> int:
         print(f"RANKFAILURE after {time.monotonic() - t0 if 't0' in dir() else 0:.1f}s: {exc}", flush=True)
         (run_dir / ".failure.txt").write_text(str(exc))
         world.comm.Abort(1)
-    print("WHO " + json.dumps({k: {str(r): v for r, v in d.items()} for k, d in who.items()}), flush=True)
-    print("RESULTS " + json.dumps({k: {str(r): v for r, v in d.items()} for k, d in results.items()}), flush=True)
+    print("WHO " + json.dumps({k: {str(r): v for r, v in sorted(d.items())} for k, d in who.items()}, sort_keys=True), flush=True)
+    print("RESULTS " + json.dumps({k: {str(r): v for r, v in sorted(d.items())} for k, d in results.items()}, sort_keys=True), flush=True)
     (run_dir / "final.json").write_text("{}")
     return 0
 

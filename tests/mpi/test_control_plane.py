@@ -47,7 +47,7 @@ def test_roles_and_replies(tmp_path):
     assert '"1": {"rank": 1, "role": "trainer", "role_rank": 0, "role_size": 2}' in who
     assert '"2": {"rank": 2, "role": "trainer", "role_rank": 1, "role_size": 2}' in who
     assert '"3": {"rank": 3, "role": "rollout", "role_rank": 0, "role_size": 1}' in who
-    assert 'RESULTS {"trainer": {"1": 6, "2": 12}, "rollout": {"3": 18}}' in out
+    assert 'RESULTS {"rollout": {"3": 18}, "trainer": {"1": 6, "2": 12}}' in out
     _no_leftovers(tmp_path)
 
 

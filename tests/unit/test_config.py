@@ -257,7 +257,7 @@ def test_cuda_layout_validates_without_a_gpu(tmp_path):
 
 def test_every_schema_key_is_documented_with_its_default():
     docs = (REPO / "docs" / "config.md").read_text()
-    rows = dict(re.findall(r"^\| `([a-z_.]+)` \| `([^`]*)` \|", docs, flags=re.MULTILINE))
+    rows = dict(re.findall(r"^\| `([a-z0-9_.]+)` \| `([^`]*)` \|", docs, flags=re.MULTILINE))
     assert list(rows) == valid_keys(), "docs/config.md keys differ from the schema (order matters too)"
     defaults = to_dict(JobConfig())
     for key in valid_keys():

@@ -246,17 +246,18 @@ def _check_parallel(job: JobConfig, m: ModelDims) -> None:
     src = m.source
 
     def tp_fits(tp: int) -> bool:
-        # Megatron allows tp > kv heads when tp is a multiple of them (KV heads are replicated).
-        kv_ok = m.num_key_value_heads % tp == 0 or tp % m.num_key_value_heads == 0
-        return m.num_attention_heads % tp == 0 and kv_ok and m.vocab_size % tp == 0
+        # Megatron 0.16.1 also accepts tp a multiple of the KV heads (it replicates them), but
+        # moe/hf_megatron.py maps only whole KV groups per TP rank, so weight sync needs kv % tp == 0.
+        return not (m.num_attention_heads % tp or m.num_key_value_heads % tp or m.vocab_size % tp)
 
     valid_tp = f"valid tp for this model: {_nearest(filter(tp_fits, _divisors(m.num_attention_heads)), t.tp)}"
     if m.num_attention_heads % t.tp:
         raise ConfigError("trainer.tp", t.tp, f"num_attention_heads={m.num_attention_heads} of {src} "
                                               f"is not divisible by tp={t.tp}; {valid_tp}")
-    if m.num_key_value_heads % t.tp and t.tp % m.num_key_value_heads:
+    if m.num_key_value_heads % t.tp:
         raise ConfigError("trainer.tp", t.tp, f"num_key_value_heads={m.num_key_value_heads} of {src} is "
-                                              f"neither a multiple nor a divisor of tp={t.tp}; {valid_tp}")
+                                              f"not divisible by tp={t.tp} (each TP rank holds whole KV "
+                                              f"groups); {valid_tp}")
     if m.vocab_size % t.tp:
         raise ConfigError("trainer.tp", t.tp, f"vocab_size={m.vocab_size} of {src} is not divisible by "
                                               f"tp={t.tp} (vocab-parallel embedding); {valid_tp}")

@@ -100,8 +100,8 @@ BAD = [
      "no_such_pkg.rewards:score", "cannot import"),
     ("ep-experts", "trainer: {ep: 3, num_procs: 3}", [], None, "trainer.ep", "3", "valid ep: 1, 2, 4"),
     ("tp-heads", "trainer: {tp: 3, num_procs: 3}", [], None, "trainer.tp", "3", "valid tp for this model"),
-    ("tp-kv-heads", "model: {config_path: model.json}\ntrainer: {tp: 6, num_procs: 6}", [],
-     lambda p: model_file(p, num_attention_heads=12), "trainer.tp", "6", "num_key_value_heads=4"),
+    ("tp-kv-heads", "trainer: {tp: 4, num_procs: 4}", [], None, "trainer.tp", "4",
+     "num_key_value_heads=2 of preset 'tiny-qwen3-moe' is not divisible by tp=4"),
     ("tp-vocab", "model: {config_path: model.json}\ntrainer: {tp: 4, num_procs: 4}", [],
      lambda p: model_file(p, vocab_size=130), "trainer.tp", "4", "vocab_size=130"),
     ("pp-layers", "trainer: {pp: 3, num_procs: 3}", [], None, "trainer.pp", "3", "valid pp: 1, 2"),
@@ -186,9 +186,9 @@ def test_overrides(tmp_path):
     job_file = write(tmp_path, "name: base\ntrainer: {num_procs: 1}\n")
     job = load_job(job_file, ["algorithm.lr=3e-4", "trainer.num_procs=4", "trainer.ep=4", "name=other",
                               "rollout.server_args=[--a, '1']", "checkpoint.dir=null", "logging.progress=false",
-                              "trainer.tp=4"])
+                              "trainer.tp=2"])
     assert job.algorithm.lr == 3e-4
-    assert (job.trainer.num_procs, job.trainer.ep, job.trainer.tp) == (4, 4, 4)  # tp=4 > kv heads=2 is valid
+    assert (job.trainer.num_procs, job.trainer.ep, job.trainer.tp) == (4, 4, 2)
     assert job.name == "other"
     assert job.rollout.server_args == ["--a", "1"]
     assert job.checkpoint.dir is None and job.logging.progress is False

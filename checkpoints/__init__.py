@@ -6,7 +6,7 @@ any global box from the stored slices, whatever layout wrote them. See checkpoin
 Imports neither `hpcrl` nor `launch`; the slice algebra is `moe.slices.Box`.
 """
 
-from .catalog import apply_retention, discard_newer, latest_step, list_checkpoints
+from .catalog import apply_retention, discard_newer, latest_pointer, latest_step, list_checkpoints
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CommitError,
                      CommitTimeoutError, CorruptCheckpointError)
 from .manifest import FORMAT_VERSION, Manifest
@@ -32,6 +32,7 @@ __all__ = [
     "VerifyReport",
     "apply_retention",
     "discard_newer",
+    "latest_pointer",
     "latest_step",
     "list_checkpoints",
     "open_checkpoint",

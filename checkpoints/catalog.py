@@ -1,16 +1,15 @@
 """Which checkpoints exist: complete steps, the `latest` pointer, retention and discarding.
 
 A step is complete when its directory holds `manifest.json`; directories without one are
-leftovers of an interrupted save and are invisible to readers. `latest` names the most recently
-committed step; if it is missing or names a step that is no longer complete, the newest complete
-step is used instead (that only happens after a crash between the manifest rename and the pointer
-update, or after a user deleted files by hand).
+leftovers of an interrupted save and are invisible to readers. The newest complete step is the
+latest checkpoint; the `latest` file names it for people and tools (it lags by one only after a
+crash between a manifest rename and the pointer update). Resuming from an older step must discard
+the newer ones (`discard_newer`), which keeps "newest complete" meaning "latest".
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 
 from .store import LATEST, MANIFEST, ShardStore, as_store
 
@@ -22,20 +21,27 @@ def list_checkpoints(store: ShardStore | str | os.PathLike[str]) -> list[int]:
 
 
 def latest_step(store: ShardStore | str | os.PathLike[str]) -> int | None:
-    """The step `latest` names if it is complete, else the newest complete step, else None."""
-    s = as_store(store)
-    complete = list_checkpoints(s)
-    text = s.get_text(None, LATEST)
-    if text is not None:
-        try:
-            step = int(text.strip())
-        except ValueError:
-            warnings.warn(f"{s.location(None, LATEST)} holds {text[:40]!r}, not a step number; "
-                          f"using the newest complete checkpoint", stacklevel=2)
-        else:
-            if step in complete:
-                return step
+    """The newest complete step, or None if there is none.
+
+    The `latest` file names the same step, except right after a crash between a manifest's
+    rename and the pointer's update, when it still names the previous (also complete) step: the
+    manifest rename is the commit point, so the newest complete step wins.
+    """
+    complete = list_checkpoints(store)
     return complete[-1] if complete else None
+
+
+def latest_pointer(store: ShardStore | str | os.PathLike[str]) -> int | None:
+    """The step the `latest` file names (for tools that read it), or None if it is absent."""
+    s = as_store(store)
+    text = s.get_text(None, LATEST)
+    if text is None:
+        return None
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"{s.location(None, LATEST)} holds {text[:40]!r}, not a step number; "
+                         f"delete it (the next commit rewrites it)") from None
 
 
 def apply_retention(store: ShardStore | str | os.PathLike[str], keep_last: int,
@@ -51,9 +57,12 @@ def apply_retention(store: ShardStore | str | os.PathLike[str], keep_last: int,
     s = as_store(store)
     complete = list_checkpoints(s)
     keep = set(complete[-keep_last:])
-    latest = latest_step(s)
-    if latest is not None:
-        keep.add(latest)
+    try:
+        pointer = latest_pointer(s)
+    except ValueError:
+        pointer = None
+    if pointer is not None:
+        keep.add(pointer)
     removed = []
     for step in s.list_steps():
         stale = step not in complete and below_step is not None and step < below_step

@@ -17,7 +17,7 @@ import torch
 
 from checkpoints import (CheckpointExistsError, CheckpointNotFoundError, CheckpointWriter, CommitError,
                          CommitTimeoutError, CorruptCheckpointError, LocalFSStore, MemoryStore, ShardStore,
-                         apply_retention, discard_newer, latest_step, list_checkpoints, open_checkpoint,
+                         apply_retention, discard_newer, latest_pointer, latest_step, list_checkpoints, open_checkpoint,
                          verify)
 from checkpoints.manifest import Manifest
 from moe.slices import Box
@@ -267,16 +267,20 @@ def test_retention_latest_and_discard(store):
         discard_newer(store, 7)
 
 
-def test_latest_pointer_fallbacks(tmp_path):
+def test_latest_pointer_and_incomplete_steps(tmp_path):
     for step in (1, 2):
         save_simple(tmp_path, step)
+    assert latest_pointer(tmp_path) == 2 and (tmp_path / "latest").read_text() == "2\n"
     (tmp_path / "step_000003").mkdir()  # an interrupted save: no manifest
     assert open_checkpoint(tmp_path).step == 2
-    (tmp_path / "latest").unlink()  # crash between the manifest rename and the pointer update
-    assert open_checkpoint(tmp_path).step == 2
+    # A crash between step 2's manifest rename and the pointer update: the manifest wins.
+    (tmp_path / "latest").write_text("1\n")
+    assert latest_step(tmp_path) == 2 and open_checkpoint(tmp_path).step == 2
+    (tmp_path / "latest").unlink()
+    assert latest_pointer(tmp_path) is None and open_checkpoint(tmp_path).step == 2
     (tmp_path / "latest").write_text("garbage")
-    with pytest.warns(UserWarning, match="not a step number"):
-        assert latest_step(tmp_path) == 2
+    with pytest.raises(ValueError, match="holds 'garbage', not a step number"):
+        latest_pointer(tmp_path)
     with pytest.raises(CheckpointNotFoundError, match=r"step 3 is not committed.*complete steps: \[1, 2\]"):
         open_checkpoint(tmp_path, 3)
     with pytest.raises(CheckpointNotFoundError, match="no complete checkpoint"):

@@ -3,7 +3,8 @@
 `validate(job)` raises the first problem as a `ConfigError` naming the YAML key to change, the bad
 value and the valid values (for parallel sizes: the nearest sizes that fit the model). It reads the
 model's HF config.json, the data file and the reward import path, but needs no GPU and no process
-group: hardware availability is checked when the run starts. Megatron facts used here are from
+group: hardware availability is checked when the run starts. Model configs are parsed by
+`moe.hf_megatron.HFModelDims`, the parser the trainer and weight sync use; layout facts are from
 megatron-core 0.16.1 (transformer_config.py, attention.py) and notes/python_stack.md.
 """
 
@@ -27,16 +28,13 @@ from hpcrl.models.presets import CONFIG_DIR, preset_names
 from hpcrl.rewards import load_reward_fn
 from hpcrl.rewards.builtin import BUILTIN_REWARDS
 from hpcrl.tasks import TASKS, default_tokenizer, read_examples
+from moe.hf_megatron import HFModelDims
 
 ALGORITHMS = ("grpo",)
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
 DISPATCHERS = ("alltoall", "allgather")
 BACKENDS = ("reference", "sglang")
-EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-"""HF config keys of the routed-expert count: Qwen-MoE, Mixtral, DeepSeek-V3."""
-EXPERT_FFN_KEYS = ("moe_intermediate_size", "intermediate_size")
-"""Expert FFN width: Qwen-MoE / DeepSeek use moe_intermediate_size, Mixtral intermediate_size."""
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
@@ -134,7 +132,7 @@ class ModelDims:
     num_hidden_layers: int
     vocab_size: int
     expert_ffn_size: int
-    max_position_embeddings: int | None
+    max_position_embeddings: int
 
 
 def _read_model(job: JobConfig) -> ModelDims:
@@ -164,26 +162,18 @@ def _read_model(job: JobConfig) -> ModelDims:
         hf = json.loads((CONFIG_DIR / f"{m.preset}.json").read_text())
     if not isinstance(hf, dict):
         raise ConfigError(key, value, "the model config must be a JSON object (a HuggingFace config.json)")
-
-    def size(names: tuple[str, ...], default: int | None = None, required: bool = True) -> int | None:
-        for name in names:
-            if name in hf:
-                v = hf[name]
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ConfigError(key, value, f"{source}: {name}={v!r} must be a positive integer")
-                return v
-        if default is None and required:
-            raise ConfigError(key, value, f"{source} has no {' / '.join(names)}; hpcrl trains "
-                                          "Mixture-of-Experts models (Qwen3-MoE, Mixtral, DeepSeek-V3)")
-        return default
-
-    heads = size(("num_attention_heads",))
-    return ModelDims(
-        source=source, path=key, num_experts=size(EXPERT_KEYS), num_attention_heads=heads,
-        num_key_value_heads=size(("num_key_value_heads",), default=heads),
-        num_hidden_layers=size(("num_hidden_layers",)), vocab_size=size(("vocab_size",)),
-        expert_ffn_size=size(EXPERT_FFN_KEYS),
-        max_position_embeddings=size(("max_position_embeddings",), required=False))
+    try:
+        # The parser the trainer and the weight sync use, so validation accepts exactly their models.
+        dims = HFModelDims.from_hf_config(hf)
+    except KeyError as exc:
+        raise ConfigError(key, value, f"{source} lacks the key {exc.args[0]!r} (model_type "
+                                      f"{hf.get('model_type')!r})") from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(key, value, f"{source}: {str(exc).removeprefix('config.json ')}") from None
+    return ModelDims(source=source, path=key, num_experts=dims.num_experts,
+                     num_attention_heads=dims.num_heads, num_key_value_heads=dims.num_kv_heads,
+                     num_hidden_layers=dims.num_layers, vocab_size=dims.vocab_size,
+                     expert_ffn_size=dims.moe_ffn_size, max_position_embeddings=dims.max_position_embeddings)
 
 
 def _strip_prefix(message: str, path: str, value: Any) -> str:
@@ -343,8 +333,6 @@ def _check_context(job: JobConfig, m: ModelDims, prompt_len: int | None) -> None
                           f"vocab_size={m.vocab_size} of {m.source} is smaller than the {vocab} ids of the "
                           f"character tokenizer that data.task uses; use a model with vocab_size >= {vocab}")
     limit = m.max_position_embeddings
-    if limit is None:
-        return
     room = limit - prompt_len
     if room < 1:
         raise ConfigError("data.task", job.data.task,

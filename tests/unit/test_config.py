@@ -22,8 +22,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 # A Qwen3-MoE-shaped config with room for several layouts (heads 8, kv 4, 8 experts, 4 layers).
 MID_MODEL = {"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 4,
-             "num_attention_heads": 8, "num_key_value_heads": 4, "num_experts": 8,
-             "moe_intermediate_size": 48, "intermediate_size": 128, "max_position_embeddings": 64}
+             "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8, "num_experts": 8,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 48, "intermediate_size": 128,
+             "max_position_embeddings": 64, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}
 
 
 def write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
@@ -86,8 +87,10 @@ BAD = [
      "nowhere/config.json", "no such file"),
     ("config-not-json", "model: {config_path: model.json}", [],
      lambda p: (p / "model.json").write_text("{oops"), "model.config_path", "model.json", "not a json"),
-    ("config-not-moe", "model: {config_path: model.json}", [], lambda p: model_file(p, num_experts=None),
-     "model.config_path", "model.json", "num_local_experts"),
+    ("config-lacks-key", "model: {config_path: model.json}", [], lambda p: model_file(p, num_experts=None),
+     "model.config_path", "model.json", "lacks the key 'num_experts'"),
+    ("config-unsupported", "model: {config_path: model.json}", [], lambda p: model_file(p, model_type="llama"),
+     "model.config_path", "model.json", "not supported"),
     ("unknown-task", "data: {task: cpy}", [], None, "data.task", "'cpy'", "did you mean 'copy'"),
     ("data-missing", "data: {path: data/train.jsonl}", [], None, "data.path", "data/train.jsonl", "no such file"),
     ("data-bad-json", "data: {path: train.jsonl}", [],

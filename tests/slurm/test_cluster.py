@@ -1,0 +1,202 @@
+"""Smoke tests of the real local Slurm cluster and of hpcrl's rendered sbatch scripts running on it.
+
+Needs `tests/slurm/cluster.sh start` (skipped otherwise, see conftest.py). Covers what hpcrl relies
+on: plain batch jobs, fake GPUs, a heterogeneous job whose single `srun --het-group=0,1 --mpi=pmi2`
+step is one MPI world over both components (PyPI mpi4py + mpich from this venv), preemption of a
+`debug` job by a `high` job (USR1 to the batch shell, requeue, restart with SLURM_RESTART_COUNT=1),
+and the templates' own signal -> requeue-exit-code -> `scontrol requeue` -> resume path.
+Timings on a 2-core VM: preemption restarts take 15-60 s (30 s controller timer + requeue delay).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.slurm_spec import SlurmComponent, SlurmJobSpec, render
+
+pytestmark = pytest.mark.slurm
+PYTHON = sys.executable  # the project venv: mpi4py + PyPI mpich, usable by jobs on this host
+
+WORLD_PROGRAM = """
+import json, os, sys
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+rec = {"rank": comm.Get_rank(), "size": comm.Get_size(), "node": os.environ["SLURMD_NODENAME"],
+       "sum": comm.allreduce(comm.Get_rank()), "attempt": os.environ.get("HPCRL_ATTEMPT")}
+with open(os.path.join(sys.argv[1], f"rank-{rec['rank']}-attempt-{rec['attempt']}.json"), "w") as f:
+    json.dump(rec, f)
+"""
+
+# A stand-in for hpcrl's controller and workers: on attempt 0 every rank waits for USR1 (forwarded
+# by the batch script), rank 0 "checkpoints", and the step exits with the requeue code; on the next
+# attempt every rank checks the checkpoint and exits 0.
+PREEMPTABLE_PROGRAM = """
+import os, signal, sys, time
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+rank, out = comm.Get_rank(), sys.argv[1]
+attempt = int(os.environ["HPCRL_ATTEMPT"])
+got = []
+signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
+print(f"rank={rank} size={comm.Get_size()} node={os.environ['SLURMD_NODENAME']} attempt={attempt}", flush=True)
+if attempt == 0:
+    open(os.path.join(out, f"ready-{rank}"), "w").close()
+    deadline = time.monotonic() + 120
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.1)
+    comm.Barrier()
+    if rank == 0:
+        with open(os.path.join(out, "checkpoint"), "w") as f:
+            f.write("step-7")
+    print(f"rank={rank} got_usr1={bool(got)}", flush=True)
+    sys.exit(int(os.environ["HPCRL_REQUEUE_EXIT_CODE"]) if got else 1)
+comm.Barrier()
+with open(os.path.join(out, "checkpoint")) as f:
+    print(f"rank={rank} resumed_from={f.read()}", flush=True)
+"""
+
+
+def read_json_records(directory: Path, pattern: str) -> list[dict]:
+    return sorted((json.loads(p.read_text()) for p in directory.glob(pattern)), key=lambda r: r["rank"])
+
+
+@pytest.mark.timeout(90)
+def test_trivial_batch_job_completes(slurm, job_dir: Path) -> None:
+    out = job_dir / "hello.out"
+    job_id = slurm.submit(None, "-o", str(out), "-t", "2", "--wrap", 'echo "hello from $SLURM_JOB_ID on $SLURMD_NODENAME"')
+    record = slurm.wait_final(job_id, timeout_s=60)
+    assert record["JobState"] == "COMPLETED", record
+    assert record["ExitCode"] == "0:0"
+    text = out.read_text()
+    assert text.startswith(f"hello from {job_id} on ") and text.strip().split()[-1] in slurm.nodes()
+
+
+@pytest.mark.timeout(90)
+def test_fake_gpus_are_bound_by_gres(slurm, job_dir: Path) -> None:
+    gres = slurm.gres()
+    if not any(g.startswith("gpu:") for g in gres):
+        pytest.skip(f"the cluster's debug partition has no gpu gres (sinfo %G: {sorted(gres)})")
+    out = job_dir / "gpus.out"
+    job_id = slurm.submit(None, "-o", str(out), "-t", "2", "-N1", "-n2", "--gpus-per-task=1",
+                          "--wrap", "srun -l bash -c 'echo CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES'")
+    assert slurm.wait_final(job_id, timeout_s=60)["JobState"] == "COMPLETED"
+    devices = sorted(line.split("=", 1)[1] for line in out.read_text().split("\n") if "CUDA_VISIBLE_DEVICES=" in line)
+    assert devices == ["0", "1"], out.read_text()
+
+
+@pytest.mark.timeout(120)
+def test_hetjob_step_is_one_mpi_world_over_both_components(slurm, job_dir: Path) -> None:
+    (job_dir / "world.py").write_text(WORLD_PROGRAM)
+    script = job_dir / "het.sbatch"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"#SBATCH --nodes=1 --ntasks-per-node=2 --time=2 --output={job_dir}/het-%j.out\n"
+        "#SBATCH hetjob\n"
+        "#SBATCH --nodes=1 --ntasks-per-node=1 --time=2\n"
+        f"srun --het-group=0,1 --mpi=pmi2 {PYTHON} {job_dir}/world.py {job_dir}\n")
+    job_id = slurm.submit(script)
+    components = slurm.job(job_id)
+    assert len(components) == 2, components
+    record = slurm.wait_final(job_id, timeout_s=90)
+    log = next(job_dir.glob("het-*.out")).read_text()
+    assert record["JobState"] == "COMPLETED", f"{record}\n{log}"
+    nodes = {int(c["HetJobOffset"]): c["NodeList"] for c in slurm.job(job_id)}
+    assert nodes[0] != nodes[1]
+    ranks = read_json_records(job_dir, "rank-*.json")
+    assert [r["rank"] for r in ranks] == [0, 1, 2], log
+    assert {r["size"] for r in ranks} == {3}
+    assert {r["sum"] for r in ranks} == {0 + 1 + 2}
+    # srun places the tasks of component 0 first: ranks 0-1 on its node, rank 2 on component 1's node
+    assert [r["node"] for r in ranks] == [nodes[0], nodes[0], nodes[1]]
+
+
+@pytest.mark.timeout(240)
+def test_preemption_signals_batch_shell_and_requeues(slurm, job_dir: Path) -> None:
+    if not {"debug", "high"} <= slurm.partitions():
+        pytest.skip("needs the local cluster's partitions `debug` (preemptable) and `high`")
+    node = slurm.nodes()[-1]
+    marker = job_dir / "marker"
+    low = job_dir / "low.sbatch"
+    low.write_text(
+        "#!/bin/bash\n"
+        f"#SBATCH -p debug -w {node} --exclusive --time=5 --requeue --signal=B:USR1@30\n"
+        f"#SBATCH --output={job_dir}/low-%j.out --open-mode=append\n"
+        "n=${SLURM_RESTART_COUNT:-0}\n"
+        f"trap 'echo \"usr1 restart=$n\" >> {marker}' USR1\n"
+        f"echo \"start restart=$n\" >> {marker}\n"
+        "(( n >= 1 )) && exit 0\n"
+        # keeps running after USR1: Slurm itself must kill and requeue it at the end of GraceTime
+        "for i in $(seq 600); do sleep 0.2; done\n"
+        "exit 1\n")
+    low_id = slurm.submit(low)
+    slurm.wait_until("the low-priority job to start", lambda: marker.exists(), 60, low_id)
+    high_id = slurm.submit(None, "-p", "high", "-w", node, "--exclusive", "-t", "2",
+                           "-o", str(job_dir / "high-%j.out"), "--wrap", "sleep 2")
+    slurm.wait_until("USR1 in the preempted batch shell", lambda: "usr1 restart=0" in marker.read_text(), 30, low_id)
+    record = slurm.wait_final(low_id, timeout_s=180)
+    assert record["JobState"] == "COMPLETED", record
+    assert record["Restarts"] == "1"
+    assert marker.read_text().splitlines() == ["start restart=0", "usr1 restart=0", "start restart=1"]
+    assert slurm.wait_final(high_id, timeout_s=60)["JobState"] == "COMPLETED"
+
+
+def make_spec(job_dir: Path, components: tuple[SlurmComponent, ...], command: str) -> SlurmJobSpec:
+    (job_dir / "logs").mkdir(exist_ok=True)
+    return SlurmJobSpec(job_name="hpcrl-test", partition="debug", time_limit_min=5, components=components,
+                        command=command, run_dir=str(job_dir), log_dir=str(job_dir / "logs"), signal_delay_s=30)
+
+
+@pytest.mark.timeout(240)
+def test_rendered_hetjob_forwards_preemption_and_resumes(slurm, job_dir: Path) -> None:
+    if not {"debug", "high"} <= slurm.partitions():
+        pytest.skip("needs the local cluster's partitions `debug` (preemptable) and `high`")
+    (job_dir / "prog.py").write_text(PREEMPTABLE_PROGRAM)
+    spec = make_spec(job_dir, (SlurmComponent(nodes=1, ntasks_per_node=2), SlurmComponent(nodes=1, ntasks_per_node=1)),
+                     f"{PYTHON} {job_dir}/prog.py {job_dir}")
+    script = job_dir / "job.sbatch"
+    script.write_text(render(spec))
+    job_id = slurm.submit(script)
+    slurm.wait_until("every rank of attempt 0 to start",
+                     lambda: all((job_dir / f"ready-{r}").exists() for r in range(3)), 90, job_id)
+    # Preempt through the rollout component's node: the warning must still reach the batch shell,
+    # which runs in component 0.
+    rollout_node = next(c["NodeList"] for c in slurm.job(job_id) if c["HetJobOffset"] == "1")
+    slurm.submit(None, "-p", "high", "-w", rollout_node, "--exclusive", "-t", "2",
+                 "-o", str(job_dir / "high-%j.out"), "--wrap", "sleep 2")
+    record = slurm.wait_final(job_id, timeout_s=180)
+    logs = job_dir / "logs"
+    batch_log = (logs / f"slurm-{job_id}.out").read_text()
+    assert record["JobState"] == "COMPLETED", f"{record}\n{batch_log}"
+    assert record["Restarts"] == "1"
+    assert "received SIGUSR1; forwarding it to the step" in batch_log
+    assert "the step asked to be requeued (exit code 3)" in batch_log
+    assert f"job {job_id} attempt 1 " in batch_log
+    first = (logs / f"{job_id}-attempt0.log").read_text()
+    second = (logs / f"{job_id}-attempt1.log").read_text()
+    assert sorted(line for line in first.splitlines() if "got_usr1=" in line) == [
+        f"rank={r} got_usr1=True" for r in range(3)]
+    assert sorted(line for line in second.splitlines() if "resumed_from=" in line) == [
+        f"rank={r} resumed_from=step-7" for r in range(3)]
+    assert all(f"rank={r} size=3 " in second for r in range(3))
+
+
+@pytest.mark.timeout(120)
+def test_rendered_single_job_runs_world_and_propagates_failure(slurm, job_dir: Path) -> None:
+    (job_dir / "world.py").write_text(WORLD_PROGRAM)
+    spec = make_spec(job_dir, (SlurmComponent(nodes=2, ntasks_per_node=2),), f"{PYTHON} {job_dir}/world.py {job_dir}")
+    ok = job_dir / "ok.sbatch"
+    ok.write_text(render(spec))
+    bad = job_dir / "bad.sbatch"
+    bad.write_text(render(make_spec(job_dir, spec.components, "bash -c 'exit 5'")))
+    ok_id, bad_id = slurm.submit(ok), slurm.submit(bad)
+    ok_record, bad_record = slurm.wait_final(ok_id, 90), slurm.wait_final(bad_id, 90)
+    assert ok_record["JobState"] == "COMPLETED", ok_record
+    ranks = read_json_records(job_dir, "rank-*-attempt-0.json")
+    assert [(r["rank"], r["size"]) for r in ranks] == [(i, 4) for i in range(4)]
+    assert len({r["node"] for r in ranks}) == 2
+    assert bad_record["JobState"] == "FAILED" and bad_record["ExitCode"] == "5:0", bad_record
+    assert "step exited with code 5" in (job_dir / "logs" / f"slurm-{bad_id}.out").read_text()

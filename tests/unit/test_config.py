@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 MID_MODEL = {"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 4,
              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8, "num_experts": 8,
              "num_experts_per_tok": 2, "moe_intermediate_size": 48, "intermediate_size": 128,
-             "max_position_embeddings": 64, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}
+             "max_position_embeddings": 64,
+             "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}
 
 
 def write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
@@ -47,10 +48,12 @@ def data_file(tmp_path: Path, text: str) -> None:
 # (id, job yaml, --set overrides, setup(tmp_path) or None, expected ConfigError.path,
 #  text that shows the bad value, a word of the hint)
 BAD = [
-    ("unknown-section", "modle: {preset: tiny-qwen3-moe}", [], None, "modle", "modle", "did you mean 'model'"),
+    ("unknown-section", "modle: {preset: tiny-qwen3-moe}", [], None,
+     "modle", "modle", "did you mean 'model'"),
     ("unknown-key", "algorithm: {lrr: 0.1}", [], None, "algorithm.lrr", "0.1", "did you mean 'lr'"),
     ("base-dir-not-a-key", "base_dir: /tmp", [], None, "base_dir", "/tmp", "valid keys"),
-    ("int-from-word", "algorithm: {group_size: eight}", [], None, "algorithm.group_size", "'eight'", "integer"),
+    ("int-from-word", "algorithm: {group_size: eight}", [], None,
+     "algorithm.group_size", "'eight'", "integer"),
     ("bool-for-int", "trainer: {tp: true}", [], None, "trainer.tp", "True", "boolean"),
     ("float-for-int", "trainer: {num_procs: 2.5}", [], None, "trainer.num_procs", "2.5", "integer"),
     ("float-from-word", "algorithm: {lr: fast}", [], None, "algorithm.lr", "'fast'", "number"),
@@ -72,11 +75,13 @@ BAD = [
     ("group-size-1", "algorithm: {group_size: 1}", [], None, "algorithm.group_size", "1", ">= 2"),
     ("negative-seed", "data: {seed: -1}", [], None, "data.seed", "-1", ">= 0"),
     ("keep-0", "checkpoint: {keep: 0}", [], None, "checkpoint.keep", "0", ">= 1"),
-    ("kl-estimator", "algorithm: {kl_estimator: k4}", [], None, "algorithm.kl_estimator", "'k4'", "k1, k2, k3"),
+    ("kl-estimator", "algorithm: {kl_estimator: k4}", [], None,
+     "algorithm.kl_estimator", "'k4'", "k1, k2, k3"),
     ("loss-agg", "algorithm: {loss_agg: token_mean}", [], None, "algorithm.loss_agg", "'token_mean'",
      "did you mean 'token-mean'"),
     ("algorithm-name", "algorithm: {name: ppo}", [], None, "algorithm.name", "'ppo'", "grpo"),
-    ("dispatcher", "trainer: {dispatcher: all2all}", [], None, "trainer.dispatcher", "'all2all'", "allgather"),
+    ("dispatcher", "trainer: {dispatcher: all2all}", [], None,
+     "trainer.dispatcher", "'all2all'", "allgather"),
     ("backend", "rollout: {backend: vllm}", [], None, "rollout.backend", "'vllm'", "reference, sglang"),
     ("device", "resources: {device: gpu}", [], None, "resources.device", "'gpu'", "cpu, cuda"),
     ("dtype", "model: {dtype: fp16}", [], None, "model.dtype", "'fp16'", "float32, bfloat16"),
@@ -89,10 +94,11 @@ BAD = [
      lambda p: (p / "model.json").write_text("{oops"), "model.config_path", "model.json", "not a json"),
     ("config-lacks-key", "model: {config_path: model.json}", [], lambda p: model_file(p, num_experts=None),
      "model.config_path", "model.json", "lacks the key 'num_experts'"),
-    ("config-unsupported", "model: {config_path: model.json}", [], lambda p: model_file(p, model_type="llama"),
-     "model.config_path", "model.json", "not supported"),
+    ("config-unsupported", "model: {config_path: model.json}", [],
+     lambda p: model_file(p, model_type="llama"), "model.config_path", "model.json", "not supported"),
     ("unknown-task", "data: {task: cpy}", [], None, "data.task", "'cpy'", "did you mean 'copy'"),
-    ("data-missing", "data: {path: data/train.jsonl}", [], None, "data.path", "data/train.jsonl", "no such file"),
+    ("data-missing", "data: {path: data/train.jsonl}", [], None,
+     "data.path", "data/train.jsonl", "no such file"),
     ("data-bad-json", "data: {path: train.jsonl}", [],
      lambda p: data_file(p, '{"prompt": "a", "answer": "b"}\n{nope\n'), "data.path", "train.jsonl", "line 2"),
     ("data-missing-key", "data: {path: train.jsonl, answer_key: solution}", [],
@@ -108,12 +114,14 @@ BAD = [
     ("tp-vocab", "model: {config_path: model.json}\ntrainer: {tp: 4, num_procs: 4}", [],
      lambda p: model_file(p, vocab_size=130), "trainer.tp", "4", "vocab_size=130"),
     ("pp-layers", "trainer: {pp: 3, num_procs: 3}", [], None, "trainer.pp", "3", "valid pp: 1, 2"),
-    ("etp-ffn", "model: {config_path: model.json}\ntrainer: {etp: 5, num_procs: 5, dispatcher: allgather}", [],
+    ("etp-ffn", "model: {config_path: model.json}\ntrainer: {etp: 5, num_procs: 5, dispatcher: allgather}",
+     [],
      lambda p: model_file(p, moe_intermediate_size=48), "trainer.etp", "5", "expert ffn size=48"),
     ("ranks-add-up", "trainer: {tp: 2, ep: 4, num_procs: 6}", [], None, "trainer.num_procs", "6",
      "valid num_procs: 4, 8, 12"),
     ("etp-alltoall-cpu", "trainer: {etp: 2, num_procs: 2}", [], None, "trainer.etp", "2", "allgather"),
-    ("batch-split", "algorithm: {group_size: 3}\ndata: {num_prompts_per_step: 3}\ntrainer: {num_procs: 2}", [],
+    ("batch-split", "algorithm: {group_size: 3}\ndata: {num_prompts_per_step: 3}\ntrainer: {num_procs: 2}",
+     [],
      None, "data.num_prompts_per_step", "3", "valid num_prompts_per_step: 2, 4"),
     ("reference-tp", "rollout: {tp_per_engine: 2}", [], None, "rollout.tp_per_engine", "2", "sglang"),
     ("bf16-on-cpu", "model: {dtype: bfloat16}", [], None, "model.dtype", "'bfloat16'", "device=cuda"),
@@ -129,12 +137,14 @@ BAD = [
     ("set-without-equals", "name: ok", ["algorithm.lr"], None, "--set", "'algorithm.lr'", "key=value"),
     ("set-unknown-key", "name: ok", ["algorithm.lrr=1"], None, "--set", "'algorithm.lrr=1'",
      "did you mean 'algorithm.lr'"),
-    ("set-section", "name: ok", ["trainer=4"], None, "--set", "'trainer=4'", "is a section; set one of its keys"),
+    ("set-section", "name: ok", ["trainer=4"], None,
+     "--set", "'trainer=4'", "is a section; set one of its keys"),
     ("set-unknown-section", "name: ok", ["trainr.tp=2"], None, "--set", "'trainr.tp=2'",
      "did you mean 'trainer.tp'"),
     ("set-bad-yaml", "name: ok", ["rollout.server_args=[a, b"], None, "--set", "'rollout.server_args=[a, b'",
      "not valid yaml"),
-    ("set-bad-type", "name: ok", ["trainer.tp=two"], None, "trainer.tp", "'two'", "set by --set trainer.tp=two"),
+    ("set-bad-type", "name: ok", ["trainer.tp=two"], None,
+     "trainer.tp", "'two'", "set by --set trainer.tp=two"),
     ("set-bad-range", "name: ok", ["algorithm.lr=-1e-3"], None, "algorithm.lr", "-0.001", "set by --set"),
     ("yaml-syntax", "name: ok\nalgorithm:\n  lr: [1e-3\n", [], None, "job", "job.yaml", "line 4"),
     ("top-level-list", "- model\n- data\n", [], None, "job", "job.yaml", "mapping"),
@@ -160,7 +170,8 @@ def test_bad_input_names_key_value_and_fix(tmp_path, text, overrides, setup, pat
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_job(tmp_path / "absent.yaml")
-    assert info.value.path == "job" and "absent.yaml" in str(info.value) and "does not exist" in str(info.value)
+    message = str(info.value)
+    assert info.value.path == "job" and "absent.yaml" in message and "does not exist" in message
 
 
 def test_defaults_from_a_minimal_file(tmp_path):
@@ -188,8 +199,8 @@ def test_types_floats_and_null_sections(tmp_path):
 def test_overrides(tmp_path):
     job_file = write(tmp_path, "name: base\ntrainer: {num_procs: 1}\n")
     job = load_job(job_file, ["algorithm.lr=3e-4", "trainer.num_procs=4", "trainer.ep=4", "name=other",
-                              "rollout.server_args=[--a, '1']", "checkpoint.dir=null", "logging.progress=false",
-                              "trainer.tp=2"])
+                              "rollout.server_args=[--a, '1']", "checkpoint.dir=null",
+                              "logging.progress=false", "trainer.tp=2"])
     assert job.algorithm.lr == 3e-4
     assert (job.trainer.num_procs, job.trainer.ep, job.trainer.tp) == (4, 4, 2)
     assert job.name == "other"

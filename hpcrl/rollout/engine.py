@@ -1,0 +1,317 @@
+"""Reference generation engine: a transformers MoE causal LM decoding with a KV cache under SGLang's sampling rules.
+
+`ReferenceModel` builds the HuggingFace transformers class of an HF `config.json` dict (random
+init from a seed, nothing downloaded), takes weights under HF *checkpoint* names (the names SGLang's
+`load_weights` reads, see `hf_names`), and generates for a batch of ragged prompts in one left-padded
+batch: a prefill forward, then one forward per new token over a `DynamicCache`, with explicit
+position ids so padding changes nothing.
+
+Sampling follows SGLang 0.5.x (`SamplingParams`, `Sampler`, `Req.check_finished`):
+  * temperature 0 is greedy (SGLang turns it into top_k=1 at temperature 1); otherwise the logits are
+    divided by the temperature, top-k then top-p (drop a token when the mass sorted before it already
+    exceeds top_p) are applied, and one token is drawn from the renormalised rest.
+  * a request ends with {"type": "length", "length": n} once it has n = max_new_tokens tokens (checked
+    first, as SGLang does), else with {"type": "stop", "matched": id} when it emits an EOS id of the
+    model config or one of `stop_token_ids`; `ignore_eos` disables both. The stop token is part of
+    output_ids. max_new_tokens is capped by the context like SGLang's scheduler:
+    min(max_new_tokens, context_len - 2 - prompt_len); a prompt longer than context_len - 6 is refused.
+  * `sampling_seed`: each request draws its uniforms from its own torch.Generator seeded with it
+    (requests without one get a seed from the engine's seeded RNG, in arrival order), and a token is
+    picked by inverse CDF over the filtered, sorted probabilities. A request's tokens therefore do
+    not depend on which other requests share its batch. The random stream is hpcrl's own: the same
+    seed gives different tokens on a real SGLang server.
+
+Returned log-probs: for every output token, log_softmax(logits / T)[token] with T the request's
+temperature (T = 1 for greedy), taken before top-k/top-p filtering. This is SGLang's default
+definition of `output_token_logprobs` (its sampler computes log-probs of the temperature-scaled
+distribution, before filtering, unless SGLANG_RETURN_ORIGINAL_LOGPROB is set, in which case it returns
+raw log_softmax(logits)); a trainer recomputing log-probs at the same temperature gets the same numbers.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from hpcrl.rollout.hf_names import model_slots
+
+__all__ = ["ReferenceModel", "SamplingParams"]
+
+# Keys SGLang accepts that the reference engine does not implement: allowed only at these
+# (inert) values so a request that relies on them fails loudly instead of being half-served.
+_INERT_DEFAULTS: dict[str, tuple] = {
+    "min_p": (0, 0.0), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0), "min_new_tokens": (0,), "n": (1,), "stop": (None, "", ()),
+    "json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
+    "logit_bias": (None,), "custom_params": (None,),
+}
+_TEXT_ONLY = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """One request's sampling parameters, validated; field names and defaults are SGLang's."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, params: Mapping | None) -> SamplingParams:
+        """Parse an SGLang `sampling_params` dict; ValueError names the bad key and value."""
+        params = dict(params or {})
+        known = {f.name for f in fields(cls)}
+        kwargs = {}
+        for key, value in params.items():
+            if key in known:
+                if value is not None:
+                    kwargs[key] = value
+            elif key in _INERT_DEFAULTS:
+                if value not in _INERT_DEFAULTS[key] and not (key == "stop" and value == []):
+                    raise ValueError(f"sampling_params.{key}={value!r} is not supported by the reference "
+                                     f"engine; leave it at its default {_INERT_DEFAULTS[key][0]!r}")
+            elif key not in _TEXT_ONLY:
+                raise ValueError(f"unknown sampling_params key {key!r}; supported: "
+                                 f"{sorted(known | set(_INERT_DEFAULTS) | _TEXT_ONLY)}")
+        out = cls(**kwargs) if not kwargs.get("stop_token_ids") else cls(
+            **{**kwargs, "stop_token_ids": tuple(kwargs["stop_token_ids"])})
+        out._validate()
+        return out
+
+    def _validate(self) -> None:
+        def bad(field: str, why: str):
+            return ValueError(f"sampling_params.{field}={getattr(self, field)!r}: {why}")
+
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            raise bad("max_new_tokens", "must be an integer >= 0")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not self.temperature >= 0:
+            raise bad("temperature", "must be a number >= 0 (0 = greedy)")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise bad("top_k", "must be -1 (disabled) or >= 1")
+        if not all(_is_int(t) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of integer token ids")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be true or false")
+        if self.sampling_seed is not None and not _is_int(self.sampling_seed):
+            raise bad("sampling_seed", "must be an integer")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class ReferenceModel:
+    """A transformers causal LM built from an HF config dict, with SGLang-style batched generation.
+
+    Not thread-safe: callers serialise `generate` and `load_weights` (the server holds one lock).
+    """
+
+    def __init__(self, hf_config: Mapping, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 seed: int = 0) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = dict(hf_config)
+        model_type = cfg.pop("model_type", None)
+        if not model_type:
+            raise ValueError("hf_config has no 'model_type'; pass a HuggingFace config.json dict")
+        cfg.pop("dtype", None)
+        cfg.pop("torch_dtype", None)
+        self.config = AutoConfig.for_model(model_type, **cfg)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(self.config, dtype=dtype)
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.slots = model_slots(self.model)
+        self._params = self.model.state_dict(keep_vars=True)
+        self.vocab_size: int = self.config.vocab_size
+        self.context_len: int = self.config.max_position_embeddings
+        eos = self.config.eos_token_id
+        self.eos_token_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else \
+            (() if eos is None else (int(eos),))
+        self.pad_token_id: int = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        self._seed_rng = random.Random(seed)
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy tensors given under HF checkpoint names into the model; returns how many were loaded.
+
+        Any subset in any order. Every name and shape is checked before anything is written, so a
+        bad call changes nothing: an unknown name or a wrong shape raises ValueError naming it.
+        `lm_head.weight` of a model with tied embeddings is skipped, as SGLang does.
+        """
+        todo = []
+        for name, tensor in named_tensors:
+            slot = self.slots.get(name)
+            if slot is None:
+                if name == "lm_head.weight" and getattr(self.config, "tie_word_embeddings", False):
+                    continue
+                raise ValueError(f"unknown weight name {name!r}; expected HF checkpoint names such as "
+                                 f"{list(self.slots)[:3]} ({len(self.slots)} in all)")
+            target = self._view(slot)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(f"weight {name!r} has shape {list(tensor.shape)}, the model expects "
+                                 f"{list(target.shape)}")
+            todo.append((target, tensor))
+        with torch.no_grad():
+            for target, tensor in todo:
+                target.copy_(tensor)
+        return len(todo)
+
+    def get_weight(self, name: str) -> torch.Tensor:
+        """A copy of one tensor under its HF checkpoint name (ValueError if unknown)."""
+        if name not in self.slots:
+            raise ValueError(f"unknown weight name {name!r}; expected HF checkpoint names such as "
+                             f"{list(self.slots)[:3]}")
+        return self._view(self.slots[name]).detach().clone()
+
+    def _view(self, slot) -> torch.Tensor:
+        pname, index = slot
+        return self._params[pname].data[index]
+
+    def to_device(self, device: str | torch.device) -> None:
+        """Move the weights (used to release and resume accelerator memory)."""
+        self.model.to(device)
+        self._params = self.model.state_dict(keep_vars=True)
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def max_new_tokens_for(self, prompt_len: int, requested: int) -> int:
+        """SGLang's cap: min(requested, context_len - 2 - prompt_len); ValueError for too-long prompts."""
+        if prompt_len > self.context_len - 6:
+            raise ValueError(f"the input ({prompt_len} tokens) is longer than the model's context length "
+                             f"allows ({self.context_len} tokens, prompts up to {self.context_len - 6})")
+        return min(requested, self.context_len - 2 - prompt_len)
+
+    @torch.inference_mode()
+    def generate(self, input_ids: Sequence[Sequence[int]],
+                 sampling_params: Sequence[Mapping | SamplingParams]) -> list[dict]:
+        """Generate for every prompt; one dict per request with output_ids, finish_reason, output_logprobs.
+
+        `output_logprobs[i]` is log_softmax(logits / T)[output_ids[i]] (T = 1 when greedy), see the
+        module docstring. ValueError for malformed prompts or sampling params.
+        """
+        if len(input_ids) != len(sampling_params):
+            raise ValueError(f"{len(input_ids)} prompts but {len(sampling_params)} sampling_params")
+        params = [p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p) for p in sampling_params]
+        prompts = [self._check_prompt(i, p) for i, p in enumerate(input_ids)]
+        if not prompts:
+            return []
+        max_new = [self.max_new_tokens_for(len(p), sp.max_new_tokens) for p, sp in zip(prompts, params)]
+        seeds = [sp.sampling_seed if sp.sampling_seed is not None else self._seed_rng.getrandbits(63)
+                 for sp in params]
+        num_steps = max(max_new)
+        if num_steps == 0:
+            return [_result([], [], {"type": "length", "length": 0}) for _ in prompts]
+        tokens_BT, logprobs_BT, lengths_B, stopped_B = self._decode(prompts, params, max_new, seeds, num_steps)
+        out = []
+        for b, n in enumerate(lengths_B.tolist()):
+            ids = tokens_BT[b, :n].tolist()
+            reason = {"type": "stop", "matched": ids[-1]} if stopped_B[b] else {"type": "length", "length": n}
+            out.append(_result(ids, logprobs_BT[b, :n].tolist(), reason))
+        return out
+
+    def _check_prompt(self, i: int, prompt: Sequence[int]) -> list[int]:
+        ids = list(prompt)
+        if not ids:
+            raise ValueError(f"input_ids[{i}] is empty; every prompt needs at least one token")
+        for t in ids:
+            if not _is_int(t) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"input_ids[{i}] holds {t!r}; token ids must be integers in "
+                                 f"[0, {self.vocab_size})")
+        return ids
+
+    def _decode(self, prompts, params, max_new, seeds, num_steps):
+        from transformers import DynamicCache
+
+        dev, B, V = self.device, len(prompts), self.vocab_size
+        L = max(len(p) for p in prompts)
+        tokens_BL = torch.full((B, L), self.pad_token_id, dtype=torch.long)
+        mask_BN = torch.ones(B, L + num_steps, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            tokens_BL[b, L - len(p):] = torch.tensor(p)
+            mask_BN[b, :L - len(p)] = 0
+        pos_BL = (mask_BN[:, :L].cumsum(-1) - 1).clamp(min=0)
+
+        greedy_B = torch.tensor([sp.temperature == 0 for sp in params])
+        temp_B = torch.tensor([1.0 if sp.temperature == 0 else float(sp.temperature) for sp in params])
+        top_p_B = torch.tensor([float(sp.top_p) for sp in params])
+        top_k_B = torch.tensor([V if sp.top_k == -1 else min(sp.top_k, V) for sp in params])
+        u_BT = torch.zeros(B, num_steps)
+        stop_BV = torch.zeros(B, V, dtype=torch.bool)
+        for b, sp in enumerate(params):
+            if sp.temperature != 0:
+                gen = torch.Generator().manual_seed(seeds[b])
+                u_BT[b, :max_new[b]] = torch.rand(max_new[b], generator=gen)
+            if not sp.ignore_eos:
+                ids = [t for t in (*self.eos_token_ids, *sp.stop_token_ids) if 0 <= t < V]
+                stop_BV[b, ids] = True
+        max_new_B = torch.tensor(max_new)
+        all_greedy = bool(greedy_B.all())
+        sampler_args = [t.to(dev) for t in (greedy_B, temp_B, top_p_B, top_k_B)]
+        u_BT, stop_BV, mask_BN = u_BT.to(dev), stop_BV.to(dev), mask_BN.to(dev)
+
+        tokens_BT = torch.zeros(B, num_steps, dtype=torch.long, device=dev)
+        logprobs_BT = torch.zeros(B, num_steps, device=dev)
+        lengths_B = torch.zeros(B, dtype=torch.long, device=dev)
+        finished_B = (max_new_B == 0).to(dev)
+        stopped_B = torch.zeros(B, dtype=torch.bool, device=dev)
+        max_new_B = max_new_B.to(dev)
+        rows = torch.arange(B, device=dev)
+        cache = DynamicCache(config=self.config)
+        ids_in, pos_in = tokens_BL.to(dev), pos_BL.to(dev)
+        for t in range(num_steps):
+            logits_BV = self.model(input_ids=ids_in, attention_mask=mask_BN[:, :L + t], position_ids=pos_in,
+                                   cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+            tok_B, lp_B = _sample(logits_BV, u_BT[:, t], all_greedy, *sampler_args)
+            tokens_BT[:, t] = tok_B
+            logprobs_BT[:, t] = lp_B
+            active_B = ~finished_B
+            lengths_B += active_B
+            at_len_B = active_B & (lengths_B >= max_new_B)
+            at_stop_B = active_B & ~at_len_B & stop_BV[rows, tok_B]
+            stopped_B |= at_stop_B
+            finished_B |= at_len_B | at_stop_B
+            if t + 1 == num_steps or bool(finished_B.all()):
+                break
+            ids_in, pos_in = tok_B[:, None], pos_in[:, -1:] + 1
+        return tokens_BT.cpu(), logprobs_BT.cpu(), lengths_B.cpu(), stopped_B.tolist()
+
+
+def _sample(logits_BV, u_B, all_greedy, greedy_B, temp_B, top_p_B, top_k_B):
+    """Next token and its log-prob per row (see the module docstring for the rules)."""
+    if all_greedy:
+        logp_BV = torch.log_softmax(logits_BV, -1)
+        tok_B = logits_BV.argmax(-1)
+        return tok_B, logp_BV.gather(1, tok_B[:, None])[:, 0]
+    logp_BV = torch.log_softmax(logits_BV / temp_B[:, None], -1)
+    probs_sorted_BV, order_BV = logp_BV.exp().sort(-1, descending=True)
+    rank_V = torch.arange(logits_BV.shape[-1], device=logits_BV.device)
+    cum_BV = probs_sorted_BV.cumsum(-1)
+    drop_BV = (rank_V[None, :] >= top_k_B[:, None]) | ((cum_BV - probs_sorted_BV) > top_p_B[:, None])
+    kept_BV = probs_sorted_BV.masked_fill(drop_BV, 0.0)
+    cdf_BV = kept_BV.cumsum(-1)
+    threshold_B = u_B * cdf_BV[:, -1]
+    pick_B = torch.searchsorted(cdf_BV, threshold_B[:, None], right=True)[:, 0]
+    # u * total can round up to total; never step past the last token that kept mass.
+    last_kept_B = (kept_BV > 0).sum(-1) - 1
+    pick_B = torch.minimum(pick_B, last_kept_B)
+    tok_B = order_BV.gather(1, pick_B[:, None])[:, 0]
+    tok_B = torch.where(greedy_B, logits_BV.argmax(-1), tok_B)
+    return tok_B, logp_BV.gather(1, tok_B[:, None])[:, 0]
+
+
+def _result(ids: list[int], logprobs: list[float], reason: dict) -> dict:
+    return {"output_ids": ids, "output_logprobs": logprobs, "finish_reason": reason}

@@ -1,0 +1,161 @@
+"""hpcrl.rollout.engine.ReferenceModel: KV-cache decoding, SGLang sampling rules, determinism, weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpcrl.models.presets import load_hf_config
+from hpcrl.rollout.engine import ReferenceModel, SamplingParams
+
+pytestmark = pytest.mark.timeout(240)
+
+HF_CONFIG = load_hf_config("tiny-qwen3-moe", None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny ops: one intra-op thread avoids OpenMP spin contention on the shared 2-core machine."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def engine() -> ReferenceModel:
+    return ReferenceModel(HF_CONFIG, seed=3)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 14, (n,), generator=g).tolist()
+    return [torch.randint(3, 64, (k,), generator=g).tolist() for k in lengths]
+
+
+@torch.inference_mode()
+def _full_forward_logprobs(engine: ReferenceModel, prompt, output_ids, temperature: float) -> torch.Tensor:
+    """Log-probs of output_ids from one forward over the whole unpadded sequence, no cache."""
+    seq = torch.tensor([prompt + output_ids])
+    logits = engine.model(input_ids=seq).logits[0, len(prompt) - 1:-1].float()
+    t = 1.0 if temperature == 0 else temperature
+    return torch.log_softmax(logits / t, -1).gather(1, torch.tensor(output_ids)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.3])
+def test_kv_cache_logprobs_equal_a_full_forward(engine, temperature):
+    prompts = _prompts(6)
+    params = [{"temperature": temperature, "top_p": 0.9, "max_new_tokens": 12, "ignore_eos": True,
+               "sampling_seed": i} for i in range(6)]
+    outs = engine.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        assert len(out["output_ids"]) == 12
+        assert out["finish_reason"] == {"type": "length", "length": 12}
+        ref = _full_forward_logprobs(engine, prompt, out["output_ids"], temperature)
+        torch.testing.assert_close(torch.tensor(out["output_logprobs"]), ref, atol=1e-5, rtol=0)
+
+
+def test_left_padded_ragged_batch_equals_single_prompts(engine):
+    prompts = _prompts(5, seed=1)
+    assert len({len(p) for p in prompts}) > 1
+    params = [{"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}] * 5
+    batched = engine.generate(prompts, params)
+    for prompt, out in zip(prompts, batched):
+        (single,) = engine.generate([prompt], params[:1])
+        assert out["output_ids"] == single["output_ids"]
+        torch.testing.assert_close(torch.tensor(out["output_logprobs"]),
+                                   torch.tensor(single["output_logprobs"]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_results_do_not_depend_on_batch_composition(engine, temperature):
+    target = [5, 9, 17, 33, 4]
+    sp = {"temperature": temperature, "max_new_tokens": 16, "ignore_eos": True, "sampling_seed": 1234}
+    alone = engine.generate([target], [sp])[0]
+    others = _prompts(7, seed=2)
+    other_params = [{"temperature": 1.0, "max_new_tokens": 5, "sampling_seed": 50 + i} for i in range(7)]
+    mixed = engine.generate(others[:3] + [target] + others[3:], other_params[:3] + [sp] + other_params[3:])[3]
+    assert mixed["output_ids"] == alone["output_ids"]
+    torch.testing.assert_close(torch.tensor(mixed["output_logprobs"]), torch.tensor(alone["output_logprobs"]),
+                               atol=1e-5, rtol=0)
+
+
+def test_seeds_change_samples_and_top_k_1_is_greedy(engine):
+    prompt = [1, 7, 8, 9]
+    base = {"max_new_tokens": 16, "ignore_eos": True}
+    samples = {tuple(engine.generate([prompt], [{**base, "temperature": 1.0, "sampling_seed": s}])[0]["output_ids"])
+               for s in range(4)}
+    assert len(samples) > 1
+    greedy = engine.generate([prompt], [{**base, "temperature": 0}])[0]
+    for extra in ({"top_k": 1}, {"top_p": 1e-6}):
+        out = engine.generate([prompt], [{**base, "temperature": 0.8, "sampling_seed": 9, **extra}])[0]
+        assert out["output_ids"] == greedy["output_ids"]
+        # log-probs are of the temperature-scaled distribution, before filtering
+        ref = _full_forward_logprobs(engine, prompt, out["output_ids"], 0.8)
+        torch.testing.assert_close(torch.tensor(out["output_logprobs"]), ref, atol=1e-5, rtol=0)
+
+
+def test_stop_on_eos_and_stop_token_ids():
+    prompt = [1, 11, 12, 13]
+    base = ReferenceModel(HF_CONFIG, seed=5)
+    free = base.generate([prompt], [{"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}])[0]["output_ids"]
+    stop_id = free[3]
+    cut = free.index(stop_id) + 1
+    # same weights, but the model config says this token is EOS
+    eos_engine = ReferenceModel({**HF_CONFIG, "eos_token_id": stop_id}, seed=5)
+    out = eos_engine.generate([prompt], [{"temperature": 0, "max_new_tokens": 20}])[0]
+    assert out["output_ids"] == free[:cut]
+    assert out["finish_reason"] == {"type": "stop", "matched": stop_id}
+    ignored = eos_engine.generate([prompt], [{"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}])[0]
+    assert ignored["output_ids"] == free and ignored["finish_reason"] == {"type": "length", "length": 20}
+    # stop_token_ids on the original model; length wins when the stop token is the last allowed one
+    out = base.generate([prompt], [{"temperature": 0, "max_new_tokens": 20, "stop_token_ids": [stop_id]}])[0]
+    assert out["output_ids"] == free[:cut] and out["finish_reason"]["type"] == "stop"
+    out = base.generate([prompt], [{"temperature": 0, "max_new_tokens": cut, "stop_token_ids": [stop_id]}])[0]
+    assert out["finish_reason"] == {"type": "length", "length": cut}
+
+
+def test_length_limits(engine):
+    outs = engine.generate([[1, 2, 3], [4, 5]], [{"max_new_tokens": 0}, {"max_new_tokens": 3, "ignore_eos": True}])
+    assert outs[0] == {"output_ids": [], "output_logprobs": [], "finish_reason": {"type": "length", "length": 0}}
+    assert len(outs[1]["output_ids"]) == 3
+    ctx = engine.context_len
+    long_prompt = [7] * (ctx - 10)
+    out = engine.generate([long_prompt], [{"max_new_tokens": 100, "ignore_eos": True}])[0]
+    assert out["finish_reason"] == {"type": "length", "length": ctx - 2 - len(long_prompt)}
+    with pytest.raises(ValueError, match="longer than the model's context length"):
+        engine.generate([[7] * (ctx - 5)], [{}])
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": 0}, "top_k"),
+    ({"max_new_tokens": -2}, "max_new_tokens"), ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty=0.5 is not supported"),
+    ({"bogus": 1}, "unknown sampling_params key 'bogus'"),
+])
+def test_bad_sampling_params_name_the_field(params, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams.from_dict(params)
+
+
+def test_bad_prompts_are_rejected(engine):
+    with pytest.raises(ValueError, match=r"input_ids\[1\] is empty"):
+        engine.generate([[1], []], [{}, {}])
+    with pytest.raises(ValueError, match=r"input_ids\[0\] holds 64"):
+        engine.generate([[1, 64]], [{}])
+
+
+def test_load_weights_checks_every_name_and_shape_before_writing():
+    eng = ReferenceModel(HF_CONFIG, seed=0)
+    name = "model.layers.0.mlp.experts.1.up_proj.weight"
+    before = eng.get_weight(name)
+    new = torch.randn_like(before)
+    with pytest.raises(ValueError, match="unknown weight name 'model.layers.0.mlp.experts.gate_up_proj'"):
+        eng.load_weights([(name, new), ("model.layers.0.mlp.experts.gate_up_proj", new)])
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \[3\], the model expects \[64\]"):
+        eng.load_weights([(name, new), ("model.norm.weight", torch.zeros(3))])
+    assert torch.equal(eng.get_weight(name), before)  # nothing was written
+    assert eng.load_weights([(name, new)]) == 1
+    assert torch.equal(eng.get_weight(name), new)
+    gate_up = eng.model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"]
+    assert torch.equal(gate_up[1, 32:], new)

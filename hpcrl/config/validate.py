@@ -141,6 +141,8 @@ def _read_model(job: JobConfig) -> ModelDims:
         key, value = "model.config_path", m.config_path
         file = Path(job.base_dir, m.config_path)
         source = f"config.json {file}"
+        if file.is_dir():
+            raise ConfigError(key, value, "is a directory; give the path of the config.json file in it")
         if not file.is_file():
             raise ConfigError(key, value, "no such file; give a HuggingFace config.json "
                                           "(relative to the job file), or set it to null and use "

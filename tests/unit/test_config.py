@@ -90,6 +90,7 @@ BAD = [
     ("no-model", "model: {preset: null}", [], None, "model.preset", "None", "or model.config_path"),
     ("config-path-missing", "model: {config_path: nowhere/config.json}", [], None, "model.config_path",
      "nowhere/config.json", "no such file"),
+    ("config-path-dir", "model: {config_path: .}", [], None, "model.config_path", "='/", "is a directory"),
     ("config-not-json", "model: {config_path: model.json}", [],
      lambda p: (p / "model.json").write_text("{oops"), "model.config_path", "model.json", "not a json"),
     ("config-lacks-key", "model: {config_path: model.json}", [], lambda p: model_file(p, num_experts=None),

@@ -109,3 +109,16 @@ def build_gpt_model(hf_config: Mapping, config) -> torch.nn.Module:  # config: T
         rotary_percent=1.0,
         rotary_base=dims.rope_theta,
     )
+
+
+def build_hf_model(hf_config: Mapping, seed: int) -> torch.nn.Module:
+    """The HF transformers model of `hf_config` (fp32, CPU, eval mode) with weights drawn from
+    `seed`, leaving the global RNG state untouched. For tiny models: it allocates the full model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {k: v for k, v in hf_config.items() if k != "model_type"}
+    conf = AutoConfig.for_model(hf_config["model_type"], **kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(conf, dtype=torch.float32)
+    return model.eval()

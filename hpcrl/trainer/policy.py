@@ -1,0 +1,437 @@
+"""The Megatron-core policy of a trainer rank: weights in HF names, log-probs, one GRPO step.
+
+Every trainer rank builds one `MegatronPolicy` after `hpcrl.dist.init_torch_distributed` (the
+default torch.distributed world is exactly the trainer ranks) and then calls each method
+collectively with the same arguments; results come back on trainer rank 0 (None elsewhere).
+
+    batch (every rank)  -> rows split over DP ranks -> micro-batches (trainer.micro_batch_size)
+        -> Megatron schedule (1F1B under PP) -> GPTModel (TP/SP, EP/ETP MoE)
+        -> last stage: log-probs of response tokens, GRPO loss (global token/seq counts)
+        -> Megatron DDP grad reduce + finalize_model_grads -> Adam step
+    results (log-probs, metrics, HF weights) -> trainer rank 0
+
+Loss scaling: each micro-batch's loss is `grpo_loss` with the *global* token and sequence counts,
+so the sum over all micro-batches of all DP ranks is the full-batch loss. The schedule divides a
+micro-batch loss by the number of micro-batches M and DDP averages over the D DP ranks, so the
+policy hands Megatron `loss * M * D`; the MoE aux loss then gets Megatron's usual weight (mean
+over the M * D micro-batches). Pad tokens are masked out of the aux loss (`padding_mask`), so
+the update does not depend on how much padding a layout adds (L is rounded up to a multiple of tp).
+
+Optimizer: megatron's `get_megatron_optimizer` (torch AdamW with decoupled weight decay when TE
+and Apex are absent; no weight decay on 1-D params, Megatron's standard), non-distributed, fp32,
+with Megatron's model-parallel-aware grad-norm clipping (`grad_clip`, 0 disables).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.algorithms.grpo import GRPOLossConfig, aggregate, grpo_loss
+from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
+from hpcrl.trainer import megatron_compat
+from hpcrl.trainer.batch import TrainBatch
+from hpcrl.trainer.model import build_gpt_model, build_hf_model, transformer_config
+from moe.hf_megatron import (HFModelDims, RankCoords, hf_fused_to_checkpoint, hf_to_megatron,
+                             local_params)
+
+METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_frac")
+
+
+def hf_state_dict_sha256(sd: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over (name, dtype, shape, raw bytes) of every tensor, in sorted name order."""
+    h = hashlib.sha256()
+    for name in sorted(sd):
+        t = sd[name].detach().cpu().contiguous()
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _logp_and_entropy(logits_BLV: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: torch.Tensor,
+                      temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each target under log_softmax(logits / temperature) at its position, and the
+    entropy there (detached: a metric)."""
+    V = logits_BLV.shape[-1]
+    z_BTV = logits_BLV.gather(1, pos_BT.unsqueeze(-1).expand(-1, -1, V)).float() / temperature
+    logz_BT = torch.logsumexp(z_BTV, dim=-1)
+    logp_BT = z_BTV.gather(-1, tgt_BT.unsqueeze(-1)).squeeze(-1) - logz_BT
+    with torch.no_grad():
+        entropy_BT = logz_BT - (torch.softmax(z_BTV, dim=-1) * z_BTV).sum(-1)
+    return logp_BT, entropy_BT
+
+
+class MegatronPolicy:
+    """A Megatron GPTModel (MoE) policy, plus a frozen reference copy when `kl_coef > 0`.
+
+    Construct on every trainer rank (collective). Weights start uninitialised: call
+    `init_from_seed` or `load_hf_state_dict` before computing anything.
+    """
+
+    def __init__(self, hf_config: dict, trainer: TrainerConfig, algorithm: AlgorithmConfig,
+                 device: str = "cpu") -> None:
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device={device!r}; valid: 'cpu', 'cuda'")
+        if not dist.is_initialized():
+            raise RuntimeError("MegatronPolicy needs torch.distributed; call "
+                               "hpcrl.dist.init_torch_distributed(trainer_comm, backend) first")
+        world = dist.get_world_size()
+        tp, pp, ep, etp = trainer.tp, trainer.pp, trainer.ep, trainer.etp
+        if world != trainer.num_procs:
+            raise ValueError(f"trainer.num_procs={trainer.num_procs} but the torch.distributed world has "
+                             f"{world} ranks; the default group must be exactly the trainer ranks")
+        if world % (tp * pp) or (world // pp) % (ep * etp):
+            raise ValueError(f"trainer layout tp={tp} pp={pp} ep={ep} etp={etp} does not fit "
+                             f"num_procs={world}: need tp*pp | num_procs and ep*etp | num_procs/pp")
+        if trainer.micro_batch_size < 1:
+            raise ValueError(f"trainer.micro_batch_size={trainer.micro_batch_size}; must be >= 1")
+        self.dims = HFModelDims.from_hf_config(hf_config)
+        RankCoords(tp=tp, pp=pp, ep=ep, etp=etp).check(self.dims)
+        megatron_compat.apply()
+        if device == "cuda":
+            torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+        self.device = torch.device(device)
+        self.hf_config = dict(hf_config)
+        self.trainer, self.algorithm = trainer, algorithm
+        self.rank = dist.get_rank()
+
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+
+        if ps.model_parallel_is_initialized():
+            have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                    ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
+            if have != (tp, pp, ep, etp):
+                raise RuntimeError(f"Megatron model parallel is already initialised as tp,pp,ep,etp={have}; "
+                                   f"this policy needs {(tp, pp, ep, etp)}")
+        else:
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        tensor_parallel.model_parallel_cuda_manual_seed(trainer.seed)
+        self.coords = RankCoords(
+            tp_rank=ps.get_tensor_model_parallel_rank(), tp=tp, pp_rank=ps.get_pipeline_model_parallel_rank(),
+            pp=pp, ep_rank=ps.get_expert_model_parallel_rank(), ep=ep,
+            etp_rank=ps.get_expert_tensor_parallel_rank(), etp=etp)
+        self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.first_stage, self.last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        all_coords: list[Any] = [None] * world
+        dist.all_gather_object(all_coords, self.coords)
+        self._export_plan = self._make_export_plan(all_coords)
+
+        layout = dict(tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=trainer.dispatcher,
+                      aux_loss_coef=algorithm.aux_loss_coef, device=device)
+        self._build_policy(layout)
+        self.ref: torch.nn.Module | None = None
+        if algorithm.kl_coef > 0:
+            self.ref = build_gpt_model(self.hf_config, transformer_config(self.hf_config, **layout))
+            self.ref.requires_grad_(False)
+        self.loss_cfg = GRPOLossConfig(clip_eps=algorithm.clip_eps, kl_coef=algorithm.kl_coef,
+                                       kl_estimator=algorithm.kl_estimator, loss_agg=algorithm.loss_agg)
+        self._loaded = {"policy": False, "ref": self.ref is None}
+
+    def _build_policy(self, layout: dict) -> None:
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = transformer_config(self.hf_config, **layout)
+        gpt = build_gpt_model(self.hf_config, config)
+        names = {n for n, _ in gpt.named_parameters()}
+        expected = {p.name for p in local_params(self.dims, self.coords)}
+        assert names == expected, f"Megatron params differ from the HF map: {sorted(names ^ expected)}"
+        self.ddp = DistributedDataParallel(
+            config=config, module=gpt,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                     use_distributed_optimizer=False))
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = self.ddp.no_sync
+        self.gpt = gpt
+        a = self.algorithm
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=a.lr, min_lr=a.lr, weight_decay=a.weight_decay,
+                            adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps,
+                            clip_grad=a.grad_clip, params_dtype=torch.float32, bf16=False, fp16=False,
+                            use_distributed_optimizer=False),
+            [self.ddp])
+        # Megatron applies wd_mult (0 for norms and biases) through its LR scheduler, which hpcrl
+        # does not use (constant LR); apply it to the param groups once here.
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = a.weight_decay * group.get("wd_mult", 1.0)
+
+    # ------------------------------------------------------------------ weights
+
+    def _models(self, model: str) -> list[tuple[str, torch.nn.Module]]:
+        if model not in ("policy", "ref", "both"):
+            raise ValueError(f"model={model!r}; valid: 'policy', 'ref', 'both'")
+        if model != "policy" and self.ref is None:
+            raise ValueError(f"model={model!r} but there is no reference model (algorithm.kl_coef=0)")
+        out = [] if model == "ref" else [("policy", self.gpt)]
+        return out + ([("ref", self.ref)] if model != "policy" else [])
+
+    def init_from_seed(self, seed: int) -> None:
+        """Load the weights HF transformers draws for this config under `seed` (policy and ref).
+
+        Layout-independent: every rank builds the full HF model on CPU, so only for small models.
+        """
+        hf = build_hf_model(self.hf_config, seed)
+        self.load_hf_state_dict(hf_fused_to_checkpoint(hf.state_dict(), self.dims), model="both"
+                                if self.ref is not None else "policy")
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor], model: str = "policy") -> None:
+        """Copy full HF checkpoint-named tensors into this rank's shards of `model`
+        ("policy", "ref" or "both"). Every rank passes the full state dict."""
+        local = hf_to_megatron(sd, self.dims, self.coords)
+        for which, module in self._models(model):
+            params = dict(module.named_parameters())
+            for name, tensor in local.items():
+                params[name].copy_(tensor)
+            self._loaded[which] = True
+
+    def _make_export_plan(self, all_coords: list[RankCoords]) -> list[list[tuple[str, Any]]]:
+        """Per global rank, the (param name, Piece) it sends to rank 0: each HF region once,
+        from the lowest rank that holds it."""
+        seen: set[tuple[str, Any]] = set()
+        plan: list[list[tuple[str, Any]]] = []
+        for coords in all_coords:
+            mine = []
+            for p in local_params(self.dims, coords):
+                for pc in p.pieces:
+                    if (pc.hf_name, pc.hf_box) not in seen:
+                        seen.add((pc.hf_name, pc.hf_box))
+                        mine.append((p.name, pc))
+            plan.append(mine)
+        return plan
+
+    @staticmethod
+    def _index(box: Any) -> tuple[slice, ...]:
+        return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.shape))
+
+    @torch.no_grad()
+    def export_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full HF checkpoint-named policy tensors (CPU, sorted by name) on trainer rank 0; None
+        elsewhere. Collective: every rank sends rank 0 the regions it is the first holder of."""
+        params = dict(self.gpt.named_parameters())
+        mine = self._export_plan[self.rank]
+        if self.rank != 0:
+            if mine:
+                flat = torch.cat([params[n][self._index(pc.local_box)].reshape(-1) for n, pc in mine])
+                dist.send(flat.contiguous(), dst=0)
+            return None
+        shapes = self.dims.hf_shapes()
+        dtype = next(iter(params.values())).dtype
+        out = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
+        for n, pc in mine:
+            out[pc.hf_name][self._index(pc.hf_box)] = params[n][self._index(pc.local_box)].cpu()
+        for src in range(1, len(self._export_plan)):
+            pieces = self._export_plan[src]
+            if not pieces:
+                continue
+            flat = torch.empty(sum(pc.hf_box.numel for _, pc in pieces), dtype=dtype, device=self.device)
+            dist.recv(flat, src=src)
+            flat, offset = flat.cpu(), 0
+            for _, pc in pieces:
+                out[pc.hf_name][self._index(pc.hf_box)] = flat[offset: offset + pc.hf_box.numel].view(
+                    pc.hf_box.shape)
+                offset += pc.hf_box.numel
+        return out
+
+    def policy_sha256(self) -> str | None:
+        """sha256 of `export_hf_state_dict()` (see `hf_state_dict_sha256`) on rank 0. Collective."""
+        sd = self.export_hf_state_dict()
+        return None if sd is None else hf_state_dict_sha256(sd)
+
+    # ------------------------------------------------------------------ compute
+
+    def _require_loaded(self, which: str) -> None:
+        if not self._loaded[which]:
+            raise RuntimeError(f"the {which} weights are not loaded; call init_from_seed(seed) or "
+                               f"load_hf_state_dict(sd, model={which!r}) first")
+
+    def _share(self, batch: TrainBatch | None, tensors: dict[str, torch.Tensor | None]
+               ) -> tuple[TrainBatch, dict[str, torch.Tensor | None]]:
+        """The inputs on every rank: ranks that passed batch=None receive rank 0's."""
+        have = torch.tensor([0 if batch is None else 1], device=self.device)
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+        if int(have.item()) == 1:
+            assert batch is not None
+            return batch, tensors
+        if self.rank == 0 and batch is None:
+            raise ValueError("batch is None on trainer rank 0; rank 0 must always pass the batch")
+        payload: list[Any] = [(batch, tensors) if self.rank == 0 else None]
+        dist.broadcast_object_list(payload, src=0)
+        return payload[0]
+
+    def _split(self, batch: TrainBatch, per_row: dict[str, torch.Tensor]
+               ) -> tuple[list[dict[str, torch.Tensor]], int, int, int]:
+        """This DP rank's micro-batches (equal shapes), their count, rows and sequence length.
+
+        B rows are padded with dummy rows to D * M * mb (D DP ranks, M micro-batches of mb rows,
+        mb <= micro_batch_size); DP rank d takes the d-th contiguous block. L is padded to a
+        multiple of tp (sequence parallelism splits it).
+        """
+        B, tp = batch.batch_size, self.coords.tp
+        per_rank = math.ceil(B / self.dp_size)
+        n_mb = math.ceil(per_rank / self.trainer.micro_batch_size)
+        mb = math.ceil(per_rank / n_mb)
+        L = math.ceil(batch.seq_len / tp) * tp
+        padded = batch.padded(self.dp_size * n_mb * mb, L)
+        assert padded.response_width == batch.response_width
+        full = {"tokens_BL": padded.tokens_BL, "pad_BL": padded.padding_mask_BL(),
+                "pos_BT": padded.logit_positions_BT(), "tgt_BT": padded.response_tokens_BT(),
+                "mask_BT": padded.response_mask_BT()}
+        for name, t in per_row.items():
+            full[name] = torch.cat([t, t.new_zeros((padded.batch_size - B, *t.shape[1:]))])
+        position_ids = torch.arange(L, device=self.device).unsqueeze(0).expand(mb, L)
+        out = []
+        for m in range(n_mb):
+            s = (self.dp_rank * n_mb + m) * mb
+            d = {k: v[s: s + mb].to(self.device) for k, v in full.items()}
+            d["position_ids"] = position_ids
+            out.append(d)
+        return out, n_mb, mb, L
+
+    def _forward_step(self, data_iterator: Any, model: torch.nn.Module, loss_fn: Any) -> tuple[Any, Any]:
+        mbd = next(data_iterator)
+        pad_BL = mbd["pad_BL"]
+        if not self.first_stage and self.coords.tp > 1:
+            # Later stages get sequence-parallel hidden states; GPTModel scatters the padding
+            # mask only on the first stage, so cut this TP rank's columns here.
+            s = pad_BL.shape[1] // self.coords.tp
+            pad_BL = pad_BL[:, self.coords.tp_rank * s: (self.coords.tp_rank + 1) * s]
+        out = model(mbd["tokens_BL"], mbd["position_ids"], None, padding_mask=pad_BL,
+                    runtime_gather_output=True)
+        return out, partial(loss_fn, mbd)
+
+    def _run(self, model: torch.nn.Module, mbs: list[dict[str, torch.Tensor]], n_mb: int, mb: int, L: int,
+             forward_only: bool, loss_fn: Any) -> list[dict[str, torch.Tensor]]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, loss_fn=loss_fn), data_iterator=iter(mbs),
+            model=[model], num_microbatches=n_mb, seq_length=L, micro_batch_size=mb,
+            forward_only=forward_only)
+
+    def _to_rank0(self, local: torch.Tensor) -> torch.Tensor | None:
+        """Sum of `local` over all ranks, on rank 0 (callers zero it where it must not count)."""
+        local = local.to(self.device).contiguous()
+        dist.reduce(local, dst=0, op=dist.ReduceOp.SUM)
+        return local.cpu() if self.rank == 0 else None
+
+    def _counts_here(self) -> bool:
+        """Whether this rank's last-stage results count (one TP replica per DP rank)."""
+        return self.last_stage and self.coords.tp_rank == 0
+
+    @staticmethod
+    def _logp_loss(temperature: float, mbd: dict[str, torch.Tensor], logits_BLV: torch.Tensor
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logp_BT, _ = _logp_and_entropy(logits_BLV, mbd["pos_BT"], mbd["tgt_BT"], temperature)
+        return logp_BT.new_zeros(()), {"logp_BT": torch.where(mbd["mask_BT"], logp_BT, 0.0)}
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch | None, model: str = "policy",
+                         temperature: float = 1.0) -> torch.Tensor | None:
+        """Float32 [B, T] log-probs of the response tokens (alignment: hpcrl/trainer/batch.py;
+        0 on padding columns) under `model` ("policy" or "ref"), on rank 0; None elsewhere."""
+        if model not in ("policy", "ref"):
+            raise ValueError(f"model={model!r}; valid: 'policy', 'ref'")
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature}; must be > 0")
+        module = self._models(model)[-1][1]
+        self._require_loaded(model)
+        batch, _ = self._share(batch, {})
+        mbs, n_mb, mb, L = self._split(batch, {})
+        store = self._run(self.ddp if model == "policy" else module, mbs, n_mb, mb, L, True,
+                          partial(self._logp_loss, temperature))
+        T = batch.response_width
+        out_BT = torch.zeros(self.dp_size * n_mb * mb, T, dtype=torch.float32)
+        if self._counts_here():
+            for m, d in enumerate(store):
+                s = (self.dp_rank * n_mb + m) * mb
+                out_BT[s: s + mb] = d["logp_BT"].float().cpu()
+        full = self._to_rank0(out_BT)
+        return None if full is None else full[: batch.batch_size]
+
+    def _train_loss(self, temperature: float, num_tokens: int, num_seqs: int, scale: int,
+                    mbd: dict[str, torch.Tensor], logits_BLV: torch.Tensor
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logp_BT, entropy_BT = _logp_and_entropy(logits_BLV, mbd["pos_BT"], mbd["tgt_BT"], temperature)
+        mask_BT = mbd["mask_BT"]
+        loss, m = grpo_loss(logp_BT, mbd["old_BT"], mbd.get("ref_BT"), mbd["adv_B"], mask_BT,
+                            self.loss_cfg, num_tokens=num_tokens, num_seqs=num_seqs)
+        entropy = aggregate(entropy_BT, mask_BT, "token-mean", num_tokens)
+        metrics = torch.stack([loss.detach(), m["pg_loss"], m["kl"].to(loss.device), entropy,
+                               m["clip_frac"]]).float()
+        return loss * scale, {"metrics": metrics}
+
+    def train_step(self, batch: TrainBatch | None, advantages_B: torch.Tensor | None,
+                   old_logp_BT: torch.Tensor | None, ref_logp_BT: torch.Tensor | None = None,
+                   temperature: float = 1.0) -> dict[str, float] | None:
+        """One optimizer step of the GRPO loss over the whole batch; metrics on rank 0.
+
+        `old_logp_BT` / `ref_logp_BT` follow the [B, T] alignment of hpcrl/trainer/batch.py;
+        `ref_logp_BT` is required when algorithm.kl_coef > 0. Every rank passes the same inputs,
+        or None on ranks other than 0 (then rank 0's are broadcast). Returns loss, pg_loss, kl,
+        entropy, clip_frac (means over response tokens per algorithm.loss_agg), grad_norm (before
+        clipping) and aux_loss (Megatron's load-balancing loss without its coefficient, mean over
+        layers and micro-batches) on rank 0; None elsewhere.
+        """
+        from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
+                                                             get_moe_layer_wise_logging_tracker,
+                                                             reduce_aux_losses_tracker_across_ranks)
+
+        self._require_loaded("policy")
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature}; must be > 0")
+        batch, t = self._share(batch, {"adv_B": advantages_B, "old_BT": old_logp_BT, "ref_BT": ref_logp_BT})
+        B, T = batch.batch_size, batch.response_width
+        for name, key, shape in (("advantages_B", "adv_B", (B,)), ("old_logp_BT", "old_BT", (B, T)),
+                                 ("ref_logp_BT", "ref_BT", (B, T))):
+            v = t[key]
+            if v is None and name != "ref_logp_BT":
+                raise ValueError(f"{name} is None; pass a tensor of shape {shape}")
+            if v is not None and tuple(v.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(v.shape)}, expected {shape} (B={B} rows, "
+                                 f"T={T} = max response length; see hpcrl/trainer/batch.py)")
+        if self.loss_cfg.kl_coef > 0 and t["ref_BT"] is None:
+            raise ValueError("algorithm.kl_coef > 0 needs ref_logp_BT (compute_logprobs(batch, 'ref'))")
+        per_row = {"adv_B": t["adv_B"].float(), "old_BT": t["old_BT"].float()}
+        if self.loss_cfg.kl_coef > 0:
+            per_row["ref_BT"] = t["ref_BT"].float()
+        mbs, n_mb, mb, L = self._split(batch, per_row)
+
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        clear_aux_losses_tracker()
+        loss_fn = partial(self._train_loss, temperature, max(batch.num_response_tokens(), 1), B,
+                          n_mb * self.dp_size)
+        store = self._run(self.ddp, mbs, n_mb, mb, L, False, loss_fn)
+        _, grad_norm, _ = self.optimizer.step()
+
+        local = torch.zeros(len(METRICS), dtype=torch.float32)
+        if self._counts_here():
+            for d in store:
+                local += d["metrics"].detach().cpu()
+        aux = torch.zeros(1, dtype=torch.float32)
+        tracker = get_moe_layer_wise_logging_tracker()
+        if "load_balancing_loss" in tracker:
+            reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
+            values = tracker["load_balancing_loss"]["values"]
+            aux[0] = float(values.sum()) / self.dims.num_layers / n_mb
+            clear_aux_losses_tracker()
+        summed = self._to_rank0(local)
+        if summed is None:
+            return None
+        out = {name: float(v) for name, v in zip(METRICS, summed)}
+        if grad_norm is not None:
+            out["grad_norm"] = float(grad_norm)
+        if "load_balancing_loss" in tracker:
+            out["aux_loss"] = float(aux[0])
+        return out

@@ -203,13 +203,9 @@ class ReferenceModel:
         `output_logprobs[i]` is log_softmax(logits / T)[output_ids[i]] (T = 1 when greedy), see the
         module docstring. ValueError for malformed prompts or sampling params.
         """
-        if len(input_ids) != len(sampling_params):
-            raise ValueError(f"{len(input_ids)} prompts but {len(sampling_params)} sampling_params")
-        params = [p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p) for p in sampling_params]
-        prompts = [self._check_prompt(i, p) for i, p in enumerate(input_ids)]
+        prompts, params, max_new = self._validated(input_ids, sampling_params)
         if not prompts:
             return []
-        max_new = [self.max_new_tokens_for(len(p), sp.max_new_tokens) for p, sp in zip(prompts, params)]
         seeds = [sp.sampling_seed if sp.sampling_seed is not None else self._seed_rng.getrandbits(63)
                  for sp in params]
         num_steps = max(max_new)
@@ -223,7 +219,22 @@ class ReferenceModel:
             out.append(_result(ids, logprobs_BT[b, :n].tolist(), reason))
         return out
 
+    def validate(self, input_ids: Sequence[Sequence[int]],
+                 sampling_params: Sequence[Mapping | SamplingParams]) -> list[SamplingParams]:
+        """Check a request as `generate` would, without running it; ValueError names the problem."""
+        return self._validated(input_ids, sampling_params)[1]
+
+    def _validated(self, input_ids, sampling_params):
+        if len(input_ids) != len(sampling_params):
+            raise ValueError(f"{len(input_ids)} prompts but {len(sampling_params)} sampling_params")
+        params = [p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p) for p in sampling_params]
+        prompts = [self._check_prompt(i, p) for i, p in enumerate(input_ids)]
+        max_new = [self.max_new_tokens_for(len(p), sp.max_new_tokens) for p, sp in zip(prompts, params)]
+        return prompts, params, max_new
+
     def _check_prompt(self, i: int, prompt: Sequence[int]) -> list[int]:
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"input_ids[{i}] is {type(prompt).__name__}; each prompt is a list of token ids")
         ids = list(prompt)
         if not ids:
             raise ValueError(f"input_ids[{i}] is empty; every prompt needs at least one token")

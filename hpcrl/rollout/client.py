@@ -1,0 +1,297 @@
+"""HTTP client for SGLang 0.5.x servers and hpcrl's reference server (same routes, same JSON).
+
+`EngineClient` keeps one keep-alive `http.client` connection per calling thread (so one client may be
+used from several threads), sends each request in a single write with TCP_NODELAY (no Nagle/delayed
+ACK stalls), and has one method per route with SGLang's argument names. A failed call raises
+`EngineError` naming the URL, the route, the HTTP status and the server's message. Servers older
+than SGLang 0.5.23 have no weight-update session routes; `begin_weight_update`/`end_weight_update`
+then return None after a 404 instead of failing.
+
+`launch_reference_server` starts `python -m hpcrl.rollout.reference_server` and waits for it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from urllib.parse import urlsplit
+
+__all__ = ["EngineClient", "EngineError", "launch_reference_server"]
+
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+class EngineError(RuntimeError):
+    """A generation-engine request failed: `url`, `route`, `status` (None if no HTTP answer), `message`."""
+
+    def __init__(self, url: str, route: str, status: int | None, message: str) -> None:
+        self.url, self.route, self.status, self.message = url, route, status, message
+        where = f"HTTP {status}" if status is not None else "no HTTP answer"
+        super().__init__(f"{url}{route} failed ({where}): {message}")
+
+
+class EngineClient:
+    """One generation engine at `base_url` (http://host:port), SGLang's HTTP API."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname or not parts.port:
+            raise ValueError(f"base_url {base_url!r} must look like http://host:port")
+        self.base_url = f"http://{parts.hostname}:{parts.port}"
+        self.host, self.port = parts.hostname, parts.port
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+        self.has_session_routes: bool | None = None  # learnt on the first begin_weight_update
+
+    # -- transport -------------------------------------------------------------------------------
+
+    def _connection(self, fresh: bool = False) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None or fresh:
+            if conn is not None:
+                conn.close()
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+            conn.connect()
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._local.conn = conn
+        return conn
+
+    def request(self, method: str, route: str, payload=None, timeout_s: float | None = None):
+        """One call; returns the decoded JSON (or text, or None for an empty body); EngineError on failure."""
+        body = None if payload is None else json.dumps(payload).encode()
+        headers = _JSON_HEADERS if body is not None else {}
+        for attempt in (0, 1):
+            reused = getattr(self._local, "conn", None) is not None
+            try:
+                conn = self._connection(fresh=attempt == 1)
+                conn.sock.settimeout(self.timeout_s if timeout_s is None else timeout_s)
+                conn.request(method, route, body=body, headers=headers)
+                resp = conn.getresponse()
+                status, data, ctype = resp.status, resp.read(), resp.getheader("Content-Type", "")
+                break
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
+                self._drop()
+                # A kept-alive connection the server closed while idle: retry once on a new one.
+                if attempt == 0 and reused:
+                    continue
+                raise EngineError(self.base_url, route, None, f"{type(exc).__name__}: {exc}") from exc
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop()
+                raise EngineError(self.base_url, route, None, f"{type(exc).__name__}: {exc}") from exc
+        decoded = _decode(data, ctype)
+        if status >= 400:
+            raise EngineError(self.base_url, route, status, _message(decoded))
+        if isinstance(decoded, dict) and decoded.get("success") is False:
+            raise EngineError(self.base_url, route, status, _message(decoded))
+        return decoded
+
+    def _drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+        self._local.conn = None
+
+    def close(self) -> None:
+        """Close this thread's connection (others close when their threads end)."""
+        self._drop()
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def generate(self, input_ids=None, sampling_params=None, return_logprob: bool = False, *,
+                 text=None, rid=None, **extra):
+        """POST /generate. `input_ids` is one prompt (list of ints) or a batch (list of lists); the
+        answer is one dict or a list of dicts {"text", "output_ids", "meta_info"}; with
+        `return_logprob`, meta_info["output_token_logprobs"] is [[logprob, token_id, None], ...]."""
+        payload: dict = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
+        if input_ids is not None:
+            payload["input_ids"] = input_ids
+        if text is not None:
+            payload["text"] = text
+        if rid is not None:
+            payload["rid"] = rid
+        payload.update(extra)
+        return self.request("POST", "/generate", payload)
+
+    def health(self) -> bool:
+        """True when GET /health answers 200; False when the server is down, starting or unhealthy."""
+        try:
+            self.request("GET", "/health", timeout_s=min(self.timeout_s, 30.0))
+            return True
+        except EngineError:
+            return False
+
+    def wait_healthy(self, deadline_s: float) -> None:
+        """Poll /health until it answers 200; EngineError after `deadline_s` seconds."""
+        end = time.monotonic() + deadline_s
+        while not self.health():
+            if time.monotonic() > end:
+                raise EngineError(self.base_url, "/health", None, f"not healthy within {deadline_s:.0f} s")
+            time.sleep(0.1)
+
+    def flush_cache(self) -> None:
+        self.request("POST", "/flush_cache")
+
+    def model_info(self) -> dict:
+        return self._with_fallback("/model_info", "/get_model_info")
+
+    def server_info(self) -> dict:
+        return self._with_fallback("/server_info", "/get_server_info")
+
+    def _with_fallback(self, route: str, old_route: str):
+        try:
+            return self.request("GET", route)
+        except EngineError as exc:
+            if exc.status != 404:
+                raise
+            return self.request("GET", old_route)
+
+    def pause_generation(self) -> dict:
+        return self.request("POST", "/pause_generation", {})
+
+    def continue_generation(self) -> dict:
+        return self.request("POST", "/continue_generation", {})
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "gloo") -> dict:
+        """Make the engine join the weight-update group (blocks until every rank has joined)."""
+        return self.request("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    def begin_weight_update(self) -> dict | None:
+        """Open a weight-update session (SGLang >= 0.5.23); None on older servers without the route."""
+        return self._session_call("/begin_weight_update")
+
+    def end_weight_update(self) -> dict | None:
+        """Close the weight-update session; None on older servers without the route."""
+        return self._session_call("/end_weight_update")
+
+    def _session_call(self, route: str) -> dict | None:
+        if self.has_session_routes is False:
+            return None
+        try:
+            out = self.request("POST", route, {})
+        except EngineError as exc:
+            if exc.status != 404:
+                raise
+            self.has_session_routes = False
+            return None
+        self.has_session_routes = True
+        return out
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence,
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
+                                        load_format: str | None = None, weight_version: str | None = None) -> dict:
+        """Announce one bucket; the caller broadcasts it from rank 0 while this call waits for the engine.
+
+        dtypes may be torch dtypes or names ("bfloat16"); shapes any int sequences.
+        """
+        payload = {"names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+                   "shapes": [[int(x) for x in s] for s in shapes], "group_name": group_name,
+                   "flush_cache": flush_cache}
+        if load_format is not None:
+            payload["load_format"] = load_format
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        return self.request("POST", "/update_weights_from_distributed", payload)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100):
+        """The tensor's values as nested lists, first `truncate_size` rows (SGLang's truncation)."""
+        return self.request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+        return self.request("POST", "/update_weight_version",
+                            {"new_version": new_version, "abort_all_requests": abort_all_requests})
+
+    def release_memory_occupation(self, tags: list[str] | None = None):
+        """Release engine memory: tags from "weights", "kv_cache", "cuda_graph"; None = all."""
+        return self.request("POST", "/release_memory_occupation", {"tags": tags})
+
+    def resume_memory_occupation(self, tags: list[str] | None = None):
+        return self.request("POST", "/resume_memory_occupation", {"tags": tags})
+
+
+def _decode(data: bytes, content_type: str):
+    if not data:
+        return None
+    if "json" in content_type:
+        try:
+            return json.loads(data)
+        except ValueError:
+            pass
+    return data.decode(errors="replace")
+
+
+def _message(decoded) -> str:
+    """The server's error text from SGLang's shapes: {"message"}, {"error": {"message"}}, or raw text."""
+    if isinstance(decoded, dict):
+        if isinstance(decoded.get("error"), dict) and "message" in decoded["error"]:
+            return str(decoded["error"]["message"])
+        if "message" in decoded:
+            return str(decoded["message"])
+        if "detail" in decoded:
+            return str(decoded["detail"])
+    return str(decoded).strip() or "(empty body)"
+
+
+def launch_reference_server(model_config_path: str, port: int, device: str = "cpu", seed: int = 0,
+                            log_path: str | None = None, *, host: str = "127.0.0.1", threads: int | None = 1,
+                            dtype: str = "float32", startup_timeout_s: float = 180.0,
+                            extra_args: Sequence[str] = ()) -> subprocess.Popen:
+    """Start the reference server as a subprocess and return it once /health answers 200.
+
+    Output goes to `log_path` (or is discarded). If the process dies or is not healthy within
+    `startup_timeout_s`, it is killed and RuntimeError carries the end of its log. The caller stops
+    it with SIGTERM (the server exits cleanly) and waits for it.
+    """
+    cmd = [sys.executable, "-m", "hpcrl.rollout.reference_server", "--model-config", str(model_config_path),
+           "--host", host, "--port", str(port), "--device", device, "--seed", str(seed), "--dtype", dtype,
+           *([] if threads is None else ["--threads", str(threads)]), *extra_args]
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (handed to Popen)
+    try:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    finally:
+        if log_path:
+            log.close()
+    client = EngineClient(f"http://{host}:{port}", timeout_s=10.0)
+    end = time.monotonic() + startup_timeout_s
+    try:
+        while True:
+            if proc.poll() is not None:
+                why = f"exited with code {proc.returncode}"
+                break
+            if client.health():
+                return proc
+            if time.monotonic() > end:
+                why = f"was not healthy within {startup_timeout_s:.0f} s"
+                break
+            time.sleep(0.1)
+    finally:
+        client.close()
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    tail = _tail(log_path) if log_path else "(no log_path given)"
+    raise RuntimeError(f"reference server on {host}:{port} {why}; command: {' '.join(cmd)}\nlog tail:\n{tail}")
+
+
+def _tail(path: str, num_bytes: int = 4000) -> str:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        return f"(cannot read {path}: {exc})"
+    return data[-num_bytes:].decode(errors="replace")

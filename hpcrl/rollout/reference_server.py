@@ -1,0 +1,523 @@
+"""hpcrl's reference generation server: SGLang 0.5.x's HTTP routes, JSON and weight-sync semantics on a
+`ReferenceModel` (transformers, KV cache), for CPU machines where SGLang cannot run and for debugging.
+
+    python -m hpcrl.rollout.reference_server --model-config config.json --host 127.0.0.1 --port 30000 \
+        [--device cpu] [--dtype float32] [--seed 0] [--tokenizer char|none] [--threads 1]
+
+Routes (bodies and answers as SGLang's): POST /generate; GET /health, /health_generate, /model_info,
+/get_model_info, /server_info, /get_server_info, /get_weight_version; GET|POST /flush_cache,
+/get_weights_by_name, /release_memory_occupation, /resume_memory_occupation; POST
+/init_weights_update_group, /destroy_weights_update_group, /begin_weight_update,
+/update_weights_from_distributed, /end_weight_update, /update_weight_version, /pause_generation,
+/continue_generation. Weight routes answer {"success", "message"} with HTTP 200 or 400; other
+failures answer {"error": {"message"}} with 400 (bad request) or 500 (engine fault).
+
+Concurrency: /generate requests are queued; one worker thread runs everything queued at once as one
+batch (results do not depend on batch composition, see engine.py), so many small concurrent requests
+cost about as much as one batched request. Generation, weight loads and memory release/resume are
+serialised by one lock. Differences from SGLang, by design: a weight update whose metadata parses
+always receives its broadcast before it is judged, so a refused update never leaves the trainer's
+broadcast hanging; updates outside begin/end_weight_update are refused (SGLang 0.5.23 rule);
+streaming, input-token log-probs and top log-probs are refused with 400; pause_generation lets the
+running batch finish instead of aborting it; on CPU, releasing memory only changes state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.rollout.engine import ReferenceModel
+from hpcrl.rollout.weight_sender import init_custom_process_group, parse_dtype, unflatten_bucket
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+_GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "stream", "logprob_start_len",
+                  "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "log_metrics"}
+
+
+class _Fail(Exception):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Job:
+    __slots__ = ("prompts", "params", "done", "outputs", "error")
+
+    def __init__(self, prompts, params) -> None:
+        self.prompts, self.params = prompts, params
+        self.done = threading.Event()
+        self.outputs: list[dict] | None = None
+        self.error: _Fail | None = None
+
+
+class ReferenceServer:
+    """Route handlers and state of one engine (TP size 1). Each handler takes the JSON body, returns
+    the answer object (200) or raises _Fail."""
+
+    def __init__(self, engine: ReferenceModel, tokenizer, model_path: str, args: argparse.Namespace) -> None:
+        self.engine, self.tokenizer, self.model_path, self.args = engine, tokenizer, model_path, args
+        self.model_lock = threading.Lock()
+        self.group_lock = threading.Lock()
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self.session_open = False
+        self.released: set[str] = set()
+        self.weight_version = "default"
+        self.unpaused = threading.Event()
+        self.unpaused.set()
+        self.shutting_down = False
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.worker = threading.Thread(target=self._generation_loop, name="generation", daemon=True)
+        self.worker.start()
+        weight = {"init_weights_update_group", "destroy_weights_update_group", "begin_weight_update",
+                  "end_weight_update", "update_weights_from_distributed", "update_weight_version",
+                  "release_memory_occupation", "resume_memory_occupation"}
+        self.weight_routes = {f"/{r}" for r in weight}
+        get_post = ("flush_cache", "get_weights_by_name", "release_memory_occupation", "resume_memory_occupation")
+        self.routes = {("POST", "/generate"): self.generate, ("PUT", "/generate"): self.generate}
+        for name in ("health", "health_generate", "model_info", "get_model_info", "server_info", "get_server_info",
+                     "get_weight_version"):
+            self.routes[("GET", f"/{name}")] = getattr(self, name.removeprefix("get_") if "info" in name else name)
+        for name in weight | {"pause_generation", "continue_generation", *get_post}:
+            self.routes[("POST", f"/{name}")] = getattr(self, name)
+        for name in get_post:
+            self.routes[("GET", f"/{name}")] = getattr(self, name)
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def generate(self, req: dict):
+        start = time.perf_counter()
+        for key, value in req.items():
+            if key not in _GENERATE_KEYS and value not in (None, False, 0, "", [], {}):
+                raise _Fail(f"/generate field {key!r} is not supported by the reference engine")
+        if req.get("stream"):
+            raise _Fail("stream=true is not supported by the reference engine; use a non-streaming request")
+        if req.get("logprob_start_len") not in (None, -1) or req.get("top_logprobs_num") or req.get("token_ids_logprob"):
+            raise _Fail("input-token and top log-probs (logprob_start_len, top_logprobs_num, token_ids_logprob) are "
+                        "not implemented by the reference engine; only output_token_logprobs are returned")
+        prompts, batched = self._prompts(req)
+        n = len(prompts)
+        sampling = _per_request(req.get("sampling_params"), n, batched, "sampling_params", {})
+        return_logprob = _per_request(req.get("return_logprob"), n, batched, "return_logprob", False)
+        rids = _per_request(req.get("rid"), n, batched, "rid", None)
+        try:
+            params = self.engine.validate(prompts, [s if s is not None else {} for s in sampling])
+        except ValueError as exc:
+            raise _Fail(str(exc)) from None
+        self._check_not_released()
+        job = _Job(prompts, params)
+        self.jobs.put(job)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        latency = time.perf_counter() - start
+        with_text = bool(req.get("return_text_in_logprobs"))
+        answers = [self._answer(p, o, rid, lp, with_text, latency)
+                   for p, o, rid, lp in zip(prompts, job.outputs, rids, return_logprob)]
+        return answers if batched else answers[0]
+
+    def _prompts(self, req: dict) -> tuple[list[list[int]], bool]:
+        ids, text = req.get("input_ids"), req.get("text")
+        if (ids is None) == (text is None):
+            raise _Fail("give exactly one of 'input_ids' and 'text'")
+        if text is not None:
+            if self.tokenizer is None:
+                raise _Fail("this server has no tokenizer (--tokenizer none); send input_ids")
+            texts = text if isinstance(text, list) else [text]
+            if not all(isinstance(t, str) for t in texts):
+                raise _Fail("'text' must be a string or a list of strings")
+            return [self.tokenizer.encode(t) for t in texts], isinstance(text, list)
+        if not isinstance(ids, list) or not ids:
+            raise _Fail("'input_ids' must be a non-empty list of token ids or a list of such lists")
+        if all(isinstance(x, list) for x in ids):
+            return ids, True
+        return [ids], False
+
+    def _answer(self, prompt, out: dict, rid, return_logprob: bool, with_text: bool, latency: float) -> dict:
+        ids = out["output_ids"]
+        meta = {"id": rid if rid is not None else uuid.uuid4().hex, "finish_reason": out["finish_reason"],
+                "prompt_tokens": len(prompt), "completion_tokens": len(ids), "cached_tokens": 0,
+                "reasoning_tokens": 0, "weight_version": self.weight_version, "num_retractions": 0,
+                "e2e_latency": latency}
+        if return_logprob:
+            decode = self.tokenizer.decode if (with_text and self.tokenizer is not None) else None
+            meta["output_token_logprobs"] = [[lp, t, decode([t]) if decode else None]
+                                             for lp, t in zip(out["output_logprobs"], ids)]
+        text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+        return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    def _check_not_released(self) -> None:
+        if self.released:
+            raise _Fail(f"engine memory is released (tags {sorted(self.released)}); call "
+                        f"/resume_memory_occupation before /generate")
+
+    def _generation_loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            jobs = [job]
+            while True:
+                try:
+                    more = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self.jobs.put(None)
+                    break
+                jobs.append(more)
+            self.unpaused.wait()
+            with self.model_lock:
+                self._run_batch(jobs)
+            for j in jobs:
+                j.done.set()
+
+    def _run_batch(self, jobs: list[_Job]) -> None:
+        try:
+            self._check_not_released()
+            outputs = self.engine.generate([p for j in jobs for p in j.prompts], [s for j in jobs for s in j.params])
+        except _Fail as exc:
+            for j in jobs:
+                j.error = exc
+            return
+        except Exception as exc:  # an engine fault: report it to every waiting request
+            traceback.print_exc()
+            for j in jobs:
+                j.error = _Fail(f"generation failed: {type(exc).__name__}: {exc}", status=500)
+            return
+        k = 0
+        for j in jobs:
+            j.outputs, k = outputs[k:k + len(j.prompts)], k + len(j.prompts)
+
+    def health(self, req: dict):
+        if self.shutting_down:
+            raise _Fail("shutting down", status=503)
+        return None
+
+    health_generate = health
+
+    def flush_cache(self, req: dict):
+        return "Cache flushed.\n"  # no cache outlives a batch in the reference engine
+
+    def model_info(self, req: dict) -> dict:
+        cfg = self.engine.config
+        return {"model_path": self.model_path, "tokenizer_path": self.args.tokenizer if self.tokenizer else None,
+                "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weight_version,
+                "model_type": cfg.model_type, "vocab_size": self.engine.vocab_size,
+                "context_len": self.engine.context_len}
+
+    def server_info(self, req: dict) -> dict:
+        a = self.args
+        return {"model_path": self.model_path, "host": a.host, "port": a.port, "device": a.device, "dtype": a.dtype,
+                "random_seed": a.seed, "tp_size": 1, "dp_size": 1, "weight_version": self.weight_version,
+                "version": "hpcrl-reference",
+                "internal_states": [{"released_tags": sorted(self.released), "weight_update_session": self.session_open,
+                                     "weight_update_groups": sorted(self.groups)}]}
+
+    def get_weight_version(self, req: dict) -> dict:
+        return {"weight_version": self.weight_version}
+
+    def pause_generation(self, req: dict) -> dict:
+        self.unpaused.clear()
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def continue_generation(self, req: dict) -> dict:
+        self.unpaused.set()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def init_weights_update_group(self, req: dict) -> dict:
+        addr = _field(req, "master_address", str)
+        port, rank_offset, world_size = (_field(req, k, int) for k in ("master_port", "rank_offset", "world_size"))
+        group_name = req.get("group_name") or "weight_update_group"
+        backend = req.get("backend") or "nccl"
+        if backend == "nccl" and self.engine.device.type != "cuda":
+            raise _Fail(f"backend 'nccl' needs CUDA but this engine runs on {self.engine.device}; use backend 'gloo'")
+        rank = rank_offset  # + tp_rank, always 0 here
+        host = f"[{addr}]" if ":" in addr else addr
+        with self.group_lock:
+            if group_name in self.groups:
+                raise _Fail(f"weight-update group {group_name!r} already exists; destroy it first")
+            try:
+                self.groups[group_name] = init_custom_process_group(
+                    backend, f"tcp://{host}:{port}", world_size, rank, group_name, self.args.dist_timeout_s)
+            except Exception as exc:
+                raise _Fail(f"Failed to initialize custom process group: {exc}.") from None
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def destroy_weights_update_group(self, req: dict) -> dict:
+        with self.group_lock:
+            group = self.groups.pop(req.get("group_name") or "weight_update_group", None)
+            if group is None:
+                raise _Fail("The group to be destroyed does not exist.")
+            dist.destroy_process_group(group)
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def begin_weight_update(self, req: dict) -> dict:
+        selector = req.get("selector") or "all"
+        if selector not in ("all", "target"):
+            raise _Fail(f"selector {selector!r}: the reference engine has no draft model; use 'all' or 'target'")
+        with self.model_lock:
+            was_open, self.session_open = self.session_open, True
+        return {"success": True, "message": "Weight update session was already open." if was_open
+                else "Weight update session opened."}
+
+    def end_weight_update(self, req: dict) -> dict:
+        with self.model_lock:
+            if not self.session_open:
+                raise _Fail("No weight update session is open; call /begin_weight_update first.")
+            self.session_open = False
+        return {"success": True, "message": "Weight update session closed."}
+
+    def update_weights_from_distributed(self, req: dict) -> dict:
+        names = _field(req, "names", list)
+        dtype_names, shapes = _field(req, "dtypes", list), _field(req, "shapes", list)
+        if not names or not len(names) == len(dtype_names) == len(shapes):
+            raise _Fail(f"names, dtypes and shapes must be non-empty lists of one length; got "
+                        f"{len(names)}, {len(dtype_names)}, {len(shapes)}")
+        if not all(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes):
+            raise _Fail("shapes must be lists of non-negative integers")
+        try:
+            dtypes = [parse_dtype(d) for d in dtype_names]
+        except ValueError as exc:
+            raise _Fail(str(exc)) from None
+        load_format = req.get("load_format")
+        if load_format not in (None, "flattened_bucket"):
+            raise _Fail(f"load_format {load_format!r} is not supported; use null (per tensor) or 'flattened_bucket'")
+        group_name = req.get("group_name") or "weight_update_group"
+        group = self.groups.get(group_name)
+        if group is None:
+            raise _Fail(f"Group {group_name} not in {sorted(self.groups)}. Please call "
+                        f"`init_weights_update_group` first.")
+        with self.model_lock:
+            tensors = self._receive(group, dtypes, shapes, load_format)
+            if not self.session_open:
+                raise _Fail("update_weights_from_distributed is only accepted between /begin_weight_update and "
+                            "/end_weight_update (SGLang 0.5.23); the tensors were received and dropped")
+            if "weights" in self.released:
+                raise _Fail("weights are released; call /resume_memory_occupation with tag 'weights' first")
+            try:
+                self.engine.load_weights(zip(names, tensors))
+            except ValueError as exc:
+                raise _Fail(f"Failed to update parameter online: {exc}. No weight was changed.") from None
+        message = "Succeeded to update parameter online."
+        version = req.get("weight_version")
+        if version is not None:
+            self.weight_version = str(version)
+            message += f" Weight version updated to {version}."
+        return {"success": True, "message": message}
+
+    def _receive(self, group, dtypes, shapes, load_format) -> list[torch.Tensor]:
+        device = self.engine.device if self.engine.device.type == "cuda" else torch.device("cpu")
+        if load_format == "flattened_bucket":
+            nbytes = sum(dt.itemsize * _numel(s) for dt, s in zip(dtypes, shapes))
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            dist.broadcast(buffer, group=group, group_src=0)
+            return unflatten_bucket(buffer, dtypes, shapes)
+        tensors = [torch.empty(s, dtype=dt, device=device) for dt, s in zip(dtypes, shapes)]
+        works = [dist.broadcast(t, group=group, group_src=0, async_op=True) for t in tensors]
+        for work in works:
+            work.wait()
+        return tensors
+
+    def get_weights_by_name(self, req: dict):
+        name = _field(req, "name", str)
+        truncate = req.get("truncate_size", 100)
+        with self.model_lock:
+            try:
+                tensor = self.engine.get_weight(name)
+            except ValueError as exc:
+                raise _Fail(str(exc)) from None
+        return tensor[:truncate].float().tolist()
+
+    def update_weight_version(self, req: dict) -> dict:
+        version = str(_field(req, "new_version", (str, int)))
+        self.weight_version = version
+        return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+
+    def release_memory_occupation(self, req: dict) -> dict:
+        tags = self._tags(req)
+        with self.model_lock:
+            if "weights" in tags and "weights" not in self.released and self.engine.device.type != "cpu":
+                self.engine.to_device("cpu")
+                torch.cuda.empty_cache()
+            self.released |= set(tags)
+        return {"success": True, "message": f"Released {tags}."}
+
+    def resume_memory_occupation(self, req: dict) -> dict:
+        tags = self._tags(req) if req.get("tags") else sorted(self.released)
+        with self.model_lock:
+            missing = [t for t in tags if t not in self.released]
+            if missing:
+                raise _Fail(f"cannot resume {missing}: not released (released: {sorted(self.released)})")
+            if "weights" in tags and self.engine.device.type != "cpu":
+                self.engine.to_device(self.engine.device)
+            self.released -= set(tags)
+        return {"success": True, "message": f"Resumed {tags}."}
+
+    def _tags(self, req: dict) -> list[str]:
+        tags = req.get("tags") or list(MEMORY_TAGS)
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad:
+            raise _Fail(f"unknown memory tags {bad}; valid tags are {list(MEMORY_TAGS)}")
+        return list(tags)
+
+    def close(self) -> None:
+        """Stop the worker and destroy the groups (skipped if a transfer still holds the lock)."""
+        self.shutting_down = True
+        self.jobs.put(None)
+        if self.model_lock.acquire(timeout=1.0):
+            for group in self.groups.values():
+                dist.destroy_process_group(group)
+            self.groups.clear()
+            self.model_lock.release()
+
+
+def _field(req: dict, key: str, kind):
+    if key not in req:
+        raise _Fail(f"missing field {key!r}")
+    value = req[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise _Fail(f"field {key!r}={value!r} has the wrong type")
+    return value
+
+
+def _per_request(value, n: int, batched: bool, key: str, default) -> list:
+    """A request field as one value per prompt: a list gives one each (batch), anything else is shared."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise _Fail(f"{key} is a list of {len(value)} but the request has {n} prompt(s)")
+        return value
+    return [default if value is None else value] * n
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive
+    server_version = "hpcrl-reference"
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 (base-class signature)
+        pass  # one line per request would cost more than the request
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._dispatch("POST")
+
+    def do_PUT(self) -> None:  # noqa: N802
+        self._dispatch("PUT")
+
+    def _dispatch(self, method: str) -> None:
+        app: ReferenceServer = self.server.app  # type: ignore[attr-defined]
+        path = self.path.split("?", 1)[0]
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        handler = app.routes.get((method, path))
+        weight_route = path in app.weight_routes
+        try:
+            if handler is None:
+                known = any(p == path for _, p in app.routes)
+                raise _Fail(f"{method} {path} is not a route of this server", status=405 if known else 404)
+            try:
+                req = json.loads(raw) if raw.strip() else {}
+            except ValueError as exc:
+                raise _Fail(f"request body is not valid JSON: {exc}") from None
+            if not isinstance(req, dict):
+                raise _Fail("request body must be a JSON object")
+            self._send(200, handler(req))
+        except _Fail as exc:
+            body = {"success": False, "message": str(exc)} if weight_route else {"error": {"message": str(exc)}}
+            self._send(exc.status, body)
+        except Exception as exc:
+            traceback.print_exc()
+            message = f"internal error: {type(exc).__name__}: {exc}"
+            self._send(500, {"success": False, "message": message} if weight_route else {"error": {"message": message}})
+
+    def _send(self, status: int, obj) -> None:
+        if obj is None:
+            body, ctype = b"", "text/plain"
+        elif isinstance(obj, str):
+            body, ctype = obj.encode(), "text/plain; charset=utf-8"
+        else:
+            body, ctype = json.dumps(obj).encode(), "application/json"
+        reason = self.responses.get(status, ("",))[0]
+        head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                f"{'Connection: close' if self.close_connection else 'Connection: keep-alive'}\r\n\r\n")
+        self.wfile.write(head.encode() + body)  # one write: no Nagle/delayed-ACK stall
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 256
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-config", required=True, help="HF config.json of the model")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and unseeded sampling")
+    parser.add_argument("--tokenizer", default="char", choices=["char", "none"],
+                        help="text <-> ids for 'text' inputs and the 'text' answer field")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--dist-timeout-s", type=float, default=600.0, help="weight-update group timeout")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hf_config = json.loads(Path(args.model_config).read_text())
+    engine = ReferenceModel(hf_config, device=args.device, dtype=getattr(torch, args.dtype), seed=args.seed)
+    tokenizer = None
+    if args.tokenizer == "char":
+        from hpcrl.tasks.tokenizer import CharTokenizer
+
+        tokenizer = CharTokenizer()
+    app = ReferenceServer(engine, tokenizer, str(Path(args.model_config).resolve()), args)
+    httpd = _HTTPServer((args.host, args.port), _Handler)
+    httpd.app = app  # type: ignore[attr-defined]
+
+    def stop(signum, frame) -> None:
+        app.shutting_down = True
+        threading.Thread(target=httpd.shutdown, daemon=True).start()  # shutdown() waits for serve_forever
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    print(f"ready on http://{args.host}:{args.port}", flush=True)
+    httpd.serve_forever(poll_interval=0.1)
+    httpd.server_close()
+    app.close()
+    print("reference server stopped", flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # do not wait on daemon threads that may sit in a collective
+
+
+if __name__ == "__main__":
+    main()

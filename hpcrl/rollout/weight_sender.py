@@ -1,0 +1,258 @@
+"""Trainer side of SGLang's weight-sync protocol: a private process group, then bucketed broadcasts.
+
+The protocol (SGLang 0.5.x `init_weights_update_group` / `update_weights_from_distributed`, as slime
+and verl drive it):
+  1. The trainer picks a free port on `master_address`; every engine is told over HTTP to join a new
+     process group `group_name` of world size 1 + sum(engine TP sizes) with rank_offset
+     1 + (engines before it) * tp, each of its TP ranks taking rank rank_offset + tp_rank. The trainer
+     joins as rank 0 at the same time. The group is made with torch's `_new_process_group_helper`
+     over a `PrefixStore(group_name, ...)`, so it is independent of any default process group
+     (`init_custom_process_group` below; both sides use it).
+  2. Per update: `begin_weight_update` on every engine (SGLang >= 0.5.23 refuses weight loads outside
+     such a session; older servers lack the route and the client skips it), then per bucket the
+     trainer POSTs `update_weights_from_distributed` {names, dtypes, shapes, group_name, load_format,
+     flush_cache, weight_version} to every engine while it broadcasts the tensors from rank 0, then
+     `end_weight_update`. Names are HF checkpoint names (hf_names), dtypes torch names without
+     "torch." ("bfloat16"), shapes lists of ints.
+  3. Wire format: per tensor, one broadcast per tensor in `names` order (load_format None); or with
+     load_format "flattened_bucket" one uint8 broadcast of every tensor's bytes concatenated in `names`
+     order with no padding (SGLang's FlattenedTensorBucket: `tensor.flatten().view(torch.uint8)`,
+     `torch.cat`), which the engine slices back with `.view(dtype).reshape(shape)`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.dist import free_port
+from hpcrl.rollout.client import EngineClient, EngineError
+
+__all__ = ["WeightSender", "dtype_name", "flatten_bucket", "init_custom_process_group", "parse_dtype",
+           "unflatten_bucket"]
+
+
+def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
+                              timeout_s: float = 600.0) -> dist.ProcessGroup:
+    """Join a new process group outside torch's default one (SGLang's `init_custom_process_group`).
+
+    Rendezvous over `init_method` (tcp://host:port; rank 0 hosts the store), keys prefixed with
+    `group_name`, group ranks equal to `rank`. Blocks until all `world_size` ranks have joined or
+    `timeout_s` passes. A process can hold one group per `group_name` at a time.
+    """
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the group's world_size {world_size}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
+                                         group_name=group_name, backend_options=None, timeout=timeout)
+    # Lets collectives map ranks without a default group (group rank == rank).
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """SGLang's dtype spelling: torch.bfloat16 -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """Inverse of dtype_name ("bfloat16" or "torch.bfloat16"); ValueError for anything else."""
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}; use a torch dtype name such as 'float32' or 'bfloat16'")
+    return dtype
+
+
+def flatten_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """All tensors' bytes concatenated in order, as one uint8 tensor (FlattenedTensorBucket layout)."""
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def unflatten_bucket(buffer: torch.Tensor, dtypes: Sequence[torch.dtype],
+                     shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Slice a flattened uint8 bucket back into tensors (views where the byte offset allows it)."""
+    out, start = [], 0
+    for dtype, shape in zip(dtypes, shapes):
+        numel = 1
+        for d in shape:
+            numel *= d
+        end = start + numel * dtype.itemsize
+        chunk = buffer[start:end]
+        # view(dtype) needs the byte offset to be a multiple of the element size; copy when it is not
+        # (only mixed-dtype buckets can misalign).
+        if start % dtype.itemsize:
+            chunk = chunk.clone()
+        out.append(chunk.view(dtype).reshape(shape))
+        start = end
+    if start != buffer.numel():
+        raise ValueError(f"bucket holds {buffer.numel()} bytes but the metadata describes {start}")
+    return out
+
+
+class WeightSender:
+    """Rank 0 of the weight-update group: pushes HF-named tensors into every engine.
+
+    `clients[i]` drives engine i, which has `tp_per_engine` ranks. Use: `connect()` once, `push(...)`
+    per sync, `close()` at the end. Works against hpcrl's reference server and SGLang 0.5.x.
+    """
+
+    def __init__(self, clients: list[EngineClient], backend: str = "gloo", master_address: str = "127.0.0.1",
+                 tp_per_engine: int = 1, group_name: str = "weight_update_group", timeout_s: float = 600.0):
+        if not clients:
+            raise ValueError("WeightSender needs at least one EngineClient")
+        if tp_per_engine < 1:
+            raise ValueError(f"tp_per_engine={tp_per_engine} must be >= 1")
+        self.clients = clients
+        self.backend = backend
+        self.master_address = master_address
+        self.tp_per_engine = tp_per_engine
+        self.group_name = group_name
+        self.timeout_s = timeout_s
+        self.world_size = 1 + len(clients) * tp_per_engine
+        self.group: dist.ProcessGroup | None = None
+        self._pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="weight-sender")
+
+    def connect(self) -> None:
+        """Create the group: HTTP init on every engine concurrently with the local rank-0 join."""
+        if self.group is not None:
+            raise RuntimeError(f"WeightSender already connected (group {self.group_name!r}); close() first")
+        port = free_port(self.master_address)
+        calls = [self._pool.submit(c.init_weights_update_group, self.master_address, port,
+                                   1 + i * self.tp_per_engine, self.world_size, self.group_name, self.backend)
+                 for i, c in enumerate(self.clients)]
+        local: dict = {}
+
+        def join() -> None:
+            try:
+                local["group"] = init_custom_process_group(self.backend, f"tcp://{self.master_address}:{port}",
+                                                           self.world_size, 0, self.group_name, self.timeout_s)
+            except BaseException as exc:  # reported to the caller below
+                local["error"] = exc
+
+        joiner = threading.Thread(target=join, name="weight-group-join", daemon=True)
+        joiner.start()
+        deadline = time.monotonic() + self.timeout_s
+        # Fail as soon as an engine refuses instead of waiting out the rendezvous timeout.
+        while joiner.is_alive() and time.monotonic() < deadline:
+            for i, fut in enumerate(calls):
+                if fut.done() and fut.exception() is not None:
+                    raise RuntimeError(f"engine {i} ({self.clients[i].base_url}) could not join weight-update "
+                                       f"group {self.group_name!r}: {fut.exception()}") from fut.exception()
+            joiner.join(0.05)
+        if joiner.is_alive() or "error" in local:
+            raise RuntimeError(f"rank 0 could not form weight-update group {self.group_name!r} of "
+                               f"{self.world_size} ranks at {self.master_address}:{port} within "
+                               f"{self.timeout_s:.0f} s: {local.get('error', 'timed out')}")
+        self.group = local["group"]
+        for i, fut in enumerate(calls):
+            try:
+                fut.result(timeout=max(1.0, deadline - time.monotonic()))
+            except Exception as exc:
+                self.close()
+                raise RuntimeError(f"engine {i} ({self.clients[i].base_url}) failed to join weight-update "
+                                   f"group {self.group_name!r}: {exc}") from exc
+
+    def push(self, named_tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int, flattened: bool = True,
+             weight_version: str | None = None) -> int:
+        """Send every tensor to every engine; returns the bytes broadcast (one copy).
+
+        Tensors are cut into buckets of at most `bucket_bytes` (a larger tensor travels alone). Raises
+        RuntimeError naming the engine when one refuses a bucket; the broadcast itself is always
+        completed so the group stays usable.
+        """
+        if self.group is None:
+            raise RuntimeError("WeightSender.push before connect()")
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
+        if not named_tensors:
+            raise ValueError("push() got no tensors")
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        buckets = _buckets(named_tensors, bucket_bytes)
+        self._on_all("begin_weight_update")
+        try:
+            total = sum(self._send_bucket(k, len(buckets), bucket, device, flattened, weight_version)
+                        for k, bucket in enumerate(buckets))
+        except BaseException:
+            for c in self.clients:  # best effort: do not leave sessions open on the engines that took it
+                try:
+                    c.end_weight_update()
+                except (EngineError, OSError):
+                    pass
+            raise
+        self._on_all("end_weight_update")
+        return total
+
+    def _send_bucket(self, k: int, num_buckets: int, bucket, device, flattened: bool,
+                     weight_version: str | None) -> int:
+        names = [n for n, _ in bucket]
+        tensors = [t.detach().to(device).contiguous() for _, t in bucket]
+        calls = [self._pool.submit(c.update_weights_from_distributed, names,
+                                   [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors],
+                                   group_name=self.group_name, flush_cache=k == num_buckets - 1,
+                                   load_format="flattened_bucket" if flattened else None,
+                                   weight_version=weight_version) for c in self.clients]
+        if flattened:
+            dist.broadcast(flatten_bucket(tensors), group=self.group, group_src=0)
+        else:
+            works = [dist.broadcast(t, group=self.group, group_src=0, async_op=True) for t in tensors]
+            for work in works:
+                work.wait()
+        self._check(calls, f"update_weights_from_distributed (bucket {k + 1}/{num_buckets})")
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def close(self) -> None:
+        """Destroy the group on the engines (best effort) and locally; the sender can connect() again."""
+        if self.group is None:
+            return
+        calls = [self._pool.submit(c.destroy_weights_update_group, self.group_name) for c in self.clients]
+        dist.destroy_process_group(self.group)
+        self.group = None
+        for fut in calls:
+            try:
+                fut.result(timeout=self.timeout_s)
+            except (EngineError, OSError):
+                pass  # the engine may already be gone; its group dies with it
+
+    def _on_all(self, method: str) -> None:
+        self._check([self._pool.submit(getattr(c, method)) for c in self.clients], method)
+
+    def _check(self, calls, what: str) -> None:
+        errors = []
+        for i, fut in enumerate(calls):
+            try:
+                fut.result(timeout=self.timeout_s)
+            except Exception as exc:
+                errors.append(f"engine {i} ({self.clients[i].base_url}): {exc}")
+        if errors:
+            raise RuntimeError(f"{what} failed on {len(errors)} of {len(calls)} engines: " + "; ".join(errors))
+
+
+def _buckets(named_tensors, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    buckets, current, size = [], [], 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, tensor))
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets

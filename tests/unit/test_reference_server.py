@@ -1,0 +1,260 @@
+"""The reference server as a real subprocess, driven over real HTTP by EngineClient and, for weight sync,
+joined over gloo by this test process as rank 0 of SGLang's weight-update group (WeightSender)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import subprocess
+import threading
+
+import pytest
+import torch
+
+from hpcrl.dist import free_port
+from hpcrl.models.presets import CONFIG_DIR, load_hf_config
+from hpcrl.rollout.client import EngineClient, EngineError, launch_reference_server
+from hpcrl.rollout.engine import ReferenceModel
+from hpcrl.rollout.hf_names import checkpoint_state_dict
+from hpcrl.rollout.weight_sender import WeightSender, dtype_name, flatten_bucket
+
+pytestmark = pytest.mark.timeout(300)
+
+CONFIG_PATH = CONFIG_DIR / "tiny-qwen3-moe.json"
+HF_CONFIG = load_hf_config("tiny-qwen3-moe", None)
+PROMPTS = [[1, 5, 6, 7, 8], [1, 20, 21], [1, 30, 31, 32, 33, 34, 35]]
+GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    port = free_port()
+    proc = launch_reference_server(str(CONFIG_PATH), port, "cpu", 0, str(log), threads=1)
+    client = EngineClient(f"http://127.0.0.1:{port}", timeout_s=60)
+    try:
+        yield proc, client, log
+    finally:
+        client.close()
+        torch.set_num_threads(prev)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                pytest.fail(f"reference server ignored SIGTERM; log:\n{log.read_text()}")
+            assert code == 0, log.read_text()
+            assert "reference server stopped" in log.read_text()
+
+
+def _logprobs(answer: dict) -> list[float]:
+    return [lp for lp, _tok, _text in answer["meta_info"]["output_token_logprobs"]]
+
+
+def test_generate_answers_in_sglang_shapes(server):
+    _, client, log = server
+    assert log.read_text().count("ready on http://127.0.0.1:") == 1
+    single = client.generate(PROMPTS[0], GREEDY, return_logprob=True, rid="req-1")
+    assert set(single) == {"text", "output_ids", "meta_info"}
+    meta = single["meta_info"]
+    assert meta["id"] == "req-1" and meta["prompt_tokens"] == 5 and meta["completion_tokens"] == 12
+    assert meta["finish_reason"] == {"type": "length", "length": 12}
+    assert meta["cached_tokens"] == 0 and isinstance(meta["e2e_latency"], float) and meta["weight_version"]
+    triples = meta["output_token_logprobs"]
+    assert [t for _, t, _ in triples] == single["output_ids"] and all(x is None for _, _, x in triples)
+    assert all(lp < 0 for lp, _, _ in triples)
+    batch = client.generate(PROMPTS, [GREEDY] * 3)
+    assert isinstance(batch, list) and len(batch) == 3
+    assert batch[0]["output_ids"] == single["output_ids"]
+    assert "output_token_logprobs" not in batch[0]["meta_info"]
+    by_text = client.generate(text="12+3=", sampling_params={"max_new_tokens": 2, "temperature": 0})
+    assert by_text["meta_info"]["prompt_tokens"] == 6 and isinstance(by_text["text"], str)
+    assert client.model_info()["model_type"] == "qwen3_moe"
+    assert client.server_info()["tp_size"] == 1
+    client.flush_cache()
+
+
+def test_concurrent_requests_are_batched_without_changing_results(server):
+    _, client, _ = server
+    params = [{"temperature": 1.0, "max_new_tokens": 8, "sampling_seed": 100 + i} for i in range(8)]
+    prompts = [PROMPTS[i % 3] for i in range(8)]
+    expected = client.generate(prompts, params, return_logprob=True)
+    got: dict[int, dict] = {}
+
+    def one(i: int) -> None:
+        got[i] = client.generate(prompts[i], params[i], return_logprob=True)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i in range(8):
+        assert got[i]["output_ids"] == expected[i]["output_ids"]
+        torch.testing.assert_close(torch.tensor(_logprobs(got[i])), torch.tensor(_logprobs(expected[i])),
+                                   atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("body, status, match", [
+    (b"{not json", 400, "not valid JSON"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"top_p": 0}}', 400, "sampling_params.top_p=0"),
+    (b'{"input_ids": [1, 2], "text": "ab"}', 400, "exactly one of 'input_ids' and 'text'"),
+    (b'{"input_ids": [1, 2], "stream": true}', 400, "stream=true is not supported"),
+    (b'{"input_ids": [[1, 2], [3]], "sampling_params": [{}]}', 400, "list of 1 but the request has 2"),
+    (b'{"input_ids": [1, 2], "lora_path": "x"}', 400, "'lora_path' is not supported"),
+])
+def test_bad_generate_requests_get_400_with_a_message(server, body, status, match):
+    _, client, _ = server
+    conn = http.client.HTTPConnection(client.host, client.port, timeout=30)
+    conn.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    payload = json.loads(resp.read())
+    conn.close()
+    assert resp.status == status
+    assert match in payload["error"]["message"]
+
+
+def test_client_errors_name_url_route_status_and_message(server):
+    _, client, _ = server
+    with pytest.raises(EngineError) as info:
+        client.generate([1, 70], {})
+    err = info.value
+    assert err.status == 400 and err.route == "/generate" and err.url == client.base_url
+    assert "input_ids[0] holds 70" in str(err) and client.base_url in str(err)
+    with pytest.raises(EngineError, match="not a route") as info:
+        client.request("GET", "/no_such_route")
+    assert info.value.status == 404
+    dead = EngineClient(f"http://127.0.0.1:{free_port()}", timeout_s=5)
+    assert dead.health() is False
+    with pytest.raises(EngineError, match="no HTTP answer"):
+        dead.flush_cache()
+
+
+def test_weight_routes_refuse_bad_calls(server):
+    _, client, _ = server
+    with pytest.raises(EngineError, match="Please call `init_weights_update_group` first") as info:
+        client.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[64]])
+    assert info.value.status == 400
+    with pytest.raises(EngineError, match="No weight update session is open"):
+        client.end_weight_update()
+    with pytest.raises(EngineError, match="does not exist"):
+        client.destroy_weights_update_group("nope")
+    with pytest.raises(EngineError, match="backend 'nccl' needs CUDA"):
+        client.init_weights_update_group("127.0.0.1", free_port(), 1, 2, backend="nccl")
+
+
+def _server_greedy(client: EngineClient) -> list[dict]:
+    return client.generate(PROMPTS, [GREEDY] * 3, return_logprob=True)
+
+
+def _assert_matches_local(answers: list[dict], local: ReferenceModel) -> None:
+    expected = local.generate(PROMPTS, [GREEDY] * 3)
+    for got, exp in zip(answers, expected):
+        assert got["output_ids"] == exp["output_ids"]
+        torch.testing.assert_close(torch.tensor(_logprobs(got)), torch.tensor(exp["output_logprobs"]),
+                                   atol=1e-6, rtol=0)
+
+
+def test_weight_sync_per_tensor_and_flattened_bucket(server):
+    _, client, _ = server
+    sender = WeightSender([client], backend="gloo", timeout_s=120)
+    sender.connect()
+    try:
+        before = _server_greedy(client)
+        local = ReferenceModel(HF_CONFIG, seed=123)
+        expected = local.generate(PROMPTS, [GREEDY] * 3)
+        diff = max(abs(a - b) for ans, exp in zip(before, expected)
+                   for a, b in zip(_logprobs(ans), exp["output_logprobs"]))
+        assert diff > 1e-3, "server and local model should start from different weights"
+
+        # outside a begin/end session the server receives the bucket, then refuses it
+        name, tensor = "model.norm.weight", torch.full((64,), 3.0)
+        refused: list = []
+        call = threading.Thread(target=lambda: refused.append(_call_and_catch(
+            client.update_weights_from_distributed, [name], ["float32"], [[64]], load_format="flattened_bucket")))
+        call.start()
+        torch.distributed.broadcast(flatten_bucket([tensor]), group=sender.group, group_src=0)
+        call.join(60)
+        assert isinstance(refused[0], EngineError) and refused[0].status == 400
+        assert "between /begin_weight_update and /end_weight_update" in refused[0].message
+        _assert_same_answers(_server_greedy(client), before)
+
+        # per tensor, several buckets
+        named = list(checkpoint_state_dict(local.model).items())
+        sent = sender.push(named, bucket_bytes=32 << 10, flattened=False, weight_version="v1")
+        assert sent == sum(t.numel() * t.element_size() for _, t in named)
+        after = _server_greedy(client)
+        _assert_matches_local(after, local)
+        assert after[0]["meta_info"]["weight_version"] == "v1"
+
+        # flattened buckets with mixed dtypes: some tensors travel as bfloat16
+        local2 = ReferenceModel(HF_CONFIG, seed=456)
+        named2 = [(n, t.to(torch.bfloat16) if i % 3 == 0 else t)
+                  for i, (n, t) in enumerate(checkpoint_state_dict(local2.model).items())]
+        local2.load_weights(named2)  # the local twin holds the same bf16-rounded values
+        assert {dtype_name(t.dtype) for _, t in named2} == {"bfloat16", "float32"}
+        sender.push(named2, bucket_bytes=20 << 10, flattened=True, weight_version="v2")
+        after2 = _server_greedy(client)
+        _assert_matches_local(after2, local2)
+        assert after2[0]["meta_info"]["weight_version"] == "v2"
+        weight = client.get_weights_by_name("model.layers.1.mlp.experts.2.down_proj.weight", truncate_size=5)
+        torch.testing.assert_close(torch.tensor(weight),
+                                   local2.get_weight("model.layers.1.mlp.experts.2.down_proj.weight")[:5],
+                                   atol=0, rtol=0)
+
+        # an unknown name inside a session: refused after the broadcast, nothing changes
+        with pytest.raises(RuntimeError, match="unknown weight name 'model.layers.0.mlp.experts.gate_up_proj'"):
+            sender.push([("model.norm.weight", tensor), ("model.layers.0.mlp.experts.gate_up_proj",
+                                                          torch.zeros(4, 64, 64))], bucket_bytes=1 << 20)
+        _assert_same_answers(_server_greedy(client), after2)
+    finally:
+        sender.close()
+    assert client.server_info()["internal_states"][0]["weight_update_groups"] == []
+
+
+def test_release_and_resume_memory(server):
+    _, client, _ = server
+    client.release_memory_occupation(["weights", "kv_cache"])
+    with pytest.raises(EngineError, match=r"released \(tags \['kv_cache', 'weights'\]\)") as info:
+        client.generate(PROMPTS[0], GREEDY)
+    assert info.value.status == 400
+    client.resume_memory_occupation(["weights"])
+    with pytest.raises(EngineError, match=r"tags \['kv_cache'\]"):
+        client.generate(PROMPTS[0], GREEDY)
+    with pytest.raises(EngineError, match=r"cannot resume \['weights'\]: not released"):
+        client.resume_memory_occupation(["weights"])
+    with pytest.raises(EngineError, match="unknown memory tags"):
+        client.release_memory_occupation(["gpu"])
+    client.resume_memory_occupation()
+    assert len(client.generate(PROMPTS[0], GREEDY)["output_ids"]) == 12
+
+
+def test_pause_holds_generation_until_continue(server):
+    _, client, _ = server
+    client.pause_generation()
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(client.generate(PROMPTS[1], GREEDY)))
+    worker.start()
+    worker.join(1.0)
+    assert worker.is_alive() and not result
+    client.continue_generation()
+    worker.join(60)
+    assert len(result[0]["output_ids"]) == 12
+
+
+def _call_and_catch(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except EngineError as exc:
+        return exc
+
+
+def _assert_same_answers(a: list[dict], b: list[dict]) -> None:
+    for x, y in zip(a, b):
+        assert x["output_ids"] == y["output_ids"]
+        assert _logprobs(x) == _logprobs(y)

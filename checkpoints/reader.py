@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import os
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,7 @@ class CheckpointReader:
         self.step = manifest.step
         self.verify = verify
         self._files: dict[str, h5py.File] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -96,11 +98,16 @@ class CheckpointReader:
                              f"{list(rec.global_shape)}")
         out = np.empty(box.shape, dtype=_dtypes.storage_dtype(self.dtype(name)))
         covered = 0
-        for s in rec.slices:
-            piece = s.box.intersect(box)
-            if piece is not None:
-                self._read_piece(rec, s, piece, out, box)
-                covered += piece.numel
+        checks: list[Future[None]] = []
+        try:
+            for s in rec.slices:
+                piece = s.box.intersect(box)
+                if piece is not None:
+                    checks.extend(self._read_piece(rec, s, piece, out, box))
+                    covered += piece.numel
+        finally:
+            for check in checks:
+                check.result()  # re-raises a CorruptCheckpointError of the helper thread
         assert box.numel == 0 or covered == box.numel, (name, box, covered)  # build_manifest checked
         return _dtypes.from_storage(out, self.dtype(name))
 
@@ -124,6 +131,9 @@ class CheckpointReader:
         return data.tobytes()
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for f in self._files.values():
             f.close()
         self._files.clear()
@@ -170,7 +180,11 @@ class CheckpointReader:
                                       f"{shape} {dtype}")
         return ds
 
-    def _read_piece(self, rec: TensorRecord, s: SliceRecord, piece: Box, out: np.ndarray, box: Box) -> None:
+    def _read_piece(self, rec: TensorRecord, s: SliceRecord, piece: Box, out: np.ndarray,
+                    box: Box) -> list[Future[None]]:
+        """Read `piece` of stored slice `s` into `out` (which holds `box`); returns the pending
+        checksum checks (crc32 releases the GIL, so they run on a helper thread during the next
+        read)."""
         ds = self._dataset(s.file, s.dataset, s.box.shape, out.dtype)
         src = piece.relative_to(s.box)
         dst = piece.relative_to(box)
@@ -179,31 +193,36 @@ class CheckpointReader:
                 out[()] = self._h5(s.file, lambda: ds[()])
             else:
                 self._h5(s.file, lambda: ds.read_direct(out, source_sel=src, dest_sel=dst))
-            return
+            return []
         if out.ndim == 0 or s.box.shape[0] == 0:
-            data = self._h5(s.file, lambda: ds[()])
-            self._check(rec, s, np.ascontiguousarray(data), 0)
+            data = np.asarray(self._h5(s.file, lambda: ds[()]))
             out[dst] = data[src]
-            return
+            return [self._submit_check(rec, s, data, 0)]
         rows, br = s.box.shape[0], s.block_rows
         k0 = src[0].start // br
         a, b = k0 * br, min(-(-src[0].stop // br) * br, rows)
         full_width = piece.shape[1:] == s.box.shape[1:] == box.shape[1:]
         if full_width and (a, b) == (src[0].start, src[0].stop):
             # The rows land contiguously in `out`: read them in place, then check them there.
-            target = out[dst[0]]
             self._h5(s.file, lambda: ds.read_direct(out, source_sel=np.s_[a:b], dest_sel=dst[:1]))
-            self._check(rec, s, target, k0)
-            return
+            return [self._submit_check(rec, s, out[dst[0]], k0)]
         tmp = np.empty((b - a,) + s.box.shape[1:], dtype=out.dtype)
         self._h5(s.file, lambda: ds.read_direct(tmp, source_sel=np.s_[a:b]))
-        self._check(rec, s, tmp, k0)
         out[dst] = tmp[(slice(src[0].start - a, src[0].stop - a),) + src[1:]]
+        return [self._submit_check(rec, s, tmp, k0)]
+
+    def _submit_check(self, rec: TensorRecord, s: SliceRecord, rows_arr: np.ndarray, k0: int) -> Future[None]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-verify")
+        return self._pool.submit(self._check, rec, s, rows_arr, k0)
 
     def _check(self, rec: TensorRecord, s: SliceRecord, rows_arr: np.ndarray, k0: int) -> None:
         """Compare whole blocks (starting at block k0) of a slice against the manifest's crc32s."""
         flat = memoryview(rows_arr.reshape(-1).view(np.uint8))
-        step = s.block_rows * (rows_arr.nbytes // rows_arr.shape[0]) if rows_arr.ndim and rows_arr.shape[0] else len(flat)
+        if rows_arr.ndim and rows_arr.shape[0]:
+            step = s.block_rows * (rows_arr.nbytes // rows_arr.shape[0])
+        else:
+            step = len(flat)
         for j, start in enumerate(range(0, max(1, len(flat)), max(1, step))):
             k = k0 + j
             if k >= len(s.crc32) or zlib.crc32(flat[start:start + step]) != s.crc32[k]:
@@ -236,12 +255,18 @@ def verify(store: ShardStore | str | os.PathLike[str], step: int | None = None) 
                 slices += 1
                 nbytes += s.box.numel * sdtype.itemsize
                 if not s.box.shape or s.box.shape[0] == 0:
-                    reader._read_piece(rec, s, s.box, np.empty(s.box.shape, sdtype), s.box)
+                    for check in reader._read_piece(rec, s, s.box, np.empty(s.box.shape, sdtype), s.box):
+                        check.result()
                     continue
+                pending: list[Future[None]] = []
                 for r0 in range(0, s.box.shape[0], s.block_rows):
                     rows = Box((s.box.offsets[0] + r0,) + s.box.offsets[1:],
                                (min(s.block_rows, s.box.shape[0] - r0),) + s.box.shape[1:])
-                    reader._read_piece(rec, s, rows, np.empty(rows.shape, sdtype), rows)
+                    pending += reader._read_piece(rec, s, rows, np.empty(rows.shape, sdtype), rows)
+                    while len(pending) > 2:  # bounded memory: at most a few blocks in flight
+                        pending.pop(0).result()
+                for check in pending:
+                    check.result()
         blobs = 0
         for name, per_rank in reader.manifest.blobs.items():
             for rank, b in per_rank.items():

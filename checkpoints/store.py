@@ -5,7 +5,9 @@ open a shard for reading, atomically put or get a small text file (done markers,
 `latest`), list steps and names, and remove files. `LocalFSStore` implements it on a POSIX
 filesystem (local disk, NFS, Lustre): every file is written under a temporary name, fsync'ed,
 renamed into place and its directory fsync'ed, so a crash leaves either the old file or the new
-one. `MemoryStore` keeps everything in a dict (HDF5 images built in memory) for fast tests and
+one. (Shards and done markers skip the directory fsync: the manifest's durable rename, in the
+same directory, flushes their entries too; a marker need not survive a power loss at all, since
+rank 0 reads it before the manifest exists.) `MemoryStore` keeps everything in a dict (HDF5 images built in memory) for fast tests and
 records which shards were opened. Paths are plain `str` names relative to the store root:
 
     ROOT/latest                     text: the step number of the newest committed checkpoint
@@ -61,9 +63,10 @@ class ShardStore(Protocol):
     """Where checkpoints live. `step=None` in the text methods addresses the store root."""
 
     def put_shard(self, step: int, filename: str, items: Iterable[ShardItem]) -> int:
-        """Write the items as one HDF5 file, durably, replacing any old file atomically.
-
-        `items` is consumed lazily, one array at a time. Returns the bytes of array data written.
+        """Write the items as one HDF5 file and make its data durable, replacing any old file
+        atomically. Its directory entry need only become durable with the next durable
+        `put_text` into the same step (the manifest). `items` is consumed lazily, one array at a
+        time. Returns the bytes of array data written.
         """
         ...
 
@@ -71,8 +74,9 @@ class ShardStore(Protocol):
         """Open a shard read-only (the caller closes it). FileNotFoundError if it is absent."""
         ...
 
-    def put_text(self, step: int | None, name: str, text: str) -> None:
-        """Durably and atomically create or replace a small text file."""
+    def put_text(self, step: int | None, name: str, text: str, *, durable: bool = True) -> None:
+        """Atomically create or replace a small text file; with `durable`, also make it and every
+        earlier entry of its directory survive a power loss before returning."""
         ...
 
     def get_text(self, step: int | None, name: str) -> str | None:
@@ -128,7 +132,6 @@ class LocalFSStore:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        _fsync_path(d)
         return nbytes
 
     def open_shard(self, step: int, filename: str) -> h5py.File:
@@ -137,20 +140,22 @@ class LocalFSStore:
             raise FileNotFoundError(f"shard {path} does not exist")
         return h5py.File(path, "r", locking=False)
 
-    def put_text(self, step: int | None, name: str, text: str) -> None:
+    def put_text(self, step: int | None, name: str, text: str, *, durable: bool = True) -> None:
         d = self._dir(step)
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f"{name}.tmp-{uuid.uuid4().hex[:12]}"
         try:
             with open(tmp, "w", encoding="utf-8") as f:
                 f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp, d / name)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        _fsync_path(d)
+        if durable:
+            _fsync_path(d)  # the rename, and the shards renamed into this directory before it
 
     def get_text(self, step: int | None, name: str) -> str | None:
         try:
@@ -213,7 +218,7 @@ class MemoryStore:
             raise FileNotFoundError(f"shard {self.location(step, filename)} does not exist")
         return h5py.File(io.BytesIO(data), "r", locking=False)
 
-    def put_text(self, step: int | None, name: str, text: str) -> None:
+    def put_text(self, step: int | None, name: str, text: str, *, durable: bool = True) -> None:
         with self._lock:
             self._files[(step, name)] = text
 

@@ -23,6 +23,7 @@ import threading
 import time
 import warnings
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -190,8 +191,8 @@ class CheckpointWriter:
             self._thread.start()
             self._blocked_s += time.perf_counter() - t0
             return
-        self._blocked_s += time.perf_counter() - t0
         self._run()
+        self._blocked_s += time.perf_counter() - t0
         self.wait()
 
     def done(self) -> bool:
@@ -234,7 +235,9 @@ class CheckpointWriter:
     def _run(self) -> None:
         try:
             index = self._write_shard()
-            self.store.put_text(self.step, marker_name(self.rank), index.to_text())
+            # Not durable: rank 0 reads markers only before the manifest exists; the manifest's
+            # durable write also flushes this directory's entries (the shard's name included).
+            self.store.put_text(self.step, marker_name(self.rank), index.to_text(), durable=False)
             if self.rank == 0:
                 self._commit_manifest()
             self._state = "done"
@@ -247,8 +250,10 @@ class CheckpointWriter:
 
     def _write_shard(self) -> RankIndex:
         filename = shard_filename(self.rank)
-        tensors: list[TensorRecord] = []
         blobs: list[BlobRecord] = []
+        # crc32 releases the GIL: checksum item i on a helper thread while HDF5 writes it.
+        crc_pool = ThreadPoolExecutor(1, thread_name_prefix=f"ckpt-crc-{self.step}")
+        crcs: list[tuple[_Pending, str, Future[tuple[int, tuple[int, ...]]]]] = []
 
         def items() -> Iterator[ShardItem]:
             for i, p in enumerate(self._pending):
@@ -262,14 +267,21 @@ class CheckpointWriter:
                 assert p.box is not None
                 arr = _dtypes.to_storage(p.data.cpu())
                 dataset = f"t{i:06d}"
-                block_rows, crcs = block_checksums(arr, self.block_bytes)
-                record = SliceRecord(p.box, filename, dataset, block_rows, crcs)
-                tensors.append(TensorRecord(p.name, p.global_shape, _dtypes.dtype_name(p.data.dtype),
-                                            (record,)))
+                crcs.append((p, dataset, crc_pool.submit(block_checksums, arr, self.block_bytes)))
                 yield ShardItem(dataset, arr, {"name": p.name, "offsets": str(list(p.box.offsets)),
                                                "global_shape": str(list(p.global_shape))})
 
-        self._nbytes = self.store.put_shard(self.step, filename, items())
+        try:
+            self._nbytes = self.store.put_shard(self.step, filename, items())
+            tensors = []
+            for p, dataset, future in crcs:
+                block_rows, crc = future.result()
+                assert p.box is not None and isinstance(p.data, torch.Tensor)
+                record = SliceRecord(p.box, filename, dataset, block_rows, crc)
+                tensors.append(TensorRecord(p.name, p.global_shape, _dtypes.dtype_name(p.data.dtype),
+                                            (record,)))
+        finally:
+            crc_pool.shutdown(wait=True, cancel_futures=True)
         return RankIndex(self.rank, self.attempt_id, filename, self._nbytes, tuple(tensors), tuple(blobs))
 
     def _commit_manifest(self) -> None:

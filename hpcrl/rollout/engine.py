@@ -45,7 +45,7 @@ __all__ = ["ReferenceModel", "SamplingParams"]
 _INERT_DEFAULTS: dict[str, tuple] = {
     "min_p": (0, 0.0), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
     "repetition_penalty": (1, 1.0), "min_new_tokens": (0,), "n": (1,), "stop": (None, "", ()),
-    "json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
+    "stop_regex": (None, "", ()), "json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
     "logit_bias": (None,), "custom_params": (None,),
 }
 _TEXT_ONLY = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
@@ -74,14 +74,15 @@ class SamplingParams:
                 if value is not None:
                     kwargs[key] = value
             elif key in _INERT_DEFAULTS:
-                if value not in _INERT_DEFAULTS[key] and not (key == "stop" and value == []):
+                if value not in _INERT_DEFAULTS[key] and not (key in ("stop", "stop_regex") and value == []):
                     raise ValueError(f"sampling_params.{key}={value!r} is not supported by the reference "
                                      f"engine; leave it at its default {_INERT_DEFAULTS[key][0]!r}")
             elif key not in _TEXT_ONLY:
                 raise ValueError(f"unknown sampling_params key {key!r}; supported: "
                                  f"{sorted(known | set(_INERT_DEFAULTS) | _TEXT_ONLY)}")
-        out = cls(**kwargs) if not kwargs.get("stop_token_ids") else cls(
-            **{**kwargs, "stop_token_ids": tuple(kwargs["stop_token_ids"])})
+        if isinstance(kwargs.get("stop_token_ids"), list):
+            kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])
+        out = cls(**kwargs)
         out._validate()
         return out
 
@@ -98,7 +99,7 @@ class SamplingParams:
             raise bad("top_p", "must be in (0, 1]")
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             raise bad("top_k", "must be -1 (disabled) or >= 1")
-        if not all(_is_int(t) for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, tuple) or not all(_is_int(t) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of integer token ids")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "must be true or false")

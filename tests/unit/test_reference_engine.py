@@ -159,3 +159,18 @@ def test_load_weights_checks_every_name_and_shape_before_writing():
     assert torch.equal(eng.get_weight(name), new)
     gate_up = eng.model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"]
     assert torch.equal(gate_up[1, 32:], new)
+
+
+def test_mixtral_builds_loads_checkpoint_names_and_generates():
+    from hpcrl.rollout.hf_names import checkpoint_state_dict
+
+    mixtral = dict(model_type="mixtral", vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=3,
+                   num_experts_per_tok=2, max_position_embeddings=64, eos_token_id=2)
+    src, dst = ReferenceModel(mixtral, seed=1), ReferenceModel(mixtral, seed=2)
+    named = checkpoint_state_dict(src.model)
+    assert "model.layers.0.block_sparse_moe.experts.2.w2.weight" in named
+    assert dst.load_weights(named.items()) == len(named)
+    params = [{"temperature": 0.9, "max_new_tokens": 6, "sampling_seed": 7, "ignore_eos": True}] * 2
+    a, b = src.generate([[1, 4, 5], [1, 9]], params), dst.generate([[1, 4, 5], [1, 9]], params)
+    assert [x["output_ids"] for x in a] == [x["output_ids"] for x in b]

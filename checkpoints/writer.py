@@ -104,7 +104,7 @@ class CheckpointWriter:
         self.step, self.rank, self.world_size, self.attempt_id = step, rank, world_size, attempt_id
         self.async_save, self.commit_timeout_s, self.keep_last = async_save, commit_timeout_s, keep_last
         self.block_bytes, self.poll_interval_s = block_bytes, poll_interval_s
-        if self.store.get_text(step, MANIFEST) is not None:
+        if MANIFEST in self.store.list_names(step):
             raise CheckpointExistsError(
                 f"checkpoint step {step} is already committed at {self.store.location(step, MANIFEST)}; "
                 f"save under a new step, or remove it first (checkpoints.discard_newer)")
@@ -287,9 +287,11 @@ class CheckpointWriter:
     def _commit_manifest(self) -> None:
         deadline = time.monotonic() + self.commit_timeout_s
         indexes: dict[int, RankIndex] = {}
+        interval = self.poll_interval_s
         while True:
+            present = set(self.store.list_names(self.step))  # one listing per poll, not per rank
             for r in range(self.world_size):
-                if r in indexes or marker_name(r) not in self.store.list_names(self.step):
+                if r in indexes or marker_name(r) not in present:
                     continue
                 text = self.store.get_text(self.step, marker_name(r))
                 if text is None:
@@ -310,7 +312,8 @@ class CheckpointWriter:
                     f"commit_timeout_s={self.commit_timeout_s} (no done marker of attempt "
                     f"{self.attempt_id!r}); the step stays incomplete and invisible",
                     step=self.step, missing_ranks=missing)
-            time.sleep(self.poll_interval_s)
+            time.sleep(interval)
+            interval = min(interval * 1.5, 0.5)  # gentle on a shared filesystem's metadata server
         manifest = build_manifest(self.step, self.world_size, self.attempt_id, indexes.values(),
                                   self._metadata)
         self.store.put_text(self.step, MANIFEST, manifest.to_text())
@@ -326,16 +329,24 @@ class CheckpointWriter:
 
     def _wait_for_manifest(self) -> None:
         deadline = time.monotonic() + self.commit_timeout_s
+        interval = self.poll_interval_s
         while True:
-            text = self.store.get_text(self.step, MANIFEST)
-            if text is not None and Manifest.from_text(text).attempt_id == self.attempt_id:
-                return
+            if MANIFEST in self.store.list_names(self.step):
+                text = self.store.get_text(self.step, MANIFEST)
+                if text is not None:
+                    committed_by = Manifest.from_text(text).attempt_id
+                    if committed_by != self.attempt_id:
+                        raise CommitError(
+                            f"checkpoint step {self.step} was committed by attempt {committed_by!r}, "
+                            f"not this one ({self.attempt_id!r}): two runs share {self.store.location(None, '')}")
+                    return
             if time.monotonic() > deadline:
                 raise CommitTimeoutError(
                     f"checkpoint step {self.step}: rank {self.rank} wrote its shard but rank 0 did not "
                     f"commit the manifest within commit_timeout_s={self.commit_timeout_s}",
                     step=self.step, missing_ranks=[0])
-            time.sleep(self.poll_interval_s)
+            time.sleep(interval)
+            interval = min(interval * 1.5, 0.5)
 
 
 def block_checksums(arr: np.ndarray, block_bytes: int) -> tuple[int, tuple[int, ...]]:

@@ -244,5 +244,5 @@ def _check_partition(step: int, name: str, global_shape: tuple[int, ...],
     if covered != prod(global_shape):
         raise CommitError(
             f"step {step}: tensor {name!r} of shape {list(global_shape)}: the ranks' slices cover "
-            f"{covered} of {prod(global_shape)} elements (boxes: {boxes[:8]}{'...' if len(boxes) > 8 else ''}); "
-            f"some rank did not write its part")
+            f"{covered} of {prod(global_shape)} elements (boxes: {boxes[:8]}"
+            f"{'...' if len(boxes) > 8 else ''}); some rank did not write its part")

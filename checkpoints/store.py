@@ -3,12 +3,12 @@
 The writer and reader never touch paths; they ask a store to durably put a shard (HDF5 datasets),
 open a shard for reading, atomically put or get a small text file (done markers, the manifest,
 `latest`), list steps and names, and remove files. `LocalFSStore` implements it on a POSIX
-filesystem (local disk, NFS, Lustre): every file is written under a temporary name, fsync'ed,
-renamed into place and its directory fsync'ed, so a crash leaves either the old file or the new
-one. (Shards and done markers skip the directory fsync: the manifest's durable rename, in the
-same directory, flushes their entries too; a marker need not survive a power loss at all, since
-rank 0 reads it before the manifest exists.) `MemoryStore` keeps everything in a dict (HDF5 images built in memory) for fast tests and
-records which shards were opened. Paths are plain `str` names relative to the store root:
+filesystem (local disk, NFS, Lustre): files are written under a temporary name, fsync'ed and
+renamed into place, so a crash leaves either the old file or the new one. Shards and done markers
+skip the directory fsync: the manifest's durable rename, in the same directory, flushes their
+entries too, and a marker need not survive a power loss at all (rank 0 reads it before the
+manifest exists). `MemoryStore` keeps everything in a dict (HDF5 images built in memory) for fast
+tests and records which shards were opened. Paths are plain `str` names relative to the store root:
 
     ROOT/latest                     text: the step number of the newest committed checkpoint
     ROOT/step_000120/rank00003.h5   shard written by rank 3

@@ -338,7 +338,8 @@ class CheckpointWriter:
                     if committed_by != self.attempt_id:
                         raise CommitError(
                             f"checkpoint step {self.step} was committed by attempt {committed_by!r}, "
-                            f"not this one ({self.attempt_id!r}): two runs share {self.store.location(None, '')}")
+                            f"not this one ({self.attempt_id!r}): two runs share "
+                            f"{self.store.location(None, '')}")
                     return
             if time.monotonic() > deadline:
                 raise CommitTimeoutError(

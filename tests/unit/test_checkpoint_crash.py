@@ -95,7 +95,8 @@ def check_resumable(root: Path) -> int:
         for name in SHAPES:
             assert torch.equal(r.read(name), expected(name, step)), name
         assert r.read("adam.step").item() == step
-        assert [r.blob("rng", k) for k in range(WORLD)] == [f"rank{k}-step{step}".encode() for k in range(WORLD)]
+        blobs = [r.blob("rng", k) for k in range(WORLD)]
+        assert blobs == [f"rank{k}-step{step}".encode() for k in range(WORLD)]
     verify(root, step)
     return step
 
@@ -181,7 +182,8 @@ def test_damaged_shards_are_named_and_older_checkpoint_still_loads(tmp_path):
         with open_checkpoint(root) as r:
             for name in SHAPES:
                 r.read(name)
-    assert str(shard) in str(e.value) and f"step {newest}" in str(e.value) and "checksum mismatch" in str(e.value)
+    message = str(e.value)
+    assert str(shard) in message and f"step {newest}" in message and "checksum mismatch" in message
     # The user picks the older checkpoint (--resume-from): it is intact.
     with open_checkpoint(root, older) as r:
         for name in SHAPES:

@@ -17,8 +17,8 @@ import torch
 
 from checkpoints import (CheckpointExistsError, CheckpointNotFoundError, CheckpointWriter, CommitError,
                          CommitTimeoutError, CorruptCheckpointError, LocalFSStore, MemoryStore, ShardStore,
-                         apply_retention, discard_newer, latest_pointer, latest_step, list_checkpoints, open_checkpoint,
-                         verify)
+                         apply_retention, discard_newer, latest_pointer, latest_step, list_checkpoints,
+                         open_checkpoint, verify)
 from checkpoints.manifest import Manifest
 from moe.slices import Box
 
@@ -340,7 +340,8 @@ def test_corrupt_blob_and_memory_store_corruption():
     store.corrupt(1, "rank00000.h5", data.index(b"x" * 4096) + 100)
     r = open_checkpoint(store)
     assert torch.equal(r.read("w"), torch.arange(4096, dtype=torch.int32))
-    with pytest.raises(CorruptCheckpointError, match=r"memory://step_000001/rank00000.h5: checksum mismatch in blob 'rng'"):
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"memory://step_000001/rank00000.h5: checksum mismatch in blob 'rng'"):
         r.blob("rng")
 
 
@@ -357,12 +358,15 @@ def test_manifest_versions():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda w: w.write("x", torch.zeros(2, 3), Box((0, 0), (3, 2)), (4, 4)), "tensor shape [2, 3] != box shape [3, 2]"),
-    (lambda w: w.write("x", torch.zeros(2, 3), Box((3, 0), (2, 3)), (4, 4)), "does not lie inside global_shape [4, 4]"),
+    (lambda w: w.write("x", torch.zeros(2, 3), Box((0, 0), (3, 2)), (4, 4)),
+     "tensor shape [2, 3] != box shape [3, 2]"),
+    (lambda w: w.write("x", torch.zeros(2, 3), Box((3, 0), (2, 3)), (4, 4)),
+     "does not lie inside global_shape [4, 4]"),
     (lambda w: w.write("x", torch.zeros(2, 3), Box((0, 0), (2, 3))), "global_shape is required"),
     (lambda w: w.write("", torch.zeros(2)), "name must be a non-empty str"),
     (lambda w: w.write("x", [1, 2]), "tensor must be a torch.Tensor, got list"),
-    (lambda w: w.write("x", torch.zeros(2, dtype=torch.complex64)), "dtype torch.complex64 cannot be checkpointed"),
+    (lambda w: w.write("x", torch.zeros(2, dtype=torch.complex64)),
+     "dtype torch.complex64 cannot be checkpointed"),
     (lambda w: (w.write("x", torch.zeros(2), Box((0,), (2,)), (4,)),
                 w.write("x", torch.zeros(2), Box((1,), (2,)), (4,))), "overlaps"),
     (lambda w: (w.write_blob("b", b"1"), w.write_blob("b", b"2")), "already wrote a blob"),

@@ -39,12 +39,14 @@ __all__ = ["WeightSender", "dtype_name", "flatten_bucket", "init_custom_process_
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                              timeout_s: float = 600.0) -> dist.ProcessGroup:
+                              timeout_s: float = 600.0, device_id: torch.device | None = None) -> dist.ProcessGroup:
     """Join a new process group outside torch's default one (SGLang's `init_custom_process_group`).
 
     Rendezvous over `init_method` (tcp://host:port; rank 0 hosts the store), keys prefixed with
     `group_name`, group ranks equal to `rank`. Blocks until all `world_size` ranks have joined or
-    `timeout_s` passes. A process can hold one group per `group_name` at a time.
+    `timeout_s` passes. A process can hold one group per `group_name` at a time. For NCCL pass
+    `device_id` (the local GPU) so the communicator is created now, as SGLang's engines do, instead of
+    at the first collective.
     """
     from torch.distributed.distributed_c10d import (
         Backend,
@@ -61,7 +63,8 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
-                                         group_name=group_name, backend_options=None, timeout=timeout)
+                                         group_name=group_name, backend_options=None, timeout=timeout,
+                                         device_id=device_id)
     # Lets collectives map ranks without a default group (group rank == rank).
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
@@ -142,7 +145,8 @@ class WeightSender:
         def join() -> None:
             try:
                 local["group"] = init_custom_process_group(self.backend, f"tcp://{self.master_address}:{port}",
-                                                           self.world_size, 0, self.group_name, self.timeout_s)
+                                                           self.world_size, 0, self.group_name, self.timeout_s,
+                                                           device_id=self._device() if self.backend == "nccl" else None)
             except BaseException as exc:  # reported to the caller below
                 local["error"] = exc
 
@@ -183,7 +187,7 @@ class WeightSender:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
         if not named_tensors:
             raise ValueError("push() got no tensors")
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        device = self._device()
         buckets = _buckets(named_tensors, bucket_bytes)
         self._on_all("begin_weight_update")
         try:
@@ -229,6 +233,10 @@ class WeightSender:
                 fut.result(timeout=self.timeout_s)
             except (EngineError, OSError):
                 pass  # the engine may already be gone; its group dies with it
+
+    def _device(self) -> torch.device:
+        """Where broadcast tensors must live: the current GPU for NCCL, host memory for gloo."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
     def _on_all(self, method: str) -> None:
         self._check([self._pool.submit(getattr(c, method)) for c in self.clients], method)

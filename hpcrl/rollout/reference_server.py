@@ -83,19 +83,26 @@ class ReferenceServer:
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.worker = threading.Thread(target=self._generation_loop, name="generation", daemon=True)
         self.worker.start()
-        weight = {"init_weights_update_group", "destroy_weights_update_group", "begin_weight_update",
-                  "end_weight_update", "update_weights_from_distributed", "update_weight_version",
-                  "release_memory_occupation", "resume_memory_occupation"}
-        self.weight_routes = {f"/{r}" for r in weight}
-        get_post = ("flush_cache", "get_weights_by_name", "release_memory_occupation", "resume_memory_occupation")
-        self.routes = {("POST", "/generate"): self.generate, ("PUT", "/generate"): self.generate}
-        for name in ("health", "health_generate", "model_info", "get_model_info", "server_info", "get_server_info",
-                     "get_weight_version"):
-            self.routes[("GET", f"/{name}")] = getattr(self, name.removeprefix("get_") if "info" in name else name)
-        for name in weight | {"pause_generation", "continue_generation", *get_post}:
-            self.routes[("POST", f"/{name}")] = getattr(self, name)
-        for name in get_post:
-            self.routes[("GET", f"/{name}")] = getattr(self, name)
+        post = {"generate": self.generate, "pause_generation": self.pause_generation,
+                "continue_generation": self.continue_generation, "flush_cache": self.flush_cache,
+                "get_weights_by_name": self.get_weights_by_name}
+        weight = {"init_weights_update_group": self.init_weights_update_group,
+                  "destroy_weights_update_group": self.destroy_weights_update_group,
+                  "begin_weight_update": self.begin_weight_update, "end_weight_update": self.end_weight_update,
+                  "update_weights_from_distributed": self.update_weights_from_distributed,
+                  "update_weight_version": self.update_weight_version,
+                  "release_memory_occupation": self.release_memory_occupation,
+                  "resume_memory_occupation": self.resume_memory_occupation}
+        get = {"health": self.health, "health_generate": self.health, "model_info": self.model_info,
+               "get_model_info": self.model_info, "server_info": self.server_info,
+               "get_server_info": self.server_info, "get_weight_version": self.get_weight_version,
+               "flush_cache": self.flush_cache, "get_weights_by_name": self.get_weights_by_name,
+               "release_memory_occupation": self.release_memory_occupation,
+               "resume_memory_occupation": self.resume_memory_occupation}
+        self.routes = {("POST", f"/{k}"): v for k, v in (post | weight).items()}
+        self.routes |= {("GET", f"/{k}"): v for k, v in get.items()}
+        self.routes[("PUT", "/generate")] = self.generate
+        self.weight_routes = {f"/{k}" for k in weight}
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -207,8 +214,6 @@ class ReferenceServer:
         if self.shutting_down:
             raise _Fail("shutting down", status=503)
         return None
-
-    health_generate = health
 
     def flush_cache(self, req: dict):
         return "Cache flushed.\n"  # no cache outlives a batch in the reference engine

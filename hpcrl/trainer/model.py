@@ -6,8 +6,8 @@ RMSNorm over the head dim (Qwen3), non-interleaved RoPE with the HF theta, group
 attention, a softmax router (top-k logits then softmax == HF's renormalised top-k softmax when
 `norm_topk_prob`; softmax then top-k otherwise), SwiGLU experts, no biases, no dropout. Every
 fusion is off (they need CUDA kernels); parameters are fp32 on CPU. `build_gpt_model` builds the
-module of this rank's pipeline stage; weights are left uninitialised because the policy always
-loads HF weights (`MegatronPolicy.init_from_seed` / `load_hf_state_dict`).
+module of this rank's pipeline stage with Megatron's own random init, which the policy then
+overwrites with HF weights (`MegatronPolicy.init_from_seed` / `load_hf_state_dict`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,26 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from moe.hf_megatron import HFModelDims
+from moe.hf_megatron import HFModelDims, RankCoords
 
 DISPATCHERS = ("alltoall", "allgather")
+
+
+def check_layout(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: int, dispatcher: str,
+                 device: str = "cpu") -> None:
+    """Raise ValueError (naming the trainer field) for a layout this trainer cannot run."""
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"trainer.dispatcher={dispatcher!r}; valid: {', '.join(DISPATCHERS)}")
+    if dispatcher == "alltoall" and etp > 1 and device == "cpu":
+        # gloo cannot all_gather tensors of unequal size, which the alltoall path does under ETP.
+        raise ValueError("trainer.dispatcher='alltoall' with trainer.etp > 1 fails on gloo (uneven "
+                         "all_gather); use etp=1 or dispatcher='allgather' on CPU")
+    if ep == 1 and etp != tp:
+        # With EP=1 Megatron treats expert weights as dense params and reduces their grads over
+        # the dense DP group, which is wrong when ETP != TP (replicas see different tokens).
+        raise ValueError(f"trainer.ep=1 needs trainer.etp == trainer.tp (got etp={etp}, tp={tp}); "
+                         "set etp to tp, or use ep > 1")
+    RankCoords(tp=tp, pp=pp, ep=ep, etp=etp).check(HFModelDims.from_hf_config(hf_config))
 
 
 def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: int, dispatcher: str,
@@ -31,12 +48,7 @@ def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: in
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if dispatcher not in DISPATCHERS:
-        raise ValueError(f"trainer.dispatcher={dispatcher!r}; valid: {', '.join(DISPATCHERS)}")
-    if dispatcher == "alltoall" and etp > 1 and device == "cpu":
-        # gloo cannot all_gather tensors of unequal size, which the alltoall path does under ETP.
-        raise ValueError("trainer.dispatcher='alltoall' with trainer.etp > 1 fails on gloo (uneven "
-                         "all_gather); use etp=1 or dispatcher='allgather' on CPU")
+    check_layout(hf_config, tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=dispatcher, device=device)
     dims = HFModelDims.from_hf_config(hf_config)
     return TransformerConfig(
         num_layers=dims.num_layers,
@@ -76,7 +88,9 @@ def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: in
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
         use_cpu_initialization=device == "cpu",
-        perform_initialization=False,
+        # The init functions also set the `tensor_model_parallel` attributes that the grad-norm
+        # dedup reads; without them TP shards count as replicas. The values are overwritten.
+        perform_initialization=True,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,

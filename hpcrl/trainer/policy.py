@@ -37,7 +37,7 @@ from hpcrl.algorithms.grpo import GRPOLossConfig, aggregate, grpo_loss
 from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
 from hpcrl.trainer import megatron_compat
 from hpcrl.trainer.batch import TrainBatch
-from hpcrl.trainer.model import build_gpt_model, build_hf_model, transformer_config
+from hpcrl.trainer.model import build_gpt_model, build_hf_model, check_layout, transformer_config
 from moe.hf_megatron import (HFModelDims, RankCoords, hf_fused_to_checkpoint, hf_to_megatron,
                              local_params)
 
@@ -92,7 +92,7 @@ class MegatronPolicy:
         if trainer.micro_batch_size < 1:
             raise ValueError(f"trainer.micro_batch_size={trainer.micro_batch_size}; must be >= 1")
         self.dims = HFModelDims.from_hf_config(hf_config)
-        RankCoords(tp=tp, pp=pp, ep=ep, etp=etp).check(self.dims)
+        check_layout(hf_config, tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=trainer.dispatcher, device=device)
         megatron_compat.apply()
         if device == "cuda":
             torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
@@ -256,17 +256,20 @@ class MegatronPolicy:
 
     def _share(self, batch: TrainBatch | None, tensors: dict[str, torch.Tensor | None]
                ) -> tuple[TrainBatch, dict[str, torch.Tensor | None]]:
-        """The inputs on every rank: ranks that passed batch=None receive rank 0's."""
-        have = torch.tensor([0 if batch is None else 1], device=self.device)
+        """The inputs on every rank: an input that some rank passed as None is taken from rank 0
+        (so callers may pass results of rank-0-only methods, e.g. log-probs, on rank 0 alone)."""
+        items: list[Any] = [batch, *tensors.values()]
+        have = torch.tensor([x is not None for x in items], dtype=torch.int32, device=self.device)
         dist.all_reduce(have, op=dist.ReduceOp.MIN)
-        if int(have.item()) == 1:
-            assert batch is not None
-            return batch, tensors
-        if self.rank == 0 and batch is None:
+        missing = [i for i, h in enumerate(have.tolist()) if not h]
+        if missing:
+            payload: list[Any] = [[items[i] for i in missing] if self.rank == 0 else None]
+            dist.broadcast_object_list(payload, src=0)
+            for i, value in zip(missing, payload[0]):
+                items[i] = value
+        if items[0] is None:
             raise ValueError("batch is None on trainer rank 0; rank 0 must always pass the batch")
-        payload: list[Any] = [(batch, tensors) if self.rank == 0 else None]
-        dist.broadcast_object_list(payload, src=0)
-        return payload[0]
+        return items[0], dict(zip(tensors, items[1:]))
 
     def _split(self, batch: TrainBatch, per_row: dict[str, torch.Tensor]
                ) -> tuple[list[dict[str, torch.Tensor]], int, int, int]:

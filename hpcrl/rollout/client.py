@@ -195,7 +195,8 @@ class EngineClient:
 
     def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence,
                                         group_name: str = "weight_update_group", flush_cache: bool = True,
-                                        load_format: str | None = None, weight_version: str | None = None) -> dict:
+                                        load_format: str | None = None,
+                                        weight_version: str | None = None) -> dict:
         """Announce one bucket; the caller broadcasts it from rank 0 while this call waits for the engine.
 
         dtypes may be torch dtypes or names ("bfloat16"); shapes any int sequences.
@@ -263,7 +264,8 @@ def launch_reference_server(model_config_path: str, port: int, device: str = "cp
            *([] if threads is None else ["--threads", str(threads)]), *extra_args]
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (handed to Popen)
     try:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     finally:
         if log_path:
             log.close()
@@ -286,7 +288,8 @@ def launch_reference_server(model_config_path: str, port: int, device: str = "cp
         proc.kill()
         proc.wait()
     tail = _tail(log_path) if log_path else "(no log_path given)"
-    raise RuntimeError(f"reference server on {host}:{port} {why}; command: {' '.join(cmd)}\nlog tail:\n{tail}")
+    raise RuntimeError(f"reference server on {host}:{port} {why}; command: {' '.join(cmd)}\n"
+                       f"log tail:\n{tail}")
 
 
 def _tail(path: str, num_bytes: int = 4000) -> str:

@@ -1,4 +1,4 @@
-"""Reference generation engine: a transformers MoE causal LM decoding with a KV cache under SGLang's sampling rules.
+"""Reference generation engine: a transformers MoE causal LM decoding with a KV cache, SGLang sampling rules.
 
 `ReferenceModel` builds the HuggingFace transformers class of an HF `config.json` dict (random
 init from a seed, nothing downloaded), takes weights under HF *checkpoint* names (the names SGLang's
@@ -45,7 +45,8 @@ __all__ = ["ReferenceModel", "SamplingParams"]
 _INERT_DEFAULTS: dict[str, tuple] = {
     "min_p": (0, 0.0), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
     "repetition_penalty": (1, 1.0), "min_new_tokens": (0,), "n": (1,), "stop": (None, "", ()),
-    "stop_regex": (None, "", ()), "json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
+    "stop_regex": (None, "", ()), "json_schema": (None,), "regex": (None,), "ebnf": (None,),
+    "structural_tag": (None,),
     "logit_bias": (None,), "custom_params": (None,),
 }
 _TEXT_ONLY = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
@@ -95,7 +96,8 @@ class SamplingParams:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not self.temperature >= 0:
             raise bad("temperature", "must be a number >= 0 (0 = greedy)")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
+                or not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             raise bad("top_k", "must be -1 (disabled) or >= 1")
@@ -212,7 +214,8 @@ class ReferenceModel:
         num_steps = max(max_new)
         if num_steps == 0:
             return [_result([], [], {"type": "length", "length": 0}) for _ in prompts]
-        tokens_BT, logprobs_BT, lengths_B, stopped_B = self._decode(prompts, params, max_new, seeds, num_steps)
+        tokens_BT, logprobs_BT, lengths_B, stopped_B = self._decode(prompts, params, max_new, seeds,
+                                                                    num_steps)
         out = []
         for b, n in enumerate(lengths_B.tolist()):
             ids = tokens_BT[b, :n].tolist()
@@ -228,7 +231,8 @@ class ReferenceModel:
     def _validated(self, input_ids, sampling_params):
         if len(input_ids) != len(sampling_params):
             raise ValueError(f"{len(input_ids)} prompts but {len(sampling_params)} sampling_params")
-        params = [p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p) for p in sampling_params]
+        params = [p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p)
+                  for p in sampling_params]
         prompts = [self._check_prompt(i, p) for i, p in enumerate(input_ids)]
         max_new = [self.max_new_tokens_for(len(p), sp.max_new_tokens) for p, sp in zip(prompts, params)]
         return prompts, params, max_new

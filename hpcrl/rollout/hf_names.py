@@ -6,7 +6,8 @@ transformers 5.x keeps each MoE layer's experts fused in memory: `<layer>.mlp.ex
 names, and those on-disk names are what SGLang's `model.load_weights` reads, so they are the names
 of hpcrl's weight-sync protocol:
 
-    Qwen3-MoE / Qwen2-MoE  <layer>.mlp.experts.{e}.gate_proj|up_proj|down_proj.weight, router <layer>.mlp.gate.weight
+    Qwen3-MoE / Qwen2-MoE  <layer>.mlp.experts.{e}.gate_proj|up_proj|down_proj.weight,
+                           router <layer>.mlp.gate.weight
     Mixtral                <layer>.block_sparse_moe.experts.{e}.w1|w3|w2.weight (gate|up|down),
                            router <layer>.block_sparse_moe.gate.weight
 
@@ -98,7 +99,8 @@ def model_slots(model: torch.nn.Module) -> dict[str, Slot]:
     """`checkpoint_slots` of a transformers model (its config gives model_type and tying)."""
     config = model.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    tied = bool(getattr(text_config, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False))
+    tied = bool(getattr(text_config, "tie_word_embeddings", False)
+                or getattr(config, "tie_word_embeddings", False))
     shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
     return checkpoint_slots(shapes, config.model_type, tie_word_embeddings=tied)
 

@@ -45,8 +45,9 @@ from hpcrl.rollout.engine import ReferenceModel
 from hpcrl.rollout.weight_sender import init_custom_process_group, parse_dtype, unflatten_bucket
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-_GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "stream", "logprob_start_len",
-                  "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "log_metrics"}
+_GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "stream",
+                  "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
+                  "log_metrics"}
 
 
 class _Fail(Exception):
@@ -88,7 +89,8 @@ class ReferenceServer:
                 "get_weights_by_name": self.get_weights_by_name}
         weight = {"init_weights_update_group": self.init_weights_update_group,
                   "destroy_weights_update_group": self.destroy_weights_update_group,
-                  "begin_weight_update": self.begin_weight_update, "end_weight_update": self.end_weight_update,
+                  "begin_weight_update": self.begin_weight_update,
+                  "end_weight_update": self.end_weight_update,
                   "update_weights_from_distributed": self.update_weights_from_distributed,
                   "update_weight_version": self.update_weight_version,
                   "release_memory_occupation": self.release_memory_occupation,
@@ -113,9 +115,11 @@ class ReferenceServer:
                 raise _Fail(f"/generate field {key!r} is not supported by the reference engine")
         if req.get("stream"):
             raise _Fail("stream=true is not supported by the reference engine; use a non-streaming request")
-        if req.get("logprob_start_len") not in (None, -1) or req.get("top_logprobs_num") or req.get("token_ids_logprob"):
-            raise _Fail("input-token and top log-probs (logprob_start_len, top_logprobs_num, token_ids_logprob) are "
-                        "not implemented by the reference engine; only output_token_logprobs are returned")
+        if req.get("logprob_start_len") not in (None, -1) or req.get("top_logprobs_num") \
+                or req.get("token_ids_logprob"):
+            raise _Fail("input-token and top log-probs (logprob_start_len, top_logprobs_num, "
+                        "token_ids_logprob) are not implemented by the reference engine; only "
+                        "output_token_logprobs are returned")
         prompts, batched = self._prompts(req)
         n = len(prompts)
         sampling = _per_request(req.get("sampling_params"), n, batched, "sampling_params", {})
@@ -196,7 +200,8 @@ class ReferenceServer:
     def _run_batch(self, jobs: list[_Job]) -> None:
         try:
             self._check_not_released()
-            outputs = self.engine.generate([p for j in jobs for p in j.prompts], [s for j in jobs for s in j.params])
+            outputs = self.engine.generate([p for j in jobs for p in j.prompts],
+                                           [s for j in jobs for s in j.params])
         except _Fail as exc:
             for j in jobs:
                 j.error = exc
@@ -220,17 +225,20 @@ class ReferenceServer:
 
     def model_info(self, req: dict) -> dict:
         cfg = self.engine.config
-        return {"model_path": self.model_path, "tokenizer_path": self.args.tokenizer if self.tokenizer else None,
-                "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weight_version,
+        return {"model_path": self.model_path,
+                "tokenizer_path": self.args.tokenizer if self.tokenizer else None, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": self.weight_version,
                 "model_type": cfg.model_type, "vocab_size": self.engine.vocab_size,
                 "context_len": self.engine.context_len}
 
     def server_info(self, req: dict) -> dict:
         a = self.args
-        return {"model_path": self.model_path, "host": a.host, "port": a.port, "device": a.device, "dtype": a.dtype,
+        return {"model_path": self.model_path, "host": a.host, "port": a.port, "device": a.device,
+                "dtype": a.dtype,
                 "random_seed": a.seed, "tp_size": 1, "dp_size": 1, "weight_version": self.weight_version,
                 "version": "hpcrl-reference",
-                "internal_states": [{"released_tags": sorted(self.released), "weight_update_session": self.session_open,
+                "internal_states": [{"released_tags": sorted(self.released),
+                                     "weight_update_session": self.session_open,
                                      "weight_update_groups": sorted(self.groups)}]}
 
     def get_weight_version(self, req: dict) -> dict:
@@ -248,11 +256,13 @@ class ReferenceServer:
 
     def init_weights_update_group(self, req: dict) -> dict:
         addr = _field(req, "master_address", str)
-        port, rank_offset, world_size = (_field(req, k, int) for k in ("master_port", "rank_offset", "world_size"))
+        port, rank_offset, world_size = (_field(req, k, int)
+                                         for k in ("master_port", "rank_offset", "world_size"))
         group_name = req.get("group_name") or "weight_update_group"
         backend = req.get("backend") or "nccl"
         if backend == "nccl" and self.engine.device.type != "cuda":
-            raise _Fail(f"backend 'nccl' needs CUDA but this engine runs on {self.engine.device}; use backend 'gloo'")
+            raise _Fail(f"backend 'nccl' needs CUDA but this engine runs on {self.engine.device}; "
+                        f"use backend 'gloo'")
         rank = rank_offset  # + tp_rank, always 0 here
         host = f"[{addr}]" if ":" in addr else addr
         with self.group_lock:
@@ -277,7 +287,8 @@ class ReferenceServer:
     def begin_weight_update(self, req: dict) -> dict:
         selector = req.get("selector") or "all"
         if selector not in ("all", "target"):
-            raise _Fail(f"selector {selector!r}: the reference engine has no draft model; use 'all' or 'target'")
+            raise _Fail(f"selector {selector!r}: the reference engine has no draft model; "
+                        f"use 'all' or 'target'")
         with self.model_lock:
             was_open, self.session_open = self.session_open, True
         return {"success": True, "message": "Weight update session was already open." if was_open
@@ -304,7 +315,8 @@ class ReferenceServer:
             raise _Fail(str(exc)) from None
         load_format = req.get("load_format")
         if load_format not in (None, "flattened_bucket"):
-            raise _Fail(f"load_format {load_format!r} is not supported; use null (per tensor) or 'flattened_bucket'")
+            raise _Fail(f"load_format {load_format!r} is not supported; use null (per tensor) or "
+                        f"'flattened_bucket'")
         group_name = req.get("group_name") or "weight_update_group"
         group = self.groups.get(group_name)
         if group is None:
@@ -313,8 +325,8 @@ class ReferenceServer:
         with self.model_lock:
             tensors = self._receive(group, dtypes, shapes, load_format)
             if not self.session_open:
-                raise _Fail("update_weights_from_distributed is only accepted between /begin_weight_update and "
-                            "/end_weight_update (SGLang 0.5.23); the tensors were received and dropped")
+                raise _Fail("update_weights_from_distributed is only accepted between /begin_weight_update "
+                            "and /end_weight_update (SGLang 0.5.23); the tensors were received and dropped")
             if "weights" in self.released:
                 raise _Fail("weights are released; call /resume_memory_occupation with tag 'weights' first")
             try:
@@ -462,12 +474,10 @@ class _Handler(BaseHTTPRequestHandler):
                 raise _Fail("request body must be a JSON object")
             self._send(200, handler(req))
         except _Fail as exc:
-            body = {"success": False, "message": str(exc)} if weight_route else {"error": {"message": str(exc)}}
-            self._send(exc.status, body)
+            self._send(exc.status, _error_body(str(exc), weight_route))
         except Exception as exc:
             traceback.print_exc()
-            message = f"internal error: {type(exc).__name__}: {exc}"
-            self._send(500, {"success": False, "message": message} if weight_route else {"error": {"message": message}})
+            self._send(500, _error_body(f"internal error: {type(exc).__name__}: {exc}", weight_route))
 
     def _send(self, status: int, obj) -> None:
         if obj is None:
@@ -480,6 +490,11 @@ class _Handler(BaseHTTPRequestHandler):
         head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                 f"{'Connection: close' if self.close_connection else 'Connection: keep-alive'}\r\n\r\n")
         self.wfile.write(head.encode() + body)  # one write: no Nagle/delayed-ACK stall
+
+
+def _error_body(message: str, weight_route: bool) -> dict:
+    """SGLang's failure shapes: weight routes {"success", "message"}, others {"error": {"message"}}."""
+    return {"success": False, "message": message} if weight_route else {"error": {"message": message}}
 
 
 class _HTTPServer(ThreadingHTTPServer):

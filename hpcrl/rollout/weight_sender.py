@@ -39,7 +39,8 @@ __all__ = ["WeightSender", "dtype_name", "flatten_bucket", "init_custom_process_
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                              timeout_s: float = 600.0, device_id: torch.device | None = None) -> dist.ProcessGroup:
+                              timeout_s: float = 600.0,
+                              device_id: torch.device | None = None) -> dist.ProcessGroup:
     """Join a new process group outside torch's default one (SGLang's `init_custom_process_group`).
 
     Rendezvous over `init_method` (tcp://host:port; rank 0 hosts the store), keys prefixed with
@@ -144,9 +145,9 @@ class WeightSender:
 
         def join() -> None:
             try:
-                local["group"] = init_custom_process_group(self.backend, f"tcp://{self.master_address}:{port}",
-                                                           self.world_size, 0, self.group_name, self.timeout_s,
-                                                           device_id=self._device() if self.backend == "nccl" else None)
+                local["group"] = init_custom_process_group(
+                    self.backend, f"tcp://{self.master_address}:{port}", self.world_size, 0, self.group_name,
+                    self.timeout_s, device_id=self._device() if self.backend == "nccl" else None)
             except BaseException as exc:  # reported to the caller below
                 local["error"] = exc
 
@@ -157,8 +158,9 @@ class WeightSender:
         while joiner.is_alive() and time.monotonic() < deadline:
             for i, fut in enumerate(calls):
                 if fut.done() and fut.exception() is not None:
-                    raise RuntimeError(f"engine {i} ({self.clients[i].base_url}) could not join weight-update "
-                                       f"group {self.group_name!r}: {fut.exception()}") from fut.exception()
+                    raise RuntimeError(f"engine {i} ({self.clients[i].base_url}) could not join "
+                                       f"weight-update group {self.group_name!r}: {fut.exception()}"
+                                       ) from fut.exception()
             joiner.join(0.05)
         if joiner.is_alive() or "error" in local:
             raise RuntimeError(f"rank 0 could not form weight-update group {self.group_name!r} of "
@@ -236,7 +238,9 @@ class WeightSender:
 
     def _device(self) -> torch.device:
         """Where broadcast tensors must live: the current GPU for NCCL, host memory for gloo."""
-        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def _on_all(self, method: str) -> None:
         self._check([self._pool.submit(getattr(c, method)) for c in self.clients], method)
@@ -249,7 +253,8 @@ class WeightSender:
             except Exception as exc:
                 errors.append(f"engine {i} ({self.clients[i].base_url}): {exc}")
         if errors:
-            raise RuntimeError(f"{what} failed on {len(errors)} of {len(calls)} engines: " + "; ".join(errors))
+            raise RuntimeError(f"{what} failed on {len(errors)} of {len(calls)} engines: "
+                               + "; ".join(errors))
 
 
 def _buckets(named_tensors, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:

@@ -83,8 +83,8 @@ def test_results_do_not_depend_on_batch_composition(engine, temperature):
 def test_seeds_change_samples_and_top_k_1_is_greedy(engine):
     prompt = [1, 7, 8, 9]
     base = {"max_new_tokens": 16, "ignore_eos": True}
-    samples = {tuple(engine.generate([prompt], [{**base, "temperature": 1.0, "sampling_seed": s}])[0]["output_ids"])
-               for s in range(4)}
+    samples = {tuple(engine.generate([prompt], [{**base, "temperature": 1.0, "sampling_seed": s}])[0]
+                     ["output_ids"]) for s in range(4)}
     assert len(samples) > 1
     greedy = engine.generate([prompt], [{**base, "temperature": 0}])[0]
     for extra in ({"top_k": 1}, {"top_p": 1e-6}):
@@ -98,7 +98,8 @@ def test_seeds_change_samples_and_top_k_1_is_greedy(engine):
 def test_stop_on_eos_and_stop_token_ids():
     prompt = [1, 11, 12, 13]
     base = ReferenceModel(HF_CONFIG, seed=5)
-    free = base.generate([prompt], [{"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}])[0]["output_ids"]
+    free = base.generate([prompt], [{"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}])
+    free = free[0]["output_ids"]
     stop_id = free[3]
     cut = free.index(stop_id) + 1
     # same weights, but the model config says this token is EOS
@@ -116,8 +117,10 @@ def test_stop_on_eos_and_stop_token_ids():
 
 
 def test_length_limits(engine):
-    outs = engine.generate([[1, 2, 3], [4, 5]], [{"max_new_tokens": 0}, {"max_new_tokens": 3, "ignore_eos": True}])
-    assert outs[0] == {"output_ids": [], "output_logprobs": [], "finish_reason": {"type": "length", "length": 0}}
+    outs = engine.generate([[1, 2, 3], [4, 5]],
+                           [{"max_new_tokens": 0}, {"max_new_tokens": 3, "ignore_eos": True}])
+    assert outs[0] == {"output_ids": [], "output_logprobs": [],
+                       "finish_reason": {"type": "length", "length": 0}}
     assert len(outs[1]["output_ids"]) == 3
     ctx = engine.context_len
     long_prompt = [7] * (ctx - 10)
@@ -164,8 +167,9 @@ def test_load_weights_checks_every_name_and_shape_before_writing():
 def test_mixtral_builds_loads_checkpoint_names_and_generates():
     from hpcrl.rollout.hf_names import checkpoint_state_dict
 
-    mixtral = dict(model_type="mixtral", vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=3,
+    mixtral = dict(model_type="mixtral", vocab_size=64, hidden_size=32, intermediate_size=16,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                   num_local_experts=3,
                    num_experts_per_tok=2, max_position_embeddings=64, eos_token_id=2)
     src, dst = ReferenceModel(mixtral, seed=1), ReferenceModel(mixtral, seed=2)
     named = checkpoint_state_dict(src.model)

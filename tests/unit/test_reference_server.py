@@ -176,7 +176,8 @@ def test_weight_sync_per_tensor_and_flattened_bucket(server):
         name, tensor = "model.norm.weight", torch.full((64,), 3.0)
         refused: list = []
         call = threading.Thread(target=lambda: refused.append(_call_and_catch(
-            client.update_weights_from_distributed, [name], ["float32"], [[64]], load_format="flattened_bucket")))
+            client.update_weights_from_distributed, [name], ["float32"], [[64]],
+            load_format="flattened_bucket")))
         call.start()
         torch.distributed.broadcast(flatten_bucket([tensor]), group=sender.group, group_src=0)
         call.join(60)
@@ -208,9 +209,10 @@ def test_weight_sync_per_tensor_and_flattened_bucket(server):
                                    atol=0, rtol=0)
 
         # an unknown name inside a session: refused after the broadcast, nothing changes
-        with pytest.raises(RuntimeError, match="unknown weight name 'model.layers.0.mlp.experts.gate_up_proj'"):
-            sender.push([("model.norm.weight", tensor), ("model.layers.0.mlp.experts.gate_up_proj",
-                                                          torch.zeros(4, 64, 64))], bucket_bytes=1 << 20)
+        fused = "model.layers.0.mlp.experts.gate_up_proj"
+        with pytest.raises(RuntimeError, match=f"unknown weight name '{fused}'"):
+            sender.push([("model.norm.weight", tensor), (fused, torch.zeros(4, 64, 64))],
+                        bucket_bytes=1 << 20)
         _assert_same_answers(_server_greedy(client), after2)
     finally:
         sender.close()

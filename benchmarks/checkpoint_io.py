@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -155,7 +154,8 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=None, help="scratch parent directory (default /tmp)")
-    ap.add_argument("--results", type=Path, default=None, help="markdown file whose ## checkpoint_io section to replace")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="markdown file whose ## checkpoint_io section to replace")
     args = ap.parse_args()
     if args.size_gb <= 0 or args.ranks < 1 or args.repeats < 1:
         ap.error("--size-gb must be > 0, --ranks and --repeats >= 1")
@@ -164,16 +164,27 @@ def main() -> None:
     parts = rank_slices(state, args.ranks)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     scratch = Path(tempfile.mkdtemp(prefix="hpcrl_ckpt_bench_", dir=args.dir))
+    args.scratch_fs = f"{scratch.parent} ({shutil.disk_usage(scratch).total / 1e9:.0f} GB volume)"
     rows: list[dict[str, float]] = []
+    args.load_start = os.getloadavg()[0]
     try:
         for rep in range(args.repeats):
             raw_dir, ck_root = scratch / f"raw{rep}", scratch / "ckpt"
             m: dict[str, float] = {}
-            m["raw_write"], paths = raw_write(raw_dir, parts)
+            # Alternate which of raw and checkpoint goes first: the shared disk drifts.
+            raw_first = rep % 2 == 0
+            if raw_first:
+                m["raw_write"], paths = raw_write(raw_dir, parts)
             m["ckpt_save"], m["save_blocked"] = ckpt_save(ck_root, 2 * rep, parts)
-            drop_cache(paths)
-            m["raw_read"] = raw_read(paths, parts)
+            if not raw_first:
+                m["raw_write"], paths = raw_write(raw_dir, parts)
+            if raw_first:
+                drop_cache(paths)
+                m["raw_read"] = raw_read(paths, parts)
             m["ckpt_load"] = ckpt_load(ck_root, 2 * rep, state, 1)
+            if not raw_first:
+                drop_cache(paths)
+                m["raw_read"] = raw_read(paths, parts)
             m["ckpt_load_2"] = ckpt_load(ck_root, 2 * rep, state, 2)
             m["copy_to_host"] = copy_to_host(parts)
             m["async_total"], m["async_blocked"] = ckpt_save(ck_root, 2 * rep + 1, parts, async_save=True)
@@ -182,9 +193,9 @@ def main() -> None:
                 shutil.rmtree(step_dir)
             rows.append(m)
             gb = nbytes / 1e9
-            print(f"round {rep}: raw write {gb / m['raw_write']:.3f} GB/s, save {gb / m['ckpt_save']:.3f} GB/s "
-                  f"({m['raw_write'] / m['ckpt_save']:.2f} of raw); raw read {gb / m['raw_read']:.3f} GB/s, "
-                  f"load {gb / m['ckpt_load']:.3f} GB/s ({m['raw_read'] / m['ckpt_load']:.2f} of raw), "
+            print(f"round {rep}: raw write {gb / m['raw_write']:.3f} GB/s, save {gb / m['ckpt_save']:.3f} "
+                  f"GB/s ({m['raw_write'] / m['ckpt_save']:.2f} of raw); raw read {gb / m['raw_read']:.3f} "
+                  f"GB/s, load {gb / m['ckpt_load']:.3f} GB/s ({m['raw_read'] / m['ckpt_load']:.2f} of raw), "
                   f"2-rank load {gb / m['ckpt_load_2']:.3f} GB/s; async blocked {m['async_blocked']:.3f} s "
                   f"vs host copy {m['copy_to_host']:.3f} s, async total {m['async_total']:.2f} s", flush=True)
     finally:
@@ -211,10 +222,10 @@ def render(rows: list[dict[str, float]], nbytes: int, args: argparse.Namespace) 
         "## checkpoint_io",
         "",
         f"`{cmd}`  ",
-        f"{time.strftime('%Y-%m-%d')}, {platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"scratch dir on the / disk (/tmp). State: {gb:.2f} GB ({len(rows[0]) and nbytes / 1e9:.2f} GB; bf16 weights "
-        f"+ fp32 Adam moments) in {args.ranks} rank shards; medians of {len(rows)} rounds; page cache dropped "
-        f"(posix_fadvise) before every read.",
+        f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs shared with other jobs (load average "
+        f"{args.load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end), torch {torch.__version__}, scratch dir {args.scratch_fs}. "
+        f"State: {gb:.2f} GB (bf16 weights + fp32 Adam moments, {args.ranks} rank shards); medians of "
+        f"{len(rows)} rounds; page cache dropped (posix_fadvise) before every read.",
         "",
         "| measure | time (s) | GB/s | vs raw (>= 0.7 is the goal) |",
         "|---|---|---|---|",
@@ -224,8 +235,8 @@ def render(rows: list[dict[str, float]], nbytes: int, args: argparse.Namespace) 
         f"| raw sequential read (cold) | {med('raw_read'):.2f} | {gb / med('raw_read'):.3f} | 1 |",
         f"| checkpoint load, same layout, checksums verified (cold) | {med('ckpt_load'):.2f} | "
         f"{gb / med('ckpt_load'):.3f} | {ratio('raw_read', 'ckpt_load')} |",
-        f"| checkpoint load resharded to 2 ranks (axis-0 split), verified (cold) | {med('ckpt_load_2'):.2f} | "
-        f"{gb / med('ckpt_load_2'):.3f} | {ratio('raw_read', 'ckpt_load_2')} |",
+        f"| checkpoint load resharded to 2 ranks (axis-0 split), verified (cold) | "
+        f"{med('ckpt_load_2'):.2f} | {gb / med('ckpt_load_2'):.3f} | {ratio('raw_read', 'ckpt_load_2')} |",
         "",
         "| async save | time (s) |",
         "|---|---|",

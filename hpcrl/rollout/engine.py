@@ -231,7 +231,9 @@ class ReferenceModel:
     def _validated(self, input_ids, sampling_params):
         if len(input_ids) != len(sampling_params):
             raise ValueError(f"{len(input_ids)} prompts but {len(sampling_params)} sampling_params")
-        params = [p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p)
+        parsed: dict[int, SamplingParams] = {}  # a batch often repeats one dict object: parse it once
+        params = [p if isinstance(p, SamplingParams) else
+                  parsed.get(id(p)) or parsed.setdefault(id(p), SamplingParams.from_dict(p))
                   for p in sampling_params]
         prompts = [self._check_prompt(i, p) for i, p in enumerate(input_ids)]
         max_new = [self.max_new_tokens_for(len(p), sp.max_new_tokens) for p, sp in zip(prompts, params)]
@@ -243,22 +245,22 @@ class ReferenceModel:
         ids = list(prompt)
         if not ids:
             raise ValueError(f"input_ids[{i}] is empty; every prompt needs at least one token")
-        for t in ids:
-            if not _is_int(t) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"input_ids[{i}] holds {t!r}; token ids must be integers in "
-                                 f"[0, {self.vocab_size})")
+        if not all(type(t) is int for t in ids) or min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = next(t for t in ids if not _is_int(t) or not 0 <= t < self.vocab_size)
+            raise ValueError(f"input_ids[{i}] holds {bad!r}; token ids must be integers in "
+                             f"[0, {self.vocab_size})")
         return ids
 
     def _decode(self, prompts, params, max_new, seeds, num_steps):
         from transformers import DynamicCache
 
         dev, B, V = self.device, len(prompts), self.vocab_size
-        L = max(len(p) for p in prompts)
-        tokens_BL = torch.full((B, L), self.pad_token_id, dtype=torch.long)
+        lengths = [len(p) for p in prompts]
+        L = max(lengths)
+        # Left padding: every row's last prompt token sits at column L - 1, so one cache step serves all.
+        tokens_BL = torch.tensor([[self.pad_token_id] * (L - n) + p for p, n in zip(prompts, lengths)])
         mask_BN = torch.ones(B, L + num_steps, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            tokens_BL[b, L - len(p):] = torch.tensor(p)
-            mask_BN[b, :L - len(p)] = 0
+        mask_BN[:, :L] = torch.arange(L)[None, :] >= (L - torch.tensor(lengths))[:, None]
         pos_BL = (mask_BN[:, :L].cumsum(-1) - 1).clamp(min=0)
 
         greedy_B = torch.tensor([sp.temperature == 0 for sp in params])
@@ -266,14 +268,17 @@ class ReferenceModel:
         top_p_B = torch.tensor([float(sp.top_p) for sp in params])
         top_k_B = torch.tensor([V if sp.top_k == -1 else min(sp.top_k, V) for sp in params])
         u_BT = torch.zeros(B, num_steps)
-        stop_BV = torch.zeros(B, V, dtype=torch.bool)
+        stop_rows, stop_ids = [], []
         for b, sp in enumerate(params):
-            if sp.temperature != 0:
+            if sp.temperature != 0:  # a request's uniforms come from its own seed only
                 gen = torch.Generator().manual_seed(seeds[b])
                 u_BT[b, :max_new[b]] = torch.rand(max_new[b], generator=gen)
             if not sp.ignore_eos:
-                ids = [t for t in (*self.eos_token_ids, *sp.stop_token_ids) if 0 <= t < V]
-                stop_BV[b, ids] = True
+                ids = {t for t in (*self.eos_token_ids, *sp.stop_token_ids) if 0 <= t < V}
+                stop_rows += [b] * len(ids)
+                stop_ids += ids
+        stop_BV = torch.zeros(B, V, dtype=torch.bool)
+        stop_BV[stop_rows, stop_ids] = True
         max_new_B = torch.tensor(max_new)
         all_greedy = bool(greedy_B.all())
         sampler_args = [t.to(dev) for t in (greedy_B, temp_B, top_p_B, top_k_B)]

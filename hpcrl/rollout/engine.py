@@ -74,6 +74,8 @@ class SamplingParams:
             if key in known:
                 if value is not None:
                     kwargs[key] = value
+                elif key == "max_new_tokens":
+                    kwargs[key] = 1 << 30  # SGLang: no limit but the context (capped in generate)
             elif key in _INERT_DEFAULTS:
                 if value not in _INERT_DEFAULTS[key] and not (key in ("stop", "stop_regex") and value == []):
                     raise ValueError(f"sampling_params.{key}={value!r} is not supported by the reference "

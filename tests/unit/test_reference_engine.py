@@ -126,6 +126,8 @@ def test_length_limits(engine):
     long_prompt = [7] * (ctx - 10)
     out = engine.generate([long_prompt], [{"max_new_tokens": 100, "ignore_eos": True}])[0]
     assert out["finish_reason"] == {"type": "length", "length": ctx - 2 - len(long_prompt)}
+    out = engine.generate([[1, 2]], [{"max_new_tokens": None, "ignore_eos": True}])[0]
+    assert out["finish_reason"] == {"type": "length", "length": ctx - 4}
     with pytest.raises(ValueError, match="longer than the model's context length"):
         engine.generate([[7] * (ctx - 5)], [{}])
 

@@ -8,8 +8,10 @@ position ids so padding changes nothing.
 
 Sampling follows SGLang 0.5.x (`SamplingParams`, `Sampler`, `Req.check_finished`):
   * temperature 0 is greedy (SGLang turns it into top_k=1 at temperature 1); otherwise the logits are
-    divided by the temperature, top-k then top-p (drop a token when the mass sorted before it already
-    exceeds top_p) are applied, and one token is drawn from the renormalised rest.
+    divided by the temperature, top-k and top-p (drop a token when the mass sorted before it already
+    exceeds top_p) are applied to the same sorted probabilities, as in SGLang's PyTorch sampling
+    fallback (its flashinfer kernel renormalises after top-k first), and one token is drawn from the
+    renormalised rest.
   * a request ends with {"type": "length", "length": n} once it has n = max_new_tokens tokens (checked
     first, as SGLang does), else with {"type": "stop", "matched": id} when it emits an EOS id of the
     model config or one of `stop_token_ids`; `ignore_eos` disables both. The stop token is part of

@@ -89,7 +89,7 @@ class TensorSpec:
 class ModelDims:
     """The dimensions the layouts validate against (divisibility by TP/EP/PP)."""
 
-    num_layers: int           # decoder layers placed on pipeline stages (incl. MTP layers if any)
+    num_layers: int           # decoder layers (MTP layers excluded; they follow the last one)
     hidden_size: int
     vocab_size: int
     num_heads: int
@@ -99,6 +99,7 @@ class ModelDims:
     moe_intermediate_size: int
     shared_intermediate_size: int  # 0 without shared experts
     tie_word_embeddings: bool
+    num_mtp_layers: int = 0   # DeepSeek multi-token-prediction layers, indices num_layers, num_layers+1, ...
 
 
 @dataclass(frozen=True)

@@ -116,12 +116,12 @@ def spec_from_config(cfg: Mapping[str, Any], flavor: str = "custom", mtp: bool =
         b.norm(out, f"{p}.shared_head.norm.weight", hidden, dtype, i)
     b.head(out, vocab, hidden, dtype, tied)
     moe_ffn = int(cfg.get("moe_intermediate_size") or 0)
-    dims = ModelDims(num_layers=layers + num_mtp, hidden_size=hidden, vocab_size=vocab, num_heads=heads,
+    dims = ModelDims(num_layers=layers, hidden_size=hidden, vocab_size=vocab, num_heads=heads,
                      num_kv_heads=heads, num_experts=int(cfg.get("n_routed_experts") or 0),
                      intermediate_size=int(cfg["intermediate_size"]) if any_dense else 0,
                      moe_intermediate_size=moe_ffn,
                      shared_intermediate_size=moe_ffn * int(cfg.get("n_shared_experts") or 0),
-                     tie_word_embeddings=tied)
+                     tie_word_embeddings=tied, num_mtp_layers=num_mtp)
     return MoESpec(FAMILY, flavor, dims, tuple(out), cfg)
 
 

@@ -171,7 +171,10 @@ class SlurmJobSpec:
     mpi: str = "pmi2"
     signal_delay_s: int = 120
     requeue_exit_code: int = 3
-    extra_srun_options: tuple[str, ...] = field(default=("--kill-on-bad-exit=1",))
+    # kill-on-bad-exit=0: with 1, the first rank that exits with the requeue code gets the ranks
+    # still exiting killed, and srun then returns 143 instead of the requeue code (measured). A crashed
+    # rank is handled by the controller's deadlines and MPI Abort instead.
+    extra_srun_options: tuple[str, ...] = field(default=("--kill-on-bad-exit=0",))
 
     def __post_init__(self) -> None:
         for name in ("components", "env_setup", "extra_srun_options"):

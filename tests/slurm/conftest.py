@@ -90,6 +90,10 @@ class SlurmClient:
         self.job_ids.append(job_id)
         return job_id
 
+    def signal_batch(self, job_id: str, signal_name: str) -> None:
+        """Send a signal to the batch shell only (`scancel --batch`), not to the job's steps."""
+        run_cmd(["scancel", "--batch", f"--signal={signal_name}", job_id])
+
     def job(self, job_id: str) -> list[dict[str, str]]:
         """Every component record of the job (scontrol keeps finished jobs for MinJobAge)."""
         return parse_scontrol(run_cmd(["scontrol", "-o", "show", "job", job_id]).stdout)

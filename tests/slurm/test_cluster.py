@@ -31,9 +31,9 @@ with open(os.path.join(sys.argv[1], f"rank-{rec['rank']}-attempt-{rec['attempt']
     json.dump(rec, f)
 """
 
-# A stand-in for hpcrl's controller and workers: on attempt 0 every rank waits for USR1 (forwarded
-# by the batch script), rank 0 "checkpoints", and the step exits with the requeue code; on the next
-# attempt every rank checks the checkpoint and exits 0.
+# A stand-in for hpcrl's controller and workers: on attempt 0 every rank waits for USR1 or TERM
+# (forwarded by the batch script), rank 0 "checkpoints", and the step exits with the requeue code;
+# on the next attempt every rank checks the checkpoint and exits 0.
 PREEMPTABLE_PROGRAM = """
 import os, signal, sys, time
 from mpi4py import MPI
@@ -41,7 +41,8 @@ comm = MPI.COMM_WORLD
 rank, out = comm.Get_rank(), sys.argv[1]
 attempt = int(os.environ["HPCRL_ATTEMPT"])
 got = []
-signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
+for sig in (signal.SIGUSR1, signal.SIGTERM):
+    signal.signal(sig, lambda s, f: got.append(signal.Signals(s).name))
 print(f"rank={rank} size={comm.Get_size()} node={os.environ['SLURMD_NODENAME']} attempt={attempt}", flush=True)
 if attempt == 0:
     open(os.path.join(out, f"ready-{rank}"), "w").close()
@@ -52,7 +53,7 @@ if attempt == 0:
     if rank == 0:
         with open(os.path.join(out, "checkpoint"), "w") as f:
             f.write("step-7")
-    print(f"rank={rank} got_usr1={bool(got)}", flush=True)
+    print(f"rank={rank} signal={got[0] if got else None}", flush=True)
     sys.exit(int(os.environ["HPCRL_REQUEUE_EXIT_CODE"]) if got else 1)
 comm.Barrier()
 with open(os.path.join(out, "checkpoint")) as f:
@@ -172,13 +173,13 @@ def test_rendered_hetjob_forwards_preemption_and_resumes(slurm, job_dir: Path) -
     batch_log = (logs / f"slurm-{job_id}.out").read_text()
     assert record["JobState"] == "COMPLETED", f"{record}\n{batch_log}"
     assert record["Restarts"] == "1"
-    assert "received SIGUSR1; forwarding it to the step" in batch_log
+    assert "received SIGUSR1; forwarding it to the step's tasks" in batch_log
     assert "the step asked to be requeued (exit code 3)" in batch_log
     assert f"job {job_id} attempt 1 " in batch_log
     first = (logs / f"{job_id}-attempt0.log").read_text()
     second = (logs / f"{job_id}-attempt1.log").read_text()
-    assert sorted(line for line in first.splitlines() if "got_usr1=" in line) == [
-        f"rank={r} got_usr1=True" for r in range(3)]
+    assert sorted(line for line in first.splitlines() if "signal=" in line) == [
+        f"rank={r} signal=SIGUSR1" for r in range(3)]
     assert sorted(line for line in second.splitlines() if "resumed_from=" in line) == [
         f"rank={r} resumed_from=step-7" for r in range(3)]
     assert all(f"rank={r} size=3 " in second for r in range(3))
@@ -200,3 +201,28 @@ def test_rendered_single_job_runs_world_and_propagates_failure(slurm, job_dir: P
     assert len({r["node"] for r in ranks}) == 2
     assert bad_record["JobState"] == "FAILED" and bad_record["ExitCode"] == "5:0", bad_record
     assert "step exited with code 5" in (job_dir / "logs" / f"slurm-{bad_id}.out").read_text()
+
+
+@pytest.mark.timeout(180)
+def test_rendered_single_job_forwards_term_and_resumes(slurm, job_dir: Path) -> None:
+    # Clusters without preempt_send_user_signal only send TERM; the batch script must forward it to
+    # the ranks without srun killing the step, and requeue on the step's requeue exit code.
+    (job_dir / "prog.py").write_text(PREEMPTABLE_PROGRAM)
+    spec = make_spec(job_dir, (SlurmComponent(nodes=1, ntasks_per_node=2),), f"{PYTHON} {job_dir}/prog.py {job_dir}")
+    script = job_dir / "job.sbatch"
+    script.write_text(render(spec))
+    job_id = slurm.submit(script)
+    slurm.wait_until("every rank of attempt 0 to start",
+                     lambda: all((job_dir / f"ready-{r}").exists() for r in range(2)), 90, job_id)
+    slurm.signal_batch(job_id, "TERM")
+    record = slurm.wait_final(job_id, timeout_s=120)
+    logs = job_dir / "logs"
+    batch_log = (logs / f"slurm-{job_id}.out").read_text()
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", f"{record}\n{batch_log}"
+    assert "received SIGTERM; forwarding it to the step's tasks" in batch_log
+    first = (logs / f"{job_id}-attempt0.log").read_text()
+    assert sorted(line for line in first.splitlines() if "signal=" in line) == [
+        f"rank={r} signal=SIGTERM" for r in range(2)], first
+    second = (logs / f"{job_id}-attempt1.log").read_text()
+    assert sorted(line for line in second.splitlines() if "resumed_from=" in line) == [
+        f"rank={r} resumed_from=step-7" for r in range(2)]

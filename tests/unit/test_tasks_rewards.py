@@ -83,3 +83,13 @@ def test_reward_loader_builtin_import_path_and_errors():
         load_reward_fn("hpcrl.rewards.builtin:missing")
     with pytest.raises(ValueError, match="cannot be called as"):
         load_reward_fn("math:sqrt")
+
+
+def test_parquet_prompt_file(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"question": ["1+1=", "2+2="], "solution": ["2", "4"]}), path)
+    examples = read_examples(path, "question", "solution")
+    assert [(e.prompt, e.answer) for e in examples] == [("1+1=", "2"), ("2+2=", "4")]

@@ -1,0 +1,88 @@
+"""mpiexec worker for tests/megatron/test_policy_layouts.py: one MegatronPolicy run in one layout.
+
+Usage: mpiexec -n N python _policy_worker.py --tp 1 --pp 1 --ep 1 --etp 1 --dispatcher alltoall OUT.pt
+Rank 0 saves a dict with the batch, log-probs, metrics, exported HF weights and hashes to OUT.pt.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+SEED = 11
+NUM_ROWS = 12
+MICRO_BATCH = 3
+
+
+def make_batch():  # -> TrainBatch
+    """Rows with varied prompt/response lengths, one empty response, odd max length."""
+    from hpcrl.trainer.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(5)
+    prompts, responses = [], []
+    for b in range(NUM_ROWS):
+        p = int(torch.randint(1, 5, (1,), generator=g))
+        r = 0 if b == 3 else int(torch.randint(1, 6, (1,), generator=g))
+        prompts.append(torch.randint(3, 64, (p,), generator=g).tolist())
+        responses.append(torch.randint(3, 64, (r,), generator=g).tolist())
+    responses[0] = torch.randint(3, 64, (6,), generator=g).tolist()  # longest row: L = P0 + 6
+    prompts[0] = prompts[0][:1]
+    return TrainBatch.from_lists(prompts, responses)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    for axis in ("tp", "pp", "ep", "etp"):
+        ap.add_argument(f"--{axis}", type=int, default=1)
+    ap.add_argument("--dispatcher", default="alltoall")
+    ap.add_argument("out")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    from mpi4py import MPI
+
+    from hpcrl.dist import init_torch_distributed
+
+    init_torch_distributed(MPI.COMM_WORLD, "gloo")
+    import torch.distributed as dist
+
+    from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
+    from hpcrl.models.presets import load_hf_config
+    from hpcrl.trainer.policy import MegatronPolicy
+
+    trainer = TrainerConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dispatcher=args.dispatcher,
+                            num_procs=dist.get_world_size(), micro_batch_size=MICRO_BATCH, seed=3)
+    algorithm = AlgorithmConfig(lr=1e-2, kl_coef=0.05, grad_clip=0.5, aux_loss_coef=0.01, adam_eps=1e-6)
+    policy = MegatronPolicy(load_hf_config("tiny-qwen3-moe", None), trainer, algorithm)
+    policy.init_from_seed(SEED)
+    rank0 = dist.get_rank() == 0
+    out: dict = {"sd0": policy.export_hf_state_dict(), "sha0": policy.policy_sha256()}
+
+    batch = make_batch()
+    logp = policy.compute_logprobs(batch)
+    out["logp"], out["ref"] = logp, policy.compute_logprobs(batch, "ref")
+    out["logp_t07"] = policy.compute_logprobs(batch, temperature=0.7)
+    adv = torch.linspace(-1.0, 1.0, batch.batch_size)
+    # Ranks other than 0 pass None for rank-0-only results: the policy broadcasts rank 0's.
+    out["m1"] = policy.train_step(batch, adv, logp, out["ref"])
+    out["sd1"] = policy.export_hf_state_dict()
+
+    # export -> load -> export is bit-identical
+    payload = [out["sd1"]]
+    dist.broadcast_object_list(payload, src=0)
+    policy.load_hf_state_dict(payload[0])
+    out["sha_reloaded"] = policy.policy_sha256()
+
+    # Second step: Adam state carries over; stale old log-probs make the ratio (and clip) active.
+    out["m2"] = policy.train_step(batch, adv, logp, out["ref"])
+    out["sd2"] = policy.export_hf_state_dict()
+    if rank0:
+        out["batch"] = batch
+        torch.save(out, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

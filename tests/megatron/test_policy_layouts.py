@@ -1,0 +1,117 @@
+"""MegatronPolicy under real mpiexec in four layouts: same weights -> same log-probs (= HF's), same
+GRPO step -> same loss, metrics and exported weights; export -> load -> export is bit-identical.
+
+Each layout is one `mpiexec` launch of `_policy_worker.py` (init from a seed, log-probs for policy
+and reference, two train steps with Adam, KL, grad clipping and micro-batching, weight round
+trip); the 1-rank run is the baseline the others must match.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+WORKER = Path(__file__).with_name("_policy_worker.py")
+LAUNCH_TIMEOUT_S = 280
+pytestmark = [pytest.mark.megatron, pytest.mark.mpi, pytest.mark.timeout(600)]
+
+# name -> (ranks, worker flags)
+LAYOUTS = {
+    "tp1-ep1": (1, []),
+    "tp1-ep2-allgather": (2, ["--ep", "2", "--dispatcher", "allgather"]),
+    "tp2-ep2-etp1-alltoall": (4, ["--tp", "2", "--ep", "2", "--etp", "1", "--dispatcher", "alltoall"]),
+    "tp1-ep2-pp2": (4, ["--ep", "2", "--pp", "2"]),
+}
+LOGP_TOL = 1e-5
+WEIGHT_TOL = 2e-5
+
+
+def launch(name: str, out: Path) -> dict:
+    ranks, flags = LAYOUTS[name]
+    cmd = [str(MPIEXEC), "-n", str(ranks), sys.executable, str(WORKER), *flags, str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"{name}: mpiexec timed out after {LAUNCH_TIMEOUT_S}s\n{log[-4000:]}")
+    assert proc.returncode == 0, f"{name}: mpiexec rc={proc.returncode}\n{log[-6000:]}"
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return launch("tp1-ep1", tmp_path_factory.mktemp("tp1-ep1") / "out.pt")
+
+
+def hf_logprobs(batch, temperature: float) -> torch.Tensor:
+    """Log-probs of the response tokens from HF transformers' Qwen3MoeForCausalLM."""
+    from _policy_worker import SEED
+
+    from hpcrl.models.presets import load_hf_config
+    from hpcrl.trainer.model import build_hf_model
+
+    model = build_hf_model(load_hf_config("tiny-qwen3-moe", None), SEED)
+    with torch.no_grad():
+        logits_BLV = model(batch.tokens_BL).logits.float() / temperature
+    logp_BLV = torch.log_softmax(logits_BLV, dim=-1)
+    pos_BT = batch.logit_positions_BT()
+    logp_BTV = logp_BLV.gather(1, pos_BT.unsqueeze(-1).expand(-1, -1, logp_BLV.shape[-1]))
+    logp_BT = logp_BTV.gather(2, batch.response_tokens_BT().unsqueeze(-1)).squeeze(-1)
+    return torch.where(batch.response_mask_BT(), logp_BT, 0.0)
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert list(a) == list(b)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_baseline_matches_hf_and_round_trips(baseline: dict) -> None:
+    from hpcrl.trainer.policy import hf_state_dict_sha256
+
+    batch = baseline["batch"]
+    assert baseline["logp"].shape == (batch.batch_size, batch.response_width)
+    assert baseline["logp"].dtype == torch.float32
+    assert (baseline["logp"] - hf_logprobs(batch, 1.0)).abs().max() < LOGP_TOL
+    assert (baseline["logp_t07"] - hf_logprobs(batch, 0.7)).abs().max() < LOGP_TOL
+    assert (baseline["logp"][~batch.response_mask_BT()] == 0).all()
+    assert (baseline["logp"][batch.response_mask_BT()] < 0).all()
+    assert torch.equal(baseline["ref"], baseline["logp"])  # the reference starts as the policy
+    assert baseline["sha_reloaded"] == hf_state_dict_sha256(baseline["sd1"])
+    assert baseline["sha0"] == hf_state_dict_sha256(baseline["sd0"])
+    # The step moved the weights, the second step saw KL to the reference and clipped ratios.
+    assert max_diff(baseline["sd1"], baseline["sd0"]) > 1e-3
+    m1, m2 = baseline["m1"], baseline["m2"]
+    assert set(m1) == {"loss", "pg_loss", "kl", "entropy", "clip_frac", "grad_norm", "aux_loss"}
+    assert m1["kl"] == 0.0 and m2["kl"] > 0 and m2["clip_frac"] > 0
+    assert m1["grad_norm"] > 0.5  # > grad_clip, so clipping was active
+    assert 0.5 < m1["aux_loss"] < 4 and 0 < m1["entropy"] < 4.2  # log(64) = 4.16
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "tp1-ep1"])
+def test_layout_matches_baseline(name: str, baseline: dict, tmp_path: Path) -> None:
+    run = launch(name, tmp_path / "out.pt")
+    assert run["sha0"] == baseline["sha0"], "init_from_seed must be layout-independent, bit for bit"
+    assert max_diff(run["sd0"], baseline["sd0"]) == 0.0
+    assert (run["logp"] - baseline["logp"]).abs().max() < LOGP_TOL
+    assert (run["logp_t07"] - baseline["logp_t07"]).abs().max() < LOGP_TOL
+    assert torch.equal(run["ref"], run["logp"])
+    for step in ("m1", "m2"):
+        assert set(run[step]) == set(baseline[step])
+        for key, value in baseline[step].items():
+            assert abs(run[step][key] - value) < 1e-5 * max(1.0, abs(value)), (step, key, run[step][key], value)
+    assert max_diff(run["sd1"], baseline["sd1"]) < WEIGHT_TOL
+    assert max_diff(run["sd2"], baseline["sd2"]) < WEIGHT_TOL
+    from hpcrl.trainer.policy import hf_state_dict_sha256
+
+    assert run["sha_reloaded"] == hf_state_dict_sha256(run["sd1"])

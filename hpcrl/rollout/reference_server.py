@@ -520,6 +520,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     hf_config = json.loads(Path(args.model_config).read_text())
     engine = ReferenceModel(hf_config, device=args.device, dtype=getattr(torch, args.dtype), seed=args.seed)
+    # Warm-up (lazy imports, allocator) so the first real request is not slow; an explicit seed keeps
+    # the engine's RNG for unseeded requests untouched.
+    engine.generate([[0, 0], [0]], [{"max_new_tokens": 2, "temperature": 1.0, "sampling_seed": 0}] * 2)
     tokenizer = None
     if args.tokenizer == "char":
         from hpcrl.tasks.tokenizer import CharTokenizer

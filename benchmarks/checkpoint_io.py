@@ -223,7 +223,8 @@ def render(rows: list[dict[str, float]], nbytes: int, args: argparse.Namespace) 
         "",
         f"`{cmd}`  ",
         f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs shared with other jobs (load average "
-        f"{args.load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end), torch {torch.__version__}, scratch dir {args.scratch_fs}. "
+        f"{args.load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end), "
+        f"torch {torch.__version__}, scratch dir {args.scratch_fs}. "
         f"State: {gb:.2f} GB (bf16 weights + fp32 Adam moments, {args.ranks} rank shards); medians of "
         f"{len(rows)} rounds; page cache dropped (posix_fadvise) before every read.",
         "",

@@ -73,6 +73,7 @@ def main() -> None:
     dist.broadcast_object_list(payload, src=0)
     policy.load_hf_state_dict(payload[0])
     out["sha_reloaded"] = policy.policy_sha256()
+    out["logp_sd1"] = policy.compute_logprobs(batch)
 
     # Second step: Adam state carries over; stale old log-probs make the ratio (and clip) active.
     out["m2"] = policy.train_step(batch, adv, logp, out["ref"])

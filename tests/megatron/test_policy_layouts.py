@@ -54,14 +54,19 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return launch("tp1-ep1", tmp_path_factory.mktemp("tp1-ep1") / "out.pt")
 
 
-def hf_logprobs(batch, temperature: float) -> torch.Tensor:
-    """Log-probs of the response tokens from HF transformers' Qwen3MoeForCausalLM."""
+def hf_logprobs(batch, temperature: float, sd: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """Log-probs of the response tokens from HF transformers' Qwen3MoeForCausalLM (init weights,
+    or the checkpoint-named `sd`)."""
     from _policy_worker import SEED
 
     from hpcrl.models.presets import load_hf_config
     from hpcrl.trainer.model import build_hf_model
+    from moe.hf_megatron import HFModelDims, hf_checkpoint_to_fused
 
-    model = build_hf_model(load_hf_config("tiny-qwen3-moe", None), SEED)
+    cfg = load_hf_config("tiny-qwen3-moe", None)
+    model = build_hf_model(cfg, SEED)
+    if sd is not None:
+        model.load_state_dict(hf_checkpoint_to_fused(sd, HFModelDims.from_hf_config(cfg)))
     with torch.no_grad():
         logits_BLV = model(batch.tokens_BL).logits.float() / temperature
     logp_BLV = torch.log_softmax(logits_BLV, dim=-1)
@@ -84,6 +89,9 @@ def test_baseline_matches_hf_and_round_trips(baseline: dict) -> None:
     assert baseline["logp"].dtype == torch.float32
     assert (baseline["logp"] - hf_logprobs(batch, 1.0)).abs().max() < LOGP_TOL
     assert (baseline["logp_t07"] - hf_logprobs(batch, 0.7)).abs().max() < LOGP_TOL
+    # After a step every weight (norms, router, experts) differs from its init: HF agrees too.
+    assert (baseline["logp_sd1"] - hf_logprobs(batch, 1.0, baseline["sd1"])).abs().max() < LOGP_TOL
+    assert (baseline["logp_sd1"] - baseline["logp"]).abs().max() > 1e-3
     assert (baseline["logp"][~batch.response_mask_BT()] == 0).all()
     assert (baseline["logp"][batch.response_mask_BT()] < 0).all()
     assert torch.equal(baseline["ref"], baseline["logp"])  # the reference starts as the policy
@@ -105,6 +113,8 @@ def test_layout_matches_baseline(name: str, baseline: dict, tmp_path: Path) -> N
     assert max_diff(run["sd0"], baseline["sd0"]) == 0.0
     assert (run["logp"] - baseline["logp"]).abs().max() < LOGP_TOL
     assert (run["logp_t07"] - baseline["logp_t07"]).abs().max() < LOGP_TOL
+    # What the rollout engine checks after a weight sync: HF on the exported weights agrees.
+    assert (run["logp_sd1"] - hf_logprobs(run["batch"], 1.0, run["sd1"])).abs().max() < LOGP_TOL
     assert torch.equal(run["ref"], run["logp"])
     for step in ("m1", "m2"):
         assert set(run[step]) == set(baseline[step])

@@ -1,0 +1,165 @@
+"""MegatronPolicy on one rank, in process: the Megatron model computes what HF transformers computes
+(Qwen3-MoE and Mixtral, arbitrary weights), gradient accumulation equals one big batch, grad
+clipping works on CPU, bad input raises clear errors."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
+
+MIXTRAL = {"model_type": "mixtral", "vocab_size": 48, "hidden_size": 32, "intermediate_size": 24,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "rope_theta": 1e6, "sliding_window": None,
+           "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def world1():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is already initialised in this process")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=120))
+    torch.set_num_threads(1)
+    yield
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def qwen_config() -> dict:
+    from hpcrl.models.presets import load_hf_config
+
+    return load_hf_config("tiny-qwen3-moe", None)
+
+
+def make_policy(hf_config: dict, **algo):  # -> MegatronPolicy
+    from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
+    from hpcrl.trainer.policy import MegatronPolicy
+
+    trainer_kw = {k: algo.pop(k) for k in ("micro_batch_size",) if k in algo}
+    return MegatronPolicy(hf_config, TrainerConfig(**trainer_kw), AlgorithmConfig(**algo))
+
+
+def random_batch(vocab: int, rows: int = 8, seed: int = 0):  # -> TrainBatch
+    from hpcrl.trainer.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(rows)]
+    responses = [torch.randint(1, vocab, (int(torch.randint(0, 7, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(rows)]
+    responses[0] = responses[0] or [1]
+    return TrainBatch.from_lists(prompts, responses)
+
+
+def perturbed_hf(hf_config: dict, seed: int) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
+    """Checkpoint-named weights with every tensor (norms included) randomised, and the HF model
+    holding them."""
+    from hpcrl.trainer.model import build_hf_model
+    from moe.hf_megatron import HFModelDims, hf_checkpoint_to_fused, hf_fused_to_checkpoint
+
+    dims = HFModelDims.from_hf_config(hf_config)
+    model = build_hf_model(hf_config, seed)
+    g = torch.Generator().manual_seed(seed)
+    sd = {k: (v + 0.1 * torch.randn(v.shape, generator=g)).contiguous()
+          for k, v in hf_fused_to_checkpoint(model.state_dict(), dims).items()}
+    model.load_state_dict(hf_checkpoint_to_fused(sd, dims))
+    return sd, model
+
+
+def hf_logprobs(model: torch.nn.Module, batch, temperature: float = 1.0) -> torch.Tensor:
+    with torch.no_grad():
+        logp_BLV = torch.log_softmax(model(batch.tokens_BL).logits.float() / temperature, dim=-1)
+    pos_BT = batch.logit_positions_BT()
+    logp_BTV = logp_BLV.gather(1, pos_BT.unsqueeze(-1).expand(-1, -1, logp_BLV.shape[-1]))
+    logp_BT = logp_BTV.gather(2, batch.response_tokens_BT().unsqueeze(-1)).squeeze(-1)
+    return torch.where(batch.response_mask_BT(), logp_BT, 0.0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_megatron_matches_hf_on_arbitrary_weights(world1, family: str) -> None:
+    cfg = qwen_config() if family == "qwen3_moe" else MIXTRAL
+    policy = make_policy(cfg, kl_coef=0.1)
+    sd, model = perturbed_hf(cfg, seed=4)
+    policy.load_hf_state_dict(sd, model="both")
+    batch = random_batch(cfg["vocab_size"], rows=6, seed=1)
+    for temperature in (1.0, 0.6):
+        ours = policy.compute_logprobs(batch, temperature=temperature)
+        assert (ours - hf_logprobs(model, batch, temperature)).abs().max() < 1e-5
+    assert torch.equal(policy.compute_logprobs(batch, "ref"), policy.compute_logprobs(batch))
+    exported = policy.export_hf_state_dict()
+    assert list(exported) == sorted(sd)
+    assert all(torch.equal(exported[k], sd[k]) for k in sd)
+
+
+def test_micro_batches_give_the_same_step_as_one_batch(world1) -> None:
+    """8 rows in one micro-batch vs 3 micro-batches of 3 (one dummy pad row): same update."""
+    cfg = qwen_config()
+    algo = dict(aux_loss_coef=0.0, loss_agg="seq-mean-token-mean", lr=1e-2, adam_eps=1e-6)
+    big, small = make_policy(cfg, micro_batch_size=8, **algo), make_policy(cfg, micro_batch_size=3, **algo)
+    big.init_from_seed(2)
+    small.init_from_seed(2)
+    batch = random_batch(64, rows=8, seed=3)
+    logp = big.compute_logprobs(batch)
+    assert torch.equal(logp, small.compute_logprobs(batch))
+    adv = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    m_big, m_small = big.train_step(batch, adv, logp), small.train_step(batch, adv, logp)
+    for key in ("loss", "pg_loss", "entropy", "grad_norm"):
+        assert abs(m_big[key] - m_small[key]) < 1e-6, (key, m_big[key], m_small[key])
+    a, b = big.export_hf_state_dict(), small.export_hf_state_dict()
+    # Adam divides by sqrt(v) + eps: float-order noise in tiny grads moves weights by ~lr * 1e-4.
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 2e-5
+    assert "aux_loss" not in m_big
+
+
+def test_grad_clipping_scales_grads_on_cpu(world1) -> None:
+    policy = make_policy(qwen_config(), grad_clip=0.05)
+    policy.init_from_seed(0)
+    batch = random_batch(64, seed=5)
+    metrics = policy.train_step(batch, torch.linspace(-1, 1, 8), policy.compute_logprobs(batch))
+    assert metrics["grad_norm"] > 0.05
+    clipped = sum(p.main_grad.double().pow(2).sum() for p in policy.gpt.parameters()).sqrt().item()
+    assert abs(clipped - 0.05) < 1e-6
+
+
+def test_bad_input_raises(world1) -> None:
+    from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
+    from hpcrl.trainer.policy import MegatronPolicy
+
+    cfg = qwen_config()
+    from hpcrl.trainer.model import check_layout
+
+    with pytest.raises(ValueError, match="does not fit num_procs=1"):
+        MegatronPolicy(cfg, TrainerConfig(tp=1, etp=2), AlgorithmConfig())
+    with pytest.raises(ValueError, match="trainer.ep=1 needs trainer.etp == trainer.tp"):
+        check_layout(cfg, tp=2, pp=1, ep=1, etp=1, dispatcher="alltoall")
+    with pytest.raises(ValueError, match="uneven"):
+        check_layout(cfg, tp=2, pp=1, ep=2, etp=2, dispatcher="alltoall")
+    with pytest.raises(ValueError, match="num_key_value_heads=2 is not divisible by tp=4"):
+        check_layout(cfg, tp=4, pp=1, ep=1, etp=4, dispatcher="allgather")
+    with pytest.raises(ValueError, match="num_procs=2"):
+        MegatronPolicy(cfg, TrainerConfig(num_procs=2), AlgorithmConfig())
+    with pytest.raises(ValueError, match="dispatcher"):
+        MegatronPolicy(cfg, TrainerConfig(dispatcher="deepep"), AlgorithmConfig())
+    policy = make_policy(cfg)
+    batch = random_batch(64, seed=6)
+    with pytest.raises(RuntimeError, match="init_from_seed"):
+        policy.compute_logprobs(batch)
+    policy.init_from_seed(0)
+    with pytest.raises(ValueError, match="kl_coef=0"):
+        policy.compute_logprobs(batch, "ref")
+    with pytest.raises(ValueError, match=r"old_logp_BT has shape \(8, 99\)"):
+        policy.train_step(batch, torch.zeros(8), torch.zeros(8, 99))
+    with pytest.raises(KeyError, match="lm_head.weight"):
+        policy.load_hf_state_dict({})

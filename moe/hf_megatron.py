@@ -320,9 +320,12 @@ def hf_fused_to_checkpoint(sd: Mapping[str, torch.Tensor], dims: HFModelDims) ->
 
     In memory both families hold `model.layers.{i}.mlp.experts.gate_up_proj` [E, 2I, H] (gate rows
     first) and `...mlp.experts.down_proj` [E, H, I] and the router at `...mlp.gate.weight`; on
-    disk (and in SGLang's loader) experts are separate 2-D tensors. Returns views, not copies.
+    disk (and in SGLang's loader) experts are separate 2-D tensors. Tied embeddings drop
+    `lm_head.weight` (as `save_pretrained` does). Returns views, not copies.
     """
     out = dict(sd)
+    if dims.tied_embeddings:
+        out.pop("lm_head.weight", None)
     I = dims.moe_ffn_size
     for i in range(dims.num_layers):
         p = f"model.layers.{i}.mlp."
@@ -335,8 +338,11 @@ def hf_fused_to_checkpoint(sd: Mapping[str, torch.Tensor], dims: HFModelDims) ->
 
 
 def hf_checkpoint_to_fused(sd: Mapping[str, torch.Tensor], dims: HFModelDims) -> dict[str, torch.Tensor]:
-    """The inverse of `hf_fused_to_checkpoint` (stacks the per-expert tensors into new tensors)."""
+    """The inverse of `hf_fused_to_checkpoint` (stacks the per-expert tensors into new tensors;
+    tied embeddings get `lm_head.weight` back as the embedding)."""
     out = dict(sd)
+    if dims.tied_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
     for i in range(dims.num_layers):
         p = f"model.layers.{i}.mlp."
         gates, downs = [], []

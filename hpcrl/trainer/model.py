@@ -36,7 +36,11 @@ def check_layout(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: int, dis
         # the dense DP group, which is wrong when ETP != TP (replicas see different tokens).
         raise ValueError(f"trainer.ep=1 needs trainer.etp == trainer.tp (got etp={etp}, tp={tp}); "
                          "set etp to tp, or use ep > 1")
-    RankCoords(tp=tp, pp=pp, ep=ep, etp=etp).check(HFModelDims.from_hf_config(hf_config))
+    dims = HFModelDims.from_hf_config(hf_config)
+    if dims.tied_embeddings and pp > 1 and device == "cpu":
+        # language_module.py:244 moves the shared embedding copy with Tensor.cuda().
+        raise ValueError("tie_word_embeddings=true with trainer.pp > 1 is not supported on CPU; use pp=1")
+    RankCoords(tp=tp, pp=pp, ep=ep, etp=etp).check(dims)
 
 
 def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: int, dispatcher: str,

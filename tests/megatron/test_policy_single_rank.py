@@ -87,9 +87,10 @@ def hf_logprobs(model: torch.nn.Module, batch, temperature: float = 1.0) -> torc
     return torch.where(batch.response_mask_BT(), logp_BT, 0.0)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_moe-tied"])
 def test_megatron_matches_hf_on_arbitrary_weights(world1, family: str) -> None:
-    cfg = qwen_config() if family == "qwen3_moe" else MIXTRAL
+    cfg = {"qwen3_moe": qwen_config(), "mixtral": MIXTRAL,
+           "qwen3_moe-tied": {**qwen_config(), "tie_word_embeddings": True}}[family]
     policy = make_policy(cfg, kl_coef=0.1)
     sd, model = perturbed_hf(cfg, seed=4)
     policy.load_hf_state_dict(sd, model="both")

@@ -101,7 +101,8 @@ def test_missing_shard_and_bad_input_raise() -> None:
         HFModelDims.from_hf_config({**QWEN, "mlp_only_layers": [0]})
 
 
-@pytest.mark.parametrize("cfg", [QWEN, MIXTRAL], ids=["qwen3", "mixtral"])
+@pytest.mark.parametrize("cfg", [QWEN, MIXTRAL, {**QWEN, "tie_word_embeddings": True}],
+                         ids=["qwen3", "mixtral", "qwen3-tied"])
 def test_fused_names_match_save_pretrained(cfg: dict, tmp_path: Path) -> None:
     """transformers' own on-disk names and values equal hf_fused_to_checkpoint's."""
     from safetensors.torch import load_file

@@ -160,6 +160,38 @@ class LoggingConfig:
 
 
 @dataclass(kw_only=True)
+class SlurmConfig:
+    partition: str | None = None
+    """Partition (sbatch --partition); null means the cluster's default partition."""
+    account: str | None = None
+    """Account to charge (sbatch --account); null leaves it to Slurm's default."""
+    qos: str | None = None
+    """Quality of service (sbatch --qos); null leaves it to Slurm's default."""
+    time: str = "01:00:00"
+    """Time limit of one attempt, a quoted Slurm time string: minutes ('90'), 'H:M:S' or 'D-H:M:S'
+    (YAML reads unquoted 30:00 as the number 1800)."""
+    mem_gb: int = -1
+    """Memory per node in GB (sbatch --mem); -1 leaves it to the partition, 0 asks for all of it."""
+    mpi: str = "pmi2"
+    """srun --mpi plugin that starts the one MPI world: pmi2 (PyPI mpich) | pmix."""
+    signal_delay_s: int = 120
+    """Slurm sends USR1 this many seconds before the time limit (and at preemption) so the
+    controller can checkpoint and requeue; must be shorter than `time`."""
+    python: str | None = None
+    """Python interpreter of the ranks; null means the one running `hpcrl submit`. Set it (e.g.
+    'python') when `env_setup` activates the environment on the compute nodes."""
+    env_setup: list[str] = field(default_factory=list)
+    """Shell lines run before the step, unchanged: module loads, venv or conda activation."""
+    extra_sbatch_options: list[str] = field(default_factory=list)
+    """sbatch options written unchanged into component 0 (trainer nodes; the whole job when
+    colocated), e.g. '--constraint=h100' or '--exclusive'."""
+    rollout_extra_sbatch_options: list[str] = field(default_factory=list)
+    """sbatch options written unchanged into component 1 (rollout nodes, resources.rollout_nodes > 0)."""
+    extra_srun_options: list[str] = field(default_factory=list)
+    """srun options of the step, written unchanged after hpcrl's own (e.g. '--cpu-bind=none')."""
+
+
+@dataclass(kw_only=True)
 class JobConfig:
     name: str = "job"
     """Job name: letters, digits, '.', '_', '-' (run directory and Slurm job name)."""
@@ -172,6 +204,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
     base_dir: str = field(default=".", metadata={"internal": True})
     """Directory of the job file; relative paths resolve against it (not a YAML key)."""
 

@@ -60,7 +60,8 @@ class HFModelDims:
         if family not in FAMILIES:
             raise ValueError(f"config.json model_type={family!r} is not supported; valid: {FAMILIES}")
         if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json hidden_act={cfg['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
+            raise ValueError(f"config.json hidden_act={cfg['hidden_act']!r}; "
+                             "only 'silu' (SwiGLU) is supported")
         if cfg.get("attention_bias", False):
             raise ValueError("config.json attention_bias=true is not supported; use a bias-free model")
         rope = cfg.get("rope_parameters") or {}
@@ -230,8 +231,9 @@ def local_params(dims: HFModelDims, coords: RankCoords) -> list[LocalParam]:
         out.append(LocalParam(mp + "self_attention.linear_qkv.weight", (groups_local * rows_per_group, H),
                               tuple(qkv)))
         if dims.qk_norm:
-            out.append(_whole(mp + "self_attention.q_layernorm.weight", hp + "self_attn.q_norm.weight", (hd,)))
-            out.append(_whole(mp + "self_attention.k_layernorm.weight", hp + "self_attn.k_norm.weight", (hd,)))
+            for qk in ("q", "k"):
+                out.append(_whole(f"{mp}self_attention.{qk}_layernorm.weight",
+                                  f"{hp}self_attn.{qk}_norm.weight", (hd,)))
         out.append(_split(mp + "self_attention.linear_proj.weight", hp + "self_attn.o_proj.weight",
                           (H, dims.num_heads * hd), 1, tp, r))
         out.append(_whole(mp + "pre_mlp_layernorm.weight", hp + "post_attention_layernorm.weight", (H,)))

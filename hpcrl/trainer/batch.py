@@ -81,7 +81,8 @@ class TrainBatch:
 
     def padding_mask_BL(self) -> torch.Tensor:
         """Bool [B, L], True on pad positions (after prompt + response)."""
-        return torch.arange(self.seq_len).unsqueeze(0) >= (self.prompt_lens_B + self.response_lens_B).unsqueeze(1)
+        ends_B1 = (self.prompt_lens_B + self.response_lens_B).unsqueeze(1)
+        return torch.arange(self.seq_len).unsqueeze(0) >= ends_B1
 
     def rows(self, start: int, stop: int) -> TrainBatch:
         """Rows [start, stop) (same L, so log-prob columns keep their meaning)."""
@@ -92,7 +93,8 @@ class TrainBatch:
     def from_lists(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> TrainBatch:
         """Build a batch from per-row prompt ids and response ids (equal-length lists)."""
         if len(prompts) != len(responses):
-            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses; pass one response per prompt")
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses; "
+                             "pass one response per prompt")
         lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
         tokens = torch.full((len(prompts), max(lens, default=0)), PAD_ID, dtype=torch.int64)
         for b, (p, r) in enumerate(zip(prompts, responses)):

@@ -50,7 +50,7 @@ def hf_state_dict_sha256(sd: Mapping[str, torch.Tensor]) -> str:
     for name in sorted(sd):
         t = sd[name].detach().cpu().contiguous()
         h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -207,6 +207,8 @@ class MegatronPolicy:
                         seen.add((pc.hf_name, pc.hf_box))
                         mine.append((p.name, pc))
             plan.append(mine)
+        covered = sum(pc.hf_box.numel for mine in plan for _, pc in mine)
+        assert covered == sum(math.prod(s) for s in self.dims.hf_shapes().values()), covered
         return plan
 
     @staticmethod
@@ -260,15 +262,17 @@ class MegatronPolicy:
         (so callers may pass results of rank-0-only methods, e.g. log-probs, on rank 0 alone)."""
         items: list[Any] = [batch, *tensors.values()]
         have = torch.tensor([x is not None for x in items], dtype=torch.int32, device=self.device)
-        dist.all_reduce(have, op=dist.ReduceOp.MIN)
-        missing = [i for i, h in enumerate(have.tolist()) if not h]
+        both = torch.cat([have, -have])  # MIN over ranks of have and of -have: (min, -max)
+        dist.all_reduce(both, op=dist.ReduceOp.MIN)
+        n = len(items)
+        missing = [i for i in range(n) if both[i] == 0 and -both[n + i] == 1]
         if missing:
             payload: list[Any] = [[items[i] for i in missing] if self.rank == 0 else None]
             dist.broadcast_object_list(payload, src=0)
             for i, value in zip(missing, payload[0]):
                 items[i] = value
         if items[0] is None:
-            raise ValueError("batch is None on trainer rank 0; rank 0 must always pass the batch")
+            raise ValueError("batch is None on every trainer rank; rank 0 must always pass the batch")
         return items[0], dict(zip(tensors, items[1:]))
 
     def _split(self, batch: TrainBatch, per_row: dict[str, torch.Tensor]

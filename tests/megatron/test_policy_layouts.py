@@ -119,7 +119,8 @@ def test_layout_matches_baseline(name: str, baseline: dict, tmp_path: Path) -> N
     for step in ("m1", "m2"):
         assert set(run[step]) == set(baseline[step])
         for key, value in baseline[step].items():
-            assert abs(run[step][key] - value) < 1e-5 * max(1.0, abs(value)), (step, key, run[step][key], value)
+            got = run[step][key]
+            assert abs(got - value) < 1e-5 * max(1.0, abs(value)), (step, key, got, value)
     assert max_diff(run["sd1"], baseline["sd1"]) < WEIGHT_TOL
     assert max_diff(run["sd2"], baseline["sd2"]) < WEIGHT_TOL
     from hpcrl.trainer.policy import hf_state_dict_sha256

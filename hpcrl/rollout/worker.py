@@ -40,7 +40,10 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         if job.rollout.backend == "reference":
             device = job.resources.device
             state["proc"] = launch_reference_server(str(run_dir / "model_config.json"), port, device,
-                                                    job.trainer.seed, str(log_path), host=host)
+                                                    job.trainer.seed, str(log_path), host=host,
+                                                    dtype=job.model.dtype,
+                                                    startup_timeout_s=job.resources.startup_timeout_s,
+                                                    extra_args=job.rollout.server_args)
             url = f"http://{host}:{port}"
         else:
             state["proc"] = _launch_sglang(job, run_dir, host, port, log_path)

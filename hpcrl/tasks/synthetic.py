@@ -6,7 +6,7 @@ cases, so a prompt-independent completion scores at most 1/8 = 0.125 under `toke
 
 | name    | prompt  | answer | what it needs                                        |
 |---------|---------|--------|------------------------------------------------------|
-| copy    | `c=`    | `cccc` | attend to the prompt symbol (8 letters), repeat it   |
+| copy    | `c`     | `cccc` | read the prompt letter (one of 8), repeat it         |
 | reverse | `abc>`  | `cba`  | attend to three positions in reverse order           |
 | add     | `3+4=`  | `7`    | single-digit addition modulo 10 (hard from scratch)  |
 """
@@ -32,7 +32,7 @@ class Task:
 
 def _copy(rng: np.random.Generator) -> tuple[str, str]:
     c = LETTERS[rng.integers(len(LETTERS))]
-    return f"{c}=", c * 4
+    return c, c * 4
 
 
 def _reverse(rng: np.random.Generator) -> tuple[str, str]:

@@ -49,9 +49,9 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         return None
 
     def batch_of(payload):
-        from hpcrl.trainer.batch import Batch
+        from hpcrl.trainer.batch import TrainBatch
 
-        return Batch.from_lists(payload["prompt_ids"], payload["response_ids"])
+        return TrainBatch.from_lists(payload["prompt_ids"], payload["response_ids"])
 
     def logprobs(cmd):
         p, policy = cmd.payload, state["policy"]

@@ -138,12 +138,17 @@ def _chunks(box: Box, itemsize: int, cap: int) -> list[Box]:
 
 
 class _Rows:
-    """Transfer columns appended in numpy blocks; `parent` is the row a relay copies (-1: trainer send)."""
+    """Transfer columns appended in blocks; `parent` is the row a relay copies (-1: trainer send).
+
+    A block column is an array or a scalar repeated over the block; scalars stay Python values
+    until `columns()` so that the many small blocks of a plan cost no numpy calls each.
+    """
 
     COLS = ("src", "relay", "dst", "tensor", "box", "nbytes", "parent")
 
     def __init__(self) -> None:
-        self.blocks: dict[str, list[np.ndarray]] = {c: [] for c in self.COLS}
+        self.blocks: dict[str, list] = {c: [] for c in self.COLS}
+        self.sizes: list[int] = []
         self.n = 0
         self.boxes: list[Box] = []
         self._box_id: dict[int, int] = {}
@@ -155,21 +160,30 @@ class _Rows:
             self.boxes.append(box)  # keeps the Box alive, so its id() stays unique
         return i
 
-    def add(self, dst: np.ndarray, **cols: np.ndarray | int | bool) -> int:
-        """Append len(dst) rows (scalars broadcast); returns the index of the first new row."""
-        n, first = len(dst), self.n
-        self.blocks["dst"].append(np.asarray(dst, dtype=np.int64))
-        for c in self.COLS:
-            if c != "dst":
-                v = cols.get(c, -1)
-                self.blocks[c].append(np.full(n, v) if np.ndim(v) == 0 else np.asarray(v))
+    def add(self, dst: np.ndarray | int, src: np.ndarray | int, relay: bool, tensor: int, box: int,
+            nbytes: np.ndarray | int, parent: np.ndarray | int = -1, n: int = 1) -> int:
+        """Append `n` rows (array columns must have length n); returns the index of the first one."""
+        first = self.n
+        for c, v in (("dst", dst), ("src", src), ("relay", relay), ("tensor", tensor), ("box", box),
+                     ("nbytes", nbytes), ("parent", parent)):
+            self.blocks[c].append(v)
+        self.sizes.append(n)
         self.n += n
         return first
 
     def columns(self) -> dict[str, np.ndarray]:
-        dtypes = {"relay": bool}
-        return {c: (np.concatenate(b).astype(dtypes.get(c, np.int64)) if b else np.zeros(0, dtypes.get(c, np.int64)))
-                for c, b in self.blocks.items()}
+        sizes = np.asarray(self.sizes, dtype=np.int64)
+        starts = np.cumsum(sizes) - sizes
+        out = {}
+        for c, blocks in self.blocks.items():
+            is_arr = [isinstance(v, np.ndarray) for v in blocks]
+            scalars = np.asarray([0 if a else v for v, a in zip(blocks, is_arr)], dtype=np.int64)
+            col = np.repeat(scalars, sizes)
+            for v, a, st, n in zip(blocks, is_arr, starts.tolist(), self.sizes):
+                if a:
+                    col[st:st + n] = v
+            out[c] = col.astype(bool) if c == "relay" else col
+        return out
 
 
 def _spread(cands: np.ndarray, n: int, size: int, load: np.ndarray) -> np.ndarray:
@@ -240,8 +254,8 @@ def _assign_pieces(spec: MoESpec, src_pl: list[TensorPlacement], dst_pl: list[Te
             T, C, M = len(tids), len(chunks), len(h)
             cb = np.array([c.numel * item for c in chunks], dtype=np.int64)
             cid = np.array([rows.box_id(c) for c in chunks], dtype=np.int64)
-            rows.add(np.tile(h, T * C), src=sranks[0], relay=False, tensor=np.repeat(np.asarray(tids), C * M),
-                     box=np.tile(np.repeat(cid, M), T), nbytes=np.tile(np.repeat(cb, M), T))
+            rows.add(np.tile(h, T * C), sranks[0], False, np.repeat(np.asarray(tids), C * M),
+                     np.tile(np.repeat(cid, M), T), np.tile(np.repeat(cb, M), T), n=T * C * M)
             nic_out[sranks[0]] += T * M * int(cb.sum())
             nic_in[h] += T * int(cb.sum())
         else:
@@ -279,11 +293,11 @@ def _emit_vectorized(rows: _Rows, holders: np.ndarray, sr: np.ndarray, ti: int, 
         p = holders[np.arange(M), np.argmin(nic_in[holders], axis=1)]
     s = _spread(sr, M, b, nic_out)
     nic_in[p] += b
-    first = rows.add(p, src=s, relay=False, tensor=ti, box=cid, nbytes=b)
+    first = rows.add(p, s, False, ti, cid, b, n=M)
     if H > 1:
         others = holders != p[:, None]
-        rows.add(holders[others], src=np.repeat(p, H - 1), relay=True, tensor=ti, box=cid, nbytes=b,
-                 parent=np.repeat(first + np.arange(M), H - 1))
+        rows.add(holders[others], np.repeat(p, H - 1), True, ti, cid, b, np.repeat(first + np.arange(M), H - 1),
+                 n=M * (H - 1))
 
 
 def _emit_per_node(rows: _Rows, dg: _DstGroups, sr: np.ndarray, local_by: dict[int, list[int]], ti: int,
@@ -294,16 +308,16 @@ def _emit_per_node(rows: _Rows, dg: _DstGroups, sr: np.ndarray, local_by: dict[i
         if local:  # a trainer rank on this node has it: every holder copies over NVLink directly
             loc = np.asarray(local, dtype=np.int64)
             s = _spread(loc, len(holders), b, nvl_out)
-            rows.add(np.asarray(holders), src=s, relay=False, tensor=ti, box=cid, nbytes=b)
+            rows.add(np.asarray(holders, dtype=np.int64), s, False, ti, cid, b, n=len(holders))
             continue
         h = np.asarray(holders, dtype=np.int64)
         p = int(h[np.argmin(nic_in[h])])
-        s = _spread(sr, 1, b, nic_out)
+        s = int(_spread(sr, 1, b, nic_out)[0])
         nic_in[p] += b
-        first = rows.add(np.array([p]), src=s, relay=False, tensor=ti, box=cid, nbytes=b)
+        first = rows.add(p, s, False, ti, cid, b)
         others = h[h != p]
         if len(others):
-            rows.add(others, src=p, relay=True, tensor=ti, box=cid, nbytes=b, parent=first)
+            rows.add(others, p, True, ti, cid, b, first, n=len(others))
 
 
 def _bundles(gsrc: np.ndarray, gdst: np.ndarray, extra: np.ndarray, nbytes: np.ndarray, half_cap: int

@@ -6,6 +6,7 @@ User errors (bad config, bad paths) print one message and exit 2, without a trac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 EXIT_USER_ERROR = 2
@@ -25,6 +26,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a job locally (mpiexec; CPU or local GPUs)")
     _add_job_args(p)
     p.add_argument("--run-dir", default=None, help="run directory (default: logging.run_dir or runs/<name>-<time>)")
+    p = sub.add_parser("render", help="print the sbatch script that `hpcrl submit` would send")
+    _add_job_args(p)
+    p.add_argument("--run-dir", default=None, help="run directory the script is rendered for (as for submit)")
+    p = sub.add_parser("submit", help="check the job against the Slurm cluster and sbatch it")
+    _add_job_args(p)
+    p.add_argument("--run-dir", default=None, help="run directory (default: logging.run_dir or runs/<name>-<time>)")
+    for name, what in (("status", "Slurm state, attempt, time left, step and reward of a submitted run"),
+                       ("logs", "the step log of a submitted run's current attempt"),
+                       ("cancel", "cancel a submitted run's Slurm job")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("run", metavar="RUN", help="run directory printed by hpcrl submit (or its job id)")
+    p = sub.choices["logs"]
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends (Ctrl-C stops)")
+    p.add_argument("--attempt", type=int, default=None, help="attempt N's log instead of the latest")
+    p.add_argument("--all", dest="every", action="store_true", help="the logs of every attempt, oldest first")
+    p.add_argument("--batch", action="store_true", help="the batch script's log (signals, requeues, exit codes)")
     return parser
 
 
@@ -43,7 +60,102 @@ def _run(args: argparse.Namespace) -> int:
     return run_local(args.job, args.overrides, args.run_dir)
 
 
-COMMANDS = {"validate": _validate, "run": _run}
+@contextlib.contextmanager
+def _slurm_errors():
+    """Slurm problems are user errors too: the same one-line message and exit code as ConfigError."""
+    from hpcrl.config.errors import ConfigError
+    from launch.slurm_query import SlurmError
+
+    try:
+        yield
+    except SlurmError as exc:
+        raise ConfigError(exc.path, exc.value, exc.hint) from None
+
+
+def _render(args: argparse.Namespace) -> int:
+    from hpcrl.config import load_job
+    from hpcrl.runner import resolve_run_dir
+    from launch.slurm_submit import plan_submission
+
+    job = load_job(args.job, args.overrides)
+    run_dir = resolve_run_dir(job, args.run_dir)
+    with _slurm_errors():
+        plan = plan_submission(job, run_dir, check=False)
+    for warning in plan.warnings:
+        print(f"hpcrl render: warning: {warning}", file=sys.stderr)
+    if not args.run_dir and not job.logging.run_dir:
+        print(f"hpcrl render: rendered for run dir {run_dir}; pass the same --run-dir to submit to get this "
+              "exact script", file=sys.stderr)
+    sys.stdout.write(plan.script)
+    return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from hpcrl.config import load_job
+    from hpcrl.runner import prepare_run_dir, resolve_run_dir
+    from launch.slurm_submit import plan_submission, submit
+
+    job = load_job(args.job, args.overrides)
+    run_dir = resolve_run_dir(job, args.run_dir)
+    with _slurm_errors():
+        plan = plan_submission(job, run_dir)
+        for warning in plan.warnings:
+            print(f"hpcrl submit: warning: {warning}", file=sys.stderr)
+        prepare_run_dir(job, run_dir)
+        record = submit(plan)
+    layout = " | ".join(f"component {i}: {_nodes(c['nodes'])}, {c['ranks']}"
+                        for i, c in enumerate(record["components"]))
+    print(f"submitted job {record['job_id']} ({job.name}: {record['world_size']} ranks; {layout}) "
+          f"to partition {record['partition']}\n"
+          f"run dir: {run_dir}\n"
+          f"  hpcrl status {run_dir}\n"
+          f"  hpcrl logs {run_dir} -f\n"
+          f"  hpcrl cancel {run_dir}", flush=True)
+    return 0
+
+
+def _nodes(n: int) -> str:
+    return f"{n} node" if n == 1 else f"{n} nodes"
+
+
+def _status(args: argparse.Namespace) -> int:
+    from launch.slurm_query import resolve_run, status_text
+
+    with _slurm_errors():
+        run_dir, record = resolve_run(args.run)
+        print(status_text(run_dir, record), flush=True)
+    return 0
+
+
+def _logs(args: argparse.Namespace) -> int:
+    from launch.slurm_query import follow_logs, resolve_run, write_logs
+
+    with _slurm_errors():
+        run_dir, record = resolve_run(args.run)
+        if not args.follow:
+            write_logs(run_dir, record, sys.stdout, attempt=args.attempt, every=args.every, batch=args.batch)
+            return 0
+        try:
+            state = follow_logs(run_dir, record, sys.stdout, attempt=args.attempt)
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 130
+    ended = state.state if state is not None else "no longer known to Slurm"
+    print(f"hpcrl logs: job {record['job_id']} ended: {ended}", file=sys.stderr, flush=True)
+    return 0
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    from launch.slurm_query import cancel_run, resolve_run
+
+    with _slurm_errors():
+        run_dir, record = resolve_run(args.run)
+        print(cancel_run(run_dir, record), flush=True)
+    return 0
+
+
+COMMANDS = {"validate": _validate, "run": _run, "render": _render, "submit": _submit, "status": _status,
+            "logs": _logs, "cancel": _cancel}
 
 
 def main(argv: list[str] | None = None) -> int:

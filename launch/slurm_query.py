@@ -1,0 +1,432 @@
+"""Reading Slurm: the cluster's partitions and nodes, and the state of a submitted hpcrl job.
+
+Everything here calls Slurm's client tools (`scontrol -o`, `squeue`, `scancel`) with a deadline and
+turns a missing tool, a silent controller or a failing command into `SlurmError`, whose message names
+the tool or argument, the bad value and the fix (the CLI prints it on one line and exits 2). Job
+state comes from `scontrol show job` (Slurm keeps finished jobs for `MinJobAge`, 10 min on the local
+cluster) and `squeue` (time left); only when Slurm has forgotten the job and accounting is on does
+it fall back to `sacct`, whose output is parsed by submitit's `SlurmInfoWatcher.read_info`. A hetjob
+answers with one record per component (`123+0`, `123+1`); the first is the leader.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from launch.slurm_spec import parse_time_limit
+
+SLURM_CMD_TIMEOUT_S = 30.0
+FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+                          "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
+_KEY_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_:/.]*=")
+
+
+class SlurmError(ValueError):
+    """A user-facing problem with Slurm or a run: `path` (YAML key, argument or tool), the bad
+    `value` and a `hint` that says what to do; the message is "path=value: hint" like ConfigError."""
+
+    def __init__(self, path: str, value: object, hint: str) -> None:
+        self.path, self.value, self.hint = path, value, hint
+        super().__init__(f"{path}={value!r}: {hint}")
+
+
+def require_tool(tool: str) -> str:
+    """The path of Slurm client `tool`; SlurmError naming PATH when it is not installed here."""
+    found = shutil.which(tool)
+    if found is None:
+        raise SlurmError(tool, "not found", f"hpcrl needs Slurm's client tools on PATH; run it on a login "
+                                            f"node of the cluster or add Slurm's bin directory to PATH "
+                                            f"(PATH={os.environ.get('PATH', '')})")
+    return found
+
+
+def slurm_cmd(args: list[str], timeout_s: float = SLURM_CMD_TIMEOUT_S, check: bool = True
+              ) -> subprocess.CompletedProcess:
+    """Run a Slurm client command under a deadline; SlurmError with its stderr when it fails."""
+    require_tool(args[0])
+    shown = " ".join(args)
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise SlurmError(args[0], shown, f"no answer within {timeout_s:.0f} s; is the Slurm controller up "
+                                         "(`scontrol ping`)?") from None
+    if check and proc.returncode != 0:
+        err = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+        raise SlurmError(args[0], shown, f"exited with code {proc.returncode}: {err}")
+    return proc
+
+
+def parse_records(text: str) -> list[dict[str, str]]:
+    """`scontrol -o show ...` output -> one dict per line. A value with spaces (`Reason=Not
+    responding`) keeps its words: a token without `key=` continues the previous value."""
+    records = []
+    for line in text.splitlines():
+        rec: dict[str, str] = {}
+        last = None
+        for token in line.split():
+            if _KEY_RE.match(token):
+                last, _, value = token.partition("=")
+                rec[last] = value
+            elif last is not None:
+                rec[last] += " " + token
+        if rec:
+            records.append(rec)
+    return records
+
+
+def gpu_count(gres: str) -> int:
+    """GPUs in a node's `Gres=` value: 'gpu:2', 'gpu:a100:4(S:0-1)', 'gpu:a:2,gpu:b:2', '(null)'."""
+    total = 0
+    for entry in re.sub(r"\([^)]*\)", "", gres or "").split(","):
+        parts = entry.strip().split(":")
+        if parts[0] == "gpu":
+            total += int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
+    return total
+
+
+def _limit(text: str, parse) -> int | None:
+    return None if text in ("", "UNLIMITED", "INFINITE", "NONE", "n/a") else parse(text)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One node as `scontrol show node` reports it."""
+
+    name: str
+    cpus: int
+    gpus: int
+    memory_mb: int
+    state: str
+
+
+@dataclass(frozen=True)
+class PartitionInfo:
+    """One partition and its nodes; `max_time_min`/`max_nodes` None means unlimited."""
+
+    name: str
+    default: bool
+    state: str
+    max_time_min: int | None
+    max_nodes: int | None
+    nodes: tuple[NodeInfo, ...]
+
+
+def cluster_partitions() -> dict[str, PartitionInfo]:
+    """Every partition of the cluster with its nodes (two scontrol calls)."""
+    nodes: dict[str, tuple[NodeInfo, list[str]]] = {}
+    for rec in parse_records(slurm_cmd(["scontrol", "-o", "show", "node"]).stdout):
+        info = NodeInfo(name=rec["NodeName"], cpus=int(rec.get("CPUTot", "0")), gpus=gpu_count(rec.get("Gres", "")),
+                        memory_mb=int(rec.get("RealMemory", "0")), state=rec.get("State", "UNKNOWN"))
+        nodes[info.name] = (info, rec.get("Partitions", "").split(","))
+    partitions = {}
+    for rec in parse_records(slurm_cmd(["scontrol", "-o", "show", "partition"]).stdout):
+        name = rec["PartitionName"]
+        members = tuple(info for info, parts in nodes.values() if name in parts)
+        partitions[name] = PartitionInfo(
+            name=name, default=rec.get("Default") == "YES", state=rec.get("State", "UNKNOWN"),
+            max_time_min=_limit(rec.get("MaxTime", ""), parse_time_limit),
+            max_nodes=_limit(rec.get("MaxNodes", ""), int), nodes=members)
+    return partitions
+
+
+@dataclass(frozen=True)
+class JobState:
+    """What Slurm knows of a job now. `components` is [(component id, node list)] ('123+0', 'n1').
+    `time_left` is squeue's `%L` ('59:31', 'UNLIMITED') while the job is pending or running."""
+
+    job_id: str
+    state: str
+    reason: str
+    restarts: int
+    exit_code: str
+    run_time: str
+    time_limit: str
+    time_left: str | None
+    partition: str
+    components: tuple[tuple[str, str], ...]
+    source: str
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL_STATES
+
+
+def _sacct_state(job_id: str) -> str | None:
+    """The job's state from accounting, or None without `sacct` or accounting (the local cluster)."""
+    if shutil.which("sacct") is None:
+        return None
+    proc = slurm_cmd(["sacct", "-j", job_id, "-X", "-o", "JobID,State,NodeList", "--parsable2"], check=False)
+    if proc.returncode != 0:
+        return None
+    from submitit.slurm.slurm import SlurmInfoWatcher  # parses sacct's --parsable2 table
+
+    info = SlurmInfoWatcher().read_info(proc.stdout)
+    state = info.get(job_id, {}).get("State")
+    # sacct writes 'CANCELLED by 0'; keep the state word
+    return state.split()[0] if state else None
+
+
+def job_state(job_id: str) -> JobState | None:
+    """The job's state, or None when neither scontrol nor accounting knows the job any more."""
+    proc = slurm_cmd(["scontrol", "-o", "show", "job", job_id], check=False)
+    records = parse_records(proc.stdout) if proc.returncode == 0 else []
+    if not records:
+        if "Invalid job id" not in proc.stderr and proc.returncode != 0:
+            slurm_cmd(["scontrol", "-o", "show", "job", job_id])  # raises with the real error
+        state = _sacct_state(job_id)
+        if state is None:
+            return None
+        return JobState(job_id=job_id, state=state, reason="", restarts=0, exit_code="", run_time="",
+                        time_limit="", time_left=None, partition="", components=(), source="sacct")
+    lead = records[0]
+    time_left = None
+    if lead.get("JobState") not in FINAL_STATES:
+        out = slurm_cmd(["squeue", "-h", "-j", job_id, "-o", "%L"], check=False).stdout.split()
+        time_left = out[0] if out else None
+    components = tuple((f"{r.get('HetJobId', r['JobId'])}+{r['HetJobOffset']}" if "HetJobOffset" in r
+                        else r["JobId"], r.get("NodeList", "(null)")) for r in records)
+    return JobState(job_id=job_id, state=lead.get("JobState", "UNKNOWN"), reason=lead.get("Reason", "None"),
+                    restarts=int(lead.get("Restarts", "0")), exit_code=lead.get("ExitCode", ""),
+                    run_time=lead.get("RunTime", ""), time_limit=lead.get("TimeLimit", ""), time_left=time_left,
+                    partition=lead.get("Partition", ""), components=components, source="scontrol")
+
+
+def cancel_job(job_id: str, timeout_s: float = 60.0, poll_s: float = 0.5) -> JobState | None:
+    """`scancel` the job (every component) and wait until Slurm reports it final; its last state."""
+    import time
+
+    slurm_cmd(["scancel", job_id])
+    deadline = time.monotonic() + timeout_s
+    state = job_state(job_id)
+    while state is not None and not state.final and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        state = job_state(job_id)
+    return state
+
+
+def job_workdir(job_id: str) -> Path | None:
+    """The working directory Slurm recorded for the job (hpcrl's run dir), or None if unknown."""
+    proc = slurm_cmd(["scontrol", "-o", "show", "job", job_id], check=False)
+    records = parse_records(proc.stdout) if proc.returncode == 0 else []
+    return Path(records[0]["WorkDir"]) if records and records[0].get("WorkDir") else None
+
+
+# ---- a run dir made by `hpcrl submit` (RUN_DIR/slurm.json names its job) ----------------------
+
+SUBMISSION_FILE = "slurm.json"
+_ATTEMPT_RE = re.compile(r"^(?P<job>\d+)-attempt(?P<n>\d+)\.log$")
+
+
+def resolve_run(target: str) -> tuple[Path, dict]:
+    """A run dir, or the job id of one, -> (run dir, its slurm.json record); SlurmError otherwise."""
+    path = Path(target).expanduser()
+    if not path.exists() and re.fullmatch(r"\d+(\+\d+)?", target):
+        workdir = job_workdir(target.split("+")[0])
+        if workdir is None:
+            raise SlurmError("RUN", target, "Slurm does not know this job id (any more); give the run dir "
+                                            "printed by hpcrl submit")
+        path = workdir
+    if not path.is_dir():
+        raise SlurmError("RUN", target, "no such run dir; give the run dir printed by hpcrl submit "
+                                        "(or the job id while Slurm still knows the job)")
+    sub = path / SUBMISSION_FILE
+    if not sub.is_file():
+        raise SlurmError("RUN", target, f"{path} has no {SUBMISSION_FILE}: it was not submitted with hpcrl "
+                                        "submit (an `hpcrl run` dir has its logs in logs/)")
+    import json
+
+    return path.resolve(), json.loads(sub.read_text())
+
+
+def attempt_logs(run_dir: Path, record: dict) -> list[tuple[int, Path]]:
+    """[(attempt, path)] of the step logs of the run's job, oldest attempt first."""
+    log_dir = Path(record.get("log_dir", run_dir / "logs"))
+    found = []
+    for path in log_dir.glob(f"{record['job_id']}-attempt*.log"):
+        m = _ATTEMPT_RE.match(path.name)
+        if m:
+            found.append((int(m["n"]), path))
+    return sorted(found)
+
+
+def batch_logs(run_dir: Path, record: dict) -> list[Path]:
+    """The batch script's own output and error files (signals, requeues, step exit codes)."""
+    log_dir = Path(record.get("log_dir", run_dir / "logs"))
+    return [p for p in (log_dir / f"slurm-{record['job_id']}.out", log_dir / f"slurm-{record['job_id']}.err")
+            if p.is_file()]
+
+
+def _read_json(path: Path):
+    import json
+
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _last_metrics(run_dir: Path) -> dict | None:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    import json
+
+    last = None
+    for line in path.read_text().splitlines():
+        try:
+            last = json.loads(line)
+        except ValueError:
+            continue  # a line being written right now
+    return last
+
+
+def _world_line(run_dir: Path) -> str | None:
+    ranks = _read_json(run_dir / ".ranks.json")
+    if not isinstance(ranks, list) or not ranks:
+        return None
+    by_role: dict[str, list[str]] = {}
+    for r in sorted(ranks, key=lambda r: r["rank"]):
+        by_role.setdefault(r["role"], []).append(str(r["rank"]))
+    roles = "; ".join(f"{role} {','.join(ids)}" for role, ids in by_role.items())
+    hosts = sorted({r["host"] for r in ranks})
+    return f"{len(ranks)} ranks ({roles}) on {', '.join(hosts)}"
+
+
+def status_text(run_dir: Path, record: dict) -> str:
+    """What `hpcrl status` prints: Slurm state, attempt and restarts, time, progress, world, logs."""
+    job_id = record["job_id"]
+    state = job_state(job_id)
+    rows: list[tuple[str, str]] = [("run dir", str(run_dir))]
+    if state is None:
+        rows.append(("job", f"{job_id}: no longer known to Slurm (it keeps finished jobs for MinJobAge; "
+                            "no accounting to ask)"))
+    else:
+        reason = f" ({state.reason})" if state.reason not in ("", "None") else ""
+        exit_code = f", exit code {state.exit_code}" if state.final and state.exit_code else ""
+        rows.append(("job", f"{job_id} {state.state}{reason}{exit_code}, partition {state.partition or '?'}"))
+        if state.components:
+            rows.append(("nodes", ", ".join(f"{cid}: {nodes}" for cid, nodes in state.components)))
+        rows.append(("attempt", f"{state.restarts} (restarts: {state.restarts})"))
+        if state.run_time:
+            left = f", {state.time_left} left" if state.time_left else ""
+            rows.append(("time", f"{state.run_time} elapsed of {state.time_limit}{left}"))
+    config = _read_json(run_dir / "config.json") or {}
+    num_steps = config.get("algorithm", {}).get("num_steps", "?")
+    last = _last_metrics(run_dir)
+    if last is None:
+        rows.append(("progress", f"no step finished yet (0/{num_steps})"))
+    else:
+        reward = last.get("reward/mean")
+        shown = f"{reward:.4f}" if isinstance(reward, (int, float)) else "n/a"
+        rows.append(("progress", f"step {last['step'] + 1}/{num_steps} done, reward/mean {shown}"))
+    final = _read_json(run_dir / "final.json")
+    if isinstance(final, dict):
+        rows.append(("finished", f"policy sha256 {final.get('policy_sha256')}"))
+    failure = run_dir / ".failure.txt"
+    if failure.is_file():
+        rows.append(("failure", failure.read_text().strip().splitlines()[0]))
+    world = _world_line(run_dir)
+    if world:
+        rows.append(("world", world))
+    attempts = attempt_logs(run_dir, record)
+    where = str(attempts[-1][1]) if attempts else "no step log yet"
+    rows.append(("logs", f"{where}  (hpcrl logs {run_dir} [-f])"))
+    return "\n".join(f"{key:<9} {value}" for key, value in rows)
+
+
+def _pick_log(run_dir: Path, record: dict, attempt: int | None) -> Path | None:
+    logs = attempt_logs(run_dir, record)
+    if attempt is None:
+        return logs[-1][1] if logs else None
+    return dict(logs).get(attempt)
+
+
+def write_logs(run_dir: Path, record: dict, out, attempt: int | None = None, every: bool = False,
+               batch: bool = False) -> None:
+    """Copy the latest attempt's step log (or attempt `attempt`, or every attempt, or the batch
+    script's logs) to the text stream `out`; SlurmError when there is none."""
+    if batch:
+        paths = batch_logs(run_dir, record)
+    elif every:
+        paths = [p for _, p in attempt_logs(run_dir, record)]
+    else:
+        chosen = _pick_log(run_dir, record, attempt)
+        paths = [chosen] if chosen else []
+    if not paths:
+        have = [n for n, _ in attempt_logs(run_dir, record)]
+        what = f"attempt {attempt}" if attempt is not None else "a step log"
+        raise SlurmError("RUN", str(run_dir), f"no {what} of job {record['job_id']} yet (attempts with logs: "
+                                              f"{have or 'none'}); the job may be pending: hpcrl status {run_dir}")
+    for path in paths:
+        if len(paths) > 1:
+            out.write(f"==> {path} <==\n")
+        out.write(path.read_text(errors="replace"))
+    out.flush()
+
+
+def follow_logs(run_dir: Path, record: dict, out, attempt: int | None = None, poll_s: float = 0.5,
+                state_every_s: float = 2.0) -> JobState | None:
+    """`tail -f` of the current attempt's step log, switching to the next attempt after a requeue;
+    returns the job's final state once it has ended and its log is drained. Ctrl-C raises
+    KeyboardInterrupt for the caller to end quietly."""
+    import time
+
+    current: Path | None = None
+    pos = 0
+    next_state = 0.0
+    state = None
+    while True:
+        target = _pick_log(run_dir, record, attempt)
+        if target is not None and target != current:
+            if current is not None:
+                pos = _copy_from(current, pos, out)  # the rest of the previous attempt first
+            out.write(f"==> {target} <==\n")
+            current, pos = target, 0
+        grew = False
+        if current is not None:
+            new_pos = _copy_from(current, pos, out)
+            grew, pos = new_pos != pos, new_pos
+        out.flush()
+        if not grew and time.monotonic() >= next_state:
+            next_state = time.monotonic() + state_every_s
+            state = job_state(record["job_id"])
+            if state is None or state.final:
+                if current is not None:
+                    _copy_from(current, pos, out)
+                else:
+                    for path in batch_logs(run_dir, record):  # it ended before any step ran
+                        out.write(f"==> {path} <==\n{path.read_text(errors='replace')}")
+                out.flush()
+                return state
+        time.sleep(poll_s)
+
+
+def _copy_from(path: Path, pos: int, out) -> int:
+    """Write `path`'s bytes from offset `pos` to `out`; the new offset."""
+    try:
+        with path.open("rb") as f:
+            f.seek(pos)
+            data = f.read()
+    except FileNotFoundError:
+        return pos
+    if data:
+        out.write(data.decode(errors="replace"))
+    return pos + len(data)
+
+
+def cancel_run(run_dir: Path, record: dict) -> str:
+    """scancel the run's job and wait until Slurm reports it ended; a one-line outcome."""
+    job_id = record["job_id"]
+    state = job_state(job_id)
+    if state is None:
+        return f"job {job_id} is no longer known to Slurm; nothing to cancel"
+    if state.final:
+        return f"job {job_id} already ended ({state.state}); nothing to cancel"
+    final = cancel_job(job_id)
+    shown = final.state if final is not None else "gone"
+    return f"cancelled job {job_id} ({shown}); run dir {run_dir}"

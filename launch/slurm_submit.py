@@ -1,0 +1,268 @@
+"""Job config -> Slurm job: where the ranks go, the cluster checks before sbatch, and the submission.
+
+    plan = plan_submission(job, run_dir)   # SlurmJobSpec + rendered script; checks the cluster
+    prepare_run_dir(job, run_dir)          # (hpcrl.runner) resolved config, logs/
+    record = submit(plan)                  # RUN_DIR/job.sbatch, sbatch --parsable, RUN_DIR/slurm.json
+
+The MPI world is the one `hpcrl run` starts (rank 0 controller, then the trainer ranks, then one
+rank per rollout engine), started by one srun step. With `resources.rollout_nodes > 0` the job is
+heterogeneous: component 0 holds the controller and the trainer ranks on `resources.nodes` nodes,
+component 1 the rollout ranks on `rollout_nodes` nodes (srun numbers component 0's tasks first, so the
+ranks land where their roles belong). Otherwise one component holds every rank. A component's ranks
+are spread as evenly as Slurm's block layout does (`--ntasks-per-node` = the ceiling, plus `--ntasks`
+when they do not divide evenly, e.g. 1 controller + 8 trainer ranks on 2 nodes: 5 + 4).
+Every check runs before anything is submitted; a problem is a `SlurmError` naming the YAML key, the
+bad value and the fix. `job` is an `hpcrl.config.JobConfig`; it is read by attribute only, so this
+module imports nothing from `hpcrl` (launch stays below hpcrl).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from difflib import get_close_matches
+from pathlib import Path
+from typing import Any
+
+from launch.slurm_query import (SUBMISSION_FILE, PartitionInfo, SlurmError, cluster_partitions, job_state,
+                                require_tool, slurm_cmd)
+from launch.slurm_spec import SlurmComponent, SlurmJobSpec, format_time_limit, parse_time_limit, render
+
+SCRIPT_NAME = "job.sbatch"
+LOG_DIR_NAME = "logs"
+SBATCH_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class SubmitPlan:
+    """A checked, rendered job: `script` is exactly what `submit` writes and passes to sbatch.
+    `roles[i]` says which ranks component i holds; `warnings` are settings that have no effect."""
+
+    spec: SlurmJobSpec
+    script: str
+    run_dir: Path
+    roles: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def worker_command(job: Any, run_dir: Path) -> str:
+    """The step's command line: every rank runs `python -u -m hpcrl.worker_main RUN_DIR` (unbuffered,
+    so `hpcrl logs -f` shows the controller's lines as they come)."""
+    python = job.slurm.python or sys.executable
+    return f"{shlex.quote(python)} -u -m hpcrl.worker_main {shlex.quote(str(run_dir))}"
+
+
+def _component(key: str, nodes: int, tasks: int, what: str, gpus: int, cpus: int, mem_gb: int | None,
+               extra: list[str]) -> SlurmComponent:
+    if tasks < nodes:
+        raise SlurmError(key, nodes, f"{what} = {_plural(tasks, 'rank')} cannot fill {nodes} nodes (every "
+                                     f"node of a component runs at least one rank); use {key} <= {tasks}")
+    per_node = math.ceil(tasks / nodes)
+    # --ntasks-per-node is then a maximum and Slurm spreads the ranks evenly (block layout).
+    pin = () if per_node * nodes == tasks else (f"--ntasks={tasks}",)
+    return SlurmComponent(nodes=nodes, ntasks_per_node=per_node, gpus_per_node=gpus, cpus_per_task=cpus,
+                          mem_gb=mem_gb, extra_sbatch_options=(*pin, *extra))
+
+
+def job_spec(job: Any, run_dir: Path, partition: str) -> tuple[SlurmJobSpec, tuple[str, ...], tuple[str, ...]]:
+    """(spec, roles per component, warnings) for `job` in `run_dir` on `partition`; no cluster access."""
+    res, s, t, r = job.resources, job.slurm, job.trainer, job.rollout
+    if not run_dir.is_absolute():
+        raise SlurmError("--run-dir", str(run_dir), "must be an absolute path")
+    if any(c.isspace() or c in "'\"%\\" for c in str(run_dir)):
+        raise SlurmError("--run-dir", str(run_dir), "sbatch cannot quote paths in #SBATCH lines: choose a "
+                                                    "run dir without whitespace, quotes, backslashes or '%'")
+    gpus = res.gpus_per_node if res.device == "cuda" else 0
+    mem_gb = None if s.mem_gb < 0 else s.mem_gb
+    warnings = []
+    if res.rollout_nodes > 0:
+        roles = (f"controller + {_plural(t.num_procs, 'trainer rank')}", _plural(r.num_engines, "rollout rank"))
+        components = (
+            _component("resources.nodes", res.nodes, 1 + t.num_procs, roles[0], gpus, res.cpus_per_rank, mem_gb,
+                       s.extra_sbatch_options),
+            _component("resources.rollout_nodes", res.rollout_nodes, r.num_engines,
+                       f"rollout.num_engines={r.num_engines}", gpus, res.cpus_per_rank, mem_gb,
+                       s.rollout_extra_sbatch_options))
+    else:
+        roles = (f"controller + {_plural(t.num_procs, 'trainer rank')} + {_plural(r.num_engines, 'rollout rank')}",)
+        components = (_component("resources.nodes", res.nodes, job.world_size, roles[0], gpus, res.cpus_per_rank,
+                                 mem_gb, s.extra_sbatch_options),)
+        if s.rollout_extra_sbatch_options:
+            warnings.append("slurm.rollout_extra_sbatch_options is ignored: resources.rollout_nodes=0 puts the "
+                            "rollout ranks into component 0 (use slurm.extra_sbatch_options)")
+    try:
+        spec = SlurmJobSpec(
+            job_name=job.name, partition=partition, account=s.account, qos=s.qos,
+            time_limit_min=parse_time_limit(s.time, "slurm.time"), components=components,
+            command=worker_command(job, run_dir), run_dir=str(run_dir), log_dir=str(run_dir / LOG_DIR_NAME),
+            env_setup=tuple(s.env_setup), mpi=s.mpi, signal_delay_s=s.signal_delay_s,
+            extra_srun_options=("--kill-on-bad-exit=0", *s.extra_srun_options))
+    except ValueError as exc:  # validate() checks the slurm section first; this names any leftover
+        raise SlurmError("slurm", "section", str(exc)) from None
+    assert _world_size(spec) == job.world_size, (_world_size(spec), job.world_size)
+    return spec, roles, tuple(warnings)
+
+
+def default_partition(partitions: dict[str, PartitionInfo]) -> str:
+    """The cluster's default partition; SlurmError when it has none."""
+    for p in partitions.values():
+        if p.default:
+            return p.name
+    raise SlurmError("slurm.partition", None, f"the cluster has no default partition; set one of: "
+                                              f"{', '.join(partitions) or '(none)'}")
+
+
+def check_cluster(job: Any, spec: SlurmJobSpec, roles: tuple[str, ...],
+                  partitions: dict[str, PartitionInfo]) -> None:
+    """SlurmError unless `spec` fits `partitions[spec.partition]`: it exists and is up, the time limit
+    is within MaxTime, and enough nodes have the CPUs, GPUs and memory each component asks for."""
+    name = spec.partition
+    p = partitions.get(name)
+    if p is None:
+        close = get_close_matches(name, list(partitions), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        known = ", ".join(f"{q.name}{' (default)' if q.default else ''}" for q in partitions.values())
+        raise SlurmError("slurm.partition", name, f"no such partition on this cluster{hint}; partitions: {known}")
+    if p.state != "UP":
+        raise SlurmError("slurm.partition", name, f"the partition is {p.state}, so the job would not start; "
+                                                  "choose a partition that is UP (sinfo)")
+    if p.max_time_min is not None and spec.time_limit_min > p.max_time_min:
+        raise SlurmError("slurm.time", job.slurm.time,
+                         f"exceeds partition {name}'s MaxTime={format_time_limit(p.max_time_min)}; use at most "
+                         "that (a requeued job gets the full limit again)")
+    comps = spec.components
+    total = sum(c.nodes for c in comps)
+    key = "resources.rollout_nodes" if len(comps) == 2 else "resources.nodes"
+    need = (f"resources.nodes={comps[0].nodes} + rollout_nodes={comps[1].nodes} = {total} nodes (the two "
+            "components never share a node)") if len(comps) == 2 else f"{total} nodes"
+    if total > len(p.nodes):
+        raise SlurmError(key, comps[-1].nodes, f"the job needs {need} but partition {name} has "
+                                               f"{len(p.nodes)}; use fewer nodes or another partition")
+    if p.max_nodes is not None and total > p.max_nodes:
+        raise SlurmError(key, comps[-1].nodes, f"the job needs {need} but partition {name} allows "
+                                               f"MaxNodes={p.max_nodes} per job")
+    max_cpus = max(n.cpus for n in p.nodes)
+    max_gpus = max(n.gpus for n in p.nodes)
+    max_mem = max(n.memory_mb for n in p.nodes)
+    usable: set[str] = set()
+    for i, c in enumerate(comps):
+        cpus = c.ntasks_per_node * c.cpus_per_task
+        node_key = "resources.rollout_nodes" if i == 1 else "resources.nodes"
+        if c.gpus_per_node > max_gpus:
+            raise SlurmError("resources.gpus_per_node", c.gpus_per_node,
+                             f"no node of partition {name} has {c.gpus_per_node} GPUs (at most {max_gpus}); use "
+                             f"gpus_per_node <= {max_gpus} or another partition")
+        if cpus > max_cpus:
+            fix = (f"use cpus_per_rank <= {max_cpus // c.ntasks_per_node} or more {node_key}"
+                   if max_cpus >= c.ntasks_per_node else f"use more {node_key}")
+            raise SlurmError("resources.cpus_per_rank", c.cpus_per_task,
+                             f"component {i} ({roles[i]}) puts up to {_plural(c.ntasks_per_node, 'rank')} on a "
+                             f"node, {cpus} CPUs with cpus_per_rank={c.cpus_per_task}, but the nodes of "
+                             f"partition {name} have at most {max_cpus}; {fix}")
+        if c.mem_gb and c.mem_gb * 1024 > max_mem:
+            raise SlurmError("slurm.mem_gb", c.mem_gb, f"no node of partition {name} has {c.mem_gb} GB (at most "
+                                                       f"{max_mem} MB); use mem_gb <= {max_mem // 1024}, 0 (all "
+                                                       "of it) or -1 (the partition's default)")
+        fits = {n.name for n in p.nodes if n.cpus >= cpus and n.gpus >= c.gpus_per_node
+                and (not c.mem_gb or n.memory_mb >= c.mem_gb * 1024)}
+        if len(fits) < c.nodes:
+            raise SlurmError(node_key, c.nodes, f"only {len(fits)} nodes of partition {name} have {cpus} CPUs"
+                                                f"{f', {c.gpus_per_node} GPUs' if c.gpus_per_node else ''} for "
+                                                f"component {i} ({roles[i]}); use fewer nodes or another partition")
+        usable |= fits
+    if len(usable) < total:
+        raise SlurmError(key, comps[-1].nodes, f"only {len(usable)} nodes of partition {name} fit the components; "
+                                               f"the job needs {need}")
+
+
+def check_run_dir_free(run_dir: Path) -> None:
+    """SlurmError when RUN_DIR/slurm.json names a job that is still pending or running."""
+    sub = run_dir / SUBMISSION_FILE
+    if not sub.is_file():
+        return
+    job_id = json.loads(sub.read_text()).get("job_id")
+    state = job_state(job_id) if job_id else None
+    if state is not None and not state.final:
+        raise SlurmError("--run-dir", str(run_dir), f"its job {job_id} is {state.state}; cancel it first "
+                                                    f"(hpcrl cancel {run_dir}) or choose another run dir")
+
+
+def plan_submission(job: Any, run_dir: Path, *, check: bool = True) -> SubmitPlan:
+    """Build and render the Slurm job of `job` in `run_dir`. With `check` (what submit does): sbatch
+    must be on PATH, the cluster's partition must fit the job (`check_cluster`) and the run dir must
+    not hold a live job. Without it (render) the cluster is asked only for its default partition when
+    `slurm.partition` is null. Raises SlurmError; submits and writes nothing."""
+    if check:
+        require_tool("sbatch")
+    partitions: dict[str, PartitionInfo] = {}
+    if check:
+        partitions = cluster_partitions()
+    elif job.slurm.partition is None:
+        try:
+            partitions = cluster_partitions()
+        except SlurmError as exc:
+            raise SlurmError("slurm.partition", None, f"null means the cluster's default partition, but the "
+                                                      f"cluster cannot be asked ({exc}); set slurm.partition") from None
+    partition = job.slurm.partition or default_partition(partitions)
+    spec, roles, warnings = job_spec(job, run_dir, partition)
+    if check:
+        check_cluster(job, spec, roles, partitions)
+        check_run_dir_free(run_dir)
+    return SubmitPlan(spec=spec, script=render(spec), run_dir=run_dir, roles=roles, warnings=warnings)
+
+
+def _world_size(spec: SlurmJobSpec) -> int:
+    """Ranks the step starts: a component's `--ntasks=N` pin wins over nodes * ntasks_per_node."""
+    total = 0
+    for c in spec.components:
+        pins = [int(o.split("=", 1)[1]) for o in c.extra_sbatch_options if o.startswith("--ntasks=")]
+        total += pins[0] if pins else c.num_tasks
+    return total
+
+
+def submit(plan: SubmitPlan) -> dict:
+    """Write RUN_DIR/job.sbatch, `sbatch --parsable` it, write RUN_DIR/slurm.json; return that record.
+
+    The run dir must exist (hpcrl.runner.prepare_run_dir). SlurmError when sbatch rejects the job.
+    """
+    run_dir = plan.run_dir
+    script = run_dir / SCRIPT_NAME
+    script.write_text(plan.script)
+    Path(plan.spec.log_dir).mkdir(parents=True, exist_ok=True)  # Slurm does not create it
+    args = ["sbatch", "--parsable", str(script)]
+    proc = slurm_cmd(args, timeout_s=SBATCH_TIMEOUT_S, check=False)
+    if proc.returncode != 0:
+        err = proc.stderr.strip() or proc.stdout.strip() or f"exit code {proc.returncode}"
+        raise SlurmError("sbatch", str(script), f"Slurm rejected the job: {err}")
+    job_id = proc.stdout.strip().splitlines()[-1].split(";")[0]
+    previous = []
+    old = run_dir / SUBMISSION_FILE
+    if old.is_file():
+        old_rec = json.loads(old.read_text())
+        previous = [*old_rec.get("previous_job_ids", []), old_rec.get("job_id")]
+    record = {
+        "job_id": job_id,
+        "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "script": str(script),
+        "sbatch": args,
+        "log_dir": plan.spec.log_dir,
+        "partition": plan.spec.partition,
+        "template": plan.spec.template_name,
+        "world_size": _world_size(plan.spec),
+        "components": [{"nodes": c.nodes, "ntasks_per_node": c.ntasks_per_node, "ranks": role}
+                       for c, role in zip(plan.spec.components, plan.roles)],
+        "previous_job_ids": previous,
+    }
+    tmp = run_dir / f"{SUBMISSION_FILE}.tmp"
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, run_dir / SUBMISSION_FILE)
+    return record

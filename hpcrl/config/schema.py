@@ -105,6 +105,8 @@ class RolloutConfig:
     """Nucleus sampling mass, in (0, 1]; 1 samples from the full distribution."""
     max_new_tokens: int = 8
     """Tokens generated per completion at most; prompt + completion must fit the model's context."""
+    ignore_eos: bool = False
+    """Keep generating past <eos> up to max_new_tokens (SGLang's `ignore_eos`; fixed-length benchmarks)."""
     server_args: list[str] = field(default_factory=list)
     """Extra command-line arguments passed unchanged to the engine server (e.g. sglang flags)."""
     logprob_tolerance: float = 1e-4

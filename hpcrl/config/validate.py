@@ -336,7 +336,9 @@ def _check_context(job: JobConfig, m: ModelDims, prompt_len: int | None) -> None
                           f"vocab_size={m.vocab_size} of {m.source} is smaller than the {vocab} ids of the "
                           f"character tokenizer that data.task uses; use a model with vocab_size >= {vocab}")
     limit = m.max_position_embeddings
-    room = limit - prompt_len
+    # SGLang (and the reference engine, which follows it) caps generation at
+    # context_len - 2 - prompt_len tokens; refuse what would be cut silently.
+    room = limit - 2 - prompt_len
     if room < 1:
         raise ConfigError("data.task", job.data.task,
                           f"prompts are {prompt_len} tokens, which leaves no room under "
@@ -344,7 +346,7 @@ def _check_context(job: JobConfig, m: ModelDims, prompt_len: int | None) -> None
     if job.rollout.max_new_tokens > room:
         raise ConfigError("rollout.max_new_tokens", job.rollout.max_new_tokens,
                           f"prompt ({prompt_len} tokens with <bos>, data.task={job.data.task}) + "
-                          f"max_new_tokens exceeds max_position_embeddings={limit} of {m.source}; "
+                          f"max_new_tokens + 2 exceeds max_position_embeddings={limit} of {m.source}; "
                           f"use max_new_tokens <= {room} (the task's answers are "
                           f"{TASKS[job.data.task].answer_len} tokens)")
 

@@ -70,7 +70,7 @@ class Session:
         prompt_ids = [self.tokenizer.encode(ex.prompt) for ex in examples]
         r = self.job.rollout
         params = [{"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens,
-                   "stop_token_ids": [self.tokenizer.eos_id],
+                   "stop_token_ids": [self.tokenizer.eos_id], "ignore_eos": r.ignore_eos,
                    "sampling_seed": sampling_seed(self.job.trainer.seed, step, i)}
                   for i in range(len(examples))]
         return self.rollouts.generate(step, examples, prompt_ids, params)

@@ -1,0 +1,31 @@
+"""GPU path: the tiny example on CUDA (Megatron + reference engine on the GPU, NCCL data plane
+for the trainer) with one setting changed: `--set resources.device=cuda`. Skips on CPU machines."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from e2e_util import EXAMPLE, hpcrl  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; this machine has none"),
+]
+
+
+@pytest.mark.timeout(900)
+def test_example_on_cuda(tmp_path):
+    run_dir = tmp_path / "gpu"
+    out, wall = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), "--set", "resources.device=cuda",
+                      "--set", "logging.progress=false", timeout_s=840)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["sync/logprob_max_abs_diff"] < 1e-4 for r in records)
+    rewards = [r["reward/mean"] for r in records]
+    assert sum(rewards[-5:]) / 5 >= 0.8
+    steps = sorted(r["timing/step_s"] for r in records[5:])
+    print(f"cuda: median step {steps[len(steps) // 2]:.3f} s, wall {wall:.0f} s")

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcrl.algorithms.grpo import GRPOLossConfig, aggregate, grpo_loss
+from hpcrl.algorithms.grpo import KL_ESTIMATORS, LOSS_AGGS, GRPOLossConfig, aggregate, grpo_loss
 from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
 from hpcrl.trainer import megatron_compat
 from hpcrl.trainer.batch import TrainBatch
@@ -54,24 +54,41 @@ def hf_state_dict_sha256(sd: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _logp_and_entropy(logits_BLV: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: torch.Tensor,
+def _logp_and_entropy(logits_BLv: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: torch.Tensor,
                       temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target under log_softmax(logits / temperature) at its position, and the
-    entropy there (detached: a metric)."""
-    V = logits_BLV.shape[-1]
-    z_BTV = logits_BLV.gather(1, pos_BT.unsqueeze(-1).expand(-1, -1, V)).float() / temperature
-    logz_BT = torch.logsumexp(z_BTV, dim=-1)
-    logp_BT = z_BTV.gather(-1, tgt_BT.unsqueeze(-1)).squeeze(-1) - logz_BT
+    entropy there (detached: a metric).
+
+    `logits_BLv` is this TP rank's vocab shard (Megatron's parallel output: TP rank r holds vocab
+    ids [r*v, (r+1)*v)); the softmax normaliser and the target logit are summed over the TP group
+    with Megatron's autograd-aware all-reduce, so full-vocab logits are never materialised.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
+
+    v = logits_BLv.shape[-1]
+    z_BTv = logits_BLv.gather(1, pos_BT.unsqueeze(-1).expand(-1, -1, v)).float() / temperature
+    max_BT = z_BTv.detach().amax(dim=-1)
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(max_BT, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    exp_BTv = torch.exp(z_BTv - max_BT.unsqueeze(-1))
+    sum_BT = tp_sum(exp_BTv.sum(dim=-1))
+    logz_BT = max_BT + torch.log(sum_BT)
+    local_BT = tgt_BT - ps.get_tensor_model_parallel_rank() * v
+    inside_BT = (local_BT >= 0) & (local_BT < v)
+    tgt_logit_BT = z_BTv.gather(-1, local_BT.clamp(0, v - 1).unsqueeze(-1)).squeeze(-1)
+    logp_BT = tp_sum(torch.where(inside_BT, tgt_logit_BT, 0.0)) - logz_BT
     with torch.no_grad():
-        entropy_BT = logz_BT - (torch.softmax(z_BTV, dim=-1) * z_BTV).sum(-1)
+        mean_z_BT = tp_sum((exp_BTv * z_BTv).sum(dim=-1)) / sum_BT
+        entropy_BT = logz_BT - mean_z_BT
     return logp_BT, entropy_BT
 
 
 class MegatronPolicy:
     """A Megatron GPTModel (MoE) policy, plus a frozen reference copy when `kl_coef > 0`.
 
-    Construct on every trainer rank (collective). Weights start uninitialised: call
-    `init_from_seed` or `load_hf_state_dict` before computing anything.
+    Construct on every trainer rank (collective). Weights start at Megatron's random init, not
+    HF's: call `init_from_seed` or `load_hf_state_dict` before computing anything.
     """
 
     def __init__(self, hf_config: dict, trainer: TrainerConfig, algorithm: AlgorithmConfig,
@@ -89,6 +106,9 @@ class MegatronPolicy:
         if world % (tp * pp) or (world // pp) % (ep * etp):
             raise ValueError(f"trainer layout tp={tp} pp={pp} ep={ep} etp={etp} does not fit "
                              f"num_procs={world}: need tp*pp | num_procs and ep*etp | num_procs/pp")
+        if algorithm.loss_agg not in LOSS_AGGS or algorithm.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"algorithm.loss_agg={algorithm.loss_agg!r} (valid: {LOSS_AGGS}) / "
+                             f"algorithm.kl_estimator={algorithm.kl_estimator!r} (valid: {KL_ESTIMATORS})")
         if trainer.micro_batch_size < 1:
             raise ValueError(f"trainer.micro_batch_size={trainer.micro_batch_size}; must be >= 1")
         self.dims = HFModelDims.from_hf_config(hf_config)
@@ -312,8 +332,7 @@ class MegatronPolicy:
             # mask only on the first stage, so cut this TP rank's columns here.
             s = pad_BL.shape[1] // self.coords.tp
             pad_BL = pad_BL[:, self.coords.tp_rank * s: (self.coords.tp_rank + 1) * s]
-        out = model(mbd["tokens_BL"], mbd["position_ids"], None, padding_mask=pad_BL,
-                    runtime_gather_output=True)
+        out = model(mbd["tokens_BL"], mbd["position_ids"], None, padding_mask=pad_BL)
         return out, partial(loss_fn, mbd)
 
     def _run(self, model: torch.nn.Module, mbs: list[dict[str, torch.Tensor]], n_mb: int, mb: int, L: int,
@@ -336,9 +355,9 @@ class MegatronPolicy:
         return self.last_stage and self.coords.tp_rank == 0
 
     @staticmethod
-    def _logp_loss(temperature: float, mbd: dict[str, torch.Tensor], logits_BLV: torch.Tensor
+    def _logp_loss(temperature: float, mbd: dict[str, torch.Tensor], logits_BLv: torch.Tensor
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logp_BT, _ = _logp_and_entropy(logits_BLV, mbd["pos_BT"], mbd["tgt_BT"], temperature)
+        logp_BT, _ = _logp_and_entropy(logits_BLv, mbd["pos_BT"], mbd["tgt_BT"], temperature)
         return logp_BT.new_zeros(()), {"logp_BT": torch.where(mbd["mask_BT"], logp_BT, 0.0)}
 
     @torch.no_grad()
@@ -366,9 +385,9 @@ class MegatronPolicy:
         return None if full is None else full[: batch.batch_size]
 
     def _train_loss(self, temperature: float, num_tokens: int, num_seqs: int, scale: int,
-                    mbd: dict[str, torch.Tensor], logits_BLV: torch.Tensor
+                    mbd: dict[str, torch.Tensor], logits_BLv: torch.Tensor
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logp_BT, entropy_BT = _logp_and_entropy(logits_BLV, mbd["pos_BT"], mbd["tgt_BT"], temperature)
+        logp_BT, entropy_BT = _logp_and_entropy(logits_BLv, mbd["pos_BT"], mbd["tgt_BT"], temperature)
         mask_BT = mbd["mask_BT"]
         loss, m = grpo_loss(logp_BT, mbd["old_BT"], mbd.get("ref_BT"), mbd["adv_B"], mask_BT,
                             self.loss_cfg, num_tokens=num_tokens, num_seqs=num_seqs)

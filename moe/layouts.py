@@ -258,7 +258,13 @@ class TrainerLayout:
         return "fits with " + " or ".join(tries) if tries else "no single pp/ep increase fits"
 
     def placement(self, spec: MoESpec) -> list[TensorPlacement]:
-        """For every tensor of `spec` (spec order): its boxes and the trainer ranks holding each."""
+        """For every tensor of `spec` (spec order): its boxes and the trainer ranks holding each.
+
+        Cached per (layout, spec); the returned lists are shared and must not be modified.
+        """
+        return _cached_placement(self, spec)
+
+    def _placement(self, spec: MoESpec) -> list[TensorPlacement]:
         self.dims_check(spec)
         stage_of = self.stage_of_layers(spec)
         S = self.stage_size
@@ -381,7 +387,13 @@ class RolloutLayout:
                                  + (f" (e.g. {' or '.join(hints)})" if hints else ""))
 
     def placement(self, spec: MoESpec) -> list[TensorPlacement]:
-        """For every tensor of `spec` (spec order): its boxes and the rollout ranks holding each."""
+        """For every tensor of `spec` (spec order): its boxes and the rollout ranks holding each.
+
+        Cached per (layout, spec); the returned lists are shared and must not be modified.
+        """
+        return _cached_placement(self, spec)
+
+    def _placement(self, spec: MoESpec) -> list[TensorPlacement]:
         self.dims_check(spec)
         tp, a, mtp, E = self.tp, self.attn_tp, self.moe_tp, self.num_engines
 
@@ -423,6 +435,11 @@ class RolloutLayout:
     def shards(self, spec: MoESpec, rank: int) -> list[tuple[str, Box]]:
         """(HF tensor name, global box) of every tensor piece `rank` holds, in spec order."""
         return _shards_of(spec, self.placement(spec), rank)
+
+
+@lru_cache(maxsize=16)
+def _cached_placement(layout: TrainerLayout | RolloutLayout, spec: MoESpec) -> list[TensorPlacement]:
+    return layout._placement(spec)
 
 
 def _shards_of(spec: MoESpec, placement: list[TensorPlacement], rank: int) -> list[tuple[str, Box]]:

@@ -102,12 +102,13 @@ class ModelDims:
     num_mtp_layers: int = 0   # DeepSeek multi-token-prediction layers, indices num_layers, num_layers+1, ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class MoESpec:
     """Every tensor of one model, in HF checkpoint order, plus the dims layouts validate against.
 
     Contract: tensor names are unique; `tensors` is ordered (embedding, layers in order, final
-    norm, lm_head) and that order is the canonical tensor index used by plans.
+    norm, lm_head) and that order is the canonical tensor index used by plans. Specs compare and
+    hash by identity (a 671B spec has ~45k tensors), so they can key caches cheaply.
     """
 
     family: str

@@ -1,0 +1,212 @@
+"""`hpcrl submit/status/logs/cancel` against the real local Slurm cluster (tests/slurm/cluster.sh).
+
+(a) the CPU example submitted as a heterogeneous job learns exactly as `hpcrl run` does (same
+per-step rewards, same final policy hash); (e) its one MPI world spans both components: the
+controller and trainer ranks run on component 0's node, the rollout rank on component 1's (read
+from each live rank's environment through /proc, since all virtual nodes share this host);
+(c) `hpcrl cancel` ends a running job and every rank, and `hpcrl logs -f` stops cleanly on Ctrl-C;
+(d) bad inputs fail before submission with one clear line and no job reaches Slurm.
+Each real job costs 20-60 s on the 2-core machine, so the tests submit as few as possible.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from hpcrl.cli import main
+from launch.procs import process_gone
+from launch.slurm_query import parse_records
+
+pytestmark = pytest.mark.slurm
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
+STEPS = 2
+QUIET = ["--set", "logging.progress=false", "--set", "logging.tensorboard=false"]
+
+
+def hpcrl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The real CLI in a subprocess (what a user types), under a hard timeout."""
+    return subprocess.run([sys.executable, "-m", "hpcrl.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+def submit(slurm, *args: str) -> tuple[str, subprocess.CompletedProcess]:
+    proc = hpcrl("submit", str(EXAMPLE), *args)
+    assert proc.returncode == 0, proc.stderr
+    job_id = re.search(r"^submitted job (\d+) ", proc.stdout, re.MULTILINE).group(1)
+    slurm.job_ids.append(job_id)  # cancelled at teardown if a test fails half-way
+    return job_id, proc
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def rank_environment(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def slurm_out(*args: str) -> str:
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=30).stdout
+
+
+def jobs_named(name: str) -> list[dict[str, str]]:
+    """Every job Slurm knows with this name, pending, running or finished (scontrol keeps those)."""
+    return [r for r in parse_records(slurm_out("scontrol", "-o", "show", "job")) if r.get("JobName") == name]
+
+
+@pytest.mark.timeout(600)
+def test_submitted_hetjob_matches_hpcrl_run_and_spans_both_components(slurm, job_dir: Path) -> None:
+    common = ["--set", f"algorithm.num_steps={STEPS}", *QUIET]
+    local_dir, run_dir = job_dir / "local", job_dir / "slurm"
+    # The local reference run shares the machine with the Slurm job; numerics do not depend on timing.
+    local = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "run", str(EXAMPLE), *common, "--run-dir",
+                              str(local_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    try:
+        het = [*common, "--set", "resources.rollout_nodes=1", "--run-dir", str(run_dir)]
+        job_id, sub = submit(slurm, *het)
+        for line in (f"run dir: {run_dir}", f"hpcrl status {run_dir}", f"hpcrl logs {run_dir} -f",
+                     f"hpcrl cancel {run_dir}"):
+            assert line in sub.stdout, sub.stdout
+        assert "3 ranks; component 0: 1 node, controller + 1 trainer rank | component 1: 1 node, 1 rollout rank" \
+            in sub.stdout
+        record = json.loads((run_dir / "slurm.json").read_text())
+        assert record["job_id"] == job_id and record["template"] == "hetjob.sbatch.j2"
+        # `hpcrl render` prints exactly the script that was submitted
+        assert hpcrl("render", str(EXAMPLE), *het).stdout == (run_dir / "job.sbatch").read_text()
+        follower = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "logs", str(run_dir), "-f"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        try:
+            # (e) while the ranks live: which node (component) each one runs on
+            ranks = slurm.wait_until("the controller to write .ranks.json",
+                                     lambda: json.loads((run_dir / ".ranks.json").read_text())
+                                     if (run_dir / ".ranks.json").exists() else None, 240, job_id)
+            placed = {r["rank"]: (r["role"], rank_environment(r["pid"])) for r in ranks}
+            status = hpcrl("status", str(run_dir), timeout=60)
+            components = {int(c["HetJobOffset"]): c["NodeList"] for c in slurm.job(job_id)}
+            final = slurm.wait_final(job_id, timeout_s=300)
+            out, err = follower.communicate(timeout=60)
+        finally:
+            follower.kill()
+        local_out, _ = local.communicate(timeout=300)
+    finally:
+        local.kill()
+    attempt_log = (run_dir / "logs" / f"{job_id}-attempt0.log").read_text()
+    assert final["JobState"] == "COMPLETED", f"{final}\n{attempt_log}"
+    assert local.returncode == 0, local_out
+
+    # (e) one MPI world of 3 over both components: rank 0 controller and rank 1 trainer on
+    # component 0's node, rank 2 rollout on component 1's node, all in this job's one step
+    assert components[0] != components[1]
+    assert {r: (role, env["SLURMD_NODENAME"], env["SLURM_PROCID"], env["SLURM_NTASKS"])
+            for r, (role, env) in placed.items()} == {
+        0: ("controller", components[0], "0", "3"), 1: ("trainer", components[0], "1", "3"),
+        2: ("rollout", components[1], "2", "3")}
+    assert {env["SLURM_JOB_ID"] for _, env in placed.values()} == {job_id}
+    assert "world     3 ranks (controller 0; trainer 1; rollout 2)" in status.stdout, status.stdout
+    assert f"job       {job_id} RUNNING" in status.stdout and " left" in status.stdout, status.stdout
+
+    # (a) same rewards step by step and the same final policy as `hpcrl run`
+    local_rewards = [m["reward/mean"] for m in metrics(local_dir)]
+    slurm_rewards = [m["reward/mean"] for m in metrics(run_dir)]
+    assert len(slurm_rewards) == STEPS and slurm_rewards == local_rewards
+    digest = json.loads((local_dir / "final.json").read_text())["policy_sha256"]
+    assert json.loads((run_dir / "final.json").read_text())["policy_sha256"] == digest
+
+    # logs -f followed the attempt to its end and stopped by itself
+    assert follower.returncode == 0, err
+    assert f"==> {run_dir}/logs/{job_id}-attempt0.log <==" in out and f"policy sha256: {digest}" in out
+    assert f"job {job_id} ended: COMPLETED" in err
+    done = hpcrl("status", str(run_dir), timeout=60).stdout
+    assert f"{job_id} COMPLETED, exit code 0:0" in done and f"step {STEPS}/{STEPS} done" in done, done
+    assert f"finished  policy sha256 {digest}" in done
+
+
+@pytest.mark.timeout(300)
+def test_cancel_ends_the_job_and_every_rank(slurm, job_dir: Path) -> None:
+    run_dir = job_dir / "run"
+    job_id, _ = submit(slurm, "--set", "algorithm.num_steps=500", *QUIET, "--run-dir", str(run_dir))
+    ranks = slurm.wait_until("the ranks to start", lambda: json.loads((run_dir / ".ranks.json").read_text())
+                             if (run_dir / ".ranks.json").exists() else None, 240, job_id)
+    assert [r["role"] for r in ranks] == ["controller", "trainer", "rollout"]
+    # Ctrl-C of `hpcrl logs -f` ends it quietly (exit 130, no traceback) and leaves the job alone
+    follower = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "logs", str(run_dir), "-f"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        header = follower.stdout.readline()  # blocks until the follower runs and found the log
+        follower.send_signal(signal.SIGINT)
+        _, err = follower.communicate(timeout=30)
+    finally:
+        follower.kill()
+    assert header == f"==> {run_dir}/logs/{job_id}-attempt0.log <==\n"
+    assert follower.returncode == 130 and "Traceback" not in err, err
+    assert slurm.state(job_id) == "RUNNING"
+
+    cancel = hpcrl("cancel", str(run_dir), timeout=120)
+    assert cancel.returncode == 0, cancel.stderr
+    assert cancel.stdout.strip() == f"cancelled job {job_id} (CANCELLED); run dir {run_dir}"
+    slurm.wait_until("every rank to exit", lambda: all(process_gone(r["pid"]) for r in ranks), 60, job_id)
+    time.sleep(3)  # a requeue (which cancel must not cause) would show by now
+    assert slurm.state(job_id) == "CANCELLED"
+    assert slurm_out("squeue", "-h", "-j", job_id).strip() == ""
+    again = hpcrl("cancel", job_id, timeout=60)  # RUN may also be the job id
+    assert again.returncode == 0 and again.stdout.strip() == f"job {job_id} already ended (CANCELLED); nothing to cancel"
+
+
+def cluster_max(field: str) -> int:
+    """The largest per-node CPU or GPU count of the debug partition (`sinfo` %c / %G)."""
+    out = slurm_out("sinfo", "-h", "-N", "-p", "debug", "-o", "%c %G").split("\n")
+    values = []
+    for line in filter(None, out):
+        cpus, gres = line.split()
+        values.append(int(cpus) if field == "cpus" else sum(int(g.split(":")[-1].split("(")[0])
+                                                             for g in gres.split(",") if g.startswith("gpu")))
+    return max(values)
+
+
+BAD_INPUTS = {
+    "unknown partition": (["slurm.partition=nosuch"], "slurm.partition='nosuch': no such partition on this cluster"),
+    "more nodes than exist": (["resources.rollout_nodes=4", "rollout.num_engines=4"],
+                              "resources.rollout_nodes=4: the job needs resources.nodes=1 + rollout_nodes=4 = 5 nodes"),
+    "more gpus than exist": (["resources.device=cuda", "resources.gpus_per_node={gpus}"],
+                             "resources.gpus_per_node={gpus}: no node of partition debug has {gpus} GPUs"),
+    "more cpus than exist": (["resources.cpus_per_rank={cpus}"], "resources.cpus_per_rank={cpus}: component 0"),
+    "invalid time format": (["slurm.time='1:2:3:4'"], "slurm.time='1:2:3:4': not a Slurm time limit"),
+    "unwritable run dir": ([], "--run-dir='{run_dir}': cannot create or write it"),
+    "missing sbatch": ([], "sbatch='not found': hpcrl needs Slurm's client tools on PATH"),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs_fail_before_submission(case, job_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    overrides, expected = BAD_INPUTS[case]
+    name = f"hpcrl-bad-{case.replace(' ', '-')}-{uuid.uuid4().hex[:8]}"
+    facts = {"gpus": cluster_max("gpus") + 1, "cpus": cluster_max("cpus") + 1}
+    run_dir = job_dir / "run"
+    if case == "unwritable run dir":
+        (job_dir / "file").write_text("a file, not a directory")
+        run_dir = job_dir / "file" / "run"
+    if case == "missing sbatch":
+        monkeypatch.setenv("PATH", str(tmp_path))
+    argv = ["submit", str(EXAMPLE), "--set", f"name={name}", "--run-dir", str(run_dir)]
+    for o in overrides:
+        argv += ["--set", o.format(**facts)]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and captured.out == "", captured
+    assert lines[0].startswith("hpcrl submit: error: " + expected.format(**facts, run_dir=run_dir)), lines[0]
+    monkeypatch.undo()  # Slurm's tools again, to look at the queue
+    assert jobs_named(name) == []
+    assert not (run_dir / "slurm.json").exists() and not (run_dir / "job.sbatch").exists()

@@ -37,6 +37,7 @@ from moe.specs import MoESpec
 MIN_BUDGET_BYTES = 64
 BUNDLE_FRACTION = 8   # bundles are cut to budget // 8 bytes, pieces to budget // 16
 SCAN_LIMIT = 32       # pending bundles a destination inspects per round before giving up the round
+TOO_BIG_LIMIT = 4     # ... or this many that exceed its remaining budget (it is nearly full)
 
 
 class Transfer(NamedTuple):
@@ -373,12 +374,16 @@ def _assign_rounds(cols: dict[str, np.ndarray], n_src: int, n_dst: int, budget: 
         start = r % len(active)
         for d in active[start:] + active[:start]:
             q, gd = queues[d], d + n_src
-            room, kept, scanned = budget - used[gd], [], 0
-            while q and scanned < SCAN_LIMIT and room > 0:
+            room, kept, scanned, too_big = budget - used[gd], [], 0, 0
+            while q and scanned < SCAN_LIMIT and too_big < TOO_BIG_LIMIT:
                 b = q.popleft()
                 scanned += 1
                 size, gs = bsize[b], bsrc_l[b]
-                if size > room or used[gs] + size > budget:
+                if size > room:
+                    too_big += 1
+                    kept.append(b)
+                    continue
+                if used[gs] + size > budget:
                     kept.append(b)
                     continue
                 used[gs] += size
@@ -405,8 +410,15 @@ def _assign_rounds(cols: dict[str, np.ndarray], n_src: int, n_dst: int, budget: 
         bs, bd = gsrc[rows_sorted][first].tolist(), gdst[rows_sorted][first].tolist()
         bmin = min_round[order][first].tolist()
         bround = []
+        cap = 2 * half_cap
+        # roomy[g]: the first round where rank g can take any bundle (>= cap bytes left); rounds
+        # before it are skipped, trading a little packing for not rescanning full rounds
+        roomy = [0] * n_all
         for size, gs, gd, lo in sorted(zip(bsize, bs, bd, bmin), key=lambda x: (x[3], x[2], x[1], -x[0])):
-            rr = lo
+            for g in (gs, gd):
+                while roomy[g] < len(used_rows) and used_rows[roomy[g]][g] > budget - cap:
+                    roomy[g] += 1
+            rr = max(lo, min(roomy[gs], roomy[gd]))
             while True:
                 if rr == len(used_rows):
                     used_rows.append([0.0] * n_all)

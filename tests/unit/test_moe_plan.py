@@ -103,7 +103,7 @@ def test_random_layout_pairs_exact_coverage_and_budgets(flavor: str) -> None:
         src, dst = random_trainer(rng, spec), random_rollout(rng, spec)
         topo = Topology(gpus_per_node=rng.choice([1, 2, 4, 8]), nics_per_node=rng.choice([1, 4, 8]),
                         colocated=rng.random() < 0.3)
-        p = plan(src, dst, spec, rng.choice([32768, 65536, 1 << 20]), topo)
+        p = plan(src, dst, spec, rng.choice([1 << 16, 1 << 18, 1 << 22]), topo)
         verify_exact(p)
 
 

@@ -11,12 +11,16 @@ answers with one record per component (`123+0`, `123+1`); the first is the leade
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TextIO
 
 from launch.slurm_spec import parse_time_limit
 
@@ -89,7 +93,7 @@ def gpu_count(gres: str) -> int:
     return total
 
 
-def _limit(text: str, parse) -> int | None:
+def _limit(text: str, parse: Callable[[str], int]) -> int | None:
     return None if text in ("", "UNLIMITED", "INFINITE", "NONE", "n/a") else parse(text)
 
 
@@ -120,8 +124,9 @@ def cluster_partitions() -> dict[str, PartitionInfo]:
     """Every partition of the cluster with its nodes (two scontrol calls)."""
     nodes: dict[str, tuple[NodeInfo, list[str]]] = {}
     for rec in parse_records(slurm_cmd(["scontrol", "-o", "show", "node"]).stdout):
-        info = NodeInfo(name=rec["NodeName"], cpus=int(rec.get("CPUTot", "0")), gpus=gpu_count(rec.get("Gres", "")),
-                        memory_mb=int(rec.get("RealMemory", "0")), state=rec.get("State", "UNKNOWN"))
+        info = NodeInfo(name=rec["NodeName"], cpus=int(rec.get("CPUTot", "0")),
+                        gpus=gpu_count(rec.get("Gres", "")), memory_mb=int(rec.get("RealMemory", "0")),
+                        state=rec.get("State", "UNKNOWN"))
         nodes[info.name] = (info, rec.get("Partitions", "").split(","))
     partitions = {}
     for rec in parse_records(slurm_cmd(["scontrol", "-o", "show", "partition"]).stdout):
@@ -160,7 +165,8 @@ def _sacct_state(job_id: str) -> str | None:
     """The job's state from accounting, or None without `sacct` or accounting (the local cluster)."""
     if shutil.which("sacct") is None:
         return None
-    proc = slurm_cmd(["sacct", "-j", job_id, "-X", "-o", "JobID,State,NodeList", "--parsable2"], check=False)
+    proc = slurm_cmd(["sacct", "-j", job_id, "-X", "-o", "JobID,State,NodeList", "--parsable2"],
+                     check=False)
     if proc.returncode != 0:
         return None
     from submitit.slurm.slurm import SlurmInfoWatcher  # parses sacct's --parsable2 table
@@ -192,14 +198,13 @@ def job_state(job_id: str) -> JobState | None:
                         else r["JobId"], r.get("NodeList", "(null)")) for r in records)
     return JobState(job_id=job_id, state=lead.get("JobState", "UNKNOWN"), reason=lead.get("Reason", "None"),
                     restarts=int(lead.get("Restarts", "0")), exit_code=lead.get("ExitCode", ""),
-                    run_time=lead.get("RunTime", ""), time_limit=lead.get("TimeLimit", ""), time_left=time_left,
-                    partition=lead.get("Partition", ""), components=components, source="scontrol")
+                    run_time=lead.get("RunTime", ""), time_limit=lead.get("TimeLimit", ""),
+                    time_left=time_left, partition=lead.get("Partition", ""), components=components,
+                    source="scontrol")
 
 
 def cancel_job(job_id: str, timeout_s: float = 60.0, poll_s: float = 0.5) -> JobState | None:
     """`scancel` the job (every component) and wait until Slurm reports it final; its last state."""
-    import time
-
     slurm_cmd(["scancel", job_id])
     deadline = time.monotonic() + timeout_s
     state = job_state(job_id)
@@ -238,8 +243,6 @@ def resolve_run(target: str) -> tuple[Path, dict]:
     if not sub.is_file():
         raise SlurmError("RUN", target, f"{path} has no {SUBMISSION_FILE}: it was not submitted with hpcrl "
                                         "submit (an `hpcrl run` dir has its logs in logs/)")
-    import json
-
     return path.resolve(), json.loads(sub.read_text())
 
 
@@ -257,13 +260,11 @@ def attempt_logs(run_dir: Path, record: dict) -> list[tuple[int, Path]]:
 def batch_logs(run_dir: Path, record: dict) -> list[Path]:
     """The batch script's own output and error files (signals, requeues, step exit codes)."""
     log_dir = Path(record.get("log_dir", run_dir / "logs"))
-    return [p for p in (log_dir / f"slurm-{record['job_id']}.out", log_dir / f"slurm-{record['job_id']}.err")
-            if p.is_file()]
+    names = (f"slurm-{record['job_id']}.out", f"slurm-{record['job_id']}.err")
+    return [log_dir / name for name in names if (log_dir / name).is_file()]
 
 
-def _read_json(path: Path):
-    import json
-
+def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -274,8 +275,6 @@ def _last_metrics(run_dir: Path) -> dict | None:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return None
-    import json
-
     last = None
     for line in path.read_text().splitlines():
         try:
@@ -311,7 +310,7 @@ def status_text(run_dir: Path, record: dict) -> str:
         rows.append(("job", f"{job_id} {state.state}{reason}{exit_code}, partition {state.partition or '?'}"))
         if state.components:
             rows.append(("nodes", ", ".join(f"{cid}: {nodes}" for cid, nodes in state.components)))
-        rows.append(("attempt", f"{state.restarts} (restarts: {state.restarts})"))
+        rows.append(("attempt", f"{state.restarts} ({state.restarts} restarts; SLURM_RESTART_COUNT)"))
         if state.run_time:
             left = f", {state.time_left} left" if state.time_left else ""
             rows.append(("time", f"{state.run_time} elapsed of {state.time_limit}{left}"))
@@ -346,7 +345,7 @@ def _pick_log(run_dir: Path, record: dict, attempt: int | None) -> Path | None:
     return dict(logs).get(attempt)
 
 
-def write_logs(run_dir: Path, record: dict, out, attempt: int | None = None, every: bool = False,
+def write_logs(run_dir: Path, record: dict, out: TextIO, attempt: int | None = None, every: bool = False,
                batch: bool = False) -> None:
     """Copy the latest attempt's step log (or attempt `attempt`, or every attempt, or the batch
     script's logs) to the text stream `out`; SlurmError when there is none."""
@@ -360,8 +359,9 @@ def write_logs(run_dir: Path, record: dict, out, attempt: int | None = None, eve
     if not paths:
         have = [n for n, _ in attempt_logs(run_dir, record)]
         what = f"attempt {attempt}" if attempt is not None else "a step log"
-        raise SlurmError("RUN", str(run_dir), f"no {what} of job {record['job_id']} yet (attempts with logs: "
-                                              f"{have or 'none'}); the job may be pending: hpcrl status {run_dir}")
+        raise SlurmError("RUN", str(run_dir), f"no {what} of job {record['job_id']} yet (attempts with "
+                                              f"logs: {have or 'none'}); the job may be pending: "
+                                              f"hpcrl status {run_dir}")
     for path in paths:
         if len(paths) > 1:
             out.write(f"==> {path} <==\n")
@@ -369,13 +369,11 @@ def write_logs(run_dir: Path, record: dict, out, attempt: int | None = None, eve
     out.flush()
 
 
-def follow_logs(run_dir: Path, record: dict, out, attempt: int | None = None, poll_s: float = 0.5,
+def follow_logs(run_dir: Path, record: dict, out: TextIO, attempt: int | None = None, poll_s: float = 0.5,
                 state_every_s: float = 2.0) -> JobState | None:
     """`tail -f` of the current attempt's step log, switching to the next attempt after a requeue;
     returns the job's final state once it has ended and its log is drained. Ctrl-C raises
     KeyboardInterrupt for the caller to end quietly."""
-    import time
-
     current: Path | None = None
     pos = 0
     next_state = 0.0
@@ -406,7 +404,7 @@ def follow_logs(run_dir: Path, record: dict, out, attempt: int | None = None, po
         time.sleep(poll_s)
 
 
-def _copy_from(path: Path, pos: int, out) -> int:
+def _copy_from(path: Path, pos: int, out: TextIO) -> int:
     """Write `path`'s bytes from offset `pos` to `out`; the new offset."""
     try:
         with path.open("rb") as f:

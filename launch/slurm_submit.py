@@ -73,7 +73,8 @@ def _component(key: str, nodes: int, tasks: int, what: str, gpus: int, cpus: int
                           mem_gb=mem_gb, extra_sbatch_options=(*pin, *extra))
 
 
-def job_spec(job: Any, run_dir: Path, partition: str) -> tuple[SlurmJobSpec, tuple[str, ...], tuple[str, ...]]:
+def job_spec(job: Any, run_dir: Path, partition: str
+             ) -> tuple[SlurmJobSpec, tuple[str, ...], tuple[str, ...]]:
     """(spec, roles per component, warnings) for `job` in `run_dir` on `partition`; no cluster access."""
     res, s, t, r = job.resources, job.slurm, job.trainer, job.rollout
     if not run_dir.is_absolute():
@@ -81,24 +82,24 @@ def job_spec(job: Any, run_dir: Path, partition: str) -> tuple[SlurmJobSpec, tup
     if any(c.isspace() or c in "'\"%\\" for c in str(run_dir)):
         raise SlurmError("--run-dir", str(run_dir), "sbatch cannot quote paths in #SBATCH lines: choose a "
                                                     "run dir without whitespace, quotes, backslashes or '%'")
-    gpus = res.gpus_per_node if res.device == "cuda" else 0
-    mem_gb = None if s.mem_gb < 0 else s.mem_gb
+    each = {"gpus": res.gpus_per_node if res.device == "cuda" else 0, "cpus": res.cpus_per_rank,
+            "mem_gb": None if s.mem_gb < 0 else s.mem_gb}
+    trainers, rollouts = _plural(t.num_procs, "trainer rank"), _plural(r.num_engines, "rollout rank")
     warnings = []
     if res.rollout_nodes > 0:
-        roles = (f"controller + {_plural(t.num_procs, 'trainer rank')}", _plural(r.num_engines, "rollout rank"))
+        roles = (f"controller + {trainers}", rollouts)
         components = (
-            _component("resources.nodes", res.nodes, 1 + t.num_procs, roles[0], gpus, res.cpus_per_rank, mem_gb,
-                       s.extra_sbatch_options),
+            _component("resources.nodes", res.nodes, 1 + t.num_procs, roles[0], **each,
+                       extra=s.extra_sbatch_options),
             _component("resources.rollout_nodes", res.rollout_nodes, r.num_engines,
-                       f"rollout.num_engines={r.num_engines}", gpus, res.cpus_per_rank, mem_gb,
-                       s.rollout_extra_sbatch_options))
+                       f"rollout.num_engines={r.num_engines}", **each, extra=s.rollout_extra_sbatch_options))
     else:
-        roles = (f"controller + {_plural(t.num_procs, 'trainer rank')} + {_plural(r.num_engines, 'rollout rank')}",)
-        components = (_component("resources.nodes", res.nodes, job.world_size, roles[0], gpus, res.cpus_per_rank,
-                                 mem_gb, s.extra_sbatch_options),)
+        roles = (f"controller + {trainers} + {rollouts}",)
+        components = (_component("resources.nodes", res.nodes, job.world_size, roles[0], **each,
+                                 extra=s.extra_sbatch_options),)
         if s.rollout_extra_sbatch_options:
-            warnings.append("slurm.rollout_extra_sbatch_options is ignored: resources.rollout_nodes=0 puts the "
-                            "rollout ranks into component 0 (use slurm.extra_sbatch_options)")
+            warnings.append("slurm.rollout_extra_sbatch_options is ignored: resources.rollout_nodes=0 puts "
+                            "the rollout ranks into component 0 (use slurm.extra_sbatch_options)")
     try:
         spec = SlurmJobSpec(
             job_name=job.name, partition=partition, account=s.account, qos=s.qos,
@@ -131,19 +132,22 @@ def check_cluster(job: Any, spec: SlurmJobSpec, roles: tuple[str, ...],
         close = get_close_matches(name, list(partitions), n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         known = ", ".join(f"{q.name}{' (default)' if q.default else ''}" for q in partitions.values())
-        raise SlurmError("slurm.partition", name, f"no such partition on this cluster{hint}; partitions: {known}")
+        raise SlurmError("slurm.partition", name, f"no such partition on this cluster{hint}; "
+                                                  f"partitions: {known}")
     if p.state != "UP":
         raise SlurmError("slurm.partition", name, f"the partition is {p.state}, so the job would not start; "
                                                   "choose a partition that is UP (sinfo)")
     if p.max_time_min is not None and spec.time_limit_min > p.max_time_min:
         raise SlurmError("slurm.time", job.slurm.time,
-                         f"exceeds partition {name}'s MaxTime={format_time_limit(p.max_time_min)}; use at most "
-                         "that (a requeued job gets the full limit again)")
+                         f"exceeds partition {name}'s MaxTime={format_time_limit(p.max_time_min)}; use at "
+                         "most that (a requeued job gets the full limit again)")
     comps = spec.components
     total = sum(c.nodes for c in comps)
     key = "resources.rollout_nodes" if len(comps) == 2 else "resources.nodes"
-    need = (f"resources.nodes={comps[0].nodes} + rollout_nodes={comps[1].nodes} = {total} nodes (the two "
-            "components never share a node)") if len(comps) == 2 else f"{total} nodes"
+    need = f"{total} nodes"
+    if len(comps) == 2:
+        need = (f"resources.nodes={comps[0].nodes} + rollout_nodes={comps[1].nodes} = {total} nodes "
+                "(the two components never share a node)")
     if total > len(p.nodes):
         raise SlurmError(key, comps[-1].nodes, f"the job needs {need} but partition {name} has "
                                                f"{len(p.nodes)}; use fewer nodes or another partition")
@@ -159,29 +163,30 @@ def check_cluster(job: Any, spec: SlurmJobSpec, roles: tuple[str, ...],
         node_key = "resources.rollout_nodes" if i == 1 else "resources.nodes"
         if c.gpus_per_node > max_gpus:
             raise SlurmError("resources.gpus_per_node", c.gpus_per_node,
-                             f"no node of partition {name} has {c.gpus_per_node} GPUs (at most {max_gpus}); use "
-                             f"gpus_per_node <= {max_gpus} or another partition")
+                             f"no node of partition {name} has {c.gpus_per_node} GPUs (at most {max_gpus}); "
+                             f"use gpus_per_node <= {max_gpus} or another partition")
         if cpus > max_cpus:
             fix = (f"use cpus_per_rank <= {max_cpus // c.ntasks_per_node} or more {node_key}"
                    if max_cpus >= c.ntasks_per_node else f"use more {node_key}")
             raise SlurmError("resources.cpus_per_rank", c.cpus_per_task,
-                             f"component {i} ({roles[i]}) puts up to {_plural(c.ntasks_per_node, 'rank')} on a "
-                             f"node, {cpus} CPUs with cpus_per_rank={c.cpus_per_task}, but the nodes of "
+                             f"component {i} ({roles[i]}) puts up to {_plural(c.ntasks_per_node, 'rank')} "
+                             f"on a node, {cpus} CPUs with cpus_per_rank={c.cpus_per_task}, but the nodes of "
                              f"partition {name} have at most {max_cpus}; {fix}")
         if c.mem_gb and c.mem_gb * 1024 > max_mem:
-            raise SlurmError("slurm.mem_gb", c.mem_gb, f"no node of partition {name} has {c.mem_gb} GB (at most "
-                                                       f"{max_mem} MB); use mem_gb <= {max_mem // 1024}, 0 (all "
-                                                       "of it) or -1 (the partition's default)")
+            raise SlurmError("slurm.mem_gb", c.mem_gb,
+                             f"no node of partition {name} has {c.mem_gb} GB (at most {max_mem} MB); use "
+                             f"mem_gb <= {max_mem // 1024}, 0 (all of it) or -1 (the partition's default)")
         fits = {n.name for n in p.nodes if n.cpus >= cpus and n.gpus >= c.gpus_per_node
                 and (not c.mem_gb or n.memory_mb >= c.mem_gb * 1024)}
         if len(fits) < c.nodes:
+            gpus = f", {c.gpus_per_node} GPUs" if c.gpus_per_node else ""
             raise SlurmError(node_key, c.nodes, f"only {len(fits)} nodes of partition {name} have {cpus} CPUs"
-                                                f"{f', {c.gpus_per_node} GPUs' if c.gpus_per_node else ''} for "
-                                                f"component {i} ({roles[i]}); use fewer nodes or another partition")
+                                                f"{gpus} for component {i} ({roles[i]}); use fewer nodes or "
+                                                "another partition")
         usable |= fits
     if len(usable) < total:
-        raise SlurmError(key, comps[-1].nodes, f"only {len(usable)} nodes of partition {name} fit the components; "
-                                               f"the job needs {need}")
+        raise SlurmError(key, comps[-1].nodes, f"only {len(usable)} nodes of partition {name} fit the "
+                                               f"components; the job needs {need}")
 
 
 def check_run_dir_free(run_dir: Path) -> None:
@@ -210,8 +215,9 @@ def plan_submission(job: Any, run_dir: Path, *, check: bool = True) -> SubmitPla
         try:
             partitions = cluster_partitions()
         except SlurmError as exc:
-            raise SlurmError("slurm.partition", None, f"null means the cluster's default partition, but the "
-                                                      f"cluster cannot be asked ({exc}); set slurm.partition") from None
+            raise SlurmError("slurm.partition", None, f"null means the cluster's default partition, but "
+                                                      f"the cluster cannot be asked ({exc}); set "
+                                                      "slurm.partition") from None
     partition = job.slurm.partition or default_partition(partitions)
     spec, roles, warnings = job_spec(job, run_dir, partition)
     if check:

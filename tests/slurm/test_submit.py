@@ -70,16 +70,17 @@ def test_submitted_hetjob_matches_hpcrl_run_and_spans_both_components(slurm, job
     common = ["--set", f"algorithm.num_steps={STEPS}", *QUIET]
     local_dir, run_dir = job_dir / "local", job_dir / "slurm"
     # The local reference run shares the machine with the Slurm job; numerics do not depend on timing.
-    local = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "run", str(EXAMPLE), *common, "--run-dir",
-                              str(local_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    local = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "run", str(EXAMPLE), *common,
+                              "--run-dir", str(local_dir)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
         het = [*common, "--set", "resources.rollout_nodes=1", "--run-dir", str(run_dir)]
         job_id, sub = submit(slurm, *het)
         for line in (f"run dir: {run_dir}", f"hpcrl status {run_dir}", f"hpcrl logs {run_dir} -f",
                      f"hpcrl cancel {run_dir}"):
             assert line in sub.stdout, sub.stdout
-        assert "3 ranks; component 0: 1 node, controller + 1 trainer rank | component 1: 1 node, 1 rollout rank" \
-            in sub.stdout
+        assert ("3 ranks; component 0: 1 node, controller + 1 trainer rank | "
+                "component 1: 1 node, 1 rollout rank") in sub.stdout
         record = json.loads((run_dir / "slurm.json").read_text())
         assert record["job_id"] == job_id and record["template"] == "hetjob.sbatch.j2"
         # `hpcrl render` prints exactly the script that was submitted
@@ -160,7 +161,8 @@ def test_cancel_ends_the_job_and_every_rank(slurm, job_dir: Path) -> None:
     assert slurm.state(job_id) == "CANCELLED"
     assert slurm_out("squeue", "-h", "-j", job_id).strip() == ""
     again = hpcrl("cancel", job_id, timeout=60)  # RUN may also be the job id
-    assert again.returncode == 0 and again.stdout.strip() == f"job {job_id} already ended (CANCELLED); nothing to cancel"
+    assert again.returncode == 0
+    assert again.stdout.strip() == f"job {job_id} already ended (CANCELLED); nothing to cancel"
 
 
 def cluster_max(field: str) -> int:
@@ -175,12 +177,15 @@ def cluster_max(field: str) -> int:
 
 
 BAD_INPUTS = {
-    "unknown partition": (["slurm.partition=nosuch"], "slurm.partition='nosuch': no such partition on this cluster"),
+    "unknown partition": (["slurm.partition=nosuch"],
+                          "slurm.partition='nosuch': no such partition on this cluster"),
     "more nodes than exist": (["resources.rollout_nodes=4", "rollout.num_engines=4"],
-                              "resources.rollout_nodes=4: the job needs resources.nodes=1 + rollout_nodes=4 = 5 nodes"),
+                              "resources.rollout_nodes=4: the job needs resources.nodes=1 + "
+                              "rollout_nodes=4 = 5 nodes"),
     "more gpus than exist": (["resources.device=cuda", "resources.gpus_per_node={gpus}"],
                              "resources.gpus_per_node={gpus}: no node of partition debug has {gpus} GPUs"),
-    "more cpus than exist": (["resources.cpus_per_rank={cpus}"], "resources.cpus_per_rank={cpus}: component 0"),
+    "more cpus than exist": (["resources.cpus_per_rank={cpus}"],
+                             "resources.cpus_per_rank={cpus}: component 0"),
     "invalid time format": (["slurm.time='1:2:3:4'"], "slurm.time='1:2:3:4': not a Slurm time limit"),
     "unwritable run dir": ([], "--run-dir='{run_dir}': cannot create or write it"),
     "missing sbatch": ([], "sbatch='not found': hpcrl needs Slurm's client tools on PATH"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import shlex
 import sys
@@ -45,7 +46,7 @@ def run(budget_bytes: int) -> list[dict]:
         r["case"] = name
         rows.append(r)
         print(f"{name}: planned {r['plan']['num_transfers']:,} transfers / {r['plan']['num_rounds']} rounds in "
-              f"{r['plan']['planning_s']:.2f} s wall (report {r['report_wall_s']:.2f} s wall, "
+              f"{r['plan']['planning_s']:.2f} s wall, {r['plan']['planning_cpu_s']:.2f} s CPU (report {r['report_wall_s']:.2f} s wall, "
               f"{r['report_cpu_s']:.2f} s CPU); estimate {r['estimate_s']:.3f} s, lower bound "
               f"{r['lower_bound_s']:.3f} s, ratio {r['estimate_over_lower_bound']:.3f}; broadcast baseline "
               f"{r['baseline_broadcast_s']:.2f} s", flush=True)
@@ -55,10 +56,11 @@ def run(budget_bytes: int) -> list[dict]:
 def section(rows: list[dict], command: str) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"### {now}: `{command}`", "",
-             f"Host: {platform.node()} ({platform.machine()}, Python {platform.python_version()}), CPU only; "
-             "times are wall clock on a shared machine. Network: H100 DGX (8 GPUs/node, 8 x 400 Gb/s NICs, "
+             f"Host: {platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, Python "
+             f"{platform.python_version()}), load average {os.getloadavg()[0]:.1f} at the end: the machine is shared, "
+             "so CPU seconds (process time) are what an idle machine's wall clock would show. Network: H100 DGX (8 GPUs/node, 8 x 400 Gb/s NICs, "
              "NVLink 450 GB/s), trainer and rollout on separate nodes.", "",
-             "| case | trainer | rollout | transfers | rounds | plan s (wall) | report s (wall / CPU) | "
+             "| case | trainer | rollout | transfers | rounds | plan s (wall / CPU) | report s (wall / CPU) | "
              "estimate s | lower bound s | ratio | broadcast baseline s | max recv GiB/GPU |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -67,7 +69,8 @@ def section(rows: list[dict], command: str) -> str:
             f"| {r['case']} | tp{t['tp']} pp{t['pp']} ep{t['ep']} etp{t['etp']} dp{t['dp']} "
             f"(first {t['first_stage_layers']}, last {t['last_stage_layers']}) | {ro['num_engines']} x "
             f"(tp{ro['tp']} ep{ro['ep']} dpa{ro['dp_attention']}) | {r['plan']['num_transfers']:,} | "
-            f"{r['plan']['num_rounds']} | {r['plan']['planning_s']:.2f} | {r['report_wall_s']:.2f} / "
+            f"{r['plan']['num_rounds']} | {r['plan']['planning_s']:.2f} / {r['plan']['planning_cpu_s']:.2f} | "
+            f"{r['report_wall_s']:.2f} / "
             f"{r['report_cpu_s']:.2f} | {r['estimate_s']:.3f} | {r['lower_bound_s']:.3f} | "
             f"{r['estimate_over_lower_bound']:.3f} | {r['baseline_broadcast_s']:.2f} | "
             f"{r['max_recv_bytes_per_gpu'] / 2**30:.1f} |")

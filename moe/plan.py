@@ -75,7 +75,8 @@ class Plan:
     nbytes: np.ndarray = field(repr=False)       # int64
     round: np.ndarray = field(repr=False)        # int32
     intra_node: np.ndarray = field(repr=False)   # bool: NVLink (same node) rather than NIC
-    planning_s: float = 0.0
+    planning_s: float = 0.0       # wall-clock seconds plan() took
+    planning_cpu_s: float = 0.0   # CPU seconds of this process (the wall time on an idle machine)
 
     def __len__(self) -> int:
         return len(self.nbytes)
@@ -450,7 +451,7 @@ def plan(src: TrainerLayout, dst: RolloutLayout, spec: MoESpec, memory_budget_by
     if not isinstance(memory_budget_bytes, int) or memory_budget_bytes < MIN_BUDGET_BYTES:
         raise ValueError(f"memory_budget_bytes={memory_budget_bytes!r} must be an int >= {MIN_BUDGET_BYTES}")
     topo = topology or Topology()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     src_pl, dst_pl = src.placement(spec), dst.placement(spec)
     n_src, n_dst = src.world_size, dst.world_size
     snode, dnode = topo.trainer_nodes(n_src), topo.rollout_nodes(n_src, n_dst)
@@ -471,4 +472,4 @@ def plan(src: TrainerLayout, dst: RolloutLayout, spec: MoESpec, memory_budget_by
                 tensor=cols["tensor"][order].astype(np.int32), box_table=tuple(rows.boxes),
                 box_index=cols["box"][order].astype(np.int32), nbytes=cols["nbytes"][order],
                 round=rnd[order].astype(np.int32), intra_node=intra[order],
-                planning_s=time.perf_counter() - t0)
+                planning_s=time.perf_counter() - t0, planning_cpu_s=time.process_time() - c0)

@@ -71,7 +71,7 @@ def plan_report(spec: MoESpec, trainer: TrainerLayout, rollout: RolloutLayout, *
             "num_transfers": len(p), "num_rounds": p.num_rounds, "memory_budget_bytes": memory_budget_bytes,
             "nic_bytes": nic, "nvlink_bytes": int(p.nbytes.sum()) - nic,
             "max_staging_bytes_per_round": float(p.staging_bytes().max()) if len(p) else 0.0,
-            "planning_s": p.planning_s,
+            "planning_s": p.planning_s, "planning_cpu_s": p.planning_cpu_s,
         },
         "must_hold_bytes_per_gpu": must_hold,
         "max_recv_bytes_per_gpu": float(recv.max()) if len(recv) else 0.0,
@@ -111,7 +111,8 @@ def render_text(r: dict[str, Any]) -> str:
         f"network          {net['gpus_per_node']} GPUs/node, {net['nics_per_node']} x {net['nic_gbit_per_s']:g} Gb/s "
         f"NICs/node, NVLink {net['nvlink_gbyte_per_s']:g} GB/s{', colocated' if net['colocated'] else ''}",
         f"plan             {pl['num_transfers']:,} transfers in {pl['num_rounds']} rounds "
-        f"(budget {_gib(pl['memory_budget_bytes'])}/GPU/round), planned in {pl['planning_s']:.2f} s",
+        f"(budget {_gib(pl['memory_budget_bytes'])}/GPU/round), planned in {pl['planning_s']:.2f} s "
+        f"({pl['planning_cpu_s']:.2f} s CPU)",
         f"  bytes          NIC {pl['nic_bytes'] / 1e12:.2f} TB, NVLink {pl['nvlink_bytes'] / 1e12:.2f} TB; "
         f"per GPU recv max {_gib(r['max_recv_bytes_per_gpu'])}, send max {_gib(r['max_send_bytes_per_gpu'])}",
         f"time             estimate {r['estimate_s']:.3f} s | line-rate lower bound {r['lower_bound_s']:.3f} s "

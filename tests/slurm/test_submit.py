@@ -11,6 +11,7 @@ Each real job costs 20-60 s on the 2-core machine, so the tests submit as few as
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import signal
@@ -23,8 +24,11 @@ from pathlib import Path
 import pytest
 
 from hpcrl.cli import main
+from hpcrl.config import load_job
 from launch.procs import process_gone
-from launch.slurm_query import parse_records
+from launch.slurm_query import cluster_partitions, parse_records
+from launch.slurm_spec import render
+from launch.slurm_submit import default_partition, job_spec
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
@@ -163,6 +167,38 @@ def test_cancel_ends_the_job_and_every_rank(slurm, job_dir: Path) -> None:
     again = hpcrl("cancel", job_id, timeout=60)  # RUN may also be the job id
     assert again.returncode == 0
     assert again.stdout.strip() == f"job {job_id} already ended (CANCELLED); nothing to cancel"
+
+
+WORLD_PROGRAM = """
+import json, os, sys
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+rec = {"rank": comm.Get_rank(), "size": comm.Get_size(), "node": os.environ["SLURMD_NODENAME"]}
+with open(os.path.join(sys.argv[1], f"rank-{rec['rank']}.json"), "w") as f:
+    json.dump(rec, f)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_uneven_layout_starts_the_world_the_config_asks_for(slurm, job_dir: Path) -> None:
+    # 1 controller + 2 trainer ranks on 2 nodes (2 + 1, pinned with --ntasks=3), 1 rollout rank on a
+    # third node; the job's own command is swapped for a program that reports the MPI world.
+    job = load_job(EXAMPLE, ["resources.nodes=2", "trainer.num_procs=2", "resources.rollout_nodes=1"])
+    spec, _, _ = job_spec(job, job_dir, default_partition(cluster_partitions()))
+    assert spec.components[0].extra_sbatch_options == ("--ntasks=3",)
+    (job_dir / "world.py").write_text(WORLD_PROGRAM)
+    (job_dir / "logs").mkdir()
+    script = job_dir / "job.sbatch"
+    report_world = f"{sys.executable} {job_dir}/world.py {job_dir}"
+    script.write_text(render(dataclasses.replace(spec, command=report_world)))
+    job_id = slurm.submit(script)
+    record = slurm.wait_final(job_id, timeout_s=90)
+    assert record["JobState"] == "COMPLETED", (job_dir / "logs" / f"{job_id}-attempt0.log").read_text()
+    ranks = sorted((json.loads(p.read_text()) for p in job_dir.glob("rank-*.json")), key=lambda r: r["rank"])
+    assert [(r["rank"], r["size"]) for r in ranks] == [(i, job.world_size) for i in range(4)]
+    rollout_node = next(c["NodeList"] for c in slurm.job(job_id) if c["HetJobOffset"] == "1")
+    nodes = [r["node"] for r in ranks]
+    assert nodes[0] == nodes[1] != nodes[2] and rollout_node not in nodes[:3] and nodes[3] == rollout_node
 
 
 def cluster_max(field: str) -> int:

@@ -357,13 +357,14 @@ _SLURM_OWNED_OPTIONS = {
         **dict.fromkeys(("account", "A"), "set slurm.account instead"),
         **dict.fromkeys(("chdir", "D"), "the job runs in the run dir; set logging.run_dir or --run-dir"),
         **dict.fromkeys(("cpus-per-task", "c"), "set resources.cpus_per_rank instead"),
-        **dict.fromkeys(("error", "e", "output", "o"), "the logs go to RUN_DIR/logs (see docs/on_disk_layout.md)"),
+        **dict.fromkeys(("error", "e", "output", "o"),
+                        "the logs go to RUN_DIR/logs (see docs/on_disk_layout.md)"),
         "gpus-per-node": "set resources.gpus_per_node instead",
         **dict.fromkeys(("job-name", "J"), "set name instead"),
         "mem": "set slurm.mem_gb instead",
         **dict.fromkeys(("nodes", "N"), "set resources.nodes / resources.rollout_nodes instead"),
-        **dict.fromkeys(("ntasks-per-node", "ntasks", "n"),
-                        "hpcrl places the ranks; set trainer.num_procs, rollout.num_engines and resources.nodes"),
+        **dict.fromkeys(("ntasks-per-node", "ntasks", "n"), "hpcrl places the ranks; set trainer.num_procs, "
+                                                            "rollout.num_engines and resources.nodes"),
         "open-mode": "remove it: the logs are always appended across requeues",
         **dict.fromkeys(("partition", "p"), "set slurm.partition instead"),
         **dict.fromkeys(("qos", "q"), "set slurm.qos instead"),
@@ -397,8 +398,9 @@ def _check_slurm_options(key: str, options: list[str], tool: str) -> None:
         if tool == "sbatch":
             SlurmComponent(nodes=1, ntasks_per_node=1, extra_sbatch_options=tuple(options))
         else:
-            SlurmJobSpec(job_name="x", partition="x", time_limit_min=1, command="x", run_dir="/x", log_dir="/x",
-                         components=(SlurmComponent(nodes=1, ntasks_per_node=1),), extra_srun_options=options)
+            SlurmJobSpec(job_name="x", partition="x", time_limit_min=1, command="x", run_dir="/x",
+                         log_dir="/x", components=(SlurmComponent(nodes=1, ntasks_per_node=1),),
+                         extra_srun_options=options)
     except ValueError as exc:
         raise ConfigError(key, options, str(exc)) from None
 
@@ -409,8 +411,8 @@ def _check_slurm(job: JobConfig) -> None:
     for leaf in ("partition", "account", "qos"):
         value = getattr(s, leaf)
         if value is not None and not re.fullmatch(r"[^\s'\"%\\]+", value):
-            raise ConfigError(f"slurm.{leaf}", value, "must be a name without whitespace, quotes, backslashes "
-                                                      "or '%', or null for the cluster's default")
+            raise ConfigError(f"slurm.{leaf}", value, "must be a name without whitespace, quotes, "
+                                                      "backslashes or '%', or null for the cluster's default")
     try:
         minutes = parse_time_limit(s.time, "slurm.time")
     except ValueError as exc:

@@ -46,7 +46,8 @@ def run(budget_bytes: int) -> list[dict]:
         r["case"] = name
         rows.append(r)
         print(f"{name}: planned {r['plan']['num_transfers']:,} transfers / {r['plan']['num_rounds']} rounds in "
-              f"{r['plan']['planning_s']:.2f} s wall, {r['plan']['planning_cpu_s']:.2f} s CPU (report {r['report_wall_s']:.2f} s wall, "
+              f"{r['plan']['planning_s']:.2f} s wall, {r['plan']['planning_cpu_s']:.2f} s CPU "
+              f"(report {r['report_wall_s']:.2f} s wall, "
               f"{r['report_cpu_s']:.2f} s CPU); estimate {r['estimate_s']:.3f} s, lower bound "
               f"{r['lower_bound_s']:.3f} s, ratio {r['estimate_over_lower_bound']:.3f}; broadcast baseline "
               f"{r['baseline_broadcast_s']:.2f} s", flush=True)
@@ -58,7 +59,8 @@ def section(rows: list[dict], command: str) -> str:
     lines = [f"### {now}: `{command}`", "",
              f"Host: {platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, Python "
              f"{platform.python_version()}), load average {os.getloadavg()[0]:.1f} at the end: the machine is shared, "
-             "so CPU seconds (process time) are what an idle machine's wall clock would show. Network: H100 DGX (8 GPUs/node, 8 x 400 Gb/s NICs, "
+             "so CPU seconds (process time) are what an idle machine's wall clock would show. "
+             "Network: H100 DGX (8 GPUs/node, 8 x 400 Gb/s NICs, "
              "NVLink 450 GB/s), trainer and rollout on separate nodes.", "",
              "| case | trainer | rollout | transfers | rounds | plan s (wall / CPU) | report s (wall / CPU) | "
              "estimate s | lower bound s | ratio | broadcast baseline s | max recv GiB/GPU |",
@@ -99,7 +101,8 @@ def main() -> None:
     args = ap.parse_args()
     rows = run(int(args.budget_gib * 2**30))
     if not args.no_write:
-        append_section(section(rows, "python " + " ".join(shlex.quote(a) for a in ["benchmarks/plan_scale.py", *sys.argv[1:]])))
+        command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/plan_scale.py", *sys.argv[1:]])
+        append_section(section(rows, command))
         print(f"appended to {RESULTS}")
 
 

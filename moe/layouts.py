@@ -181,6 +181,8 @@ class TrainerLayout:
 
     def _suggest_uneven(self, num_layers: int) -> str:
         pp = self.pp
+        if pp == 2:
+            return f"first_stage_layers={num_layers // 2}, last_stage_layers={num_layers - num_layers // 2}"
         for total_edge in range(0, 2 * num_layers):
             for first in range(0, total_edge + 1):
                 last = total_edge - first
@@ -355,14 +357,15 @@ class RolloutLayout:
         d, a = spec.dims, self.attn_tp
         if d.num_experts and d.num_experts % self.ep:
             raise ValueError(f"RolloutLayout.ep={self.ep} does not divide num_experts={d.num_experts}; "
-                             f"nearest valid ep: {_nearest([x for x in _divisors(d.num_experts) if self.tp % x == 0] or [1], self.ep)}")
+                             f"nearest valid ep: {_nearest(_divisors(d.num_experts), self.ep)}")
         if d.num_heads % a:
             raise ValueError(f"RolloutLayout attention TP tp/dp_attention={a} does not divide num_heads={d.num_heads}; "
                              f"nearest valid tp/dp_attention: {_nearest(_divisors(d.num_heads), a)}")
-        if d.num_kv_heads % a and a % d.num_kv_heads:
+        nkv = d.num_kv_heads
+        if nkv % a and a % nkv:
             raise ValueError(f"RolloutLayout attention TP {a} and num_kv_heads={d.num_kv_heads}: one must divide "
                              f"the other; nearest valid tp/dp_attention: "
-                             f"{_nearest([x for x in _divisors(d.num_heads) if x % d.num_kv_heads == 0 or d.num_kv_heads % x == 0], a)}")
+                             f"{_nearest([x for x in _divisors(d.num_heads) if not (x % nkv and nkv % x)], a)}")
         for size, what, n, label in ((d.intermediate_size, "intermediate_size", a, "tp/dp_attention"),
                                      (d.shared_intermediate_size, "shared expert size", a, "tp/dp_attention"),
                                      (d.moe_intermediate_size, "moe_intermediate_size", self.moe_tp, "tp/ep")):

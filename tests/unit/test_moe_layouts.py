@@ -108,7 +108,8 @@ def test_rollout_sglang_groups() -> None:
     assert "model.layers.0.mlp.experts.63.gate_proj.weight" not in s5
     # 4 KV heads over attention TP 8: heads replicate on ranks pairs (4,5) -> head 2
     assert s5["model.layers.0.self_attn.k_proj.weight"] == Box((256, 0), (128, 4096))
-    assert dict(lay.shards(spec, 4))["model.layers.0.self_attn.k_proj.weight"] == s5["model.layers.0.self_attn.k_proj.weight"]
+    k = "model.layers.0.self_attn.k_proj.weight"
+    assert dict(lay.shards(spec, 4))[k] == s5[k]
     assert s5["model.layers.0.self_attn.q_proj.weight"] == Box((5 * 1024, 0), (1024, 4096))
     assert s5["model.embed_tokens.weight"] == Box((5 * 18992, 0), (18992, 4096))
     # DP attention: attention TP over tp/dp_attention contiguous ranks, embedding replicated
@@ -142,10 +143,13 @@ def test_layouts_are_frozen_values() -> None:
 
 
 @pytest.mark.parametrize("make, match", [
-    (lambda s: TrainerLayout(ep=48, dp=48).validate(s), r"ep=48 does not divide num_experts=256; nearest valid ep: \[16, 32, 64\]"),
+    (lambda s: TrainerLayout(ep=48, dp=48).validate(s),
+     r"ep=48 does not divide num_experts=256; nearest valid ep: \[16, 32, 64\]"),
     (lambda s: TrainerLayout(tp=3).validate(s), r"tp=3 must divide num_heads=128.*nearest valid tp: \[1, 2, 4\]"),
-    (lambda s: TrainerLayout(pp=16, dp=1).validate(s), r"61 decoder layers do not split over pp=16.*first_stage_layers"),
-    (lambda s: TrainerLayout(tp=8, pp=8, ep=32, dp=4, first_stage_layers=7, last_stage_layers=6).validate(s, world_size=512),
+    (lambda s: TrainerLayout(pp=16, dp=1).validate(s),
+     r"61 decoder layers do not split over pp=16.*first_stage_layers"),
+    (lambda s: TrainerLayout(tp=8, pp=8, ep=32, dp=4, first_stage_layers=7, last_stage_layers=6).validate(
+        s, world_size=512),
      r"world size 256 != the 512 GPUs given; .* use dp=8"),
     (lambda s: TrainerLayout(tp=8, pp=8, ep=32, dp=4, first_stage_layers=7, last_stage_layers=6).validate(
         s, gpu_memory_bytes=40 * 2**30), r"needs 49.9 GiB per GPU .* > gpu memory 40.0 GiB; .*fits with"),

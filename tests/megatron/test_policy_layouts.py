@@ -1,4 +1,4 @@
-"""MegatronPolicy under real mpiexec in four layouts: same weights -> same log-probs (= HF's), same
+"""MegatronPolicy under real mpiexec in five layouts: same weights -> same log-probs (= HF's), same
 GRPO step -> same loss, metrics and exported weights; export -> load -> export is bit-identical.
 
 Each layout is one `mpiexec` launch of `_policy_worker.py` (init from a seed, log-probs for policy
@@ -28,6 +28,8 @@ LAYOUTS = {
     "tp1-ep2-allgather": (2, ["--ep", "2", "--dispatcher", "allgather"]),
     "tp2-ep2-etp1-alltoall": (4, ["--tp", "2", "--ep", "2", "--etp", "1", "--dispatcher", "alltoall"]),
     "tp1-ep2-pp2": (4, ["--ep", "2", "--pp", "2"]),
+    # experts split over ETP (fc1 = [gate_r; up_r]); the alltoall dispatcher cannot do ETP on gloo
+    "tp2-etp2-allgather": (2, ["--tp", "2", "--etp", "2", "--dispatcher", "allgather"]),
 }
 LOGP_TOL = 1e-5
 WEIGHT_TOL = 2e-5

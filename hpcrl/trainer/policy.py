@@ -194,14 +194,23 @@ class MegatronPolicy:
         out = [] if model == "ref" else [("policy", self.gpt)]
         return out + ([("ref", self.ref)] if model != "policy" else [])
 
+    @torch.no_grad()
     def init_from_seed(self, seed: int) -> None:
         """Load the weights HF transformers draws for this config under `seed` (policy and ref).
 
-        Layout-independent: every rank builds the full HF model on CPU, so only for small models.
+        Layout-independent: trainer rank 0 builds the full HF model on CPU (small models only)
+        and broadcasts its tensors; every rank takes its slices.
         """
-        hf = build_hf_model(self.hf_config, seed)
-        self.load_hf_state_dict(hf_fused_to_checkpoint(hf.state_dict(), self.dims), model="both"
-                                if self.ref is not None else "policy")
+        sd: dict[str, torch.Tensor] = {}
+        if self.rank == 0:
+            hf = build_hf_model(self.hf_config, seed)
+            sd = hf_fused_to_checkpoint(hf.state_dict(), self.dims)
+        for name, shape in self.dims.hf_shapes().items():
+            t = sd[name].contiguous() if self.rank == 0 else torch.empty(shape, dtype=torch.float32)
+            t = t.to(self.device)
+            dist.broadcast(t, src=0)
+            sd[name] = t.cpu()
+        self.load_hf_state_dict(sd, model="both" if self.ref is not None else "policy")
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor], model: str = "policy") -> None:

@@ -26,12 +26,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a job locally (mpiexec; CPU or local GPUs)")
     _add_job_args(p)
     p.add_argument("--run-dir", default=None, help="run directory (default: logging.run_dir or runs/<name>-<time>)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--no-resume", action="store_true",
+                   help="start from step 0 even if the run dir has checkpoints (refused if it would overwrite them)")
+    g.add_argument("--resume-from", type=int, default=None, metavar="STEP",
+                   help="resume from the checkpoint of STEP (newer checkpoints are discarded)")
     p = sub.add_parser("render", help="print the sbatch script that `hpcrl submit` would send")
     _add_job_args(p)
     p.add_argument("--run-dir", default=None, help="run directory the script is rendered for (as for submit)")
     p = sub.add_parser("submit", help="check the job against the Slurm cluster and sbatch it")
     _add_job_args(p)
     p.add_argument("--run-dir", default=None, help="run directory (default: logging.run_dir or runs/<name>-<time>)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--no-resume", action="store_true",
+                   help="start from step 0 even if the run dir has checkpoints (refused if it would overwrite them)")
+    g.add_argument("--resume-from", type=int, default=None, metavar="STEP",
+                   help="resume from the checkpoint of STEP (newer checkpoints are discarded)")
     for name, what in (("status", "Slurm state, attempt, time left, step and reward of a submitted run"),
                        ("logs", "the step log of a submitted run's current attempt"),
                        ("cancel", "cancel a submitted run's Slurm job")):
@@ -57,7 +67,8 @@ def _validate(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from hpcrl.runner import run_local
 
-    return run_local(args.job, args.overrides, args.run_dir)
+    resume = "none" if args.no_resume else ("auto" if args.resume_from is None else str(args.resume_from))
+    return run_local(args.job, args.overrides, args.run_dir, resume)
 
 
 @contextlib.contextmanager

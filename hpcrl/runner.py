@@ -19,6 +19,7 @@ from hpcrl.config.schema import JobConfig
 from hpcrl.models.presets import load_hf_config
 
 EXIT_FAILURE = 1
+EXIT_REQUEUE = 3  # hpcrl.controller.preemption.EXIT_REQUEUE (not imported: it pulls in MPI)
 
 
 def resolve_run_dir(job: JobConfig, cli_run_dir: str | None) -> Path:
@@ -47,11 +48,12 @@ def prepare_run_dir(job: JobConfig, run_dir: Path) -> None:
     (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     hf = load_hf_config(job.model.preset, job.model.config_path)
     (run_dir / "model_config.json").write_text(json.dumps(hf, indent=2))
-    for stale in ("final.json", ".phase.json", ".ranks.json", ".failure.txt"):
+    for stale in ("final.json", ".phase.json", ".ranks.json", ".failure.txt"):  # kept: metrics, checkpoints
         (run_dir / stale).unlink(missing_ok=True)
 
 
-def run_local(job_path: str, overrides: list[str], cli_run_dir: str | None) -> int:
+def run_local(job_path: str, overrides: list[str], cli_run_dir: str | None, resume: str = "auto") -> int:
+    """`hpcrl run`: resume is "auto" (latest checkpoint of the run dir), "none" or a step number."""
     from launch.local import run_world
 
     job = load_job(job_path, overrides)
@@ -61,10 +63,13 @@ def run_local(job_path: str, overrides: list[str], cli_run_dir: str | None) -> i
           f"{job.rollout.num_engines} rollout), run dir {run_dir}", flush=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2))))
+    env["HPCRL_RESUME"] = resume
     rc, first_death = run_world(job.world_size, [sys.executable, "-m", "hpcrl.worker_main", str(run_dir)],
                                 run_dir, env=env)
     if rc == 0 and (run_dir / "final.json").exists():
         return 0
+    if rc == EXIT_REQUEUE:
+        return rc
     if not (run_dir / ".failure.txt").exists():
         why = first_death or f"mpiexec exited with code {rc}"
         print(f"hpcrl run failed: {why}; the MPI world was stopped. Logs: {run_dir / 'logs'}",

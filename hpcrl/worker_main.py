@@ -12,6 +12,7 @@ raise, or hang when it receives that command.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -81,21 +82,40 @@ def main(argv: list[str] | None = None) -> int:
     world = join_world(job.trainer.num_procs)
     if world.role != "controller":
         _redirect_output(run_dir, world.rank, world.role)
+        # Preemption signals (USR1, TERM) may reach every rank; only the controller acts on them
+        # (it saves, then stops the workers). Workers stay alive until told to stop.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # A worker waits for its next command at most this long (a whole step of the other roles).
     idle_timeout_s = 4 * job.resources.timeout_s + job.resources.startup_timeout_s
     if world.role == "controller":
         from hpcrl.controller.main import controller_main
 
-        return controller_main(job, run_dir, world)
-    if world.role == "trainer":
+        code = controller_main(job, run_dir, world)
+    elif world.role == "trainer":
         from hpcrl.trainer.worker import trainer_handlers
 
         serve(world, trainer_handlers(job, run_dir, world), idle_timeout_s)
+        code = 0
     else:
         from hpcrl.rollout.worker import rollout_handlers
 
         serve(world, rollout_handlers(job, run_dir, world), idle_timeout_s)
-    return 0
+        code = 0
+    _finalize_and_exit(code)
+    return code
+
+
+def _finalize_and_exit(code: int) -> None:
+    """End this rank: MPI_Finalize, then exit without running interpreter teardown. Destructors of
+    torch.distributed/gloo and Megatron state at interpreter exit crash intermittently (SIGSEGV,
+    seen as exit code 11 after a completed run); everything that matters is written by now."""
+    from mpi4py import MPI
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.Finalize()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -94,8 +94,14 @@ def run_world(world_size: int, argv: list[str], run_dir: Path, env: dict[str, st
     watch.start()
 
     def forward(signum: int, _frame: object) -> None:
+        # Preemption (USR1/TERM) and Ctrl-C go to the controller (rank 0), which saves a
+        # checkpoint and stops the workers; before the controller is known, stop the world.
+        ranks = _read_json(run_dir / ".ranks.json")
         try:
-            os.killpg(proc.pid, signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM)
+            if ranks:
+                os.kill(ranks[0]["pid"], signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM)
+            else:
+                os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
 

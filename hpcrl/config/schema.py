@@ -129,6 +129,9 @@ class CheckpointConfig:
     """Save every N steps; 0 saves only at the end and on preemption."""
     keep: int = 3
     """How many complete checkpoints to keep."""
+    grace_s: float = 60.0
+    """Seconds between the preemption signal (SIGUSR1/SIGTERM) and the kill: the controller finishes
+    the current step only if it and a save fit in this budget, else it abandons the step."""
 
 
 @dataclass(kw_only=True)

@@ -87,6 +87,7 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("checkpoint.dir", lambda v: v is None or v != "", "a directory path, or null for RUN_DIR/checkpoints"),
     ("checkpoint.interval_steps", lambda v: v >= 0, ">= 0 (0 saves only at the end and on preemption)"),
     ("checkpoint.keep", lambda v: v >= 1, ">= 1 (the latest checkpoint is always kept)"),
+    ("checkpoint.grace_s", lambda v: v > 0, "> 0 seconds"),
     ("resources.nodes", lambda v: v >= 1, ">= 1"),
     ("resources.rollout_nodes", lambda v: v >= 0, ">= 0 (0 colocates rollout with the trainer)"),
     ("resources.gpus_per_node", lambda v: v >= 0, ">= 0"),

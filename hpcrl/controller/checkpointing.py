@@ -1,22 +1,144 @@
-"""The controller's checkpoint seam.
+"""The controller's checkpoint policy: when to save, what to resume from, how to react to
+preemption. The loop only calls `maybe_save(step)` after each step; `Session.phase` calls
+`check_abandon` at phase boundaries.
 
-The loop calls `resume_step()` once and `maybe_save(step)` after every step; the checkpointer
-decides whether a step saves. This version keeps no state: runs start at step 0 and nothing is
-saved. The sharded HDF5 store with resume and preemption handling (issue 4) plugs in here without
-touching the loop.
+Saving is collective on the trainer ranks (hpcrl/trainer/checkpoint_io.py writes HDF5 shards under
+HF names; the store in checkpoints/ commits atomically). The controller adds the metadata that
+makes a resume exact: step, resolved config, layouts, weight version, sampler position, counters
+and the metrics history (metrics.jsonl is rewritten from it on resume, so no step is logged twice).
+
+Resume modes (`hpcrl run` flags, passed as HPCRL_RESUME): "auto" (default: latest complete
+checkpoint of the run, if any), "none" (`--no-resume`), or a step number (`--resume-from STEP`).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+from checkpoints import discard_newer, latest_step, list_checkpoints
+from hpcrl.config import to_dict
+from hpcrl.config.schema import JobConfig
+from hpcrl.controller.groups import PolicyGroup
+from hpcrl.controller.metrics import read_metrics
+from hpcrl.controller.preemption import Preempted, PreemptionWatch
+
+# Phases before the policy changes: a step abandoned there leaves the state of the previous step.
+ABANDONABLE_PHASES = ("generate", "reward", "logprobs", "train")
+
+
+class ResumeError(RuntimeError):
+    """The requested resume is impossible (no such checkpoint, or checkpoints would be overwritten)."""
+
 
 class Checkpointer:
-    def __init__(self, interval_steps: int, keep: int) -> None:
-        self.interval_steps = interval_steps
-        self.keep = keep
+    def __init__(self, job: JobConfig, run_dir: Path, policy: PolicyGroup, resume: str = "auto") -> None:
+        self.job, self.run_dir, self.policy = job, run_dir, policy
+        self.dir = Path(job.checkpoint.dir) if job.checkpoint.dir else run_dir / "checkpoints"
+        self.resume_mode = resume
+        self.watch = PreemptionWatch(job.checkpoint.grace_s)
+        self.attempt_id = uuid.uuid4().hex
+        self._start_step = 0
+        self._last_step_end = time.monotonic()
+        self.step_s = 0.0
+        self.save_s = 0.0
+        self.saved_step: int | None = None
+        self.completed_step = -1
+        """Last step whose update and weight sync completed."""
+
+    # ------------------------------------------------------------------ resume
+
+    def _resume_target(self) -> int | None:
+        existing = list_checkpoints(self.dir) if self.dir.exists() else []
+        if self.resume_mode == "none":
+            if existing:
+                raise ResumeError(f"--no-resume: {self.dir} already holds checkpoints (steps {existing}); "
+                                  "a fresh run would overwrite them. Use another --run-dir or "
+                                  "checkpoint.dir, or delete that directory")
+            return None
+        if self.resume_mode == "auto":
+            return latest_step(self.dir) if existing else None
+        step = int(self.resume_mode)
+        if step not in existing:
+            raise ResumeError(f"--resume-from {step}: no complete checkpoint at step {step} in {self.dir}; "
+                              f"available: {existing or 'none'}")
+        discard_newer(self.dir, step)
+        return step
+
+    def restore(self) -> int:
+        """Load the checkpoint to resume from (if any) into the trainer ranks and the metrics log;
+        return the first step to run."""
+        step = self._resume_target()
+        if step is None:
+            return 0
+        meta = self.policy.load_checkpoint(str(self.dir), step)
+        history = [r for r in meta.get("metrics_history", []) if r["step"] <= step]
+        (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+        self._start_step = step + 1
+        self.saved_step = self.completed_step = step
+        print(f"hpcrl: resumed from checkpoint step {step} ({self.dir})", flush=True)
+        return self._start_step
 
     def resume_step(self) -> int:
-        """First step to run: 0 for a fresh run."""
-        return 0
+        """First step to run: 0 for a fresh run, checkpoint step + 1 after a resume."""
+        return self._start_step
+
+    # ------------------------------------------------------------------ save
+
+    def _metadata(self, step: int) -> dict:
+        job = self.job
+        return {"step": step, "config": to_dict(job), "format": "hpcrl-rl-state-1",
+                "trainer_layout": {"tp": job.trainer.tp, "pp": job.trainer.pp, "ep": job.trainer.ep,
+                                   "etp": job.trainer.etp, "num_procs": job.trainer.num_procs},
+                "rollout": {"backend": job.rollout.backend, "num_engines": job.rollout.num_engines,
+                            "tp_per_engine": job.rollout.tp_per_engine},
+                "weight_version": str(step),
+                "sampler": {"seed": job.data.seed, "next_step": step + 1},
+                "counters": {"steps_done": step + 1},
+                "metrics_history": [r for r in read_metrics(self.run_dir) if r["step"] <= step]
+                if (self.run_dir / "metrics.jsonl").exists() else []}
+
+    def save(self, step: int) -> None:
+        t0 = time.monotonic()
+        self.policy.save_checkpoint(str(self.dir), step, self.attempt_id, self.job.checkpoint.keep,
+                                    self._metadata(step))
+        self.save_s = time.monotonic() - t0
+        self.saved_step = step
+
+    def _time_is_short(self) -> bool:
+        """True when one more step plus a save would not fit before the expected kill."""
+        return self.watch.seconds_left() < 1.5 * (self.step_s + self.save_s) + 5.0
 
     def maybe_save(self, step: int) -> None:
-        """Save after `step` when the schedule asks for it (no store yet: nothing to do)."""
+        """Save after `step` if the interval, the last step, a preemption signal or the job's time
+        limit asks for it; on preemption or time limit raise `Preempted` to end the run."""
+        self.completed_step = step
+        now = time.monotonic()
+        self.step_s = max(self.step_s * 0.8, now - self._last_step_end)
+        self._last_step_end = now
+        interval = self.job.checkpoint.interval_steps
+        last = step == self.job.algorithm.num_steps - 1
+        stop = self.watch.requested or self._time_is_short()
+        if last or stop or (interval and (step + 1) % interval == 0):
+            self.save(step)
+        if stop and not last:
+            why = (f"signal {self.watch.signal_name}" if self.watch.requested else "job time limit near")
+            raise Preempted(step, why)
+
+    def check_abandon(self, step: int, phase: str) -> None:
+        """At a phase boundary: after a preemption signal, abandon the step (before its update)
+        when finishing it and saving would not fit in the grace budget."""
+        if phase in ABANDONABLE_PHASES and self.watch.requested and self._time_is_short():
+            raise Preempted(step - 1, f"signal {self.watch.signal_name}; step {step} abandoned")
+
+    def save_after_abandon(self, exc: Preempted) -> None:
+        """Make sure the state of `exc.last_completed_step` is saved (the loop did not get to it)."""
+        if exc.last_completed_step >= 0 and self.saved_step != exc.last_completed_step:
+            self.save(exc.last_completed_step)
+
+
+def resume_mode_from_env() -> str:
+    return os.environ.get("HPCRL_RESUME", "auto")

@@ -88,6 +88,15 @@ class PolicyGroup:
         """Export Megatron shards as HF tensors and broadcast them into every engine."""
         return self._async("sync", step, {"weight_version": str(step)}).wait()
 
+    def save_checkpoint(self, ckpt_dir: str, step: int, attempt_id: str, keep: int, metadata: dict) -> None:
+        """Collective save of policy, reference, Adam state and RNG; committed when this returns."""
+        self._async("save", step, {"dir": ckpt_dir, "attempt_id": attempt_id, "keep": keep,
+                                   "metadata": metadata}).wait()
+
+    def load_checkpoint(self, ckpt_dir: str, step: int) -> dict:
+        """Collective load (any saved layout); returns the checkpoint's metadata."""
+        return self._async("load", step, {"dir": ckpt_dir}).wait()
+
     def policy_sha256(self, step: int) -> str:
         return self._async("sha256", step).wait()
 

@@ -6,7 +6,9 @@ import sys
 from pathlib import Path
 
 from hpcrl.config.schema import JobConfig
+from hpcrl.controller.checkpointing import ResumeError
 from hpcrl.controller.comm import RankFailure, World
+from hpcrl.controller.preemption import EXIT_REQUEUE, Preempted
 from hpcrl.controller.sync_check import WeightSyncError
 
 EXIT_FAILURE = 1
@@ -22,12 +24,37 @@ def controller_main(job: JobConfig, run_dir: Path, world: World) -> int:
     from hpcrl.controller import loop
     from hpcrl.controller.session import Session
 
+    session = None
     try:
         session = Session(job, run_dir, world)
         session.start()
         loop.run(session)
         digest = session.finish()
-    except (RankFailure, WeightSyncError) as exc:
+    except Preempted as exc:
+        assert session is not None
+        session.checkpointer.save_after_abandon(exc)
+        session.stop_workers()
+        saved = session.checkpointer.saved_step
+        print(f"\nhpcrl: preempted ({exc.reason}); checkpoint of step {saved} saved in "
+              f"{session.checkpointer.dir}; exiting with {EXIT_REQUEUE} (requeue me). The same command "
+              "resumes from it.", file=sys.stderr, flush=True)
+        return EXIT_REQUEUE
+    except RankFailure as exc:
+        if session is not None and session.checkpointer.watch.requested:
+            # Preemption also hit a worker (e.g. SIGTERM to every process of a Slurm step): save the
+            # last completed step if the trainers can still do it, and ask for a requeue.
+            try:
+                ckpt = session.checkpointer
+                ckpt.save_after_abandon(Preempted(ckpt.completed_step, "worker failed"))
+            except RankFailure:
+                pass
+            _report(run_dir, f"hpcrl run preempted and a rank failed meanwhile: {exc}")
+            world.comm.Abort(EXIT_REQUEUE)
+            return EXIT_REQUEUE
+        _report(run_dir, f"hpcrl run failed: {exc}")
+        world.comm.Abort(EXIT_FAILURE)
+        return EXIT_FAILURE
+    except (WeightSyncError, ResumeError) as exc:
         _report(run_dir, f"hpcrl run failed: {exc}")
         world.comm.Abort(EXIT_FAILURE)
         return EXIT_FAILURE

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcrl.config.schema import JobConfig
-from hpcrl.controller.checkpointing import Checkpointer
+from hpcrl.controller.checkpointing import Checkpointer, resume_mode_from_env
 from hpcrl.controller.comm import World
 from hpcrl.controller.groups import PolicyGroup, Rollout, RolloutGroup
 from hpcrl.controller.metrics import MetricsLogger
@@ -36,7 +36,7 @@ class Session:
         d = job.data
         self.sampler = make_sampler(d.task, d.path, d.prompt_key, d.answer_key, d.num_prompts_per_step, d.seed)
         self.reward_fn = load_reward_fn(job.reward.fn)
-        self.checkpointer = Checkpointer(job.checkpoint.interval_steps, job.checkpoint.keep)
+        self.checkpointer = Checkpointer(job, run_dir, self.policy, resume_mode_from_env())
         self.metrics: MetricsLogger | None = None
         self._write_json(".ranks.json", [r.__dict__ for r in world.ranks])
 
@@ -46,8 +46,10 @@ class Session:
         os.replace(tmp, self.run_dir / name)
 
     def phase(self, step: int, name: str) -> None:
-        """Record the current phase so a launcher can name it if a rank dies without a word."""
+        """Record the current phase (so a launcher can name it if a rank dies without a word) and
+        let the checkpointer abandon the step after a preemption signal."""
         self._write_json(".phase.json", {"step": step, "phase": name})
+        self.checkpointer.check_abandon(step, name)
 
     def start(self) -> None:
         """Start every worker (model build, engine launch), connect trainer -> engines and push the
@@ -57,6 +59,8 @@ class Session:
         trainers, engines = self.policy.async_init(t), self.rollouts.async_init(t)
         trainers.wait()
         urls = engines.wait()
+        self.phase(-1, "resume")
+        self.checkpointer.restore()
         self.phase(-1, "connect")
         self.policy.connect_engines(urls)
         self.phase(-1, "initial sync")
@@ -84,9 +88,14 @@ class Session:
         """Hash the final policy, write RUN_DIR/final.json, stop the workers."""
         self.phase(self.job.algorithm.num_steps, "finish")
         digest = self.policy.policy_sha256(self.job.algorithm.num_steps)
+        self._write_json("final.json", {"policy_sha256": digest, "num_steps": self.job.algorithm.num_steps})
+        self.stop_workers()
+        return digest
+
+    def stop_workers(self) -> None:
+        """Close the metrics and let every worker exit cleanly (engines stopped)."""
         if self.metrics is not None:
             self.metrics.close()
-        self._write_json("final.json", {"policy_sha256": digest, "num_steps": self.job.algorithm.num_steps})
+            self.metrics = None
         self.rollouts.shutdown()
         self.policy.shutdown()
-        return digest

@@ -538,6 +538,9 @@ def main(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    # Slurm's preemption notice (scancel --signal=USR1) reaches every process of the step; it is
+    # the controller's to act on, and must not kill the engine (USR1's default action).
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     print(f"ready on http://{args.host}:{args.port}", flush=True)
     httpd.serve_forever(poll_interval=0.1)
     httpd.server_close()

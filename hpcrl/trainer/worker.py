@@ -81,6 +81,20 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
                                       flattened=True, weight_version=cmd.payload["weight_version"])
         return {"bytes": nbytes}
 
+    def save(cmd):
+        from hpcrl.trainer import checkpoint_io
+
+        p = cmd.payload
+        checkpoint_io.save(state["policy"], p["dir"], cmd.step, p["attempt_id"], p["keep"],
+                           p["metadata"] if is_leader else None)
+        return None
+
+    def load(cmd):
+        from hpcrl.trainer import checkpoint_io
+
+        meta = checkpoint_io.load(state["policy"], cmd.payload["dir"], cmd.step)
+        return meta if is_leader else None
+
     def sha256(cmd):
         return state["policy"].policy_sha256()
 
@@ -92,4 +106,4 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         return None
 
     return {"init": init, "connect": connect, "logprobs": logprobs, "train": train, "sync": sync,
-            "sha256": sha256, "shutdown": shutdown}
+            "save": save, "load": load, "sha256": sha256, "shutdown": shutdown}

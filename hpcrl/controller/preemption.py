@@ -1,0 +1,73 @@
+"""Preemption awareness on the controller: the pre-kill signal and the job's end time.
+
+Slurm announces preemption with `--signal=B:USR1@<grace>` (the batch script forwards it to the
+controller), or only with SIGTERM at the start of the grace time; `hpcrl run` forwards SIGUSR1 and
+SIGTERM it receives to the controller. Either means "checkpoint now and exit for requeue". The
+job's end time (Slurm's time limit) is read once, so the controller can save before it is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from datetime import datetime
+
+EXIT_REQUEUE = 3
+"""Exit code of a run that saved a checkpoint on preemption (or before its time limit) and wants
+to be requeued; the Slurm batch script turns it into `scontrol requeue`."""
+
+
+class Preempted(Exception):
+    """Raised to end the loop after a preemption checkpoint; carries the last completed step."""
+
+    def __init__(self, last_completed_step: int, reason: str) -> None:
+        super().__init__(reason)
+        self.last_completed_step = last_completed_step
+        self.reason = reason
+
+
+def slurm_end_time() -> float | None:
+    """Epoch seconds at which Slurm will end this job, or None outside Slurm / unlimited."""
+    if os.environ.get("HPCRL_JOB_END_TIME"):
+        return float(os.environ["HPCRL_JOB_END_TIME"])
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return None
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        return datetime.fromisoformat(out).timestamp()
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+class PreemptionWatch:
+    """Records SIGUSR1/SIGTERM on this process and knows the grace budget and the end time."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = float(os.environ.get("HPCRL_SIGNAL_DELAY_S") or grace_s)
+        self.end_time = slurm_end_time()
+        self.signal_time: float | None = None
+        self.signal_name = ""
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self.signal_time is None:
+            self.signal_time = time.monotonic()
+            self.signal_name = signal.Signals(signum).name
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_time is not None
+
+    def seconds_left(self) -> float:
+        """Until the expected kill: the grace budget after a signal, else the time limit."""
+        left = float("inf")
+        if self.signal_time is not None:
+            left = self.grace_s - (time.monotonic() - self.signal_time)
+        if self.end_time is not None:
+            left = min(left, self.end_time - time.time())
+        return left

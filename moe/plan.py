@@ -9,14 +9,17 @@ destination rank, HF tensor, global `Box`, bytes) grouped in rounds such that
   * the sending is spread over every trainer replica of a box (DP, CP, EDP copies, the TP copies
     of replicated tensors): forced transfers (one possible sender) are placed first, then the
     rest largest-first, each to the currently least-loaded sender;
-  * per round, the bytes each rank sends plus receives (its staging memory) stay within
-    `memory_budget_bytes`; pieces larger than budget/8 are cut along dim 0 (then dim 1, ...);
+  * per round, each rank's staging memory -- bytes it receives, plus bytes it sends as a trainer
+    rank (packed into send buffers; a relay sends from the copy it already holds) -- stays within
+    `memory_budget_bytes`; pieces larger than budget/16 are cut along dim 0 (then dim 1, ...);
   * the result is deterministic (no hashing of ids, no unordered iteration).
 Rounds are filled in lockstep: round r gives every destination, in an order rotated by r, as many
-of its pending bundles (all transfers of one source->destination pair, cut to budget/8) as fit both
-its and the sender's remaining budget. Plans carry columns (numpy), not objects, so a 1,024 ->
-512-rank DeepSeek-V3 plan (about a million transfers) stays cheap; `Plan.transfers()` yields
-`Transfer` tuples on demand.
+of its pending bundles (the transfers of one source->destination pair, cut to budget/8) as fit its
+and the sender's budget, then the relays its node peers received in earlier rounds. NIC bytes per
+rank and round are capped so that, when a node's bytes are mostly NVLink relays, NICs and NVLink
+work in the same rounds. Plans carry columns (numpy), not objects, so a 1,024 -> 512-rank
+DeepSeek-V3 plan (about a million transfers) stays cheap; `Plan.transfers()` yields `Transfer`
+tuples on demand.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ MIN_BUDGET_BYTES = 64
 BUNDLE_FRACTION = 8   # bundles are cut to budget // 8 bytes, pieces to budget // 16
 SCAN_LIMIT = 32       # pending bundles a destination inspects per round before giving up the round
 TOO_BIG_LIMIT = 4     # ... or this many that exceed its remaining budget (it is nearly full)
+NIC_QUOTA_SLACK = 1.1  # per round, NIC bytes <= busiest NIC total / R * slack
 
 
 class Transfer(NamedTuple):
@@ -97,17 +101,19 @@ class Plan:
         return self.box_table[int(self.box_index[i])]
 
     def staging_bytes(self) -> np.ndarray:
-        """[num_rounds, trainer world + rollout world] bytes sent + received per rank per round.
+        """[num_rounds, trainer world + rollout world] staging bytes per rank per round.
 
-        Columns: trainer ranks first, then rollout ranks (rollout rank j is column trainer_world + j).
+        Staging = bytes received + bytes sent by a trainer rank (packed into send buffers); a relay
+        sends from the copy it already holds. Columns: trainer ranks, then rollout ranks (rollout
+        rank j is column trainer_world + j).
         """
         ns, n = self.src.world_size, self.src.world_size + self.dst.world_size
-        gs = np.where(self.from_rollout, self.src_rank + ns, self.src_rank).astype(np.int64)
         gd = self.dst_rank.astype(np.int64) + ns
-        r = self.round.astype(np.int64) * n
+        r = self.round.astype(np.int64)
         w = self.nbytes.astype(np.float64)
-        out = np.bincount(r + gs, weights=w, minlength=self.num_rounds * n)
-        out += np.bincount(r + gd, weights=w, minlength=self.num_rounds * n)
+        out = np.bincount(r * n + gd, weights=w, minlength=self.num_rounds * n)
+        t = ~self.from_rollout
+        out += np.bincount(r[t] * n + self.src_rank[t], weights=w[t], minlength=self.num_rounds * n)
         return out.reshape(self.num_rounds, n)
 
     def sent_bytes(self) -> np.ndarray:
@@ -344,13 +350,24 @@ def _bundles(gsrc: np.ndarray, gdst: np.ndarray, extra: np.ndarray, nbytes: np.n
     return order, bundle, j[new_bundle]
 
 
-def _assign_rounds(cols: dict[str, np.ndarray], n_src: int, n_dst: int, budget: int, half_cap: int) -> np.ndarray:
-    """Round of every row: lockstep filling of trainer sends, then first-fit of the on-node relays."""
+def _assign_rounds(cols: dict[str, np.ndarray], intra: np.ndarray, n_src: int, n_dst: int, budget: int,
+                   half_cap: int) -> np.ndarray:
+    """Round of every row: lockstep filling (module docstring), relays in the round after their source's.
+
+    Staging per rank and round = bytes it receives + bytes it sends as a trainer rank (packed into
+    send buffers); a relay sends from the copy its sender already holds. Each destination takes, in
+    every round, trainer bundles and then the relays that have become possible. NIC bytes per rank
+    and round are capped at the busiest NIC's total over R (R = the rounds the budget forces), so
+    when relays dominate a node's bytes the NICs are paced and NVLink relays overlap them instead
+    of piling up at the end; when NIC bytes dominate, the cap exceeds the budget and does nothing.
+    """
     n_all = n_src + n_dst
     relay, nbytes, parent = cols["relay"], cols["nbytes"], cols["parent"]
+    n_rows = len(nbytes)
     gsrc = np.where(relay, cols["src"] + n_src, cols["src"])
     gdst = cols["dst"] + n_src
-    rnd = np.full(len(nbytes), -1, dtype=np.int64)
+    rnd = np.full(n_rows, -1, dtype=np.int64)
+    nb_l = nbytes.tolist()
 
     sends = np.flatnonzero(~relay)
     order, bundle, j = _bundles(gsrc[sends], gdst[sends], np.zeros(len(sends), np.int64), nbytes[sends], half_cap)
@@ -358,12 +375,33 @@ def _assign_rounds(cols: dict[str, np.ndarray], n_src: int, n_dst: int, budget: 
     first = np.flatnonzero(np.r_[True, bundle[1:] != bundle[:-1]])
     bsize = np.add.reduceat(nbytes[rows_sorted], first).tolist() if len(first) else []
     bsrc, bdst = gsrc[rows_sorted][first], gdst[rows_sorted][first]
+    bnic = (~intra[rows_sorted][first]).tolist()
+    bounds = np.r_[first, len(rows_sorted)].tolist()
+    rows_l = rows_sorted.tolist()
+    # relay children of every row, as CSR over parent rows
+    relays = np.flatnonzero(relay)
+    kids = relays[np.argsort(parent[relays], kind="stable")]
+    kid_off = np.r_[0, np.cumsum(np.bincount(parent[relays], minlength=n_rows))].tolist()
+    kids_l, gdst_l = kids.tolist(), gdst.tolist()
+    bkids = (np.add.reduceat(np.diff(np.asarray(kid_off))[rows_sorted], first) > 0).tolist() if len(first) else []
+
+    staging = np.bincount(gdst, weights=nbytes, minlength=n_all) + np.bincount(
+        gsrc[sends], weights=nbytes[sends], minlength=n_all)
+    min_rounds = max(1, int(np.ceil(staging.max() / budget))) if n_rows else 1
+    nic_rows = ~intra & ~relay
+    nic_io = np.bincount(gdst[nic_rows], weights=nbytes[nic_rows], minlength=n_all) + np.bincount(
+        gsrc[nic_rows], weights=nbytes[nic_rows], minlength=n_all)  # NIC in (rollout) or out (trainer)
+    # one NIC cap per round for every rank: the busiest NIC's bytes spread over the rounds the
+    # budget forces anyway (no-op when NIC bytes dominate staging; paces the NICs when relays do)
+    nic_cap = float(nic_io.max()) / min_rounds * NIC_QUOTA_SLACK if n_rows else 0.0
+
     # Per destination, interleave sources (every source's j-th bundle before any (j+1)-th), starting
     # at a source rotated per destination: a busy sender then blocks one queue slot, not a run.
     rot = (bsrc - (bdst - n_src) * 7919) % n_all
     qorder = np.lexsort((rot, j, bdst)).tolist()
     bsrc_l, bdst_l = bsrc.tolist(), bdst.tolist()
     queues: list[deque[int]] = [deque() for _ in range(n_dst)]
+    rqueues: list[deque[list]] = [deque() for _ in range(n_dst)]  # [size, eligible round, rows, sender]
     for b in qorder:
         queues[bdst_l[b] - n_src].append(b)
     bround = [-1] * len(bsize)
@@ -371,81 +409,89 @@ def _assign_rounds(cols: dict[str, np.ndarray], n_src: int, n_dst: int, budget: 
     r = 0
     while left:
         used = [0] * n_all
-        active = [d for d in range(n_dst) if queues[d]]
+        nic_used = [0] * n_all
+        nvl_out = [0] * n_all
+        active = [d for d in range(n_dst) if queues[d] or rqueues[d]]
         start = r % len(active)
         for d in active[start:] + active[:start]:
-            q, gd = queues[d], d + n_src
-            room, kept, scanned, too_big = budget - used[gd], [], 0, 0
+            gd = d + n_src
+            room = budget - used[gd]
+            q, kept, scanned, too_big = queues[d], [], 0, 0
             while q and scanned < SCAN_LIMIT and too_big < TOO_BIG_LIMIT:
                 b = q.popleft()
                 scanned += 1
                 size, gs = bsize[b], bsrc_l[b]
-                if size > room:
+                if size > room or (bnic[b] and nic_used[gd] and nic_used[gd] + size > nic_cap):
                     too_big += 1
                     kept.append(b)
                     continue
-                if used[gs] + size > budget:
+                if used[gs] + size > budget or (bnic[b] and nic_used[gs] and nic_used[gs] + size > nic_cap):
                     kept.append(b)
                     continue
                 used[gs] += size
-                used[gd] += size
                 room -= size
+                if bnic[b]:
+                    nic_used[gd] += size
+                    nic_used[gs] += size
                 bround[b] = r
                 left -= 1
+                if bkids[b]:
+                    left += _queue_relays(b, bounds, rows_l, kid_off, kids_l, gdst_l, nb_l, n_src, r + 1,
+                                          2 * half_cap, rqueues, gd)
             q.extendleft(reversed(kept))
+            rq, kept, scanned = rqueues[d], [], 0
+            while rq and rq[0][1] <= r and scanned < SCAN_LIMIT and room > 0:
+                it = rq.popleft()
+                scanned += 1
+                size, gs = it[0], it[3]
+                if size > room or nvl_out[gs] + size > budget:  # NVLink out per round: one budget
+                    kept.append(it)
+                    continue
+                room -= size
+                nvl_out[gs] += size
+                left -= 1
+                for c in it[2]:
+                    rnd[c] = r
+            rq.extendleft(reversed(kept))
+            used[gd] = budget - room
         r += 1
-    rnd[rows_sorted] = np.asarray(bround, dtype=np.int64)[bundle]
-
-    relays = np.flatnonzero(relay)
-    if len(relays):
-        n_rounds = r
-        staging = np.zeros((n_rounds, n_all))
-        np.add.at(staging, (rnd[sends], gsrc[sends]), nbytes[sends])
-        np.add.at(staging, (rnd[sends], gdst[sends]), nbytes[sends])
-        used_rows = [row for row in staging.tolist()]
-        min_round = rnd[parent[relays]] + 1
-        order, bundle, _ = _bundles(gsrc[relays], gdst[relays], min_round, nbytes[relays], half_cap)
-        rows_sorted = relays[order]
-        first = np.flatnonzero(np.r_[True, bundle[1:] != bundle[:-1]])
-        bsize = np.add.reduceat(nbytes[rows_sorted], first).tolist()
-        bs, bd = gsrc[rows_sorted][first].tolist(), gdst[rows_sorted][first].tolist()
-        bmin = min_round[order][first].tolist()
-        bround = []
-        cap = 2 * half_cap
-        # roomy[g]: the first round where rank g can take any bundle (>= cap bytes left); rounds
-        # before it are skipped, trading a little packing for not rescanning full rounds
-        roomy = [0] * n_all
-        for size, gs, gd, lo in sorted(zip(bsize, bs, bd, bmin), key=lambda x: (x[3], x[2], x[1], -x[0])):
-            for g in (gs, gd):
-                while roomy[g] < len(used_rows) and used_rows[roomy[g]][g] > budget - cap:
-                    roomy[g] += 1
-            rr = max(lo, min(roomy[gs], roomy[gd]))
-            while True:
-                if rr == len(used_rows):
-                    used_rows.append([0.0] * n_all)
-                u = used_rows[rr]
-                if u[gs] + size <= budget and u[gd] + size <= budget:
-                    u[gs] += size
-                    u[gd] += size
-                    break
-                rr += 1
-            bround.append(rr)
-        # bround follows the sorted bundle order: map back to bundle ids
-        sorted_ids = sorted(range(len(bsize)), key=lambda i: (bmin[i], bd[i], bs[i], -bsize[i]))
-        by_id = np.empty(len(bsize), dtype=np.int64)
-        by_id[np.asarray(sorted_ids, dtype=np.int64)] = bround
-        rnd[rows_sorted] = by_id[bundle]
-    # drop empty rounds (keeps relative order, so relays stay after their parents)
+    if len(bsize):
+        rnd[rows_sorted] = np.asarray(bround, dtype=np.int64)[bundle]
+    # drop empty rounds (keeps relative order, so relays stay after their sources)
     _, rnd = np.unique(rnd, return_inverse=True)
     return rnd
+
+
+def _queue_relays(b: int, bounds: list[int], rows: list[int], kid_off: list[int], kids: list[int],
+                  gdst: list[int], nbytes: list[int], n_src: int, eligible: int, cap: int,
+                  rqueues: list[deque[list]], sender: int) -> int:
+    """Queue the relays of bundle b's rows at their destinations, cut to `cap`; returns bundles added."""
+    by_dst: dict[int, list[int]] = {}
+    for i in rows[bounds[b]:bounds[b + 1]]:
+        for c in kids[kid_off[i]:kid_off[i + 1]]:
+            by_dst.setdefault(gdst[c], []).append(c)
+    added = 0
+    for gd, crow in by_dst.items():
+        q = rqueues[gd - n_src]
+        cur, size = [], 0
+        for c in crow:
+            if size and size + nbytes[c] > cap:
+                q.append([size, eligible, cur, sender])
+                added += 1
+                cur, size = [], 0
+            cur.append(c)
+            size += nbytes[c]
+        q.append([size, eligible, cur, sender])
+        added += 1
+    return added
 
 
 def plan(src: TrainerLayout, dst: RolloutLayout, spec: MoESpec, memory_budget_bytes: int,
          topology: Topology | None = None) -> Plan:
     """Plan moving `spec`'s weights from trainer layout `src` to rollout layout `dst`.
 
-    Pure: no processes, no tensors. `memory_budget_bytes` bounds, per rank and round, the bytes
-    sent plus received. Raises ValueError for layouts that do not fit the spec or a budget below
+    Pure: no processes, no tensors. `memory_budget_bytes` bounds, per rank and round, the staging
+    bytes (received, plus sent by trainer ranks). Raises ValueError for layouts that do not fit the spec or a budget below
     MIN_BUDGET_BYTES.
     """
     if not isinstance(memory_budget_bytes, int) or memory_budget_bytes < MIN_BUDGET_BYTES:
@@ -459,13 +505,12 @@ def plan(src: TrainerLayout, dst: RolloutLayout, spec: MoESpec, memory_budget_by
     rows = _Rows()
     _assign_pieces(spec, src_pl, dst_pl, snode, dnode, topo.colocated, half_cap, rows)
     cols = rows.columns()
-    rnd = _assign_rounds(cols, n_src, n_dst, memory_budget_bytes, half_cap)
-
     relay, src_r, dst_r = cols["relay"], cols["src"], cols["dst"]
-    gsrc = np.where(relay, src_r + n_src, src_r)
-    order = np.lexsort((np.arange(len(rnd)), dst_r, gsrc, rnd))
     src_node = np.where(relay, dnode[np.where(relay, src_r, 0)], snode[np.where(relay, 0, src_r)])
     intra = src_node == dnode[dst_r]
+    rnd = _assign_rounds(cols, intra, n_src, n_dst, memory_budget_bytes, half_cap)
+    gsrc = np.where(relay, src_r + n_src, src_r)
+    order = np.lexsort((np.arange(len(rnd)), dst_r, gsrc, rnd))
     return Plan(spec=spec, src=src, dst=dst, topology=topo, memory_budget_bytes=memory_budget_bytes,
                 num_rounds=int(rnd.max()) + 1 if len(rnd) else 0, src_rank=src_r[order].astype(np.int32),
                 from_rollout=relay[order], dst_rank=dst_r[order].astype(np.int32),

@@ -12,10 +12,12 @@ Three numbers describe a resharding:
                     max(NVLink bytes out, in) / NVLink rate, whichever is larger (+ round_latency_s).
   * lower bound   = the line-rate floor no schedule can beat: the max of
                     (a) per rollout node, the distinct bytes its GPUs must hold that no GPU on that
-                        node already has, over the node's total NIC rate;
+                        node already has, over the node's NIC rate;
                     (b) per trainer node, the bytes only that node holds times the number of rollout
                         nodes that need them, over the node's NIC rate;
-                    (c) all bytes that must cross a NIC, over the NIC rate of all trainer nodes.
+                    (c) all bytes that must cross a NIC, over the NIC rate of all trainer GPUs.
+                    A node's NIC rate here is the per-GPU share times the GPUs the layout uses on
+                    it (the full node rate when the layout fills the node).
   * broadcast baseline = the path verl and slime take (`update_weights_from_distributed`): per
                     pipeline stage one source rank gathers full HF tensors (TP all-gather over
                     NVLink, then the expert all-gather over the EP x ETP group: NVLink when that
@@ -37,7 +39,7 @@ import numpy as np
 from moe.specs import MoESpec, Role
 
 if TYPE_CHECKING:
-    from moe.layouts import RolloutLayout, TensorPlacement, TrainerLayout
+    from moe.layouts import TensorPlacement, TrainerLayout
     from moe.plan import Plan
 
 
@@ -140,10 +142,16 @@ def lower_bound(spec: MoESpec, src_pl: list[TensorPlacement], dst_pl: list[Tenso
         total_cross += b * len(needing)
         if len(sn) == 1:
             forced_out[sn[0]] += b * len(needing)
-    bw = topo.node_nic_bytes_per_s
-    n_src_nodes = int(src_nodes.max()) + 1
-    terms = {"dst_node_in_s": float(unique_in.max()) / bw, "src_node_forced_out_s": float(forced_out.max()) / bw,
-             "aggregate_s": total_cross / (n_src_nodes * bw)}
+    # A node's usable NIC rate is its share per GPU times the GPUs this side uses on it (rail-optimised
+    # NICs: a node only partly filled by a layout cannot use the NICs of its idle GPUs).
+    share = topo.gpu_nic_bytes_per_s
+    dst_bw = np.bincount(dst_nodes, minlength=n_nodes) * share
+    src_bw = np.bincount(src_nodes, minlength=n_nodes) * share
+    with np.errstate(divide="ignore", invalid="ignore"):
+        in_s = np.where(unique_in > 0, unique_in / dst_bw, 0.0)
+        out_s = np.where(forced_out > 0, forced_out / src_bw, 0.0)
+    terms = {"dst_node_in_s": float(in_s.max()), "src_node_forced_out_s": float(out_s.max()),
+             "aggregate_s": total_cross / (src_world * share)}
     return {"lower_bound_s": max(terms.values()), **terms, "cross_node_bytes": total_cross,
             "max_node_in_bytes": float(unique_in.max())}
 

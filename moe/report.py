@@ -88,7 +88,11 @@ def plan_report(spec: MoESpec, trainer: TrainerLayout, rollout: RolloutLayout, *
 
 
 def _gib(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB"
+    return f"{x / 2**30:.2f} GiB" if x >= 2**24 else f"{x / 2**20:.2f} MiB"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n:,}"
 
 
 def render_text(r: dict[str, Any]) -> str:
@@ -100,7 +104,7 @@ def render_text(r: dict[str, Any]) -> str:
 
     tl, rl = t["layout"], ro["layout"]
     lines = [
-        f"model            {r['model']}: {r['total_params'] / 1e9:.2f}B params, {_gib(r['total_bytes'])}",
+        f"model            {r['model']}: {_params(r['total_params'])} params, {_gib(r['total_bytes'])}",
         f"trainer          {t['world_size']} GPUs  tp={tl['tp']} pp={tl['pp']} ep={tl['ep']} etp={tl['etp']} "
         f"dp={tl['dp']} cp={tl['cp']}",
         f"  per GPU        params {_gib(t['params_bytes_per_gpu'])} + grads {_gib(t['grads_bytes_per_gpu'])} "
@@ -115,8 +119,8 @@ def render_text(r: dict[str, Any]) -> str:
         f"({pl['planning_cpu_s']:.2f} s CPU)",
         f"  bytes          NIC {pl['nic_bytes'] / 1e12:.2f} TB, NVLink {pl['nvlink_bytes'] / 1e12:.2f} TB; "
         f"per GPU recv max {_gib(r['max_recv_bytes_per_gpu'])}, send max {_gib(r['max_send_bytes_per_gpu'])}",
-        f"time             estimate {r['estimate_s']:.3f} s | line-rate lower bound {r['lower_bound_s']:.3f} s "
-        f"(x{r['estimate_over_lower_bound']:.3f}) | broadcast baseline {r['baseline_broadcast_s']:.2f} s "
-        f"(x{r['speedup_vs_baseline']:.1f} slower)",
+        f"time             estimate {r['estimate_s']:.4g} s | line-rate lower bound {r['lower_bound_s']:.4g} s "
+        f"(estimate x{r['estimate_over_lower_bound']:.3f}) | broadcast baseline {r['baseline_broadcast_s']:.4g} s "
+        f"(x{r['speedup_vs_baseline']:.1f} the estimate)",
     ]
     return "\n".join(lines)

@@ -239,3 +239,22 @@ def test_bad_inputs() -> None:
         plan(TrainerLayout(ep=3, dp=3), RolloutLayout(), spec, 1 << 20)
     with pytest.raises(ValueError, match="Topology.gpus_per_node=0"):
         Topology(gpus_per_node=0)
+
+
+def test_plan_report_keys_and_text() -> None:
+    import json
+
+    from moe.report import plan_report, render_text
+
+    spec = get_spec("deepseek_v3/debug")
+    r = plan_report(spec, TrainerLayout(tp=2, pp=3, ep=4, dp=2), RolloutLayout(num_engines=2, tp=4, ep=4, dp_attention=2),
+                    gpu_memory_bytes=1 << 20)
+    for key in ("total_params", "lower_bound_s", "estimate_s", "baseline_broadcast_s", "max_recv_bytes_per_gpu",
+                "must_hold_bytes_per_gpu"):
+        assert key in r, key
+    assert r["total_params"] == spec.total_params and r["estimate_s"] >= r["lower_bound_s"] > 0
+    assert r["max_recv_bytes_per_gpu"] == r["must_hold_bytes_per_gpu"]  # every held byte arrives exactly once
+    assert r["trainer"]["fits"] is True and r["rollout"]["fits"] is True
+    json.dumps(r)
+    text = render_text(r)
+    assert "deepseek_v3/debug" in text and "line-rate lower bound" in text and "broadcast baseline" in text

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from launch.procs import process_gone
+from launch.procs import process_gone, session_members
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -67,19 +67,20 @@ class _RankWatch(threading.Thread):
                     return
 
 
-def _kill_group(pgid: int, grace_s: float) -> None:
-    """TERM then KILL every process of the world's session."""
+def _kill_session(sid: int, grace_s: float) -> None:
+    """TERM then KILL every process of the world's session (Hydra's proxies put ranks in process
+    groups of their own, so a process-group kill would miss them)."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
+        members = session_members(sid)
+        if not members:
             return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
+        for pid in members:
             try:
-                os.killpg(pgid, 0)
+                os.kill(pid, sig)
             except ProcessLookupError:
-                return
+                pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and session_members(sid):
             time.sleep(0.05)
 
 
@@ -89,6 +90,8 @@ def run_world(world_size: int, argv: list[str], run_dir: Path, env: dict[str, st
     # -disable-auto-cleanup: a rank that dies must not take the others down with it before the
     # controller has named it; the controller then aborts the world and we kill what is left.
     cmd = [mpiexec_path(), "-launcher", "fork", "-disable-auto-cleanup", "-n", str(world_size), *argv]
+    env = dict(os.environ if env is None else env)
+    env["HPCRL_LAUNCHER"] = "mpiexec"
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     watch = _RankWatch(run_dir)
     watch.start()
@@ -99,7 +102,8 @@ def run_world(world_size: int, argv: list[str], run_dir: Path, env: dict[str, st
         ranks = _read_json(run_dir / ".ranks.json")
         try:
             if ranks:
-                os.kill(ranks[0]["pid"], signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM)
+                # TERM, not USR1: Hydra uses USR1 inside the world to report a dead rank.
+                os.kill(ranks[0]["pid"], signal.SIGTERM)
             else:
                 os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -112,5 +116,5 @@ def run_world(world_size: int, argv: list[str], run_dir: Path, env: dict[str, st
         for s, handler in previous.items():
             signal.signal(s, handler)
         watch.stop.set()
-        _kill_group(proc.pid, grace_s)
+        _kill_session(proc.pid, grace_s)
     return rc, watch.first_death

@@ -10,3 +10,29 @@ def process_gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
     except OSError:
         return True
+
+
+def die_with_parent() -> None:
+    """In a child (as Popen's preexec_fn): get SIGKILL when the parent dies (Linux prctl), so an
+    engine server never outlives the rank that started it."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def session_members(sid: int) -> list[int]:
+    """Pids of live processes in session `sid` (all descendants of a start_new_session child,
+    whatever process groups they made)."""
+    import os
+
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid and not process_gone(int(entry)):
+                    pids.append(int(entry))
+            except OSError:
+                continue
+    return pids

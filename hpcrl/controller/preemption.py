@@ -51,8 +51,14 @@ class PreemptionWatch:
         self.end_time = slurm_end_time()
         self.signal_time: float | None = None
         self.signal_name = ""
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        if os.environ.get("HPCRL_LAUNCHER") == "mpiexec":
+            # MPICH's Hydra (local runs, -disable-auto-cleanup) tells survivors that a rank died
+            # with SIGUSR1; that is not a preemption (the controller's deadlines handle it). The
+            # local launcher forwards a user's USR1 to the controller as SIGTERM instead.
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        else:
+            signal.signal(signal.SIGUSR1, self._on_signal)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if self.signal_time is None:

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from launch.procs import die_with_parent
+
 __all__ = ["EngineClient", "EngineError", "launch_reference_server"]
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
@@ -265,7 +267,7 @@ def launch_reference_server(model_config_path: str, port: int, device: str = "cp
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (handed to Popen)
     try:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_parent)
     finally:
         if log_path:
             log.close()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hpcrl.config.schema import JobConfig
 from hpcrl.dist import free_port, routable_host
+from launch.procs import die_with_parent
 
 
 def _launch_sglang(job: JobConfig, run_dir: Path, host: str, port: int, log_path: Path) -> subprocess.Popen:
@@ -24,7 +25,7 @@ def _launch_sglang(job: JobConfig, run_dir: Path, host: str, port: int, log_path
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", host,
            "--port", str(port), "--tp-size", str(job.rollout.tp_per_engine), "--load-format", "dummy",
            "--skip-tokenizer-init", "--dtype", job.model.dtype, *job.rollout.server_args]
-    return subprocess.Popen(cmd, stdout=log_path.open("a"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, stdout=log_path.open("a"), stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
 
 
 def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
@@ -41,7 +42,7 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
             device = job.resources.device
             state["proc"] = launch_reference_server(str(run_dir / "model_config.json"), port, device,
                                                     job.trainer.seed, str(log_path), host=host,
-                                                    dtype=job.model.dtype,
+                                                    dtype=job.model.dtype, threads=job.resources.cpus_per_rank,
                                                     startup_timeout_s=job.resources.startup_timeout_s,
                                                     extra_args=job.rollout.server_args)
             url = f"http://{host}:{port}"

@@ -26,9 +26,8 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         from hpcrl.trainer.policy import MegatronPolicy
 
         megatron_compat.apply()
+        torch.set_num_threads(job.resources.cpus_per_rank)
         device = job.resources.device
-        if device == "cuda":
-            torch.cuda.set_device(world.role_comm.Get_rank() % torch.cuda.device_count())
         init_torch_distributed(world.role_comm, "nccl" if device == "cuda" else "gloo",
                                job.resources.timeout_s)
         hf_config = json.loads((run_dir / "model_config.json").read_text())

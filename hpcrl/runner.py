@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from hpcrl.config import load_job, to_dict
+from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import JobConfig
 from hpcrl.models.presets import load_hf_config
 
@@ -39,8 +40,6 @@ def prepare_run_dir(job: JobConfig, run_dir: Path) -> None:
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:
-        from hpcrl.config.errors import ConfigError
-
         raise ConfigError("--run-dir", str(run_dir), f"cannot create or write it ({exc.strerror}); "
                           "choose a writable directory") from None
     resolved = to_dict(job)
@@ -52,12 +51,27 @@ def prepare_run_dir(job: JobConfig, run_dir: Path) -> None:
         (run_dir / stale).unlink(missing_ok=True)
 
 
+def check_resume(job: JobConfig, run_dir: Path, resume: str) -> None:
+    """Refuse impossible resume requests before anything starts (the controller checks again)."""
+    from checkpoints import list_checkpoints
+
+    ckpt_dir = Path(job.checkpoint.dir) if job.checkpoint.dir else run_dir / "checkpoints"
+    existing = list_checkpoints(ckpt_dir) if ckpt_dir.exists() else []
+    if resume == "none" and existing:
+        raise ConfigError("--no-resume", True, f"{ckpt_dir} holds checkpoints (steps {existing}) that a fresh "
+                          "run would overwrite; use another --run-dir or checkpoint.dir, or delete them")
+    if resume not in ("auto", "none") and int(resume) not in existing:
+        raise ConfigError("--resume-from", int(resume), f"no complete checkpoint at that step in {ckpt_dir}; "
+                          f"available steps: {existing or 'none'}")
+
+
 def run_local(job_path: str, overrides: list[str], cli_run_dir: str | None, resume: str = "auto") -> int:
     """`hpcrl run`: resume is "auto" (latest checkpoint of the run dir), "none" or a step number."""
     from launch.local import run_world
 
     job = load_job(job_path, overrides)
     run_dir = resolve_run_dir(job, cli_run_dir)
+    check_resume(job, run_dir, resume)
     prepare_run_dir(job, run_dir)
     print(f"hpcrl run: {job.name}: {job.world_size} ranks (1 controller, {job.trainer.num_procs} trainer, "
           f"{job.rollout.num_engines} rollout), run dir {run_dir}", flush=True)

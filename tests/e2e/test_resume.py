@@ -1,0 +1,122 @@
+"""Preemption-safe, bit-identical resume of `hpcrl run` (CPU example, fixed seed): interrupted by a
+signal or by kill -9 between checkpoints, then rerun, a run ends with the same policy_sha256 and the
+same per-step reward/mean as an uninterrupted run; corrupted checkpoints are detected."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from e2e_util import EXAMPLE, REPO, hpcrl, leftover_processes
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+ARGS = ["--set", "algorithm.num_steps=8", "--set", "checkpoint.interval_steps=3", "--set", "logging.progress=false"]
+EXIT_REQUEUE = 3
+
+
+def _result(run_dir: Path) -> tuple[list[tuple[int, float]], str]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["reward/mean"]) for r in records], json.loads((run_dir / "final.json").read_text())[
+        "policy_sha256"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, timeout_s=500)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return _result(run_dir)
+
+
+def _start(run_dir: Path) -> subprocess.Popen:
+    env = dict(os.environ)
+    env.pop("HPCRL_FAULT", None)
+    return subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _wait_for_step(proc: subprocess.Popen, run_dir: Path, steps: int, timeout_s: float = 400) -> None:
+    deadline = time.monotonic() + timeout_s
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        assert proc.poll() is None, proc.communicate()[0][-2000:]
+        time.sleep(0.1)
+    raise AssertionError(f"run did not reach {steps} steps")
+
+
+@pytest.mark.parametrize("signame", ["SIGUSR1", "SIGTERM"])
+def test_signal_saves_exits_for_requeue_and_resume_is_bit_identical(tmp_path, uninterrupted, signame):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    _wait_for_step(proc, run_dir, 4)
+    proc.send_signal(getattr(signal, signame))
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == EXIT_REQUEUE, out[-3000:]
+    assert "preempted" in out and "requeue" in out
+    assert not (run_dir / "final.json").exists()
+    resumed, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, timeout_s=400)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "resumed from checkpoint step" in resumed.stdout
+    assert _result(run_dir) == uninterrupted
+    assert not leftover_processes(str(run_dir))
+
+
+def test_kill_9_between_checkpoints_then_resume_is_bit_identical(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    _wait_for_step(proc, run_dir, 7)  # checkpoints at steps 2 and 5; step 6 is lost
+    import psutil
+
+    # kill -9 everything at once, as a node failure would: launcher, mpiexec, ranks, engine
+    victims = [proc.pid] + [p.pid for p in psutil.process_iter(["cmdline"])
+                            if str(run_dir) in " ".join(p.info["cmdline"] or [])]
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.communicate(timeout=60)
+    assert not leftover_processes(str(run_dir))
+    resumed, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, timeout_s=400)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "resumed from checkpoint step 5" in resumed.stdout
+    assert _result(run_dir) == uninterrupted
+
+
+def test_corrupt_shard_is_named_and_an_older_checkpoint_can_be_chosen(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    _wait_for_step(proc, run_dir, 4)
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.communicate(timeout=300)[0] and proc.returncode == EXIT_REQUEUE
+    ckpt = run_dir / "checkpoints"
+    steps = sorted(int(p.name.split("_")[1]) for p in ckpt.glob("step_*"))
+    latest = ckpt / f"step_{steps[-1]:06d}"
+    shard = sorted(latest.glob("*.h5"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    bad, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, timeout_s=400)
+    text = bad.stdout + bad.stderr
+    assert bad.returncode != 0
+    assert shard.name in text and str(steps[-1]) in text, text[-3000:]
+    good, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, "--resume-from", str(steps[0]),
+                    timeout_s=400)
+    assert good.returncode == 0, good.stdout[-2000:] + good.stderr[-2000:]
+    assert _result(run_dir) == uninterrupted
+
+
+def test_resume_flags_are_checked_before_starting(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    out, wall = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, "--resume-from", "99", timeout_s=120)
+    assert out.returncode == 2 and "--resume-from" in out.stderr and "99" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

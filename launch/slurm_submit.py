@@ -73,9 +73,22 @@ def _component(key: str, nodes: int, tasks: int, what: str, gpus: int, cpus: int
                           mem_gb=mem_gb, extra_sbatch_options=(*pin, *extra))
 
 
-def job_spec(job: Any, run_dir: Path, partition: str
+def resume_lines(resume: str) -> tuple[str, ...]:
+    """Batch-script lines that pass `hpcrl submit --no-resume / --resume-from STEP` (resume "none" or
+    a step) to the ranks as HPCRL_RESUME for the first attempt only: a requeued attempt must resume
+    from the latest checkpoint, and Slurm would replay the submit-time environment. "auto" (the
+    controller's default) needs no line."""
+    if resume == "auto":
+        return ()
+    flag = "--no-resume" if resume == "none" else f"--resume-from {int(resume)}"
+    return (f'if [[ "${{SLURM_RESTART_COUNT:-0}}" == 0 ]]; then export HPCRL_RESUME={resume}; '
+            f"else export HPCRL_RESUME=auto; fi  # hpcrl submit {flag}: first attempt only",)
+
+
+def job_spec(job: Any, run_dir: Path, partition: str, resume: str = "auto"
              ) -> tuple[SlurmJobSpec, tuple[str, ...], tuple[str, ...]]:
-    """(spec, roles per component, warnings) for `job` in `run_dir` on `partition`; no cluster access."""
+    """(spec, roles per component, warnings) for `job` in `run_dir` on `partition`; no cluster access.
+    `resume` is "auto", "none" or a step number (see `resume_lines`)."""
     res, s, t, r = job.resources, job.slurm, job.trainer, job.rollout
     if not run_dir.is_absolute():
         raise SlurmError("--run-dir", str(run_dir), "must be an absolute path")
@@ -105,7 +118,7 @@ def job_spec(job: Any, run_dir: Path, partition: str
             job_name=job.name, partition=partition, account=s.account, qos=s.qos,
             time_limit_min=parse_time_limit(s.time, "slurm.time"), components=components,
             command=worker_command(job, run_dir), run_dir=str(run_dir), log_dir=str(run_dir / LOG_DIR_NAME),
-            env_setup=tuple(s.env_setup), mpi=s.mpi, signal_delay_s=s.signal_delay_s,
+            env_setup=(*resume_lines(resume), *s.env_setup), mpi=s.mpi, signal_delay_s=s.signal_delay_s,
             extra_srun_options=("--kill-on-bad-exit=0", *s.extra_srun_options))
     except ValueError as exc:  # validate() checks the slurm section first; this names any leftover
         raise SlurmError("slurm", "section", str(exc)) from None
@@ -201,7 +214,7 @@ def check_run_dir_free(run_dir: Path) -> None:
                                                     f"(hpcrl cancel {run_dir}) or choose another run dir")
 
 
-def plan_submission(job: Any, run_dir: Path, *, check: bool = True) -> SubmitPlan:
+def plan_submission(job: Any, run_dir: Path, *, check: bool = True, resume: str = "auto") -> SubmitPlan:
     """Build and render the Slurm job of `job` in `run_dir`. With `check` (what submit does): sbatch
     must be on PATH, the cluster's partition must fit the job (`check_cluster`) and the run dir must
     not hold a live job. Without it (render) the cluster is asked only for its default partition when
@@ -219,7 +232,7 @@ def plan_submission(job: Any, run_dir: Path, *, check: bool = True) -> SubmitPla
                                                       f"the cluster cannot be asked ({exc}); set "
                                                       "slurm.partition") from None
     partition = job.slurm.partition or default_partition(partitions)
-    spec, roles, warnings = job_spec(job, run_dir, partition)
+    spec, roles, warnings = job_spec(job, run_dir, partition, resume)
     if check:
         check_cluster(job, spec, roles, partitions)
         check_run_dir_free(run_dir)

@@ -225,6 +225,7 @@ BAD_INPUTS = {
     "invalid time format": (["slurm.time='1:2:3:4'"], "slurm.time='1:2:3:4': not a Slurm time limit"),
     "unwritable run dir": ([], "--run-dir='{run_dir}': cannot create or write it"),
     "missing sbatch": ([], "sbatch='not found': hpcrl needs Slurm's client tools on PATH"),
+    "resume from a missing checkpoint": ([], "--resume-from=3: no complete checkpoint at that step"),
 }
 
 
@@ -243,6 +244,8 @@ def test_bad_inputs_fail_before_submission(case, job_dir: Path, tmp_path: Path, 
     argv = ["submit", str(EXAMPLE), "--set", f"name={name}", "--run-dir", str(run_dir)]
     for o in overrides:
         argv += ["--set", o.format(**facts)]
+    if case == "resume from a missing checkpoint":
+        argv += ["--resume-from", "3"]
     assert main(argv) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from hpcrl.config import ConfigError, load_job
 from launch import slurm_spec
 from launch.slurm_query import (NodeInfo, PartitionInfo, SlurmError, attempt_logs, gpu_count, parse_records,
                                 resolve_run, write_logs)
-from launch.slurm_submit import check_cluster, default_partition, job_spec, plan_submission
+from launch.slurm_submit import check_cluster, default_partition, job_spec, plan_submission, resume_lines
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
@@ -100,6 +101,19 @@ def test_run_dir_slurm_cannot_quote_is_rejected():
     with pytest.raises(SlurmError) as err:
         spec_of(job_with(), Path("/runs/my run"))
     assert err.value.path == "--run-dir" and "without whitespace" in err.value.hint
+
+
+@pytest.mark.parametrize("resume, first", [("none", "none"), ("7", "7")])
+def test_resume_flags_reach_the_first_attempt_only(resume, first):
+    spec, _, _ = job_spec(job_with("slurm.env_setup=['echo user line']"), Path("/runs/r1"), "debug", resume)
+    assert spec.env_setup == (*resume_lines(resume), "echo user line")
+    assert resume_lines(resume)[0] in slurm_spec.render(spec)
+    for restarts, expected in (("", first), ("0", first), ("1", "auto"), ("3", "auto")):
+        env = {"PATH": "/usr/bin:/bin"} | ({"SLURM_RESTART_COUNT": restarts} if restarts else {})
+        out = subprocess.run(["bash", "-c", f'{resume_lines(resume)[0]}\necho "$HPCRL_RESUME"'], env=env,
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        assert out == f"{expected}\n", (restarts, out)
+    assert resume_lines("auto") == ()
 
 
 # ---- the cluster checks -----------------------------------------------------------------------

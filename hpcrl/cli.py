@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("render", help="print the sbatch script that `hpcrl submit` would send")
     _add_job_args(p)
     p.add_argument("--run-dir", default=None, help="run directory the script is rendered for (as for submit)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--no-resume", action="store_true", help="as for submit")
+    g.add_argument("--resume-from", type=int, default=None, metavar="STEP", help="as for submit")
     p = sub.add_parser("submit", help="check the job against the Slurm cluster and sbatch it")
     _add_job_args(p)
     p.add_argument("--run-dir", default=None, help="run directory (default: logging.run_dir or runs/<name>-<time>)")
@@ -91,7 +94,7 @@ def _render(args: argparse.Namespace) -> int:
     job = load_job(args.job, args.overrides)
     run_dir = resolve_run_dir(job, args.run_dir)
     with _slurm_errors():
-        plan = plan_submission(job, run_dir, check=False)
+        plan = plan_submission(job, run_dir, check=False, resume=_resume_mode(args))
     for warning in plan.warnings:
         print(f"hpcrl render: warning: {warning}", file=sys.stderr)
     if not args.run_dir and not job.logging.run_dir:
@@ -103,13 +106,15 @@ def _render(args: argparse.Namespace) -> int:
 
 def _submit(args: argparse.Namespace) -> int:
     from hpcrl.config import load_job
-    from hpcrl.runner import prepare_run_dir, resolve_run_dir
+    from hpcrl.runner import check_resume, prepare_run_dir, resolve_run_dir
     from launch.slurm_submit import plan_submission, submit
 
     job = load_job(args.job, args.overrides)
     run_dir = resolve_run_dir(job, args.run_dir)
+    resume = _resume_mode(args)
     with _slurm_errors():
-        plan = plan_submission(job, run_dir)
+        plan = plan_submission(job, run_dir, resume=resume)
+        check_resume(job, run_dir, resume)
         for warning in plan.warnings:
             print(f"hpcrl submit: warning: {warning}", file=sys.stderr)
         prepare_run_dir(job, run_dir)
@@ -123,6 +128,11 @@ def _submit(args: argparse.Namespace) -> int:
           f"  hpcrl logs {run_dir} -f\n"
           f"  hpcrl cancel {run_dir}", flush=True)
     return 0
+
+
+def _resume_mode(args: argparse.Namespace) -> str:
+    """--no-resume / --resume-from STEP as the controller's HPCRL_RESUME value."""
+    return "none" if args.no_resume else ("auto" if args.resume_from is None else str(args.resume_from))
 
 
 def _nodes(n: int) -> str:

@@ -55,7 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attempt", type=int, default=None, help="attempt N's log instead of the latest")
     p.add_argument("--all", dest="every", action="store_true", help="the logs of every attempt, oldest first")
     p.add_argument("--batch", action="store_true", help="the batch script's log (signals, requeues, exit codes)")
+    p = sub.add_parser("export", help="write a checkpoint's policy as HuggingFace safetensors + config.json")
+    p.add_argument("run_dir", help="the run directory")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument("--out", required=True, help="output directory")
     return parser
+
+
+def _export(args: argparse.Namespace) -> int:
+    from hpcrl.export import export_checkpoint
+
+    out = export_checkpoint(args.run_dir, args.step, args.out)
+    print(f"exported to {out} (model.safetensors, config.json)")
+    return 0
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -175,8 +187,8 @@ def _cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"validate": _validate, "run": _run, "render": _render, "submit": _submit, "status": _status,
-            "logs": _logs, "cancel": _cancel}
+COMMANDS = {"validate": _validate, "run": _run, "export": _export, "render": _render, "submit": _submit,
+            "status": _status, "logs": _logs, "cancel": _cancel}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,7 +86,9 @@ def join_world(num_trainer: int) -> World:
     comm = MPI.COMM_WORLD
     role = role_of(comm.Get_rank(), num_trainer)
     role_comm = comm.Split(color=ROLES.index(role), key=comm.Get_rank())
-    me = RankInfo(comm.Get_rank(), role, socket.gethostname(), os.getpid())
+    # Under Slurm name the (possibly virtual) node; several slurmd may share one host.
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    me = RankInfo(comm.Get_rank(), role, host, os.getpid())
     ranks = comm.allgather(me)
     return World(comm, role, role_comm, ranks)
 

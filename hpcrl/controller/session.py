@@ -39,6 +39,10 @@ class Session:
         self.checkpointer = Checkpointer(job, run_dir, self.policy, resume_mode_from_env())
         self.metrics: MetricsLogger | None = None
         self._write_json(".ranks.json", [r.__dict__ for r in world.ranks])
+        roles = {role: [r for r in world.ranks if r.role == role] for role in ("controller", "trainer", "rollout")}
+        print(f"hpcrl: MPI world of {len(world.ranks)} ranks: " + "; ".join(
+            f"{role} {','.join(str(r.rank) for r in rs)} on {','.join(sorted({r.host for r in rs}))}"
+            for role, rs in roles.items()), flush=True)
 
     def _write_json(self, name: str, obj: object) -> None:
         tmp = self.run_dir / f"{name}.tmp"

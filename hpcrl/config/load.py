@@ -240,9 +240,11 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict[str, str]:
     return origins
 
 
-def load_job(path: str | os.PathLike, overrides: Iterable[str] = ()) -> JobConfig:
+def load_job(path: str | os.PathLike, overrides: Iterable[str] = (), purpose: str = "run") -> JobConfig:
     """Read, type, resolve and validate a job file; `overrides` are `a.b=value` strings (--set).
 
+    `purpose` is "run" (every check the run path needs) or "plan" (the checks `hpcrl plan` needs:
+    any supported MoE family, full-scale layout keys allowed); see `validate`.
     Relative paths in the file resolve against the file's directory (`JobConfig.base_dir`).
     Raises ConfigError (a ValueError) on the first problem: its `path` is the dotted YAML key
     (`algorithm.lr`), or `job` for file-level problems, or `--set` for a malformed override.
@@ -251,7 +253,7 @@ def load_job(path: str | os.PathLike, overrides: Iterable[str] = ()) -> JobConfi
     origins = apply_overrides(raw, overrides)
     try:
         job = job_from_dict(raw, Path(path).resolve().parent)
-        validate(job)
+        validate(job, purpose)
     except ConfigError as exc:
         origin = origins.get(exc.path.split("[")[0])
         if origin is None:

@@ -81,8 +81,16 @@ class TrainerConfig:
     """Expert parallel size; must divide the number of experts."""
     etp: int = 1
     """Expert tensor parallel size (Megatron expert_tensor_parallel_size)."""
+    cp: int = 1
+    """Context parallel size (Megatron context_parallel_size); `hpcrl plan` only, runs need 1."""
+    first_stage_layers: int = 0
+    """Decoder layers of the first pipeline stage (Megatron num_layers_in_first_pipeline_stage);
+    0 splits the layers evenly. `hpcrl plan` only, runs need 0."""
+    last_stage_layers: int = 0
+    """Decoder layers of the last pipeline stage (Megatron num_layers_in_last_pipeline_stage);
+    0 splits the layers evenly. `hpcrl plan` only, runs need 0."""
     num_procs: int = 1
-    """Trainer ranks; data parallel size = num_procs / (tp * pp)."""
+    """Trainer ranks; data parallel size = num_procs / (tp * cp * pp)."""
     micro_batch_size: int = 64
     """Sequences per micro-batch (gradient accumulation over micro-batches)."""
     dispatcher: str = "alltoall"
@@ -99,6 +107,12 @@ class RolloutConfig:
     """Rollout engines (servers); each holds a full copy of the policy, one MPI rank each."""
     tp_per_engine: int = 1
     """Tensor parallel size inside one engine (sglang only; the reference engine needs 1)."""
+    ep: int = 1
+    """Expert parallel size inside one engine (SGLang --ep-size); divides tp_per_engine.
+    `hpcrl plan` only, runs need 1."""
+    dp_attention: int = 1
+    """Data-parallel attention groups inside one engine (SGLang --dp-size with
+    --enable-dp-attention); divides tp_per_engine. `hpcrl plan` only, runs need 1."""
     temperature: float = 1.0
     """Sampling temperature (> 0)."""
     top_p: float = 1.0
@@ -151,6 +165,24 @@ class ResourcesConfig:
     job stops."""
     startup_timeout_s: float = 600.0
     """Deadline for all ranks to start (imports, model build, engine launch)."""
+
+
+@dataclass(kw_only=True)
+class NetworkConfig:
+    """The hardware model of `hpcrl plan` (default: H100 DGX nodes); runs ignore it."""
+
+    gpus_per_node: int = 8
+    """GPUs per node; ranks fill nodes in order (trainer nodes first, then rollout nodes)."""
+    nics_per_node: int = 8
+    """InfiniBand NICs per node; each GPU uses a 1/gpus_per_node share of their bandwidth."""
+    nic_gbit_per_s: float = 400.0
+    """Line rate of one NIC per direction, in Gbit/s (NDR: 400)."""
+    nvlink_gbyte_per_s: float = 450.0
+    """NVLink bandwidth of one GPU per direction, in GB/s (H100 SXM: 450)."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU in GiB (2^30 bytes); plan fails when a layout needs more per GPU."""
+    memory_budget_gb: float = 1.0
+    """Staging memory per GPU per weight-transfer round in GiB: received plus sent bytes in flight."""
 
 
 @dataclass(kw_only=True)
@@ -208,6 +240,7 @@ class JobConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     base_dir: str = field(default=".", metadata={"internal": True})

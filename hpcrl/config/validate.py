@@ -74,11 +74,16 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("trainer.pp", lambda v: v >= 1, ">= 1"),
     ("trainer.ep", lambda v: v >= 1, ">= 1"),
     ("trainer.etp", lambda v: v >= 1, ">= 1"),
+    ("trainer.cp", lambda v: v >= 1, ">= 1"),
+    ("trainer.first_stage_layers", lambda v: v >= 0, ">= 0 (0 splits the layers evenly)"),
+    ("trainer.last_stage_layers", lambda v: v >= 0, ">= 0 (0 splits the layers evenly)"),
     ("trainer.num_procs", lambda v: v >= 1, ">= 1"),
     ("trainer.micro_batch_size", lambda v: v >= 1, ">= 1"),
     ("trainer.seed", lambda v: 0 <= v < 2**63, ">= 0"),
     ("rollout.num_engines", lambda v: v >= 1, ">= 1"),
     ("rollout.tp_per_engine", lambda v: v >= 1, ">= 1"),
+    ("rollout.ep", lambda v: v >= 1, ">= 1"),
+    ("rollout.dp_attention", lambda v: v >= 1, ">= 1"),
     ("rollout.temperature", lambda v: v > 0, "> 0 (1.0 samples the policy as is)"),
     ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]; 1.0 disables nucleus sampling"),
     ("rollout.max_new_tokens", lambda v: v >= 1, ">= 1"),
@@ -94,6 +99,12 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("resources.cpus_per_rank", lambda v: v >= 1, ">= 1"),
     ("resources.timeout_s", lambda v: v > 0, "> 0 seconds"),
     ("resources.startup_timeout_s", lambda v: v > 0, "> 0 seconds"),
+    ("network.gpus_per_node", lambda v: v >= 1, ">= 1"),
+    ("network.nics_per_node", lambda v: v >= 1, ">= 1"),
+    ("network.nic_gbit_per_s", lambda v: v > 0, "> 0 Gbit/s, e.g. 400 (NDR)"),
+    ("network.nvlink_gbyte_per_s", lambda v: v > 0, "> 0 GB/s, e.g. 450 (H100 SXM)"),
+    ("network.gpu_memory_gb", lambda v: v > 0, "> 0 GiB, e.g. 80 (H100)"),
+    ("network.memory_budget_gb", lambda v: v > 0, "> 0 GiB, e.g. 1.0"),
     ("logging.run_dir", lambda v: v is None or v != "", "a directory path, or null for runs/<name>-<time>"),
 ]
 
@@ -137,7 +148,12 @@ class ModelDims:
     max_position_embeddings: int
 
 
-def _read_model(job: JobConfig) -> ModelDims:
+def read_model_config(job: JobConfig) -> tuple[str, Any, str, dict[str, Any]]:
+    """(YAML key, its value, how messages name the model, the config.json dict) of the job's model.
+
+    Reads `model.config_path` (relative to the job file) or the `model.preset` config; raises
+    ConfigError when the file is missing, not JSON or not a JSON object. Does not parse the model.
+    """
     m = job.model
     if m.config_path is not None:
         key, value = "model.config_path", m.config_path
@@ -166,6 +182,11 @@ def _read_model(job: JobConfig) -> ModelDims:
         hf = json.loads((CONFIG_DIR / f"{m.preset}.json").read_text())
     if not isinstance(hf, dict):
         raise ConfigError(key, value, "the model config must be a JSON object (a HuggingFace config.json)")
+    return key, value, source, hf
+
+
+def _read_model(job: JobConfig) -> ModelDims:
+    key, value, source, hf = read_model_config(job)
     try:
         # The parser the trainer and the weight sync use, so validation accepts exactly their models.
         dims = HFModelDims.from_hf_config(hf)
@@ -446,15 +467,44 @@ def _check_slurm(job: JobConfig) -> None:
     _check_slurm_options("slurm.extra_srun_options", s.extra_srun_options, "srun")
 
 
-def validate(job: JobConfig) -> None:
+_PLAN_ONLY = (("trainer.cp", 1, "context parallelism"),
+              ("trainer.first_stage_layers", 0, "uneven pipeline stages"),
+              ("trainer.last_stage_layers", 0, "uneven pipeline stages"),
+              ("rollout.ep", 1, "expert parallelism inside an engine"),
+              ("rollout.dp_attention", 1, "DP attention"))
+"""Keys that describe full-scale layouts for `hpcrl plan`; the run path does not pass them on yet."""
+
+PURPOSES = ("run", "plan")
+
+
+def _check_plan_only(job: JobConfig) -> None:
+    for path, default, what in _PLAN_ONLY:
+        value = _get(job, path)
+        if value != default:
+            raise ConfigError(path, value, f"{what} is modelled by `hpcrl plan` only; hpcrl run/submit do "
+                                           f"not pass it to the trainer or engines yet: set {path}={default}")
+
+
+def validate(job: JobConfig, purpose: str = "run") -> None:
     """Raise ConfigError for the first invalid value or inconsistent combination in `job`.
 
-    Order: single-field ranges and choices, the model config (preset or config.json), data and
-    reward, dtype/backend/device, Megatron layout divisibility and rank counts, context length,
-    the slurm section (without a cluster; `hpcrl submit` checks the cluster).
-    Reads files and imports the reward module; needs no GPU. Does not modify `job`.
+    purpose "run" (hpcrl validate/run/render/submit): single-field ranges and choices, the
+    plan-only keys at their defaults, the model config (preset or config.json, parsed as the
+    trainer parses it: Qwen3-MoE or Mixtral), data and reward, dtype/backend/device, Megatron
+    layout divisibility and rank counts, context length, the slurm section (without a cluster;
+    `hpcrl submit` checks the cluster). Reads files and imports the reward module.
+    purpose "plan" (hpcrl plan): single-field ranges and choices, the model config file (any JSON
+    object; `hpcrl.plan_cmd` parses it with moe.specs and checks the layouts), the slurm section.
+    Needs no GPU. Does not modify `job`.
     """
+    if purpose not in PURPOSES:
+        raise ValueError(f"validate(purpose={purpose!r}): must be one of {PURPOSES}")
     _check_fields(job)
+    if purpose == "plan":
+        read_model_config(job)
+        _check_slurm(job)
+        return
+    _check_plan_only(job)
     dims = _read_model(job)
     prompt_len = _check_data_and_reward(job)
     _check_devices(job, dims)

@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attempt", type=int, default=None, help="attempt N's log instead of the latest")
     p.add_argument("--all", dest="every", action="store_true", help="the logs of every attempt, oldest first")
     p.add_argument("--batch", action="store_true", help="the batch script's log (signals, requeues, exit codes)")
+    p = sub.add_parser("plan", help="full-scale weight-sync plan: memory per GPU, bytes per rank, time vs "
+                                    "line rate and the broadcast baseline (no processes, no GPU)")
+    _add_job_args(p)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p = sub.add_parser("export", help="write a checkpoint's policy as HuggingFace safetensors + config.json")
     p.add_argument("run_dir", help="the run directory")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
@@ -68,6 +72,12 @@ def _export(args: argparse.Namespace) -> int:
     out = export_checkpoint(args.run_dir, args.step, args.out)
     print(f"exported to {out} (model.safetensors, config.json)")
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from hpcrl.plan_cmd import run_plan
+
+    return run_plan(args.job, args.overrides, args.json)
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -188,7 +198,7 @@ def _cancel(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"validate": _validate, "run": _run, "export": _export, "render": _render, "submit": _submit,
-            "status": _status, "logs": _logs, "cancel": _cancel}
+            "status": _status, "logs": _logs, "cancel": _cancel, "plan": _plan}
 
 
 def main(argv: list[str] | None = None) -> int:

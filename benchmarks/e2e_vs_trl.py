@@ -93,9 +93,10 @@ class RunResult:
         return out
 
 
-def hpcrl_command(cfg: BenchConfig, run_dir: Path, src: Path) -> list[str]:
-    sets = {"model.preset": cfg.preset, "data.task": "copy", "data.num_prompts_per_step": cfg.num_prompts,
-            "data.seed": 0, "algorithm.group_size": cfg.group_size, "algorithm.num_steps": cfg.num_steps,
+def hpcrl_command(cfg: BenchConfig, run_dir: Path, src: Path, cpus_per_rank: int) -> list[str]:
+    sets = {"resources.cpus_per_rank": cpus_per_rank, "model.preset": cfg.preset, "data.task": "copy",
+            "data.num_prompts_per_step": cfg.num_prompts, "data.seed": 0,
+            "algorithm.group_size": cfg.group_size, "algorithm.num_steps": cfg.num_steps,
             "algorithm.lr": cfg.lr, "algorithm.aux_loss_coef": cfg.aux_loss_coef, "algorithm.kl_coef": 0.0,
             "algorithm.loss_agg": "token-mean", "algorithm.clip_eps": 0.2, "algorithm.grad_clip": 0.0,
             "trainer.seed": 1234, "trainer.micro_batch_size": cfg.num_prompts * cfg.group_size,
@@ -109,8 +110,9 @@ def hpcrl_command(cfg: BenchConfig, run_dir: Path, src: Path) -> list[str]:
     return cmd
 
 
-def trl_command(cfg: BenchConfig, run_dir: Path, bench_python: Path) -> list[str]:
+def trl_command(cfg: BenchConfig, run_dir: Path, bench_python: Path, threads: int) -> list[str]:
     cmd = [str(bench_python), str(TRL_SCRIPT), "--out-dir", str(run_dir), "--preset", cfg.preset,
+           "--threads", str(threads),
            "--num-steps", str(cfg.num_steps), "--num-prompts", str(cfg.num_prompts),
            "--group-size", str(cfg.group_size), "--max-new-tokens", str(cfg.max_new_tokens),
            "--lr", str(cfg.lr), "--aux-loss-coef", str(cfg.aux_loss_coef),
@@ -239,6 +241,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bench-python", type=Path, default=REPO / ".venv-bench" / "bin" / "python",
                     help="python of the TRL environment (bash benchmarks/setup_trl_env.sh)")
     ap.add_argument("--hpcrl-rev", default=None, help="run hpcrl from `git archive REV` (default: working tree)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch/OpenMP threads of each compute process: TRL's one process, hpcrl's trainer "
+                    "and engine ranks (resources.cpus_per_rank). 1 by default: on a shared machine a "
+                    "2-thread OpenMP process next to other busy processes slows down erratically (measured "
+                    "up to 10x), while 1 thread degrades only by its fair share")
     ap.add_argument("--out-dir", type=Path, default=None, help="run dirs and logs (default: a temp dir)")
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
     ap.add_argument("--results", type=Path, default=None, help="replace the e2e_vs_trl section of this file")
@@ -247,7 +254,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [c for c in args.configs.split(",") if c not in ("tiny", "compute")]
     if bad:
         ap.error(f"--configs={args.configs!r}: unknown {bad}; valid: tiny, compute")
-    for name in ("reps", "tiny_warmup", "compute_warmup", "compute_tokens"):
+    for name in ("reps", "threads", "tiny_warmup", "compute_warmup", "compute_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
     if args.tiny_steps <= args.tiny_warmup or args.compute_steps <= args.compute_warmup:
@@ -265,6 +272,9 @@ def main(argv: list[str] | None = None) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="e2e_vs_trl_"))
     out_dir = args.out_dir or tmp
     src, hp_env = hpcrl_source(args.hpcrl_rev, tmp)
+    threads_env = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    hp_env.update(threads_env)
+    trl_env = {**os.environ, **threads_env}
     rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.hpcrl_rev or "HEAD"],
                          capture_output=True, text=True).stdout.strip()
     blocks, data = [], {}
@@ -275,14 +285,15 @@ def main(argv: list[str] | None = None) -> None:
             for backend in order:
                 run_dir = out_dir / f"{name}-{backend}-{rep}"
                 if backend == "hpcrl":
-                    res = run_once(backend, hpcrl_command(cfg, run_dir, src), run_dir, hp_env, src,
-                                   args.timeout_s, rep)
+                    cmd = hpcrl_command(cfg, run_dir, src, args.threads)
+                    res = run_once(backend, cmd, run_dir, hp_env, src, args.timeout_s, rep)
                 else:
-                    res = run_once(backend, trl_command(cfg, run_dir, args.bench_python), run_dir,
-                                   dict(os.environ), REPO, args.timeout_s, rep)
+                    res = run_once(backend, trl_command(cfg, run_dir, args.bench_python, args.threads), run_dir,
+                                   trl_env, REPO, args.timeout_s, rep)
                 s = res.summary(cfg.warmup)
-                print(f"[{name}] {backend} rep {rep}: {s['steps_per_s']:.3f} steps/s, {s['tokens_per_s']:.1f} tok/s, "
-                      f"process {s['process_s']:.1f} s, load {s['load']:.1f}", flush=True)
+                print(f"[{name}] {backend} rep {rep}: {s['steps_per_s']:.3f} steps/s, "
+                      f"{s['tokens_per_s']:.1f} tok/s, process {s['process_s']:.1f} s, "
+                      f"load {s['load']:.1f}", flush=True)
                 runs.append(res)
         block, data[name] = report(cfg, runs)
         print("\n" + block, flush=True)
@@ -290,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     (out_dir / "results.json").write_text(json.dumps(data, indent=1))
     head = (f"`{' '.join(['.venv/bin/python', 'benchmarks/e2e_vs_trl.py', *(argv or sys.argv[1:])])}`  \n"
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, hpcrl {rev}"
-            f"{' (git archive)' if args.hpcrl_rev else ' (working tree)'}, {os.cpu_count()} CPUs. {args.note}")
+            f"{' (git archive)' if args.hpcrl_rev else ' (working tree)'}, {os.cpu_count()} CPUs, "
+            f"{args.threads} torch thread(s) per compute process on both sides. {args.note}")
     print(f"\nrun dirs and results.json: {out_dir}")
     if args.results:
         write_section(args.results, head + "\n\n" + "\n".join(blocks))

@@ -166,6 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--aux-loss-coef", type=float, default=0.01)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=1234, help="weight init and sampling (hpcrl trainer.seed)")
     ap.add_argument("--data-seed", type=int, default=0, help="prompt sampler seed (hpcrl data.seed)")
     args = ap.parse_args(argv)
@@ -180,6 +181,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sampler = make_sampler(args.task, None, "prompt", "answer", args.num_prompts, args.data_seed)
     # Step s of TRL takes rows [s*P, (s+1)*P) (no shuffling): hpcrl's prompts of step s, in order.
     rows = [{"prompt": ex.prompt, "answer": ex.answer}

@@ -1,0 +1,141 @@
+"""`hpcrl plan` as a user runs it, on the two full-scale example jobs: a subprocess, no GPU, no
+child processes; text and --json reports with sane numbers; bad layouts exit 2 with one line naming
+the job key and the nearest valid values; a layout that does not fit GPU memory is shown, then fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hpcrl.config import ConfigError, load_job
+
+pytestmark = pytest.mark.timeout(600)
+
+REPO = Path(__file__).resolve().parents[2]
+DEEPSEEK = REPO / "examples" / "deepseek_v3_671b.yaml"
+QWEN = REPO / "examples" / "qwen3_235b.yaml"
+EXAMPLES = {"deepseek_v3_671b": (DEEPSEEK, 671e9, 256, 128), "qwen3_235b": (QWEN, 235e9, 128, 64)}
+GIB = 2**30
+
+# Runs `hpcrl plan` with every way of starting a process or touching a GPU made to fail loudly.
+GUARDED = textwrap.dedent("""
+    import multiprocessing, os, subprocess, sys
+    def refuse(*a, **k):
+        raise RuntimeError("hpcrl plan tried to start a process")
+    subprocess.Popen.__init__ = refuse
+    os.fork = os.posix_spawn = os.posix_spawnp = os.system = refuse
+    multiprocessing.Process.start = refuse
+    from hpcrl.cli import main
+    rc = main(sys.argv[1:])
+    if "mpi4py.MPI" in sys.modules:
+        raise RuntimeError("hpcrl plan imported mpi4py.MPI (MPI_Init)")
+    import torch
+    assert not torch.cuda.is_initialized(), "hpcrl plan initialised CUDA"
+    sys.exit(rc)
+""")
+
+
+def hpcrl_plan(*args: str, guarded: bool = False) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", GUARDED, "plan", *args] if guarded else [sys.executable, "-m", "hpcrl.cli",
+                                                                          "plan", *args]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.fixture(scope="module", params=list(EXAMPLES))
+def json_report(request):
+    path, published, trainer_gpus, rollout_gpus = EXAMPLES[request.param]
+    out = hpcrl_plan(str(path), "--json", guarded=True)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout), published, trainer_gpus, rollout_gpus
+
+
+def test_json_report_has_the_required_keys_and_sane_values(json_report):
+    r, published, trainer_gpus, rollout_gpus = json_report
+    for key in ("total_params", "lower_bound_s", "estimate_s", "baseline_broadcast_s", "max_recv_bytes_per_gpu",
+                "must_hold_bytes_per_gpu", "max_send_bytes_per_gpu", "mean_send_bytes_per_gpu",
+                "mean_recv_bytes_per_gpu"):
+        assert key in r, key
+    assert abs(r["total_params"] - published) / published < 0.005
+    assert r["estimate_s"] >= r["lower_bound_s"] > 0
+    assert r["baseline_broadcast_s"] > r["estimate_s"]
+    t, ro = r["trainer"], r["rollout"]
+    assert (t["world_size"], ro["world_size"]) == (trainer_gpus, rollout_gpus)
+    # Each figure is the max over trainer GPUs (possibly of different GPUs), so the parts bound the total.
+    parts = (t["params_bytes_per_gpu"], t["grads_bytes_per_gpu"], t["optimizer_bytes_per_gpu"])
+    assert min(parts) > 0 and max(parts) < t["total_bytes_per_gpu"] <= sum(parts)
+    # Every trainer GPU holds a piece; together they hold at least the whole model once.
+    assert t["params_bytes_per_gpu"] * trainer_gpus >= r["total_bytes"]
+    assert ro["weights_bytes_per_gpu"] * rollout_gpus >= r["total_bytes"]
+    assert t["fits"] and ro["fits"] and r["fits"] and r["memory_errors"] == {}
+    assert max(t["total_bytes_per_gpu"], ro["weights_bytes_per_gpu"]) <= 80 * GIB
+    # Each rollout GPU receives exactly what it must hold, once (bf16 weights of its shard).
+    assert r["max_recv_bytes_per_gpu"] == pytest.approx(r["must_hold_bytes_per_gpu"])
+    assert 0 < r["mean_recv_bytes_per_gpu"] <= r["max_recv_bytes_per_gpu"]
+    assert 0 < r["mean_send_bytes_per_gpu"] <= r["max_send_bytes_per_gpu"]
+    # Every byte the rollout GPUs receive crosses a NIC or an NVLink exactly once.
+    moved = r["plan"]["nic_bytes"] + r["plan"]["nvlink_bytes"]
+    assert moved == pytest.approx(r["mean_recv_bytes_per_gpu"] * rollout_gpus)
+    assert r["network"] == {"gpus_per_node": 8, "nics_per_node": 8, "nic_gbit_per_s": 400.0,
+                            "nvlink_gbyte_per_s": 450.0, "colocated": False, "round_latency_s": 0.0}
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_text_report(name):
+    path, published, trainer_gpus, rollout_gpus = EXAMPLES[name]
+    out = hpcrl_plan(str(path))
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""
+    text = out.stdout
+    assert f"{published / 1e9:.0f}" in text.splitlines()[1]  # e.g. "671.03B params"
+    for needle in (f"trainer          {trainer_gpus} GPUs", f"rollout          {rollout_gpus} GPUs", "params ",
+                   "grads ", "optimizer ", "weights ", "(fits)", "line-rate lower bound", "broadcast baseline",
+                   "send max", "mean", "receive max"):
+        assert needle in text, needle
+    assert "DOES NOT FIT" not in text
+
+
+@pytest.mark.parametrize(("example", "override", "expected"), [
+    (DEEPSEEK, "trainer.ep=7", "trainer.ep=7: ep=7 with etp=1 does not divide tp*cp*dp=16"),
+    (DEEPSEEK, "trainer.pp=7", "trainer.pp=7: 61 decoder layers do not split over pp=7"),
+    (DEEPSEEK, "trainer.num_procs=250", "trainer.num_procs=250: must be a multiple of tp*cp*pp=16"),
+    (DEEPSEEK, "rollout.dp_attention=3", "rollout.dp_attention=3: dp_attention=3 must divide tp_per_engine=32"),
+    (QWEN, "trainer.tp=3", "trainer.tp=3: tp=3 must divide num_heads=64 and num_kv_heads=4"),
+    (QWEN, "trainer.etp=5", "trainer.etp=5: etp=5 does not divide moe_intermediate_size=1536"),
+    (QWEN, "rollout.ep=3", "rollout.ep=3: ep=3 must divide tp_per_engine=8"),
+], ids=["ep", "pp", "num_procs", "dp_attention", "tp", "etp", "rollout-ep"])
+def test_bad_layout_exits_2_naming_the_key_and_valid_values(example, override, expected):
+    out = hpcrl_plan(str(example), "--set", override)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"hpcrl plan: error: {expected}"), out.stderr
+    assert "nearest valid" in lines[0]
+    assert out.stdout == ""
+
+
+def test_layout_that_does_not_fit_is_shown_then_fails():
+    out = hpcrl_plan(str(QWEN), "--set", "network.gpu_memory_gb=40")
+    assert out.returncode == 2, out.stderr
+    assert "(DOES NOT FIT)" in out.stdout and "broadcast baseline" in out.stdout
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hpcrl plan: error: rollout='num_engines=8 tp_per_engine=8"), lines
+    assert "> gpu memory 40.0 GiB" in lines[0] and "network.gpu_memory_gb=40" in lines[0]
+
+
+def test_plan_purpose_loads_deepseek_while_run_refuses_it():
+    job = load_job(DEEPSEEK, purpose="plan")
+    assert (job.trainer.first_stage_layers, job.rollout.dp_attention) == (3, 32)
+    with pytest.raises(ConfigError) as exc:
+        load_job(DEEPSEEK)  # hpcrl validate/run/submit: plan-only keys are named before the model
+    assert exc.value.path == "trainer.first_stage_layers"
+    assert "`hpcrl plan` only" in exc.value.hint
+    with pytest.raises(ConfigError) as exc:  # with those at defaults, the trainer's model parser speaks
+        load_job(DEEPSEEK, ["trainer.first_stage_layers=0", "trainer.last_stage_layers=0", "rollout.ep=1",
+                            "rollout.dp_attention=1"])
+    assert exc.value.path == "model.config_path" and "deepseek" in str(exc.value).lower()

@@ -52,34 +52,46 @@ def _layout_error(exc: ValueError, side: str, job: JobConfig) -> ConfigError:
     msg = str(exc)
     keys = _TRAINER_KEYS if side == "trainer" else _ROLLOUT_KEYS
     cls = "TrainerLayout" if side == "trainer" else "RolloutLayout"
-    m = re.match(rf"{cls}\.(\w+)=(\S+) ", msg)
+    m = re.match(rf"{cls}\.(\w+)=", msg)
     if m and m.group(1) in keys:
         path = keys[m.group(1)]
-        hint = msg[m.end():]
     elif side == "trainer" and "decoder layers do not split" in msg:
-        path, hint = "trainer.pp", msg.removeprefix(f"{cls}: ")
-    elif side == "rollout" and ("tp/ep" in msg):
-        path, hint = "rollout.ep", msg.removeprefix(f"{cls} ")
+        path = "trainer.pp"
+    elif side == "rollout" and "tp/ep" in msg:
+        path = "rollout.ep"
     elif side == "rollout" and ("attention TP" in msg or "tp/dp_attention" in msg):
-        path, hint = "rollout.dp_attention", msg.removeprefix(f"{cls} ")
+        path = "rollout.dp_attention"
     else:
-        path, hint = side, msg
+        path = side
+    hint = re.sub(rf"^{cls}[.:]? ?", "", msg)
     if side == "trainer":
-        t = job.trainer
         hint = hint.replace("_stage_layers=None", "_stage_layers=0")
-        hint += f" (dp = trainer.num_procs/(tp*cp*pp) = {t.num_procs // (t.tp * t.cp * t.pp)})"
+    else:  # the engine's TP size is rollout.tp_per_engine in the job file
+        hint = re.sub(r"\btp=", "tp_per_engine=", hint)
     if "." in path:
         return ConfigError(path, getattr(getattr(job, side), path.split(".", 1)[1]), hint)
+    return ConfigError(path, _layout_summary(job, side), hint)
+
+
+def _layout_summary(job: JobConfig, side: str) -> str:
+    """'tp=1 pp=16 ...': the job keys of one side's layout, for messages about the whole layout."""
+    leaves = ([k.split(".")[1] for k in _TRAINER_KEYS.values()] if side == "trainer"
+              else [k.split(".")[1] for k in _ROLLOUT_KEYS.values()])
     section = getattr(job, side)
-    value = " ".join(f"{k}={getattr(section, k)}" for k in (_TRAINER_KEYS if side == "trainer" else
-                                                             ("num_engines", "tp_per_engine", "ep", "dp_attention"))
-                     if hasattr(section, k))
-    return ConfigError(path, value, hint)
+    return " ".join(f"{leaf}={getattr(section, leaf)}" for leaf in dict.fromkeys(leaves))
 
 
 def build_layouts(job: JobConfig, spec: MoESpec) -> tuple[TrainerLayout, RolloutLayout]:
     """The trainer and rollout layouts of `job`, checked against `spec` (not yet against memory)."""
     t, r = job.trainer, job.rollout
+    first, last = t.first_stage_layers or None, t.last_stage_layers or None
+    try:  # the model-parallel sizes against the model first: they, not num_procs, are then at fault
+        probe = TrainerLayout(tp=t.tp, pp=t.pp, etp=t.etp, dp=t.etp, cp=t.cp, first_stage_layers=first,
+                              last_stage_layers=last)
+        probe.dims_check(spec)
+        probe.stage_layers(spec.dims.num_layers)
+    except ValueError as exc:
+        raise _layout_error(exc, "trainer", job) from None
     model_parallel = t.tp * t.cp * t.pp
     if t.num_procs % model_parallel:
         k = max(1, t.num_procs // model_parallel)
@@ -88,8 +100,7 @@ def build_layouts(job: JobConfig, spec: MoESpec) -> tuple[TrainerLayout, Rollout
                                                             f"(dp = num_procs/(tp*cp*pp)); nearest valid: {valid}")
     try:
         trainer = TrainerLayout(tp=t.tp, pp=t.pp, ep=t.ep, etp=t.etp, dp=t.num_procs // model_parallel, cp=t.cp,
-                                first_stage_layers=t.first_stage_layers or None,
-                                last_stage_layers=t.last_stage_layers or None)
+                                first_stage_layers=first, last_stage_layers=last)
         trainer.validate(spec)
     except ValueError as exc:
         raise _layout_error(exc, "trainer", job) from None
@@ -159,10 +170,10 @@ def render(report: dict[str, Any]) -> str:
         f"{_gib(report['mean_send_bytes_per_gpu'])}; rollout GPUs receive max "
         f"{_gib(report['max_recv_bytes_per_gpu'])}, mean {_gib(report['mean_recv_bytes_per_gpu'])} "
         f"(must hold {_gib(report['must_hold_bytes_per_gpu'])})",
-        "notes            estimate: per round, the slowest GPU's NIC share or NVLink time; lower bound: "
-        "NIC line rate,\n                 no schedule beats it; baseline: gather per pipeline stage, then "
-        "broadcast every tensor to\n                 every rollout GPU (verl / slime "
-        "update_weights_from_distributed). Rollout memory is weights only (no KV cache).",
+        "notes            estimate: per round, the slowest GPU's NIC share or NVLink time; lower bound: the NIC",
+        "                 line rate, which no schedule beats; baseline: gather per pipeline stage, then broadcast",
+        "                 every tensor to every rollout GPU (verl / slime update_weights_from_distributed).",
+        "                 Per-GPU memory figures are maxima over GPUs; rollout memory is weights only (no KV cache).",
     ]
     return f"job              {report['job']}\n" + render_text(report) + "\n" + "\n".join(extra)
 
@@ -184,7 +195,7 @@ def run_plan(path: str | os.PathLike, overrides: list[str], as_json: bool, out: 
     out.write(json.dumps(report, indent=2, default=_json_default) + "\n" if as_json else render(report) + "\n")
     out.flush()
     for side, msg in report["memory_errors"].items():
-        layout = report[side]["layout"]
-        value = " ".join(f"{k}={v}" for k, v in layout.items() if v is not None)
-        raise ConfigError(side, value, f"{msg} (network.gpu_memory_gb={job.network.gpu_memory_gb:g})")
+        hint = re.sub(r"^(Trainer|Rollout)Layout ", "", msg)
+        raise ConfigError(side, _layout_summary(job, side), f"{hint} (network.gpu_memory_gb="
+                                                            f"{job.network.gpu_memory_gb:g})")
     return 0

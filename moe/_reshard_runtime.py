@@ -1,0 +1,219 @@
+"""Low-level machinery of the resharding runtime: bucketed point-to-point exchange with checksums
+and a deadline, over torch.distributed (gloo on CPU, NCCL on GPU).
+
+One call of `exchange(...)` is one round: for every peer, the items this rank sends to it and
+the items it receives from it, each an (HF tensor name, tensor view) pair listed in the same order
+on both sides. Items smaller than `direct_bytes` are packed into one flat uint8 bucket per peer
+(one copy); larger items travel as their own message straight from / into the tensor memory when
+the view is contiguous (no copy). Every peer also gets one int64 message with the sender's checksum
+of those bytes; the receiver recomputes it over what arrived and raises `ChecksumError` naming the
+peer and the tensors on a mismatch. All messages of a round go out in one `batch_isend_irecv`.
+The round must complete by its deadline, otherwise `RoundTimeout` names every peer whose messages
+are still pending. Gloo's own timeout (the process group's) should be longer than the deadline.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# A (tensor name, view) item of a round. Send views may be non-contiguous (they are packed or
+# copied); receive views are written in place.
+Item = tuple[str, torch.Tensor]
+ALIGN = 8  # bucket offsets are multiples of 8 so that any dtype can be viewed in place
+CHECKSUM_MOD = 1 << 62
+
+
+class ReshardError(RuntimeError):
+    """Base class of runtime failures (bad checksum, stalled peer)."""
+
+
+class ChecksumError(ReshardError):
+    """The bytes a peer sent do not match the checksum it computed before sending."""
+
+
+class RoundTimeout(ReshardError):
+    """A round did not complete before its deadline; `peers` are the stalled peers' descriptions."""
+
+    def __init__(self, message: str, peers: list[str]) -> None:
+        super().__init__(message)
+        self.peers = peers
+
+
+def checksum(buf: torch.Tensor) -> int:
+    """A cheap checksum of a tensor's bytes: the sum of its 32-bit (or 16/8-bit) words, plus length.
+
+    Catches flipped, lost and truncated bytes (not reordered words); computed on the tensor's own
+    device. `buf` must be contiguous.
+    """
+    b = buf.reshape(-1).view(torch.uint8)
+    n = b.numel()
+    word = torch.int32 if n % 4 == 0 and b.data_ptr() % 4 == 0 else (
+        torch.int16 if n % 2 == 0 and b.data_ptr() % 2 == 0 else torch.uint8)
+    s = int(b.view(word).sum(dtype=torch.int64).item()) if n else 0
+    return (s + n * 1_000_003) % CHECKSUM_MOD
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+@dataclass
+class _PeerPlan:
+    """What this rank exchanges with one peer in one round: its messages, in a fixed order."""
+
+    peer: int                      # global rank
+    label: str                     # e.g. "trainer rank 3 (global rank 3)"
+    send: list[Item] = field(default_factory=list)
+    recv: list[Item] = field(default_factory=list)
+
+
+def _segments(items: list[Item], direct_bytes: int) -> tuple[list[tuple[int, Item]], list[Item], int]:
+    """Split items into bucketed ones (with their byte offsets) and direct ones; returns bucket size."""
+    bucketed, direct, off = [], [], 0
+    for name, view in items:
+        nb = view.numel() * view.element_size()
+        if nb >= direct_bytes:
+            direct.append((name, view))
+        else:
+            bucketed.append((off, (name, view)))
+            off += -(-nb // ALIGN) * ALIGN
+    return bucketed, direct, off
+
+
+def _bucket_view(bucket: torch.Tensor, off: int, view: torch.Tensor) -> torch.Tensor:
+    nb = view.numel() * view.element_size()
+    return bucket[off:off + nb].view(view.dtype).view(view.shape)
+
+
+def exchange(peers: Sequence[_PeerPlan], *, deadline_s: float, round_label: str, verify: bool = True,
+             direct_bytes: int = 1 << 20, group: dist.ProcessGroup | None = None,
+             device: torch.device | None = None) -> None:
+    """Run one round: every peer's sends and receives in one batch, checked, within `deadline_s`.
+
+    Both sides of a pair must list the same items (same order, sizes and dtypes). Raises
+    `RoundTimeout` naming the stalled peers, `ChecksumError` naming the peer and its tensors.
+    """
+    ops: list[dist.P2POp] = []
+    owners: list[_PeerPlan] = []
+    unpack: list[Callable[[], None]] = []
+    recv_sums: list[tuple[_PeerPlan, torch.Tensor, list[torch.Tensor]]] = []
+    for p in peers:
+        tag = 0
+        if p.send:
+            bucketed, direct, size = _segments(p.send, direct_bytes)
+            payloads = []
+            if bucketed:
+                bucket = torch.empty(size, dtype=torch.uint8, device=device)
+                for off, (_, view) in bucketed:
+                    _bucket_view(bucket, off, view).copy_(view)
+                payloads.append(bucket)
+            payloads += [_flat(v if v.is_contiguous() else v.contiguous()) for _, v in direct]
+            for buf in payloads:
+                ops.append(dist.P2POp(dist.isend, buf, p.peer, group, tag))
+                owners.append(p)
+                tag += 1
+            if verify:
+                s = sum(checksum(b) for b in payloads) % CHECKSUM_MOD
+                ops.append(dist.P2POp(dist.isend, torch.tensor([s], dtype=torch.int64, device=device),
+                                      p.peer, group, tag))
+                owners.append(p)
+                tag += 1
+        if p.recv:
+            tag = 0  # tags count per direction: the sender numbers its messages from 0 too
+            bucketed, direct, size = _segments(p.recv, direct_bytes)
+            bufs = []
+            if bucketed:
+                bucket = torch.empty(size, dtype=torch.uint8, device=device)
+                bufs.append(bucket)
+                unpack.append(lambda bucket=bucket, bucketed=bucketed: [
+                    view.copy_(_bucket_view(bucket, off, view)) for off, (_, view) in bucketed])
+            for _, view in direct:
+                if view.is_contiguous():
+                    bufs.append(_flat(view))
+                else:
+                    tmp = torch.empty(view.shape, dtype=view.dtype, device=view.device)
+                    bufs.append(_flat(tmp))
+                    unpack.append(lambda view=view, tmp=tmp: view.copy_(tmp))
+            for buf in bufs:
+                ops.append(dist.P2POp(dist.irecv, buf, p.peer, group, tag))
+                owners.append(p)
+                tag += 1
+            if verify:
+                expect = torch.zeros(1, dtype=torch.int64, device=device)
+                ops.append(dist.P2POp(dist.irecv, expect, p.peer, group, tag))
+                owners.append(p)
+                recv_sums.append((p, expect, bufs))
+    if not ops:
+        return
+    works = dist.batch_isend_irecv(ops)
+    _wait(works, owners, deadline_s, round_label, group)
+    if verify:
+        for p, expect, bufs in recv_sums:
+            got = sum(checksum(b) for b in bufs) % CHECKSUM_MOD
+            if got != int(expect.item()):
+                names = sorted({n for n, _ in p.recv})
+                raise ChecksumError(
+                    f"{round_label}: checksum mismatch on the bytes received from {p.label}: sender computed "
+                    f"{int(expect.item())}, receiver {got}; tensors in that message: "
+                    f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
+    for f in unpack:
+        f()
+
+
+def _wait(works: list, owners: list[_PeerPlan], deadline_s: float, round_label: str,
+          group: dist.ProcessGroup | None) -> None:
+    """Wait for all works until the deadline; raise RoundTimeout naming the peers still pending.
+
+    batch_isend_irecv returns one work per op on gloo (we map each to its peer); with NCCL it may
+    return a single coalesced work, in which case the stall is attributed to every peer of the round.
+    """
+    end = time.monotonic() + deadline_s
+    if len(works) != len(owners):
+        owners_of = [list({id(o): o for o in owners}.values())] * len(works)
+    else:
+        owners_of = [[o] for o in owners]
+    gloo = dist.get_backend(group) == "gloo"
+    stalled: dict[int, str] = {}
+    errors: list[str] = []
+    pending = list(range(len(works)))
+    delay = 5e-5
+    while pending:
+        left = end - time.monotonic()
+        still = []
+        for i in pending:
+            w = works[i]
+            try:
+                if gloo:
+                    w.wait(datetime.timedelta(seconds=max(left, 0.001)))
+                elif not w.is_completed():
+                    still.append(i)
+                    continue
+                else:
+                    w.wait()
+            except RuntimeError as e:
+                timed_out = "Timed out" in str(e) or "timeout" in str(e).lower()
+                for o in owners_of[i]:
+                    stalled[o.peer] = o.label
+                if not timed_out:
+                    errors.append(str(e).splitlines()[0][:200])
+            left = end - time.monotonic()
+        pending = still
+        if pending:
+            if time.monotonic() >= end:
+                for i in pending:
+                    for o in owners_of[i]:
+                        stalled[o.peer] = o.label
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 5e-3)
+    if stalled:
+        labels = [stalled[k] for k in sorted(stalled)]
+        raise RoundTimeout(f"{round_label} did not complete within its deadline of {deadline_s:g} s; stalled "
+                           f"peers: {', '.join(labels)}" + (f" (errors: {'; '.join(errors)})" if errors else ""),
+                           labels)

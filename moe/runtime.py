@@ -1,0 +1,203 @@
+"""The resharding runtime: execute a `Plan` over torch.distributed, or broadcast full HF tensors.
+
+Rank mapping. Both paths run in one torch.distributed world (default group, or `group`) holding
+the trainer ranks followed by the rollout ranks: trainer rank t is global rank `base + t` and
+rollout rank j is global rank `base + plan.src.world_size + j` (`RankMap`; `base` lets a
+controller rank 0 or other ranks precede them; ranks outside the map may exist and stay idle).
+
+  * `reshard(plan, role, rank, shards)` -- shard to shard: every rank walks the plan's rounds; in a
+    round it packs what it sends to each peer into one flat bucket (large boxes go as their own
+    message, zero-copy), posts all sends and receives in one `batch_isend_irecv`, checks each
+    peer's checksum and the round's deadline (moe/_reshard_runtime.py), then the next round. Relay
+    transfers (src_side "rollout") are sent from the copy the relaying rank received earlier.
+  * `broadcast_sync(plan, role, rank, shards)` -- the SGLang-compatible path (SGLang 0.5.x only
+    accepts `update_weights_from_distributed` broadcasts of full HF tensors): every tensor gets one
+    trainer source, preferring ranks holding it whole and balancing bytes, so the sources own
+    disjoint subsets; a source missing pieces first gathers them point to point; then every source
+    broadcasts its tensors in buckets to all rollout ranks in its own group, all sources at once.
+
+Both return, on a rollout rank, `{HF name: (Box, tensor)}` exactly as `plan.dst.shards(spec, rank)`
+lists (on a trainer rank: {}); `out=` lets an engine receive straight into its own weight tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moe import _broadcast_sync
+from moe._reshard_runtime import ChecksumError, ReshardError, RoundTimeout, _PeerPlan, exchange
+from moe.plan import Plan
+from moe.slices import Box
+from moe.specs import MoESpec
+
+__all__ = ["ChecksumError", "RankMap", "ReshardError", "RoundTimeout", "Shards", "allocate_shards",
+           "broadcast_groups", "broadcast_sync", "reshard"]
+
+Shards = dict[str, tuple[Box, torch.Tensor]]
+ROLES = ("trainer", "rollout")
+
+
+@dataclass(frozen=True, slots=True)
+class RankMap:
+    """Global ranks of a trainer + rollout world: trainer t -> base + t, rollout j -> base + T + j."""
+
+    trainer_world: int
+    rollout_world: int
+    base: int = 0
+
+    def global_rank(self, side: str, rank: int) -> int:
+        return self.base + rank + (self.trainer_world if side == "rollout" else 0)
+
+    def label(self, side: str, rank: int) -> str:
+        return f"{side} rank {rank} (global rank {self.global_rank(side, rank)})"
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def allocate_shards(spec: MoESpec, boxes: list[tuple[str, Box]], device: torch.device | str | None = None
+                    ) -> Shards:
+    """Empty tensors for `boxes` (from `layout.shards(spec, rank)`), at the spec dtypes."""
+    return {n: (b, torch.empty(b.shape, dtype=torch_dtype(spec[n].dtype), device=device)) for n, b in boxes}
+
+
+def _check_args(plan: Plan, role: str, rank: int, shards: Shards | None) -> None:
+    if role not in ROLES:
+        raise ValueError(f"role={role!r} must be one of {ROLES}")
+    world = plan.src.world_size if role == "trainer" else plan.dst.world_size
+    if not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"rank={rank!r} out of range for the {role} layout's world size {world}")
+    if role == "trainer":
+        want = dict(plan.src.shards(plan.spec, rank))
+        _check_shards("shards", plan.spec, want, shards)
+
+
+def _check_shards(arg: str, spec: MoESpec, want: Mapping[str, Box], shards: Shards | None) -> None:
+    """Shards must hold exactly the boxes of the layout, with the right shape and dtype."""
+    if shards is None:
+        raise ValueError(f"{arg}=None: a trainer rank must pass its local shards {{HF name: (Box, tensor)}}")
+    missing = [n for n in want if n not in shards]
+    if missing:
+        raise ValueError(f"{arg} lacks {len(missing)} tensors the layout places on this rank, e.g. {missing[:3]}")
+    for n, box in want.items():
+        b, t = shards[n]
+        if b != box or tuple(t.shape) != box.shape or t.dtype != torch_dtype(spec[n].dtype):
+            raise ValueError(f"{arg}[{n!r}] = (box {b}, tensor {tuple(t.shape)} {t.dtype}) but the layout says "
+                             f"box {box} of dtype {spec[n].dtype}; pass the shard the layout assigns")
+
+
+def _dst_shards(plan: Plan, rank: int, out: Shards | None, device: torch.device | str | None) -> Shards:
+    boxes = plan.dst.shards(plan.spec, rank)
+    if out is None:
+        return allocate_shards(plan.spec, boxes, device)
+    _check_shards("out", plan.spec, dict(boxes), out)
+    return {n: out[n] for n, _ in boxes}
+
+
+def reshard(plan: Plan, role: str, rank: int, shards: Shards | None = None, *, base: int = 0,
+            group: dist.ProcessGroup | None = None, deadline_s: float = 60.0, verify: bool = True,
+            direct_bytes: int = 1 << 20, out: Shards | None = None,
+            device: torch.device | str | None = None) -> Shards:
+    """Execute `plan` on this rank: `role` "trainer" or "rollout", `rank` within that layout.
+
+    Collective over all trainer and rollout ranks of the plan (mapping: `RankMap`). Trainer ranks
+    pass `shards` (their local pieces, as `plan.src.shards(spec, rank)` lists them); rollout ranks
+    get back their pieces as `plan.dst.shards(spec, rank)` lists them (into `out` if given).
+    Every round must finish within `deadline_s` (RoundTimeout names the stalled peers); with
+    `verify`, every peer's bytes are checksummed (ChecksumError names the peer and tensors).
+    """
+    _check_args(plan, role, rank, shards)
+    rmap = RankMap(plan.src.world_size, plan.dst.world_size, base)
+    names = [t.name for t in plan.spec.tensors]
+    result: Shards = {} if role == "trainer" else _dst_shards(plan, rank, out, device)
+    held = shards if role == "trainer" else result
+    if role == "trainer":
+        send_rows = np.flatnonzero(~plan.from_rollout & (plan.src_rank == rank))
+        recv_rows = np.zeros(0, dtype=np.int64)
+    else:
+        send_rows = np.flatnonzero(plan.from_rollout & (plan.src_rank == rank))
+        recv_rows = np.flatnonzero(plan.dst_rank == rank)
+    rounds = sorted(set(plan.round[send_rows].tolist()) | set(plan.round[recv_rows].tolist()))
+    by_round_send = _group(plan.round[send_rows], send_rows)
+    by_round_recv = _group(plan.round[recv_rows], recv_rows)
+    for r in rounds:
+        peers: dict[int, _PeerPlan] = {}
+        for i in by_round_send.get(r, []):
+            d = int(plan.dst_rank[i])
+            p = peers.setdefault(rmap.global_rank("rollout", d), _PeerPlan(rmap.global_rank("rollout", d),
+                                                                          rmap.label("rollout", d)))
+            name = names[plan.tensor[i]]
+            box, t = held[name]
+            p.send.append((name, t[plan.box(i).relative_to(box)]))
+        for i in by_round_recv.get(r, []):
+            side = "rollout" if plan.from_rollout[i] else "trainer"
+            s = int(plan.src_rank[i])
+            g = rmap.global_rank(side, s)
+            p = peers.setdefault(g, _PeerPlan(g, rmap.label(side, s)))
+            name = names[plan.tensor[i]]
+            box, t = result[name]
+            p.recv.append((name, t[plan.box(i).relative_to(box)]))
+        exchange([peers[k] for k in sorted(peers)], deadline_s=deadline_s, verify=verify,
+                 round_label=f"reshard round {r}/{plan.num_rounds} on {rmap.label(role, rank)}",
+                 direct_bytes=direct_bytes, group=group, device=_device_of(held))
+    return result
+
+
+def _group(keys: np.ndarray, rows: np.ndarray) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for k, i in zip(keys.tolist(), rows.tolist()):
+        out.setdefault(k, []).append(i)
+    return out
+
+
+def _device_of(shards: Shards | None) -> torch.device | None:
+    for _, t in (shards or {}).values():
+        return t.device
+    return None
+
+
+def broadcast_sync(plan: Plan, role: str, rank: int, shards: Shards | None = None, *, base: int = 0,
+                   group: dist.ProcessGroup | None = None, deadline_s: float = 60.0, verify: bool = True,
+                   bucket_bytes: int = 64 << 20, out: Shards | None = None,
+                   device: torch.device | str | None = None,
+                   groups: dict[int, dist.ProcessGroup] | None = None,
+                   on_full_tensor: Callable[[str, torch.Tensor], None] | None = None) -> Shards:
+    """The SGLang-compatible path with the same inputs and result as `reshard` (moe/_broadcast_sync.py).
+
+    Only the plan's layouts and spec are used (not its transfers). Collective over all trainer and
+    rollout ranks. It needs one group per source trainer rank ({source} + rollout ranks): pass
+    `groups=broadcast_groups(plan, ...)`, made once by every rank of the default world; if None it
+    calls `broadcast_groups` itself, which is only right when the world is exactly the mapped
+    trainer + rollout ranks (or every other rank calls `broadcast_groups` at the same time). On rollout ranks, `on_full_tensor(name, full_tensor)` is called
+    for every HF tensor as it arrives (the view is only valid during the call).
+    """
+    _check_args(plan, role, rank, shards)
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes!r} must be a positive int (e.g. 64 << 20)")
+    rmap = RankMap(plan.src.world_size, plan.dst.world_size, base)
+    result: Shards = {} if role == "trainer" else _dst_shards(plan, rank, out, device)
+    boxes = dict(plan.dst.shards(plan.spec, rank)) if role == "rollout" else {}
+    if groups is None:
+        groups = broadcast_groups(plan, base=base, bucket_bytes=bucket_bytes, backend=dist.get_backend(group))
+    _broadcast_sync.run(plan.spec, plan.src.placement(plan.spec), boxes, role, rank, shards, result,
+                        rmap.global_rank, rmap.label, plan.dst.world_size, bucket_bytes, deadline_s, verify,
+                        groups, on_full_tensor)
+    return result
+
+
+def broadcast_groups(plan: Plan, *, base: int = 0, bucket_bytes: int = 64 << 20, backend: str | None = None
+                     ) -> dict[int, dist.ProcessGroup]:
+    """The groups `broadcast_sync` uses (this rank's, by source trainer rank); cached across calls.
+
+    Collective: every rank of the default world must call it with the same plan layouts, `base`
+    and `bucket_bytes` (sources depend on them), including ranks outside the trainer + rollout map.
+    """
+    rmap = RankMap(plan.src.world_size, plan.dst.world_size, base)
+    return _broadcast_sync.make_groups(plan.spec, plan.src.placement(plan.spec), plan.dst.world_size,
+                                       rmap.global_rank, bucket_bytes, backend or dist.get_backend())

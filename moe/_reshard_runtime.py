@@ -26,7 +26,6 @@ import torch.distributed as dist
 # copied); receive views are written in place.
 Item = tuple[str, torch.Tensor]
 ALIGN = 8  # bucket offsets are multiples of 8 so that any dtype can be viewed in place
-CHECKSUM_MOD = 1 << 62
 
 
 class ReshardError(RuntimeError):
@@ -46,17 +45,30 @@ class RoundTimeout(ReshardError):
 
 
 def checksum(buf: torch.Tensor) -> int:
-    """A cheap checksum of a tensor's bytes: the sum of its 32-bit (or 16/8-bit) words, plus length.
+    """A cheap checksum of a tensor's bytes: the sum of its zero-padded 64-bit words, plus length.
 
-    Catches flipped, lost and truncated bytes (not reordered words); computed on the tensor's own
-    device. `buf` must be contiguous.
+    Catches flipped, lost and truncated bytes (not reordered words). Independent of the buffer's
+    alignment (a misaligned or odd-sized buffer is copied once); computed on the tensor's device.
+    A native int64 sum runs at memory speed, unlike widening int32 words (20x slower on CPU).
     """
     b = buf.reshape(-1).view(torch.uint8)
     n = b.numel()
-    word = torch.int32 if n % 4 == 0 and b.data_ptr() % 4 == 0 else (
-        torch.int16 if n % 2 == 0 and b.data_ptr() % 2 == 0 else torch.uint8)
-    s = int(b.view(word).sum(dtype=torch.int64).item()) if n else 0
-    return (s + n * 1_000_003) % CHECKSUM_MOD
+    if n % 8 or b.data_ptr() % 8:
+        padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=b.device)
+        padded[:n] = b
+        b = padded
+    s = int(b.view(torch.int64).sum().item()) if n else 0
+    return _wrap(s + n * 1_000_003)
+
+
+def combine(sums: list[int]) -> int:
+    """The checksum of several messages (their sum, as a signed 64-bit value)."""
+    return _wrap(sum(sums))
+
+
+def _wrap(x: int) -> int:
+    """x modulo 2**64 as a signed int64 (every bit of the word sum counts; it fits an int64 tensor)."""
+    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -94,17 +106,19 @@ def _bucket_view(bucket: torch.Tensor, off: int, view: torch.Tensor) -> torch.Te
 def exchange(peers: Sequence[_PeerPlan], *, deadline_s: float, round_label: str, verify: bool = True,
              direct_bytes: int = 1 << 20, group: dist.ProcessGroup | None = None,
              device: torch.device | None = None) -> None:
-    """Run one round: every peer's sends and receives in one batch, checked, within `deadline_s`.
+    """Run one round: every peer's sends and receives, checked, within `deadline_s`.
 
-    Both sides of a pair must list the same items (same order, sizes and dtypes). Raises
-    `RoundTimeout` naming the stalled peers, `ChecksumError` naming the peer and its tensors.
+    Both sides of a pair must list the same items (same order, sizes and dtypes). Payload sends and
+    all receives are posted in one `batch_isend_irecv`; the sender's checksums are computed while
+    the payload is in flight and follow in a second batch. Raises `RoundTimeout` naming the
+    stalled peers, `ChecksumError` naming the peer and its tensors.
     """
     ops: list[dist.P2POp] = []
     owners: list[_PeerPlan] = []
     unpack: list[Callable[[], None]] = []
     recv_sums: list[tuple[_PeerPlan, torch.Tensor, list[torch.Tensor]]] = []
+    sent: list[tuple[_PeerPlan, int, list[torch.Tensor]]] = []
     for p in peers:
-        tag = 0
         if p.send:
             bucketed, direct, size = _segments(p.send, direct_bytes)
             payloads = []
@@ -114,18 +128,11 @@ def exchange(peers: Sequence[_PeerPlan], *, deadline_s: float, round_label: str,
                     _bucket_view(bucket, off, view).copy_(view)
                 payloads.append(bucket)
             payloads += [_flat(v if v.is_contiguous() else v.contiguous()) for _, v in direct]
-            for buf in payloads:
+            for tag, buf in enumerate(payloads):
                 ops.append(dist.P2POp(dist.isend, buf, p.peer, group, tag))
                 owners.append(p)
-                tag += 1
-            if verify:
-                s = sum(checksum(b) for b in payloads) % CHECKSUM_MOD
-                ops.append(dist.P2POp(dist.isend, torch.tensor([s], dtype=torch.int64, device=device),
-                                      p.peer, group, tag))
-                owners.append(p)
-                tag += 1
+            sent.append((p, len(payloads), payloads))
         if p.recv:
-            tag = 0  # tags count per direction: the sender numbers its messages from 0 too
             bucketed, direct, size = _segments(p.recv, direct_bytes)
             bufs = []
             if bucketed:
@@ -140,22 +147,27 @@ def exchange(peers: Sequence[_PeerPlan], *, deadline_s: float, round_label: str,
                     tmp = torch.empty(view.shape, dtype=view.dtype, device=view.device)
                     bufs.append(_flat(tmp))
                     unpack.append(lambda view=view, tmp=tmp: view.copy_(tmp))
-            for buf in bufs:
+            for tag, buf in enumerate(bufs):  # tags count per direction, from 0 on both sides
                 ops.append(dist.P2POp(dist.irecv, buf, p.peer, group, tag))
                 owners.append(p)
-                tag += 1
             if verify:
                 expect = torch.zeros(1, dtype=torch.int64, device=device)
-                ops.append(dist.P2POp(dist.irecv, expect, p.peer, group, tag))
+                ops.append(dist.P2POp(dist.irecv, expect, p.peer, group, len(bufs)))
                 owners.append(p)
                 recv_sums.append((p, expect, bufs))
-    if not ops:
+    if not ops and not sent:
         return
-    works = dist.batch_isend_irecv(ops)
+    works = dist.batch_isend_irecv(ops) if ops else []
+    if verify and sent:
+        sum_ops = [dist.P2POp(dist.isend, torch.tensor([combine([checksum(b) for b in payloads])],
+                                                       dtype=torch.int64, device=device), p.peer, group, tag)
+                   for p, tag, payloads in sent]
+        works += dist.batch_isend_irecv(sum_ops)
+        owners += [p for p, _, _ in sent]
     _wait(works, owners, deadline_s, round_label, group)
     if verify:
         for p, expect, bufs in recv_sums:
-            got = sum(checksum(b) for b in bufs) % CHECKSUM_MOD
+            got = combine([checksum(b) for b in bufs])
             if got != int(expect.item()):
                 names = sorted({n for n, _ in p.recv})
                 raise ChecksumError(

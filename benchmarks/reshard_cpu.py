@@ -1,0 +1,260 @@
+"""CPU benchmark of the resharding runtime: 8+ processes on gloo move a >= 200 MB MoE model.
+
+`python benchmarks/reshard_cpu.py [--procs 8] [--reps 5] [--results benchmarks/RESULTS.md]` starts
+`mpiexec -n PROCS` (half trainer ranks, half rollout ranks) on a Qwen3-MoE spec scaled to about
+294 MB of bf16 weights, trainer TP2 x EP2 x DP2 -> one rollout engine TP4 x EP4, and times, in
+alternating order per repetition:
+  * planned   -- `moe.runtime.reshard` (plan rounds, bucketed batch_isend_irecv, checksums on);
+  * all_to_all -- a raw `all_to_all_single` of exactly the plan's bytes per (sender, receiver) pair,
+                 pre-packed buffers: the transport's bound for the same traffic;
+  * gather+bcast -- the naive baseline: every trainer rank sends its unique pieces to trainer
+                 rank 0, which broadcasts the whole model to the rollout ranks (64 MB chunks);
+  * broadcast_sync -- the SGLang-compatible path of moe.runtime (for reference).
+Each time is the slowest rank's (barrier, run, max over ranks); reported values are medians over
+repetitions; GB/s = plan bytes / time. The results table (with the load average) is appended
+under `## reshard_cpu` in the results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CHUNK_BYTES = 64 << 20
+
+
+def bench_spec():
+    """Qwen3-MoE shaped like the tiny preset, scaled to ~294 MB bf16 (16 experts, 4 layers)."""
+    from moe.specs import spec_from_config
+    from moe.specs._types import HPCRL_CONFIG_DIR, load_config
+
+    cfg = load_config(HPCRL_CONFIG_DIR / "tiny-qwen3-moe.json")
+    cfg.update(hidden_size=1024, num_hidden_layers=4, num_experts=16, moe_intermediate_size=512,
+               intermediate_size=2048, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+               vocab_size=16384, dtype="bfloat16")
+    return spec_from_config(cfg, "bench-294MB")
+
+
+def _layouts(procs: int):
+    from moe.layouts import RolloutLayout, TrainerLayout
+
+    half = procs // 2
+    return TrainerLayout(tp=2, ep=2, dp=half // 2), RolloutLayout(num_engines=1, tp=half, ep=half)
+
+
+def worker(reps: int, budget_bytes: int) -> None:
+    """The MPI program: every rank runs every method `reps` times; rank 0 prints a JSON summary."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from hpcrl.dist import init_torch_distributed
+    from moe.plan import plan
+    from moe.runtime import allocate_shards, broadcast_groups, broadcast_sync, reshard
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    g = comm.Get_rank()
+    init_torch_distributed(comm, "gloo", timeout_s=600)
+    spec = bench_spec()
+    src, dst = _layouts(comm.Get_size())
+    T, R = src.world_size, dst.world_size
+    assert T + R == comm.Get_size()
+    p = plan(src, dst, spec, budget_bytes)
+    role, rank = ("trainer", g) if g < T else ("rollout", g - T)
+    shards = None
+    if role == "trainer":
+        shards = {}
+        for n, box in src.shards(spec, rank):
+            t = spec[n]
+            gen = torch.Generator().manual_seed(spec.index(n) * 7919 + 1)  # replicas hold equal bytes
+            shards[n] = (box, torch.randn(box.shape, generator=gen).to(getattr(torch, t.dtype)))
+    # raw all_to_all: the plan's bytes per (global sender, global receiver) pair
+    gsrc = np.where(p.from_rollout, p.src_rank + T, p.src_rank)
+    pair = np.zeros((T + R, T + R), dtype=np.int64)
+    np.add.at(pair, (gsrc, p.dst_rank.astype(np.int64) + T), p.nbytes)
+    send_sizes, recv_sizes = pair[g].tolist(), pair[:, g].tolist()
+    a2a_in = torch.ones(sum(send_sizes), dtype=torch.uint8)
+    a2a_out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+    bcast_group = dist.new_group([0] + list(range(T, T + R)))
+    groups = broadcast_groups(p)
+    unique = _unique_pieces(src, spec)
+
+    # the rollout engine's weights exist already: it receives into them (no fresh pages per sync)
+    out = allocate_shards(spec, dst.shards(spec, rank)) if role == "rollout" else None
+    for _, t in (out or {}).values():
+        t.zero_()
+
+    def planned():
+        reshard(p, role, rank, shards, deadline_s=600.0, out=out)
+
+    def planned_noverify():
+        reshard(p, role, rank, shards, deadline_s=600.0, verify=False, out=out)
+
+    def all_to_all():
+        dist.all_to_all_single(a2a_out, a2a_in, recv_sizes, send_sizes)
+
+    def gather_bcast():
+        _gather_broadcast(spec, dst, role, rank, g, shards, unique, bcast_group, T)
+
+    def bsync():
+        broadcast_sync(p, role, rank, shards, deadline_s=600.0, groups=groups, out=out)
+
+    methods = {"planned": planned, "planned_noverify": planned_noverify, "all_to_all": all_to_all, "gather_bcast": gather_bcast,
+               "broadcast_sync": bsync}
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    planned()  # warm-up: connections, allocator
+    for rep in range(reps):
+        order = list(methods) if rep % 2 == 0 else list(reversed(methods))
+        for m in order:
+            comm.Barrier()
+            t0 = time.perf_counter()
+            methods[m]()
+            dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            times[m].append(dt)
+    if g == 0:
+        print("RESULT " + json.dumps({"times": times, "bytes": int(p.nbytes.sum()), "rounds": p.num_rounds,
+                                      "transfers": len(p), "model_bytes": spec.total_bytes,
+                                      "trainer": repr(src), "rollout": repr(dst)}), flush=True)
+    comm.Barrier()
+    os._exit(0)
+
+
+def _unique_pieces(src, spec) -> list[tuple[str, object, int]]:
+    """(tensor, box, holder): every box of every tensor once, from its first holder."""
+    return [(t.name, box, ranks[0]) for t, pl in zip(spec.tensors, src.placement(spec)) for box, ranks in pl]
+
+
+def _gather_broadcast(spec, dst, role, rank, g, shards, unique, group, T) -> None:
+    """Baseline: all unique pieces to trainer rank 0, which broadcasts the whole model in chunks."""
+    import torch
+    import torch.distributed as dist
+
+    from moe.slices import Box
+
+    offs, off = {}, 0
+    for t in spec.tensors:
+        offs[t.name] = off
+        off += -(-t.nbytes // 8) * 8
+    flat = torch.empty(off, dtype=torch.uint8) if (g == 0 or role == "rollout") else None
+
+    def full(name):
+        t = spec[name]
+        return flat[offs[name]:offs[name] + t.nbytes].view(getattr(torch, t.dtype)).view(t.shape)
+
+    if role == "trainer":
+        ops, tmp = [], []
+        for name, box, holder in unique:
+            if g == 0 and holder == 0:
+                full(name)[box.relative_to(Box.full(spec[name].shape))].copy_(
+                    shards[name][1][box.relative_to(shards[name][0])])
+            elif g == 0:
+                buf = torch.empty(box.shape, dtype=getattr(torch, spec[name].dtype))
+                tmp.append((name, box, buf))
+                ops.append(dist.P2POp(dist.irecv, buf, holder))
+            elif holder == rank:
+                ops.append(dist.P2POp(dist.isend, shards[name][1][box.relative_to(shards[name][0])].contiguous(), 0))
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        for name, box, buf in tmp:
+            full(name)[box.relative_to(Box.full(spec[name].shape))].copy_(buf)
+    if g == 0 or role == "rollout":
+        for lo in range(0, flat.numel(), CHUNK_BYTES):
+            dist.broadcast(flat[lo:lo + CHUNK_BYTES], src=0, group=group)
+    if role == "rollout":
+        for name, box in dst.shards(spec, rank):
+            full(name)[box.relative_to(Box.full(spec[name].shape))].clone()
+
+
+def _load() -> str:
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--procs", type=int, default=8, help="MPI processes (even, >= 8): half trainer, half rollout")
+    ap.add_argument("--reps", type=int, default=5, help="timed repetitions of every method")
+    ap.add_argument("--budget-mib", type=int, default=64, help="plan memory budget per rank and round (MiB)")
+    ap.add_argument("--results", type=Path, default=None, help="append a section to this RESULTS.md")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.reps, args.budget_mib << 20)
+    if args.procs < 8 or args.procs % 4:
+        raise SystemExit(f"--procs={args.procs} must be a multiple of 4 and >= 8 (TP2 x EP2 x DP trainer)")
+    load_before = _load()
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    cmd = [str(mpiexec), "-n", str(args.procs), sys.executable, __file__, "--worker", "--reps", str(args.reps),
+           "--budget-mib", str(args.budget_mib)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, cwd=REPO)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"benchmark failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    res = json.loads(lines[-1][len("RESULT "):])
+    text = render(res, args, load_before, _load(), time.time() - t0)
+    print(text)
+    if args.results:
+        append_section(args.results, text)
+
+
+def render(res: dict, args, load_before: str, load_after: str, wall_s: float) -> str:
+    nb = res["bytes"]
+    med = {m: statistics.median(ts) for m, ts in res["times"].items()}
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    rel = lambda m: " ".join(f"{v:.2f}" for v in res["times"][m])  # noqa: E731
+    rows = [
+        ("planned runtime (`moe.runtime.reshard`)", "planned"),
+        ("planned runtime, checksums off (`verify=False`)", "planned_noverify"),
+        ("raw gloo `all_to_all_single`, same bytes per pair", "all_to_all"),
+        ("gather to trainer rank 0, then broadcast", "gather_bcast"),
+        ("`moe.runtime.broadcast_sync` (SGLang path)", "broadcast_sync"),
+    ]
+    out = [f"### {now}: `python benchmarks/reshard_cpu.py --procs {args.procs} --reps {args.reps}"
+           f"{' --results ' + str(args.results) if args.results else ''}`", "",
+           f"Host: {platform.node()} ({os.cpu_count()} CPUs, shared), load average (1/5/15 min) {load_before} "
+           f"before, {load_after} after; {args.procs} processes on gloo, one torch thread each; total "
+           f"{wall_s:.0f} s. Model: {res['model_bytes'] / 1e6:.0f} MB bf16 (Qwen3-MoE scaled, 16 experts); "
+           f"trainer {res['trainer']} -> rollout {res['rollout']}; plan: {res['transfers']} transfers, "
+           f"{res['rounds']} rounds at a {args.budget_mib} MiB budget, {nb / 1e6:.0f} MB moved. Times: slowest "
+           f"rank, median of {args.reps} (all reps in brackets); GB/s = plan bytes / time.", "",
+           "| method | median s | GB/s | reps (s) |", "|---|---|---|---|"]
+    for label, m in rows:
+        out.append(f"| {label} | {med[m]:.3f} | {nb / med[m] / 1e9:.3f} | {rel(m)} |")
+    ratio_a2a = med["all_to_all"] / med["planned"]
+    ratio_gb = med["gather_bcast"] / med["planned"]
+    per_rep = [a / b for a, b in zip(res["times"]["all_to_all"], res["times"]["planned"])]
+    out += ["", f"Planned GB/s / all_to_all GB/s: {ratio_a2a:.2f} (goal >= 0.8; per rep: "
+            f"{' '.join(f'{x:.2f}' for x in per_rep)}). Planned vs gather+broadcast: {ratio_gb:.1f}x faster "
+            f"(goal >= 3x).", ""]
+    return "\n".join(out)
+
+
+def append_section(path: Path, text: str) -> None:
+    """Append `text` at the end of the `## reshard_cpu` section (created at the end if missing)."""
+    body = path.read_text() if path.exists() else "# Benchmark results\n"
+    lines = body.splitlines()
+    try:
+        start = lines.index("## reshard_cpu")
+    except ValueError:
+        path.write_text(body.rstrip("\n") + "\n\n## reshard_cpu\n\n" + text + "\n")
+        return
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    new = lines[:end] + ([""] if lines[end - 1].strip() else []) + text.splitlines() + lines[end:]
+    path.write_text("\n".join(new).rstrip("\n") + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -84,10 +84,13 @@ def run_local(job_path: str, overrides: list[str], cli_run_dir: str | None, resu
                                 run_dir, env=env)
     if rc == 0 and (run_dir / "final.json").exists():
         return 0
+    failure = run_dir / ".failure.txt"
+    if failure.exists():
+        print(f"\n{failure.read_text().rstrip()}\nLogs: {run_dir / 'logs'}", file=sys.stderr, flush=True)
+        return EXIT_REQUEUE if rc == EXIT_REQUEUE else (rc or EXIT_FAILURE)
     if rc == EXIT_REQUEUE:
         return rc
-    if not (run_dir / ".failure.txt").exists():
-        why = first_death or f"mpiexec exited with code {rc}"
-        print(f"hpcrl run failed: {why}; the MPI world was stopped. Logs: {run_dir / 'logs'}",
-              file=sys.stderr, flush=True)
+    why = first_death or f"mpiexec exited with code {rc}"
+    print(f"hpcrl run failed: {why}; the MPI world was stopped. Logs: {run_dir / 'logs'}",
+          file=sys.stderr, flush=True)
     return rc if rc not in (0, None) else EXIT_FAILURE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,9 +16,11 @@ EXIT_FAILURE = 1
 
 
 def _report(run_dir: Path, message: str) -> None:
-    """Print the failure and leave it in RUN_DIR/.failure.txt (the launcher then adds nothing)."""
+    """Leave the failure in RUN_DIR/.failure.txt. Under `hpcrl run` the launcher prints it: output
+    forwarded by Hydra can be lost when MPI_Abort follows at once. Elsewhere (Slurm) print it."""
     (run_dir / ".failure.txt").write_text(message + "\n")
-    print(f"\n{message}", file=sys.stderr, flush=True)
+    if os.environ.get("HPCRL_LAUNCHER") != "mpiexec":
+        print(f"\n{message}", file=sys.stderr, flush=True)
 
 
 def controller_main(job: JobConfig, run_dir: Path, world: World) -> int:

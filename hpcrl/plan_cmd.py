@@ -29,7 +29,8 @@ GIB = 2**30
 
 # Layout field -> the job key that sets it (trainer dp is derived from trainer.num_procs).
 _TRAINER_KEYS = {"tp": "trainer.tp", "pp": "trainer.pp", "ep": "trainer.ep", "etp": "trainer.etp",
-                 "cp": "trainer.cp", "dp": "trainer.num_procs", "first_stage_layers": "trainer.first_stage_layers",
+                 "cp": "trainer.cp", "dp": "trainer.num_procs",
+                 "first_stage_layers": "trainer.first_stage_layers",
                  "last_stage_layers": "trainer.last_stage_layers"}
 _ROLLOUT_KEYS = {"num_engines": "rollout.num_engines", "tp": "rollout.tp_per_engine", "ep": "rollout.ep",
                  "dp_attention": "rollout.dp_attention"}
@@ -41,7 +42,7 @@ def build_spec(job: JobConfig) -> MoESpec:
     cfg = {k: v for k, v in cfg.items() if k != "dtype"}
     cfg["torch_dtype"] = job.model.dtype  # the trainer's parameter dtype is what moves
     try:
-        flavor = job.model.preset if key == "model.preset" else os.path.basename(str(value)).removesuffix(".json")
+        flavor = str(value) if key == "model.preset" else os.path.basename(str(value)).removesuffix(".json")
         return spec_from_config(cfg, flavor=flavor)
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(key, value, f"{source}: {str(exc).removeprefix('config.json ')}") from None
@@ -96,16 +97,18 @@ def build_layouts(job: JobConfig, spec: MoESpec) -> tuple[TrainerLayout, Rollout
     if t.num_procs % model_parallel:
         k = max(1, t.num_procs // model_parallel)
         valid = ", ".join(str(model_parallel * i) for i in (k, k + 1))
-        raise ConfigError("trainer.num_procs", t.num_procs, f"must be a multiple of tp*cp*pp={model_parallel} "
-                                                            f"(dp = num_procs/(tp*cp*pp)); nearest valid: {valid}")
+        raise ConfigError("trainer.num_procs", t.num_procs,
+                          f"must be a multiple of tp*cp*pp={model_parallel} (dp = num_procs/(tp*cp*pp)); "
+                          f"nearest valid: {valid}")
     try:
-        trainer = TrainerLayout(tp=t.tp, pp=t.pp, ep=t.ep, etp=t.etp, dp=t.num_procs // model_parallel, cp=t.cp,
-                                first_stage_layers=first, last_stage_layers=last)
+        trainer = TrainerLayout(tp=t.tp, pp=t.pp, ep=t.ep, etp=t.etp, dp=t.num_procs // model_parallel,
+                                cp=t.cp, first_stage_layers=first, last_stage_layers=last)
         trainer.validate(spec)
     except ValueError as exc:
         raise _layout_error(exc, "trainer", job) from None
     try:
-        rollout = RolloutLayout(num_engines=r.num_engines, tp=r.tp_per_engine, ep=r.ep, dp_attention=r.dp_attention)
+        rollout = RolloutLayout(num_engines=r.num_engines, tp=r.tp_per_engine, ep=r.ep,
+                                dp_attention=r.dp_attention)
         rollout.validate(spec)
     except ValueError as exc:
         raise _layout_error(exc, "rollout", job) from None
@@ -127,14 +130,16 @@ def build_topology(job: JobConfig) -> Topology:
         rollout_gpus = job.rollout.num_engines * job.rollout.tp_per_engine
         if res.rollout_nodes and rollout_gpus > res.rollout_nodes * res.gpus_per_node:
             raise ConfigError("rollout.num_engines", job.rollout.num_engines,
-                              f"num_engines*tp_per_engine={rollout_gpus} GPUs exceed resources.rollout_nodes*"
-                              f"gpus_per_node={res.rollout_nodes * res.gpus_per_node}; use more rollout_nodes")
-    return Topology(gpus_per_node=n.gpus_per_node, nics_per_node=n.nics_per_node, nic_gbit_per_s=n.nic_gbit_per_s,
-                    nvlink_gbyte_per_s=n.nvlink_gbyte_per_s, colocated=res.rollout_nodes == 0)
+                              f"num_engines*tp_per_engine={rollout_gpus} GPUs exceed resources."
+                              f"rollout_nodes*gpus_per_node={res.rollout_nodes * res.gpus_per_node}; "
+                              "use more rollout_nodes")
+    return Topology(gpus_per_node=n.gpus_per_node, nics_per_node=n.nics_per_node,
+                    nic_gbit_per_s=n.nic_gbit_per_s, nvlink_gbyte_per_s=n.nvlink_gbyte_per_s,
+                    colocated=res.rollout_nodes == 0)
 
 
 def plan_job(job: JobConfig) -> dict[str, Any]:
-    """The `plan_report` of `job` plus `job`, `mean_recv_bytes_per_gpu` and `fits`; ConfigError for bad layouts.
+    """`plan_report` of `job` plus `job`, `mean_recv_bytes_per_gpu` and `fits`; ConfigError for bad layouts.
 
     Does not raise for memory: `fits` is False and `memory_errors` holds the layouts' messages.
     """
@@ -170,10 +175,11 @@ def render(report: dict[str, Any]) -> str:
         f"{_gib(report['mean_send_bytes_per_gpu'])}; rollout GPUs receive max "
         f"{_gib(report['max_recv_bytes_per_gpu'])}, mean {_gib(report['mean_recv_bytes_per_gpu'])} "
         f"(must hold {_gib(report['must_hold_bytes_per_gpu'])})",
-        "notes            estimate: per round, the slowest GPU's NIC share or NVLink time; lower bound: the NIC",
-        "                 line rate, which no schedule beats; baseline: gather per pipeline stage, then broadcast",
-        "                 every tensor to every rollout GPU (verl / slime update_weights_from_distributed).",
-        "                 Per-GPU memory figures are maxima over GPUs; rollout memory is weights only (no KV cache).",
+        "notes            estimate: per round, the slowest GPU's NIC share or NVLink time; lower bound:",
+        "                 the NIC line rate, which no schedule beats; baseline: gather per pipeline stage,",
+        "                 then broadcast every tensor to every rollout GPU (verl / slime",
+        "                 update_weights_from_distributed). Per-GPU memory figures are maxima over GPUs;",
+        "                 rollout memory is weights only (no KV cache).",
     ]
     return f"job              {report['job']}\n" + render_text(report) + "\n" + "\n".join(extra)
 
@@ -192,7 +198,8 @@ def run_plan(path: str | os.PathLike, overrides: list[str], as_json: bool, out: 
     """
     job = load_job(path, overrides, purpose="plan")
     report = plan_job(job)
-    out.write(json.dumps(report, indent=2, default=_json_default) + "\n" if as_json else render(report) + "\n")
+    text = json.dumps(report, indent=2, default=_json_default) if as_json else render(report)
+    out.write(text + "\n")
     out.flush()
     for side, msg in report["memory_errors"].items():
         hint = re.sub(r"^(Trainer|Rollout)Layout ", "", msg)

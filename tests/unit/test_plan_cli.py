@@ -58,9 +58,9 @@ def json_report(request):
 
 def test_json_report_has_the_required_keys_and_sane_values(json_report):
     r, published, trainer_gpus, rollout_gpus = json_report
-    for key in ("total_params", "lower_bound_s", "estimate_s", "baseline_broadcast_s", "max_recv_bytes_per_gpu",
-                "must_hold_bytes_per_gpu", "max_send_bytes_per_gpu", "mean_send_bytes_per_gpu",
-                "mean_recv_bytes_per_gpu"):
+    for key in ("total_params", "lower_bound_s", "estimate_s", "baseline_broadcast_s",
+                "max_recv_bytes_per_gpu", "must_hold_bytes_per_gpu", "max_send_bytes_per_gpu",
+                "mean_send_bytes_per_gpu", "mean_recv_bytes_per_gpu"):
         assert key in r, key
     assert abs(r["total_params"] - published) / published < 0.005
     assert r["estimate_s"] >= r["lower_bound_s"] > 0
@@ -94,8 +94,9 @@ def test_text_report(name):
     assert out.stderr == ""
     text = out.stdout
     assert f"{published / 1e9:.0f}" in text.splitlines()[1]  # e.g. "671.03B params"
-    for needle in (f"trainer          {trainer_gpus} GPUs", f"rollout          {rollout_gpus} GPUs", "params ",
-                   "grads ", "optimizer ", "weights ", "(fits)", "line-rate lower bound", "broadcast baseline",
+    for needle in (f"trainer          {trainer_gpus} GPUs", f"rollout          {rollout_gpus} GPUs",
+                   "params ", "grads ", "optimizer ", "weights ", "(fits)", "line-rate lower bound",
+                   "broadcast baseline",
                    "send max", "mean", "receive max"):
         assert needle in text, needle
     assert "DOES NOT FIT" not in text
@@ -105,7 +106,8 @@ def test_text_report(name):
     (DEEPSEEK, "trainer.ep=7", "trainer.ep=7: ep=7 with etp=1 does not divide tp*cp*dp=16"),
     (DEEPSEEK, "trainer.pp=7", "trainer.pp=7: 61 decoder layers do not split over pp=7"),
     (DEEPSEEK, "trainer.num_procs=250", "trainer.num_procs=250: must be a multiple of tp*cp*pp=16"),
-    (DEEPSEEK, "rollout.dp_attention=3", "rollout.dp_attention=3: dp_attention=3 must divide tp_per_engine=32"),
+    (DEEPSEEK, "rollout.dp_attention=3",
+     "rollout.dp_attention=3: dp_attention=3 must divide tp_per_engine=32"),
     (QWEN, "trainer.tp=3", "trainer.tp=3: tp=3 must divide num_heads=64 and num_kv_heads=4"),
     (QWEN, "trainer.etp=5", "trainer.etp=5: etp=5 does not divide moe_intermediate_size=1536"),
     (QWEN, "rollout.ep=3", "rollout.ep=3: ep=3 must divide tp_per_engine=8"),
@@ -124,7 +126,8 @@ def test_layout_that_does_not_fit_is_shown_then_fails():
     assert out.returncode == 2, out.stderr
     assert "(DOES NOT FIT)" in out.stdout and "broadcast baseline" in out.stdout
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("hpcrl plan: error: rollout='num_engines=8 tp_per_engine=8"), lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("hpcrl plan: error: rollout='num_engines=8 tp_per_engine=8"), lines
     assert "> gpu memory 40.0 GiB" in lines[0] and "network.gpu_memory_gb=40" in lines[0]
 
 

@@ -60,7 +60,7 @@ def worker(reps: int, budget_bytes: int) -> None:
 
     from hpcrl.dist import init_torch_distributed
     from moe.plan import plan
-    from moe.runtime import allocate_shards, broadcast_groups, broadcast_sync, reshard
+    from moe.runtime import Staging, allocate_shards, broadcast_groups, broadcast_sync, reshard
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
@@ -95,11 +95,13 @@ def worker(reps: int, budget_bytes: int) -> None:
     for _, t in (out or {}).values():
         t.zero_()
 
+    staging = Staging()  # bucket memory reused across syncs, as an engine syncing every step would
+
     def planned():
-        reshard(p, role, rank, shards, deadline_s=600.0, out=out)
+        reshard(p, role, rank, shards, deadline_s=600.0, out=out, staging=staging)
 
     def planned_noverify():
-        reshard(p, role, rank, shards, deadline_s=600.0, verify=False, out=out)
+        reshard(p, role, rank, shards, deadline_s=600.0, verify=False, out=out, staging=staging)
 
     def all_to_all():
         dist.all_to_all_single(a2a_out, a2a_in, recv_sizes, send_sizes)

@@ -103,9 +103,30 @@ def _bucket_view(bucket: torch.Tensor, off: int, view: torch.Tensor) -> torch.Te
     return bucket[off:off + nb].view(view.dtype).view(view.shape)
 
 
+class Staging:
+    """Reusable bucket buffers, one per (peer, direction), grown as needed.
+
+    Fresh buffers cost page faults on every sync (CPU) or allocator traffic (GPU); a caller that
+    syncs weights every step keeps one `Staging` and passes it to every call. Holds at most one
+    round's buckets (the plan's per-round budget bounds them).
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[int, str], torch.Tensor] = {}
+
+    def get(self, peer: int, direction: str, nbytes: int, device: torch.device | None) -> torch.Tensor:
+        buf = self._bufs.get((peer, direction))
+        if buf is None or buf.numel() < nbytes or buf.device != torch.empty(0, device=device).device:
+            buf = self._bufs[(peer, direction)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes]
+
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._bufs.values())
+
+
 def exchange(peers: Sequence[_PeerPlan], *, deadline_s: float, round_label: str, verify: bool = True,
              direct_bytes: int = 1 << 20, group: dist.ProcessGroup | None = None,
-             device: torch.device | None = None) -> None:
+             device: torch.device | None = None, staging: Staging | None = None) -> None:
     """Run one round: every peer's sends and receives, checked, within `deadline_s`.
 
     Both sides of a pair must list the same items (same order, sizes and dtypes). Payload sends and
@@ -118,12 +139,13 @@ def exchange(peers: Sequence[_PeerPlan], *, deadline_s: float, round_label: str,
     unpack: list[Callable[[], None]] = []
     recv_sums: list[tuple[_PeerPlan, torch.Tensor, list[torch.Tensor]]] = []
     sent: list[tuple[_PeerPlan, int, list[torch.Tensor]]] = []
+    staging = staging or Staging()
     for p in peers:
         if p.send:
             bucketed, direct, size = _segments(p.send, direct_bytes)
             payloads = []
             if bucketed:
-                bucket = torch.empty(size, dtype=torch.uint8, device=device)
+                bucket = staging.get(p.peer, "send", size, device)
                 for off, (_, view) in bucketed:
                     _bucket_view(bucket, off, view).copy_(view)
                 payloads.append(bucket)
@@ -136,7 +158,7 @@ def exchange(peers: Sequence[_PeerPlan], *, deadline_s: float, round_label: str,
             bucketed, direct, size = _segments(p.recv, direct_bytes)
             bufs = []
             if bucketed:
-                bucket = torch.empty(size, dtype=torch.uint8, device=device)
+                bucket = staging.get(p.peer, "recv", size, device)
                 bufs.append(bucket)
                 unpack.append(lambda bucket=bucket, bucketed=bucketed: [
                     view.copy_(_bucket_view(bucket, off, view)) for off, (_, view) in bucketed])

@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 
 from moe import _broadcast_sync
-from moe._reshard_runtime import ChecksumError, ReshardError, RoundTimeout, _PeerPlan, exchange
+from moe._reshard_runtime import ChecksumError, ReshardError, RoundTimeout, Staging, _PeerPlan, exchange
 from moe.plan import Plan
 from moe.slices import Box
 from moe.specs import MoESpec
 
-__all__ = ["ChecksumError", "RankMap", "ReshardError", "RoundTimeout", "Shards", "allocate_shards",
+__all__ = ["ChecksumError", "RankMap", "ReshardError", "RoundTimeout", "Shards", "Staging", "allocate_shards",
            "broadcast_groups", "broadcast_sync", "reshard"]
 
 Shards = dict[str, tuple[Box, torch.Tensor]]
@@ -103,7 +103,7 @@ def _dst_shards(plan: Plan, rank: int, out: Shards | None, device: torch.device 
 def reshard(plan: Plan, role: str, rank: int, shards: Shards | None = None, *, base: int = 0,
             group: dist.ProcessGroup | None = None, deadline_s: float = 60.0, verify: bool = True,
             direct_bytes: int = 1 << 20, out: Shards | None = None,
-            device: torch.device | str | None = None) -> Shards:
+            device: torch.device | str | None = None, staging: Staging | None = None) -> Shards:
     """Execute `plan` on this rank: `role` "trainer" or "rollout", `rank` within that layout.
 
     Collective over all trainer and rollout ranks of the plan (mapping: `RankMap`). Trainer ranks
@@ -111,9 +111,14 @@ def reshard(plan: Plan, role: str, rank: int, shards: Shards | None = None, *, b
     get back their pieces as `plan.dst.shards(spec, rank)` lists them (into `out` if given).
     Every round must finish within `deadline_s` (RoundTimeout names the stalled peers); with
     `verify`, every peer's bytes are checksummed (ChecksumError names the peer and tensors).
+    Pieces of at least `direct_bytes` travel as their own message (zero-copy when contiguous),
+    smaller ones in one bucket per peer and round; pass the same `staging` to every call to reuse
+    the bucket memory across syncs.
     """
     _check_args(plan, role, rank, shards)
     rmap = RankMap(plan.src.world_size, plan.dst.world_size, base)
+    staging = staging or Staging()
+    world = rmap.base + plan.src.world_size + plan.dst.world_size
     names = [t.name for t in plan.spec.tensors]
     result: Shards = {} if role == "trainer" else _dst_shards(plan, rank, out, device)
     held = shards if role == "trainer" else result
@@ -143,9 +148,11 @@ def reshard(plan: Plan, role: str, rank: int, shards: Shards | None = None, *, b
             name = names[plan.tensor[i]]
             box, t = result[name]
             p.recv.append((name, t[plan.box(i).relative_to(box)]))
-        exchange([peers[k] for k in sorted(peers)], deadline_s=deadline_s, verify=verify,
+        me = rmap.global_rank(role, rank)
+        # staggered peer order (like gloo's own alltoall): not every sender starts on the same receiver
+        exchange([peers[k] for k in sorted(peers, key=lambda k: (k - me) % world)], deadline_s=deadline_s, verify=verify,
                  round_label=f"reshard round {r}/{plan.num_rounds} on {rmap.label(role, rank)}",
-                 direct_bytes=direct_bytes, group=group, device=_device_of(held))
+                 direct_bytes=direct_bytes, group=group, device=_device_of(held), staging=staging)
     return result
 
 

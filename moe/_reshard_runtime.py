@@ -136,8 +136,7 @@ def exchange(peers: Sequence[_PeerPlan], *, deadline_s: float, round_label: str,
     """
     ops: list[dist.P2POp] = []
     owners: list[_PeerPlan] = []
-    unpack: list[Callable[[], None]] = []
-    recv_sums: list[tuple[_PeerPlan, torch.Tensor, list[torch.Tensor]]] = []
+    done: dict[int, Callable[[], None]] = {}  # index of a peer's last receive op -> verify + unpack
     sent: list[tuple[_PeerPlan, int, list[torch.Tensor]]] = []
     staging = staging or Staging()
     for p in peers:
@@ -155,6 +154,7 @@ def exchange(peers: Sequence[_PeerPlan], *, deadline_s: float, round_label: str,
                 owners.append(p)
             sent.append((p, len(payloads), payloads))
         if p.recv:
+            unpack: list[Callable[[], None]] = []
             bucketed, direct, size = _segments(p.recv, direct_bytes)
             bufs = []
             if bucketed:
@@ -172,11 +172,12 @@ def exchange(peers: Sequence[_PeerPlan], *, deadline_s: float, round_label: str,
             for tag, buf in enumerate(bufs):  # tags count per direction, from 0 on both sides
                 ops.append(dist.P2POp(dist.irecv, buf, p.peer, group, tag))
                 owners.append(p)
+            expect = torch.zeros(1, dtype=torch.int64, device=device)
             if verify:
-                expect = torch.zeros(1, dtype=torch.int64, device=device)
                 ops.append(dist.P2POp(dist.irecv, expect, p.peer, group, len(bufs)))
                 owners.append(p)
-                recv_sums.append((p, expect, bufs))
+            done[len(ops) - 1] = (lambda p=p, expect=expect, bufs=bufs, unpack=unpack:
+                                  _finish(p, expect if verify else None, bufs, unpack, round_label))
     if not ops and not sent:
         return
     works = dist.batch_isend_irecv(ops) if ops else []
@@ -186,23 +187,30 @@ def exchange(peers: Sequence[_PeerPlan], *, deadline_s: float, round_label: str,
                    for p, tag, payloads in sent]
         works += dist.batch_isend_irecv(sum_ops)
         owners += [p for p, _, _ in sent]
-    _wait(works, owners, deadline_s, round_label, group)
-    if verify:
-        for p, expect, bufs in recv_sums:
-            got = combine([checksum(b) for b in bufs])
-            if got != int(expect.item()):
-                names = sorted({n for n, _ in p.recv})
-                raise ChecksumError(
-                    f"{round_label}: checksum mismatch on the bytes received from {p.label}: sender computed "
-                    f"{int(expect.item())}, receiver {got}; tensors in that message: "
-                    f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
+    _wait(works, owners, deadline_s, round_label, group, done)
+
+
+def _finish(p: _PeerPlan, expect: torch.Tensor | None, bufs: list[torch.Tensor], unpack: list[Callable[[], None]],
+            round_label: str) -> None:
+    """A peer's receives are complete: check its checksum, then copy bucketed pieces into place."""
+    if expect is not None:
+        got = combine([checksum(b) for b in bufs])
+        if got != int(expect.item()):
+            names = sorted({n for n, _ in p.recv})
+            raise ChecksumError(
+                f"{round_label}: checksum mismatch on the bytes received from {p.label}: sender computed "
+                f"{int(expect.item())}, receiver {got}; tensors in that message: "
+                f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
     for f in unpack:
         f()
 
 
 def _wait(works: list, owners: list[_PeerPlan], deadline_s: float, round_label: str,
-          group: dist.ProcessGroup | None) -> None:
+          group: dist.ProcessGroup | None, done: dict[int, Callable[[], None]] | None = None) -> None:
     """Wait for all works until the deadline; raise RoundTimeout naming the peers still pending.
+
+    `done[i]` runs once works 0..i have completed (gloo: right away, overlapping the peers still
+    in flight; other backends: after all), unless a peer has stalled by then.
 
     batch_isend_irecv returns one work per op on gloo (we map each to its peer); with NCCL it may
     return a single coalesced work, in which case the stall is attributed to every peer of the round.
@@ -236,6 +244,9 @@ def _wait(works: list, owners: list[_PeerPlan], deadline_s: float, round_label: 
                     stalled[o.peer] = o.label
                 if not timed_out:
                     errors.append(str(e).splitlines()[0][:200])
+            else:
+                if gloo and not stalled and done and i in done:
+                    done[i]()  # may raise ChecksumError: not a transport error, so outside the try
             left = end - time.monotonic()
         pending = still
         if pending:
@@ -251,3 +262,6 @@ def _wait(works: list, owners: list[_PeerPlan], deadline_s: float, round_label: 
         raise RoundTimeout(f"{round_label} did not complete within its deadline of {deadline_s:g} s; stalled "
                            f"peers: {', '.join(labels)}" + (f" (errors: {'; '.join(errors)})" if errors else ""),
                            labels)
+    if not gloo:
+        for i in sorted(done or {}):
+            done[i]()

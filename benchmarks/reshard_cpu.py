@@ -112,7 +112,8 @@ def worker(reps: int, budget_bytes: int) -> None:
     def bsync():
         broadcast_sync(p, role, rank, shards, deadline_s=600.0, groups=groups, out=out)
 
-    methods = {"planned": planned, "planned_noverify": planned_noverify, "all_to_all": all_to_all, "gather_bcast": gather_bcast,
+    methods = {"planned": planned, "planned_noverify": planned_noverify, "all_to_all": all_to_all,
+               "gather_bcast": gather_bcast,
                "broadcast_sync": bsync}
     times: dict[str, list[float]] = {m: [] for m in methods}
     planned()  # warm-up: connections, allocator

@@ -150,7 +150,8 @@ def reshard(plan: Plan, role: str, rank: int, shards: Shards | None = None, *, b
             p.recv.append((name, t[plan.box(i).relative_to(box)]))
         me = rmap.global_rank(role, rank)
         # staggered peer order (like gloo's own alltoall): not every sender starts on the same receiver
-        exchange([peers[k] for k in sorted(peers, key=lambda k: (k - me) % world)], deadline_s=deadline_s, verify=verify,
+        exchange([peers[k] for k in sorted(peers, key=lambda k: (k - me) % world)], deadline_s=deadline_s,
+                 verify=verify,
                  round_label=f"reshard round {r}/{plan.num_rounds} on {rmap.label(role, rank)}",
                  direct_bytes=direct_bytes, group=group, device=_device_of(held), staging=staging)
     return result
@@ -181,7 +182,8 @@ def broadcast_sync(plan: Plan, role: str, rank: int, shards: Shards | None = Non
     rollout ranks. It needs one group per source trainer rank ({source} + rollout ranks): pass
     `groups=broadcast_groups(plan, ...)`, made once by every rank of the default world; if None it
     calls `broadcast_groups` itself, which is only right when the world is exactly the mapped
-    trainer + rollout ranks (or every other rank calls `broadcast_groups` at the same time). On rollout ranks, `on_full_tensor(name, full_tensor)` is called
+    trainer + rollout ranks (or every other rank calls `broadcast_groups` at the same time). On rollout
+    ranks, `on_full_tensor(name, full_tensor)` is called
     for every HF tensor as it arrives (the view is only valid during the call).
     """
     _check_args(plan, role, rank, shards)

@@ -78,7 +78,8 @@ def _run_case(name: str, grank: int) -> dict:
     else:
         role, rank, shards = "rollout", grank - T, None
     res = {"rounds": p.num_rounds, "relays": int(p.from_rollout.sum())}
-    for path, fn, kw in (("reshard", reshard, {}), ("broadcast", broadcast_sync, {"bucket_bytes": BUCKET_BYTES, "groups": groups})):
+    bkw = {"bucket_bytes": BUCKET_BYTES, "groups": groups}
+    for path, fn, kw in (("reshard", reshard, {}), ("broadcast", broadcast_sync, bkw)):
         got = fn(p, role, rank, shards, deadline_s=60.0, **kw)
         if role == "trainer":
             res[path] = 0 if got == {} else "trainer got shards"

@@ -166,7 +166,8 @@ def _gather_broadcast(spec, dst, role, rank, g, shards, unique, group, T) -> Non
                 tmp.append((name, box, buf))
                 ops.append(dist.P2POp(dist.irecv, buf, holder))
             elif holder == rank:
-                ops.append(dist.P2POp(dist.isend, shards[name][1][box.relative_to(shards[name][0])].contiguous(), 0))
+                piece = shards[name][1][box.relative_to(shards[name][0])].contiguous()
+                ops.append(dist.P2POp(dist.isend, piece, 0))
         if ops:
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
@@ -186,7 +187,8 @@ def _load() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--procs", type=int, default=8, help="MPI processes (even, >= 8): half trainer, half rollout")
+    ap.add_argument("--procs", type=int, default=8,
+                    help="MPI processes (a multiple of 4, >= 8): half trainer, half rollout")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions of every method")
     ap.add_argument("--budget-mib", type=int, default=64, help="plan memory budget per rank and round (MiB)")
     ap.add_argument("--results", type=Path, default=None, help="append a section to this RESULTS.md")
@@ -198,14 +200,16 @@ def main() -> None:
         raise SystemExit(f"--procs={args.procs} must be a multiple of 4 and >= 8 (TP2 x EP2 x DP trainer)")
     load_before = _load()
     mpiexec = Path(sys.executable).parent / "mpiexec"
-    cmd = [str(mpiexec), "-n", str(args.procs), sys.executable, __file__, "--worker", "--reps", str(args.reps),
+    cmd = [str(mpiexec), "-n", str(args.procs), sys.executable, __file__, "--worker",
+           "--reps", str(args.reps),
            "--budget-mib", str(args.budget_mib)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, cwd=REPO)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
-        raise SystemExit(f"benchmark failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"benchmark failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                         f"{proc.stderr[-3000:]}")
     res = json.loads(lines[-1][len("RESULT "):])
     text = render(res, args, load_before, _load(), time.time() - t0)
     print(text)
@@ -227,14 +231,15 @@ def render(res: dict, args, load_before: str, load_after: str, wall_s: float) ->
     ]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=REPO).stdout.strip()
-    out = [f"### {now} (commit {commit}): `python benchmarks/reshard_cpu.py --procs {args.procs} --reps {args.reps}"
+    out = [f"### {now} (commit {commit}): `python benchmarks/reshard_cpu.py --procs {args.procs} "
+           f"--reps {args.reps}"
            f"{' --results ' + str(args.results) if args.results else ''}`", "",
-           f"Host: {platform.node()} ({os.cpu_count()} CPUs, shared), load average (1/5/15 min) {load_before} "
-           f"before, {load_after} after; {args.procs} processes on gloo, one torch thread each; total "
+           f"Host: {platform.node()} ({os.cpu_count()} CPUs, shared), load average (1/5/15 min) "
+           f"{load_before} before, {load_after} after; {args.procs} processes on gloo, one torch thread each; total "
            f"{wall_s:.0f} s. Model: {res['model_bytes'] / 1e6:.0f} MB bf16 (Qwen3-MoE scaled, 16 experts); "
            f"trainer {res['trainer']} -> rollout {res['rollout']}; plan: {res['transfers']} transfers, "
-           f"{res['rounds']} rounds at a {args.budget_mib} MiB budget, {nb / 1e6:.0f} MB moved. Times: slowest "
-           f"rank, median of {args.reps} (all reps in brackets); GB/s = plan bytes / time.", "",
+           f"{res['rounds']} rounds at a {args.budget_mib} MiB budget, {nb / 1e6:.0f} MB moved. "
+           f"Times: slowest rank, median of {args.reps} (all reps in brackets); GB/s = plan bytes / time.", "",
            "| method | median s | GB/s | reps (s) |", "|---|---|---|---|"]
     for label, m in rows:
         out.append(f"| {label} | {med[m]:.3f} | {nb / med[m] / 1e9:.3f} | {rel(m)} |")
@@ -242,8 +247,8 @@ def render(res: dict, args, load_before: str, load_after: str, wall_s: float) ->
     ratio_gb = med["gather_bcast"] / med["planned"]
     per_rep = [a / b for a, b in zip(res["times"]["all_to_all"], res["times"]["planned"])]
     ratio_nv = med["all_to_all"] / med["planned_noverify"]
-    out += ["", f"Planned GB/s / all_to_all GB/s: {ratio_a2a:.2f} with checksums, {ratio_nv:.2f} without (goal "
-            f">= 0.8; per rep, with: {' '.join(f'{x:.2f}' for x in per_rep)}). Planned vs gather+broadcast: "
+    out += ["", f"Planned GB/s / all_to_all GB/s: {ratio_a2a:.2f} with checksums, {ratio_nv:.2f} without "
+            f"(goal >= 0.8; per rep, with: {' '.join(f'{x:.2f}' for x in per_rep)}). Planned vs gather+broadcast: "
             f"{ratio_gb:.1f}x faster (goal >= 3x).", ""]
     return "\n".join(out)
 

@@ -94,8 +94,8 @@ def _full_view(buf: torch.Tensor, off: int, t_shape: tuple[int, ...], dtype: tor
     return buf[off:off + nbytes].view(dtype).view(t_shape)
 
 
-def run(spec: MoESpec, src_placement: list[TensorPlacement], rollout_boxes: dict[str, Box], role: str, rank: int,
-        shards: Shards | None, result: Shards, global_rank: Callable[[str, int], int],
+def run(spec: MoESpec, src_placement: list[TensorPlacement], rollout_boxes: dict[str, Box], role: str,
+        rank: int, shards: Shards | None, result: Shards, global_rank: Callable[[str, int], int],
         label: Callable[[str, int], str], rollout_world: int, bucket_bytes: int, deadline_s: float,
         verify: bool, groups: dict[int, dist.ProcessGroup],
         on_full_tensor: Callable[[str, torch.Tensor], None] | None) -> None:
@@ -132,12 +132,13 @@ def run(spec: MoESpec, src_placement: list[TensorPlacement], rollout_boxes: dict
         _wait(works, owners, deadline_s, f"broadcast bucket {k} on {label(role, rank)}", None)
         if role == "rollout":
             for s, buf in sorted(bufs.items()):
-                _consume(spec, plan[s][k], buf, rollout_boxes, result, verify, label("trainer", s), on_full_tensor)
+                _consume(spec, plan[s][k], buf, rollout_boxes, result, verify, label("trainer", s),
+                         on_full_tensor)
 
 
-def _gather(spec: MoESpec, pl: list[TensorPlacement], plan: list[list[Bucket]], k: int, rank: int, shards: Shards,
-            buf: torch.Tensor | None, global_rank: Callable[[str, int], int], label: Callable[[str, int], str],
-            deadline_s: float, verify: bool) -> None:
+def _gather(spec: MoESpec, pl: list[TensorPlacement], plan: list[list[Bucket]], k: int, rank: int,
+            shards: Shards, buf: torch.Tensor | None, global_rank: Callable[[str, int], int],
+            label: Callable[[str, int], str], deadline_s: float, verify: bool) -> None:
     """Sources fill their k-th bucket: own pieces copied, missing pieces received from one holder each."""
     peers: dict[int, _PeerPlan] = {}
     for s, buckets in enumerate(plan):
@@ -164,8 +165,8 @@ def _gather(spec: MoESpec, pl: list[TensorPlacement], plan: list[list[Bucket]], 
                     peers.setdefault(g, _PeerPlan(g, label("trainer", s))).send.append(
                         (t.name, st[box.relative_to(sb)]))
     exchange([peers[g] for g in sorted(peers)], deadline_s=deadline_s, verify=verify,
-             round_label=f"broadcast gather {k} on {label('trainer', rank)}", device=buf.device if buf is not None
-             else None)
+             round_label=f"broadcast gather {k} on {label('trainer', rank)}",
+             device=buf.device if buf is not None else None)
 
 
 def _consume(spec: MoESpec, b: Bucket, buf: torch.Tensor, boxes: dict[str, Box], result: Shards, verify: bool,
@@ -174,7 +175,8 @@ def _consume(spec: MoESpec, b: Bucket, buf: torch.Tensor, boxes: dict[str, Box],
         want, got = int(buf[b.nbytes:].view(torch.int64)[0]), checksum(buf[:b.nbytes])
         if want != got:
             names = [spec.tensors[ti].name for ti in b.tensors]
-            raise ChecksumError(f"broadcast from {src_label}: checksum mismatch (sender {want}, receiver {got}) "
+            raise ChecksumError(f"broadcast from {src_label}: checksum mismatch (sender {want}, "
+                                f"receiver {got}) "
                                 f"in a bucket of {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
     for ti, off in zip(b.tensors, b.offsets):
         t = spec.tensors[ti]

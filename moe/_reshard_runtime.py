@@ -190,8 +190,8 @@ def exchange(peers: Sequence[_PeerPlan], *, deadline_s: float, round_label: str,
     _wait(works, owners, deadline_s, round_label, group, done)
 
 
-def _finish(p: _PeerPlan, expect: torch.Tensor | None, bufs: list[torch.Tensor], unpack: list[Callable[[], None]],
-            round_label: str) -> None:
+def _finish(p: _PeerPlan, expect: torch.Tensor | None, bufs: list[torch.Tensor],
+            unpack: list[Callable[[], None]], round_label: str) -> None:
     """A peer's receives are complete: check its checksum, then copy bucketed pieces into place."""
     if expect is not None:
         got = combine([checksum(b) for b in bufs])
@@ -259,9 +259,9 @@ def _wait(works: list, owners: list[_PeerPlan], deadline_s: float, round_label: 
             delay = min(delay * 2, 5e-3)
     if stalled:
         labels = [stalled[k] for k in sorted(stalled)]
+        why = f" (errors: {'; '.join(errors)})" if errors else ""
         raise RoundTimeout(f"{round_label} did not complete within its deadline of {deadline_s:g} s; stalled "
-                           f"peers: {', '.join(labels)}" + (f" (errors: {'; '.join(errors)})" if errors else ""),
-                           labels)
+                           f"peers: {', '.join(labels)}{why}", labels)
     if not gloo:
         for i in sorted(done or {}):
             done[i]()

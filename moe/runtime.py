@@ -84,12 +84,13 @@ def _check_shards(arg: str, spec: MoESpec, want: Mapping[str, Box], shards: Shar
         raise ValueError(f"{arg}=None: a trainer rank must pass its local shards {{HF name: (Box, tensor)}}")
     missing = [n for n in want if n not in shards]
     if missing:
-        raise ValueError(f"{arg} lacks {len(missing)} tensors the layout places on this rank, e.g. {missing[:3]}")
+        raise ValueError(f"{arg} lacks {len(missing)} tensors the layout places on this rank, "
+                         f"e.g. {missing[:3]}")
     for n, box in want.items():
         b, t = shards[n]
         if b != box or tuple(t.shape) != box.shape or t.dtype != torch_dtype(spec[n].dtype):
-            raise ValueError(f"{arg}[{n!r}] = (box {b}, tensor {tuple(t.shape)} {t.dtype}) but the layout says "
-                             f"box {box} of dtype {spec[n].dtype}; pass the shard the layout assigns")
+            raise ValueError(f"{arg}[{n!r}] = (box {b}, tensor {tuple(t.shape)} {t.dtype}) but the layout "
+                             f"says box {box} of dtype {spec[n].dtype}; pass the shard the layout assigns")
 
 
 def _dst_shards(plan: Plan, rank: int, out: Shards | None, device: torch.device | str | None) -> Shards:

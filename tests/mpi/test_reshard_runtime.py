@@ -6,7 +6,8 @@ budget so there are many rounds and on-node relays) and `broadcast_sync` (the SG
 buckets), comparing every rollout shard bit for bit with the same deterministically generated
 global tensors; then trainer rank 1 stops participating and the ranks waiting on it must raise
 RoundTimeout naming it. Run as a script, this file is the MPI program:
-`mpiexec -n 6 python test_reshard_runtime.py`; it prints one JSON line per rank.
+`mpiexec -n 6 python test_reshard_runtime.py OUT_DIR`; each rank writes OUT_DIR/rank{r}.json (files,
+not stdout: mpiexec may interleave long lines of different ranks).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def global_tensors(spec):
         g = torch.Generator().manual_seed(1000 + i)
         dtype = getattr(torch, t.dtype)
         nbytes = t.numel * torch.empty(0, dtype=dtype).element_size()
-        out[t.name] = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).view(dtype).view(t.shape)
+        bytes_ = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+        out[t.name] = bytes_.view(dtype).view(t.shape)
     return out
 
 
@@ -74,7 +76,8 @@ def _run_case(name: str, grank: int) -> dict:
     full = global_tensors(spec)
     if grank < T:
         role, rank = "trainer", grank
-        shards = {n: (b, full[n][b.relative_to(_full_box(full[n]))].clone()) for n, b in src.shards(spec, rank)}
+        shards = {n: (b, full[n][b.relative_to(_full_box(full[n]))].clone())
+                  for n, b in src.shards(spec, rank)}
     else:
         role, rank, shards = "rollout", grank - T, None
     res = {"rounds": p.num_rounds, "relays": int(p.from_rollout.sum())}
@@ -104,7 +107,8 @@ def _stall(grank: int) -> dict:
     from moe.runtime import RoundTimeout, reshard
     from moe.specs import get_spec
 
-    spec, src, dst = get_spec("qwen3_moe/debug"), TrainerLayout(dp=2, ep=2), RolloutLayout(num_engines=1, tp=2, ep=2)
+    spec, src = get_spec("qwen3_moe/debug"), TrainerLayout(dp=2, ep=2)
+    dst = RolloutLayout(num_engines=1, tp=2, ep=2)
     p = plan(src, dst, spec, 1 << 20)
     T = src.world_size
     if grank == 1:
@@ -143,19 +147,20 @@ def main() -> None:
             out[name] = {"exception": f"{type(e).__name__}: {e}"}
         comm.Barrier()
     out["stall"] = _stall(grank)
-    print("RESULT " + json.dumps(out), flush=True)
+    (Path(sys.argv[1]) / f"rank{grank}.json").write_text(json.dumps(out))
     comm.Barrier()
     sys.stdout.flush()
     os._exit(0)  # a timed-out gloo receive is still pending: skip the process-group teardown
 
 
 @pytest.fixture(scope="module")
-def mpi_results() -> dict[int, dict]:
+def mpi_results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
     if not MPIEXEC.exists():
         pytest.skip(f"mpiexec not found next to {sys.executable}")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([str(MPIEXEC), "-n", str(NPROCS), sys.executable, __file__], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    out_dir = tmp_path_factory.mktemp("reshard_runtime")
+    proc = subprocess.Popen([str(MPIEXEC), "-n", str(NPROCS), sys.executable, __file__, str(out_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     try:
         text, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
@@ -163,10 +168,9 @@ def mpi_results() -> dict[int, dict]:
         text, _ = proc.communicate()
         pytest.fail(f"mpiexec -n {NPROCS} timed out after 240 s; output tail:\n{text[-3000:]}")
     results = {}
-    for line in text.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT "):])
-            results[r["rank"]] = r
+    for f in out_dir.glob("rank*.json"):
+        r = json.loads(f.read_text())
+        results[r["rank"]] = r
     assert proc.returncode == 0 and len(results) == NPROCS, f"rc={proc.returncode}, output:\n{text[-3000:]}"
     return results
 

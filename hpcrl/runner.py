@@ -80,7 +80,9 @@ def run_local(job_path: str, overrides: list[str], cli_run_dir: str | None, resu
     # threads spin-waiting would steal them from the rank that works (measured: 25x slower steps).
     env.setdefault("OMP_NUM_THREADS", str(job.resources.cpus_per_rank))
     env["HPCRL_RESUME"] = resume
-    rc, first_death = run_world(job.world_size, [sys.executable, "-m", "hpcrl.worker_main", str(run_dir)],
+    # -P: the working directory stays off sys.path (a `checkpoints/` or `moe/` folder there would
+    # shadow hpcrl's packages).
+    rc, first_death = run_world(job.world_size, [sys.executable, "-P", "-m", "hpcrl.worker_main", str(run_dir)],
                                 run_dir, env=env)
     if rc == 0 and (run_dir / "final.json").exists():
         return 0

@@ -58,7 +58,9 @@ def worker_command(job: Any, run_dir: Path) -> str:
     """The step's command line: every rank runs `python -u -m hpcrl.worker_main RUN_DIR` (unbuffered,
     so `hpcrl logs -f` shows the controller's lines as they come)."""
     python = job.slurm.python or sys.executable
-    return f"{shlex.quote(python)} -u -m hpcrl.worker_main {shlex.quote(str(run_dir))}"
+    # -P: do not put the working directory on sys.path; the step runs in the run dir, whose
+    # `checkpoints/` folder would otherwise shadow the `checkpoints` package on a requeued attempt.
+    return f"{shlex.quote(python)} -u -P -m hpcrl.worker_main {shlex.quote(str(run_dir))}"
 
 
 def _component(key: str, nodes: int, tasks: int, what: str, gpus: int, cpus: int, mem_gb: int | None,

@@ -54,7 +54,7 @@ def test_colocated_job_is_one_component_with_every_rank():
     assert (comp.nodes, comp.ntasks_per_node, comp.extra_sbatch_options) == (1, 3, ())
     assert spec.template_name == slurm_spec.SINGLE_TEMPLATE
     assert roles == ("controller + 1 trainer rank + 1 rollout rank",) and warnings == ()
-    assert spec.command.endswith("-u -m hpcrl.worker_main /runs/r1")
+    assert spec.command.endswith("-u -P -m hpcrl.worker_main /runs/r1")
     assert spec.log_dir == "/runs/r1/logs" and spec.run_dir == "/runs/r1"
 
 

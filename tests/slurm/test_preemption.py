@@ -18,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
-ARGS = ["--set", "algorithm.num_steps=12", "--set", "checkpoint.interval_steps=4", "--set", "logging.progress=false",
+ARGS = ["--set", "algorithm.num_steps=16", "--set", "checkpoint.interval_steps=5", "--set", "logging.progress=false",
         "--set", "logging.tensorboard=false"]
 
 
@@ -42,7 +42,8 @@ def test_preempted_job_checkpoints_requeues_resumes_and_matches(slurm, job_dir: 
     slurm.job_ids.append(job_id)
     slurm.wait_until("3 steps of the low-priority job", lambda: len(_metrics(run_dir)) >= 3, 400, job_id)
     nodes = len(slurm.nodes("high"))
-    blocker = slurm.submit(None, "-p", "high", "-N", str(nodes), "--job-name", "hpcrl-preemptor",
+    # --exclusive: whole nodes, so it cannot squeeze into the CPUs the running job leaves free
+    blocker = slurm.submit(None, "-p", "high", "-N", str(nodes), "--exclusive", "--job-name", "hpcrl-preemptor",
                            "--wrap", "sleep 5")
     slurm.wait_final(blocker, timeout_s=300)
     ended = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}

@@ -44,7 +44,7 @@ def test_preempted_job_checkpoints_requeues_resumes_and_matches(slurm, job_dir: 
     nodes = len(slurm.nodes("high"))
     # --exclusive: whole nodes, so it cannot squeeze into the CPUs the running job leaves free
     blocker = slurm.submit(None, "-p", "high", "-N", str(nodes), "--exclusive", "--job-name", "hpcrl-preemptor",
-                           "--wrap", "sleep 5")
+                           "-o", str(job_dir / "preemptor-%j.out"), "--wrap", "sleep 5")
     slurm.wait_final(blocker, timeout_s=300)
     ended = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
     # PREEMPTED/REQUEUED are passing states here: the job must come back and finish.

@@ -1,0 +1,51 @@
+"""The controller's preemption clock: signal grace budget and the job's end time."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from hpcrl.controller.preemption import PreemptionWatch, slurm_end_time
+
+
+@pytest.fixture
+def restore_signals():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def test_end_time_from_the_environment_bounds_the_time_left(monkeypatch, restore_signals):
+    monkeypatch.setenv("HPCRL_JOB_END_TIME", str(time.time() + 100))
+    watch = PreemptionWatch(grace_s=60)
+    assert not watch.requested
+    assert 95 < watch.seconds_left() <= 100
+
+
+def test_no_slurm_no_end_time(monkeypatch, restore_signals):
+    monkeypatch.delenv("HPCRL_JOB_END_TIME", raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert slurm_end_time() is None
+    assert PreemptionWatch(grace_s=60).seconds_left() == float("inf")
+
+
+@pytest.mark.parametrize("launcher, sig, counts", [
+    ("", signal.SIGUSR1, True),          # Slurm: --signal=B:USR1 forwarded to the ranks
+    ("", signal.SIGTERM, True),
+    ("mpiexec", signal.SIGTERM, True),   # hpcrl run forwards USR1/TERM as TERM
+    ("mpiexec", signal.SIGUSR1, False),  # Hydra's dead-rank notice is not a preemption
+])
+def test_which_signals_mean_preemption(monkeypatch, restore_signals, launcher, sig, counts):
+    monkeypatch.delenv("HPCRL_JOB_END_TIME", raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setenv("HPCRL_LAUNCHER", launcher)
+    monkeypatch.setenv("HPCRL_SIGNAL_DELAY_S", "30")
+    watch = PreemptionWatch(grace_s=60)
+    assert watch.grace_s == 30  # the batch script's --signal delay wins over checkpoint.grace_s
+    os.kill(os.getpid(), sig)
+    time.sleep(0.05)
+    assert watch.requested is counts
+    if counts:
+        assert 29 < watch.seconds_left() <= 30 and watch.signal_name == signal.Signals(sig).name

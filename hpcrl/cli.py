@@ -18,6 +18,16 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
                    help="override one config value (repeatable), e.g. --set algorithm.lr=3e-4")
 
 
+def _add_run_dir_and_resume(p: argparse.ArgumentParser) -> None:
+    """--run-dir and the resume choice, shared by `run` and `submit`."""
+    p.add_argument("--run-dir", default=None, help="run directory (default: logging.run_dir or runs/<name>-<time>)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--no-resume", action="store_true",
+                   help="start from step 0 even if the run dir has checkpoints (refused if it would overwrite them)")
+    g.add_argument("--resume-from", type=int, default=None, metavar="STEP",
+                   help="resume from the checkpoint of STEP (newer checkpoints are discarded)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpcrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -25,12 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_args(p)
     p = sub.add_parser("run", help="run a job locally (mpiexec; CPU or local GPUs)")
     _add_job_args(p)
-    p.add_argument("--run-dir", default=None, help="run directory (default: logging.run_dir or runs/<name>-<time>)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--no-resume", action="store_true",
-                   help="start from step 0 even if the run dir has checkpoints (refused if it would overwrite them)")
-    g.add_argument("--resume-from", type=int, default=None, metavar="STEP",
-                   help="resume from the checkpoint of STEP (newer checkpoints are discarded)")
+    _add_run_dir_and_resume(p)
     p = sub.add_parser("render", help="print the sbatch script that `hpcrl submit` would send")
     _add_job_args(p)
     p.add_argument("--run-dir", default=None, help="run directory the script is rendered for (as for submit)")
@@ -39,12 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume-from", type=int, default=None, metavar="STEP", help="as for submit")
     p = sub.add_parser("submit", help="check the job against the Slurm cluster and sbatch it")
     _add_job_args(p)
-    p.add_argument("--run-dir", default=None, help="run directory (default: logging.run_dir or runs/<name>-<time>)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--no-resume", action="store_true",
-                   help="start from step 0 even if the run dir has checkpoints (refused if it would overwrite them)")
-    g.add_argument("--resume-from", type=int, default=None, metavar="STEP",
-                   help="resume from the checkpoint of STEP (newer checkpoints are discarded)")
+    _add_run_dir_and_resume(p)
     for name, what in (("status", "Slurm state, attempt, time left, step and reward of a submitted run"),
                        ("logs", "the step log of a submitted run's current attempt"),
                        ("cancel", "cancel a submitted run's Slurm job")):

@@ -258,9 +258,6 @@ def local_params(dims: HFModelDims, coords: RankCoords) -> list[LocalParam]:
     return out
 
 
-def _index(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.shape))
-
 
 def hf_to_megatron(hf_sd: Mapping[str, torch.Tensor], dims: HFModelDims,
                    coords: RankCoords) -> dict[str, torch.Tensor]:
@@ -279,7 +276,7 @@ def hf_to_megatron(hf_sd: Mapping[str, torch.Tensor], dims: HFModelDims,
         dtype = hf_sd[p.pieces[0].hf_name].dtype
         local = torch.empty(p.shape, dtype=dtype)
         for pc in p.pieces:
-            local[_index(pc.local_box)] = hf_sd[pc.hf_name][_index(pc.hf_box)]
+            local[pc.local_box.index] = hf_sd[pc.hf_name][pc.hf_box.index]
         out[p.name] = local
     return out
 
@@ -307,7 +304,7 @@ def megatron_to_hf(shards: Iterable[tuple[RankCoords, Mapping[str, torch.Tensor]
                 full = out.get(pc.hf_name)
                 if full is None:
                     full = out[pc.hf_name] = torch.empty(shapes[pc.hf_name], dtype=local.dtype)
-                full[_index(pc.hf_box)] = local[_index(pc.local_box)]
+                full[pc.hf_box.index] = local[pc.local_box.index]
     for name, shape in shapes.items():
         covered = sum(b.numel for b in seen[name])
         total = Box.full(shape).numel

@@ -40,6 +40,11 @@ class Box:
             return None
         return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
 
+    @property
+    def index(self) -> tuple[slice, ...]:
+        """Index into a tensor holding the whole global index space that selects this box."""
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.shape))
+
     def contains(self, other: Box) -> bool:
         return all(a <= b for a, b in zip(self.offsets, other.offsets)) and all(
             a >= b for a, b in zip(self.end, other.end))

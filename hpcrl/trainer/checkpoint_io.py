@@ -21,13 +21,9 @@ import torch.distributed as dist
 
 from checkpoints import CheckpointWriter, open_checkpoint
 from moe.hf_megatron import local_params
-from moe.slices import Box
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
-
-def _index(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.shape))
 
 
 def _adam_states(optimizer: Any) -> dict[torch.nn.Parameter, dict]:
@@ -84,7 +80,7 @@ def save(policy: Any, ckpt_dir: str, step: int, attempt_id: str, keep: int,
             sources["ref"] = ref[lp.name].detach()
         for prefix, tensor in sources.items():
             for pc in lp.pieces:
-                part = tensor[_index(pc.local_box)].contiguous()
+                part = tensor[pc.local_box.index].contiguous()
                 writer.write(f"{prefix}/{pc.hf_name}", part, box=pc.hf_box, global_shape=shapes[pc.hf_name])
                 nbytes += part.numel() * part.element_size()
     assert len(adam_steps) <= 1, f"params at different Adam steps: {adam_steps}"
@@ -125,7 +121,7 @@ def load(policy: Any, ckpt_dir: str, step: int) -> dict:
                 for prefix, target in targets.items():
                     for pc in lp.pieces:
                         part = reader.read(f"{prefix}/{pc.hf_name}", pc.hf_box)
-                        target[_index(pc.local_box)] = part.to(target.dtype)
+                        target[pc.local_box.index] = part.to(target.dtype)
         ranks = reader.blob_ranks("rng")
         if len(ranks) == dist.get_world_size() and dist.get_rank() in ranks:
             _set_rng(reader.blob("rng", rank=dist.get_rank()))

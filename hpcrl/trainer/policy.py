@@ -240,10 +240,6 @@ class MegatronPolicy:
         assert covered == sum(math.prod(s) for s in self.dims.hf_shapes().values()), covered
         return plan
 
-    @staticmethod
-    def _index(box: Any) -> tuple[slice, ...]:
-        return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.shape))
-
     @torch.no_grad()
     def export_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full HF checkpoint-named policy tensors (CPU, sorted by name) on trainer rank 0; None
@@ -252,14 +248,14 @@ class MegatronPolicy:
         mine = self._export_plan[self.rank]
         if self.rank != 0:
             if mine:
-                flat = torch.cat([params[n][self._index(pc.local_box)].reshape(-1) for n, pc in mine])
+                flat = torch.cat([params[n][pc.local_box.index].reshape(-1) for n, pc in mine])
                 dist.send(flat.contiguous(), dst=0)
             return None
         shapes = self.dims.hf_shapes()
         dtype = next(iter(params.values())).dtype
         out = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
         for n, pc in mine:
-            out[pc.hf_name][self._index(pc.hf_box)] = params[n][self._index(pc.local_box)].cpu()
+            out[pc.hf_name][pc.hf_box.index] = params[n][pc.local_box.index].cpu()
         for src in range(1, len(self._export_plan)):
             pieces = self._export_plan[src]
             if not pieces:
@@ -268,7 +264,7 @@ class MegatronPolicy:
             dist.recv(flat, src=src)
             flat, offset = flat.cpu(), 0
             for _, pc in pieces:
-                out[pc.hf_name][self._index(pc.hf_box)] = flat[offset: offset + pc.hf_box.numel].view(
+                out[pc.hf_name][pc.hf_box.index] = flat[offset: offset + pc.hf_box.numel].view(
                     pc.hf_box.shape)
                 offset += pc.hf_box.numel
         return out

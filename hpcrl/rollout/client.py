@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -251,19 +252,24 @@ def _message(decoded) -> str:
     return str(decoded).strip() or "(empty body)"
 
 
-def launch_reference_server(model_config_path: str, port: int, device: str = "cpu", seed: int = 0,
+def launch_reference_server(model_config_path: str, device: str = "cpu", seed: int = 0,
                             log_path: str | None = None, *, host: str = "127.0.0.1", threads: int | None = 1,
                             dtype: str = "float32", startup_timeout_s: float = 180.0,
-                            extra_args: Sequence[str] = ()) -> subprocess.Popen:
-    """Start the reference server as a subprocess and return it once /health answers 200.
+                            extra_args: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
+    """Start the reference server as a subprocess; return it and its URL once /health answers 200.
 
-    Output goes to `log_path` (or is discarded). If the process dies or is not healthy within
+    The server binds port 0 and reports the port the OS gave it through a file, so no other process
+    can take the port between choosing and binding it, and the health check cannot reach another
+    server. Output goes to `log_path` (or is discarded). If the process dies or is not healthy within
     `startup_timeout_s`, it is killed and RuntimeError carries the end of its log. The caller stops
     it with SIGTERM (the server exits cleanly) and waits for it.
     """
+    fd, port_file = tempfile.mkstemp(prefix="hpcrl-engine-port-")
+    os.close(fd)
+    os.unlink(port_file)  # the server creates it once it listens
     cmd = [sys.executable, "-m", "hpcrl.rollout.reference_server", "--model-config", str(model_config_path),
-           "--host", host, "--port", str(port), "--device", device, "--seed", str(seed), "--dtype", dtype,
-           *([] if threads is None else ["--threads", str(threads)]), *extra_args]
+           "--host", host, "--port", "0", "--port-file", port_file, "--device", device, "--seed", str(seed),
+           "--dtype", dtype, *([] if threads is None else ["--threads", str(threads)]), *extra_args]
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (handed to Popen)
     try:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
@@ -271,26 +277,30 @@ def launch_reference_server(model_config_path: str, port: int, device: str = "cp
     finally:
         if log_path:
             log.close()
-    client = EngineClient(f"http://{host}:{port}", timeout_s=10.0)
     end = time.monotonic() + startup_timeout_s
+    client = None
     try:
         while True:
             if proc.poll() is not None:
                 why = f"exited with code {proc.returncode}"
                 break
-            if client.health():
-                return proc
+            if client is None and os.path.exists(port_file):
+                client = EngineClient(f"http://{host}:{Path(port_file).read_text()}", timeout_s=10.0)
+            if client is not None and client.health():
+                return proc, client.base_url
             if time.monotonic() > end:
                 why = f"was not healthy within {startup_timeout_s:.0f} s"
                 break
             time.sleep(0.1)
     finally:
-        client.close()
+        if client is not None:
+            client.close()
+        Path(port_file).unlink(missing_ok=True)
     if proc.poll() is None:
         proc.kill()
         proc.wait()
     tail = _tail(log_path) if log_path else "(no log_path given)"
-    raise RuntimeError(f"reference server on {host}:{port} {why}; command: {' '.join(cmd)}\n"
+    raise RuntimeError(f"reference server on {host} {why}; command: {' '.join(cmd)}\n"
                        f"log tail:\n{tail}")
 
 

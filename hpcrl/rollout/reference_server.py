@@ -507,7 +507,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-config", required=True, help="HF config.json of the model")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True, help="0: let the OS choose (see --port-file)")
+    parser.add_argument("--port-file", default=None,
+                        help="write the bound port here once listening (race-free with --port 0)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--seed", type=int, default=0, help="initial weights and unseeded sampling")
@@ -531,6 +533,11 @@ def main(argv: list[str] | None = None) -> None:
     app = ReferenceServer(engine, tokenizer, str(Path(args.model_config).resolve()), args)
     httpd = _HTTPServer((args.host, args.port), _Handler)
     httpd.app = app  # type: ignore[attr-defined]
+    port = httpd.server_address[1]
+    if args.port_file:
+        tmp = Path(args.port_file + ".tmp")
+        tmp.write_text(str(port))
+        tmp.replace(args.port_file)  # atomic: the launcher never reads a half-written port
 
     def stop(signum, frame) -> None:
         app.shutting_down = True
@@ -541,7 +548,7 @@ def main(argv: list[str] | None = None) -> None:
     # Slurm's preemption notice (scancel --signal=USR1) reaches every process of the step; it is
     # the controller's to act on, and must not kill the engine (USR1's default action).
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    print(f"ready on http://{args.host}:{args.port}", flush=True)
+    print(f"ready on http://{args.host}:{port}", flush=True)
     httpd.serve_forever(poll_interval=0.1)
     httpd.server_close()
     app.close()

@@ -36,17 +36,14 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
 
     def init(cmd):
         host = routable_host() if job.resources.nodes + job.resources.rollout_nodes > 1 else "127.0.0.1"
-        port = free_port(host)
         log_path = run_dir / "logs" / f"engine{engine_index}.log"
         if job.rollout.backend == "reference":
-            device = job.resources.device
-            state["proc"] = launch_reference_server(str(run_dir / "model_config.json"), port, device,
-                                                    job.trainer.seed, str(log_path), host=host,
-                                                    dtype=job.model.dtype, threads=job.resources.cpus_per_rank,
-                                                    startup_timeout_s=job.resources.startup_timeout_s,
-                                                    extra_args=job.rollout.server_args)
-            url = f"http://{host}:{port}"
+            state["proc"], url = launch_reference_server(
+                str(run_dir / "model_config.json"), job.resources.device, job.trainer.seed, str(log_path),
+                host=host, dtype=job.model.dtype, threads=job.resources.cpus_per_rank,
+                startup_timeout_s=job.resources.startup_timeout_s, extra_args=job.rollout.server_args)
         else:
+            port = free_port(host)  # SGLang takes an explicit port
             state["proc"] = _launch_sglang(job, run_dir, host, port, log_path)
             url = f"http://{host}:{port}"
         client = EngineClient(url, timeout_s=job.resources.timeout_s)

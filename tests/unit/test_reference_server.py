@@ -32,9 +32,8 @@ def server(tmp_path_factory):
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
     log = tmp_path_factory.mktemp("engine") / "engine.log"
-    port = free_port()
-    proc = launch_reference_server(str(CONFIG_PATH), port, "cpu", 0, str(log), threads=1)
-    client = EngineClient(f"http://127.0.0.1:{port}", timeout_s=60)
+    proc, url = launch_reference_server(str(CONFIG_PATH), "cpu", 0, str(log), threads=1)
+    client = EngineClient(url, timeout_s=60)
     try:
         yield proc, client, log
     finally:

@@ -34,11 +34,12 @@ class Rollout:
 
 
 @dataclass
-class LogProbs:
-    """Trainer log-probs of the rollout's response tokens, [B, T] padded with zeros."""
+class TrainResult:
+    """One optimizer step: its metrics and the trainer's log-probs of the rollout's response
+    tokens before the update ([B, T], zeros on padding) -- the old log-probs of the step."""
 
-    old_BT: np.ndarray
-    ref_BT: np.ndarray | None
+    metrics: dict[str, float]
+    logprobs_BT: np.ndarray
 
 
 def _leader(replies: dict[int, object]) -> object:
@@ -74,15 +75,17 @@ class PolicyGroup:
     def connect_engines(self, engine_urls: list[str]) -> None:
         self._async("connect", -1, engine_urls).wait()
 
-    def logprobs(self, step: int, rollout: Rollout, temperature: float) -> LogProbs:
-        out = self._async("logprobs", step, {**rollout.token_batch(), "temperature": temperature}).wait()
-        return LogProbs(out["old"], out["ref"])
+    def ref_logprobs(self, step: int, rollout: Rollout, temperature: float) -> np.ndarray:
+        """Log-probs of the response tokens under the frozen reference policy, [B, T]."""
+        return self._async("ref_logprobs", step, {**rollout.token_batch(), "temperature": temperature}).wait()
 
-    def train(self, step: int, rollout: Rollout, advantages: np.ndarray, logps: LogProbs,
-              temperature: float) -> dict[str, float]:
-        payload = {**rollout.token_batch(), "advantages": advantages, "old_logprobs": logps.old_BT,
-                   "ref_logprobs": logps.ref_BT, "temperature": temperature}
-        return self._async("train", step, payload).wait()
+    def train(self, step: int, rollout: Rollout, advantages: np.ndarray, ref_BT: np.ndarray | None,
+              temperature: float) -> TrainResult:
+        """One on-policy optimizer step (the engines sampled with the current weights)."""
+        payload = {**rollout.token_batch(), "advantages": advantages, "ref_logprobs": ref_BT,
+                   "temperature": temperature}
+        out = self._async("train", step, payload).wait()
+        return TrainResult(out["metrics"], out["logprobs"])
 
     def push_weights(self, step: int) -> dict[str, float]:
         """Export Megatron shards as HF tensors and broadcast them into every engine."""

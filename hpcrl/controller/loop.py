@@ -5,10 +5,12 @@
                               v
     reward_fn(prompt, completion, answer) --> rewards --> group advantages
                               |
-    PolicyGroup.logprobs (Megatron: old / ref log-probs) --> sync check vs engine log-probs
+    PolicyGroup.ref_logprobs (Megatron, frozen reference; only with a KL penalty)
                               |
-    PolicyGroup.train (GRPO loss, DDP, Adam) --> PolicyGroup.push_weights
-              (Megatron shards -> HF tensors -> weight-update group broadcast -> engines)
+    PolicyGroup.train (GRPO loss, DDP, Adam; its forward gives the old log-probs: one update
+                       per batch, so ratio = 1) --> sync check: trainer vs engine log-probs
+                              |
+    PolicyGroup.push_weights (Megatron shards -> HF tensors -> weight-update group -> engines)
                               |
     MetricsLogger.log --> Checkpointer.maybe_save
 """
@@ -55,15 +57,17 @@ def run(s: Session) -> None:
         s.phase(step, "reward")
         with t("reward"):
             rewards = s.score(rollout)
-        s.phase(step, "logprobs")
-        with t("logprobs"):
-            logps = s.policy.logprobs(step, rollout, temperature)
-        sync_diff = logprob_max_abs_diff(rollout, logps.old_BT, job.rollout.logprob_tolerance, step)
         advantages = group_advantages(torch.from_numpy(rewards), algo.group_size,
                                       algo.norm_adv_by_std).numpy()
+        ref_BT = None
+        if algo.kl_coef > 0:
+            s.phase(step, "logprobs")
+            with t("logprobs"):
+                ref_BT = s.policy.ref_logprobs(step, rollout, temperature)
         s.phase(step, "train")
         with t("train"):
-            train = s.policy.train(step, rollout, advantages, logps, temperature)
+            train = s.policy.train(step, rollout, advantages, ref_BT, temperature)
+        sync_diff = logprob_max_abs_diff(rollout, train.logprobs_BT, job.rollout.logprob_tolerance, step)
         s.phase(step, "sync")
         with t("sync"):
             sync = s.policy.push_weights(step)
@@ -72,7 +76,7 @@ def run(s: Session) -> None:
             "reward/std": float(rewards.std()),
             "rollout/tokens": rollout.num_tokens,
             "rollout/response_len": rollout.num_tokens / len(rollout.response_ids),
-            **{f"train/{k}": v for k, v in train.items()},
+            **{f"train/{k}": v for k, v in train.metrics.items()},
             "sync/bytes": sync["bytes"],
             "sync/logprob_max_abs_diff": sync_diff,
             **{f"timing/{k}_s": round(v, 6) for k, v in t.seconds.items()},

@@ -1,8 +1,8 @@
 """The per-step weight-sync check: engine log-probs vs trainer log-probs of the same tokens.
 
 After every sync the engine must compute what the trainer computes. The engine returns the
-log-prob of each token it sampled; the trainer recomputes them (the "old" log-probs) before the
-update. Their max absolute difference over all response tokens is logged as
+log-prob of each token it sampled; the trainer's training forward computes them again (the "old"
+log-probs: the forward runs before the update). Their max absolute difference over all response tokens is logged as
 `sync/logprob_max_abs_diff`; above `rollout.logprob_tolerance` the run stops.
 """
 

@@ -380,12 +380,17 @@ class MegatronPolicy:
         mbs, n_mb, mb, L = self._split(batch, {})
         store = self._run(self.ddp if model == "policy" else module, mbs, n_mb, mb, L, True,
                           partial(self._logp_loss, temperature))
+        return self._gather_rows(store, "logp_BT", n_mb, mb, batch)
+
+    def _gather_rows(self, store: list[dict[str, torch.Tensor]], key: str, n_mb: int, mb: int,
+                     batch: TrainBatch) -> torch.Tensor | None:
+        """Per-micro-batch [mb, T] results of every DP rank as one [B, T] tensor on rank 0."""
         T = batch.response_width
         out_BT = torch.zeros(self.dp_size * n_mb * mb, T, dtype=torch.float32)
         if self._counts_here():
             for m, d in enumerate(store):
                 s = (self.dp_rank * n_mb + m) * mb
-                out_BT[s: s + mb] = d["logp_BT"].float().cpu()
+                out_BT[s: s + mb] = d[key].float().cpu()
         full = self._to_rank0(out_BT)
         return None if full is None else full[: batch.batch_size]
 
@@ -394,24 +399,30 @@ class MegatronPolicy:
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logp_BT, entropy_BT = _logp_and_entropy(logits_BLv, mbd["pos_BT"], mbd["tgt_BT"], temperature)
         mask_BT = mbd["mask_BT"]
-        loss, m = grpo_loss(logp_BT, mbd["old_BT"], mbd.get("ref_BT"), mbd["adv_B"], mask_BT,
+        # On-policy (no old log-probs given): the weights that sampled the batch are the ones
+        # being trained, so the old log-probs are this forward's, detached (ratio = 1).
+        old_BT = mbd["old_BT"] if "old_BT" in mbd else logp_BT.detach()
+        loss, m = grpo_loss(logp_BT, old_BT, mbd.get("ref_BT"), mbd["adv_B"], mask_BT,
                             self.loss_cfg, num_tokens=num_tokens, num_seqs=num_seqs)
         entropy = aggregate(entropy_BT, mask_BT, "token-mean", num_tokens)
         metrics = torch.stack([loss.detach(), m["pg_loss"], m["kl"].to(loss.device), entropy,
                                m["clip_frac"]]).float()
-        return loss * scale, {"metrics": metrics}
+        return loss * scale, {"metrics": metrics, "logp_BT": torch.where(mask_BT, logp_BT.detach(), 0.0)}
 
     def train_step(self, batch: TrainBatch | None, advantages_B: torch.Tensor | None,
-                   old_logp_BT: torch.Tensor | None, ref_logp_BT: torch.Tensor | None = None,
-                   temperature: float = 1.0) -> dict[str, float] | None:
+                   old_logp_BT: torch.Tensor | None = None, ref_logp_BT: torch.Tensor | None = None,
+                   temperature: float = 1.0, on_policy: bool = False) -> dict[str, Any] | None:
         """One optimizer step of the GRPO loss over the whole batch; metrics on rank 0.
 
         `old_logp_BT` / `ref_logp_BT` follow the [B, T] alignment of hpcrl/trainer/batch.py;
-        `ref_logp_BT` is required when algorithm.kl_coef > 0. Every rank passes the same inputs,
-        or None on ranks other than 0 (then rank 0's are broadcast). Returns loss, pg_loss, kl,
-        entropy, clip_frac (means over response tokens per algorithm.loss_agg), grad_norm (before
-        clipping) and aux_loss (Megatron's load-balancing loss without its coefficient, mean over
-        layers and micro-batches) on rank 0; None elsewhere.
+        `ref_logp_BT` is required when algorithm.kl_coef > 0. With `on_policy=True` no old
+        log-probs are passed: the batch was sampled with the current weights, so this step's own
+        forward gives them (one forward pass fewer; what TRL and verl do for one update per batch).
+        Every rank passes the same inputs, or None on ranks other than 0 (then rank 0's are
+        broadcast). Returns loss, pg_loss, kl, entropy, clip_frac (means over response tokens per
+        algorithm.loss_agg), grad_norm (before clipping), aux_loss (Megatron's load-balancing loss
+        without its coefficient, mean over layers and micro-batches) and `logprobs_BT` (this step's
+        forward, before the update; 0 on padding) on rank 0; None elsewhere.
         """
         from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
                                                              get_moe_layer_wise_logging_tracker,
@@ -425,14 +436,19 @@ class MegatronPolicy:
         for name, key, shape in (("advantages_B", "adv_B", (B,)), ("old_logp_BT", "old_BT", (B, T)),
                                  ("ref_logp_BT", "ref_BT", (B, T))):
             v = t[key]
-            if v is None and name != "ref_logp_BT":
-                raise ValueError(f"{name} is None; pass a tensor of shape {shape}")
+            if v is None and (key == "adv_B" or (key == "old_BT" and not on_policy)):
+                raise ValueError(f"{name} is None; pass a tensor of shape {shape}"
+                                 + (" or on_policy=True" if key == "old_BT" else ""))
+            if v is not None and key == "old_BT" and on_policy:
+                raise ValueError("old_logp_BT given with on_policy=True; pass one or the other")
             if v is not None and tuple(v.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(v.shape)}, expected {shape} (B={B} rows, "
                                  f"T={T} = max response length; see hpcrl/trainer/batch.py)")
         if self.loss_cfg.kl_coef > 0 and t["ref_BT"] is None:
             raise ValueError("algorithm.kl_coef > 0 needs ref_logp_BT (compute_logprobs(batch, 'ref'))")
-        per_row = {"adv_B": t["adv_B"].float(), "old_BT": t["old_BT"].float()}
+        per_row = {"adv_B": t["adv_B"].float()}
+        if not on_policy:
+            per_row["old_BT"] = t["old_BT"].float()
         if self.loss_cfg.kl_coef > 0:
             per_row["ref_BT"] = t["ref_BT"].float()
         mbs, n_mb, mb, L = self._split(batch, per_row)
@@ -457,10 +473,12 @@ class MegatronPolicy:
             values = tracker["load_balancing_loss"]["values"]
             aux[0] = float(values.sum()) / self.dims.num_layers / n_mb
             clear_aux_losses_tracker()
+        logprobs_BT = self._gather_rows(store, "logp_BT", n_mb, mb, batch)
         summed = self._to_rank0(local)
         if summed is None:
             return None
-        out = {name: float(v) for name, v in zip(METRICS, summed)}
+        out: dict[str, Any] = {name: float(v) for name, v in zip(METRICS, summed)}
+        out["logprobs_BT"] = logprobs_BT
         if grad_norm is not None:
             out["grad_norm"] = float(grad_norm)
         if "load_balancing_loss" in tracker:

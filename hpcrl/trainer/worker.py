@@ -52,25 +52,22 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
 
         return TrainBatch.from_lists(payload["prompt_ids"], payload["response_ids"])
 
-    def logprobs(cmd):
-        p, policy = cmd.payload, state["policy"]
-        batch = batch_of(p)
-        old = policy.compute_logprobs(batch, model="policy", temperature=p["temperature"])
-        ref = None
-        if job.algorithm.kl_coef > 0:
-            ref = policy.compute_logprobs(batch, model="ref", temperature=p["temperature"])
-        if not is_leader:
-            return None
-        return {"old": old.numpy(), "ref": None if ref is None else ref.numpy()}
+    def ref_logprobs(cmd):
+        p = cmd.payload
+        ref = state["policy"].compute_logprobs(batch_of(p), model="ref", temperature=p["temperature"])
+        return ref.numpy() if is_leader else None
 
     def train(cmd):
         import torch
 
         p = cmd.payload
         ref = None if p["ref_logprobs"] is None else torch.from_numpy(p["ref_logprobs"])
-        return state["policy"].train_step(batch_of(p), torch.from_numpy(p["advantages"]),
-                                          torch.from_numpy(p["old_logprobs"]), ref,
-                                          temperature=p["temperature"])
+        out = state["policy"].train_step(batch_of(p), torch.from_numpy(p["advantages"]), None, ref,
+                                         temperature=p["temperature"], on_policy=True)
+        if out is None:
+            return None
+        logprobs = out.pop("logprobs_BT").numpy()
+        return {"metrics": out, "logprobs": logprobs}
 
     def sync(cmd):
         named = state["policy"].export_hf_state_dict()
@@ -104,5 +101,5 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
             dist.destroy_process_group()
         return None
 
-    return {"init": init, "connect": connect, "logprobs": logprobs, "train": train, "sync": sync,
+    return {"init": init, "connect": connect, "ref_logprobs": ref_logprobs, "train": train, "sync": sync,
             "save": save, "load": load, "sha256": sha256, "shutdown": shutdown}

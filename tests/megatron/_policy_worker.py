@@ -66,6 +66,7 @@ def main() -> None:
     adv = torch.linspace(-1.0, 1.0, batch.batch_size)
     # Ranks other than 0 pass None for rank-0-only results: the policy broadcasts rank 0's.
     out["m1"] = policy.train_step(batch, adv, logp, out["ref"])
+    out["logp_m1"] = out["m1"].pop("logprobs_BT") if rank0 else None
     out["sd1"] = policy.export_hf_state_dict()
 
     # export -> load -> export is bit-identical
@@ -77,7 +78,15 @@ def main() -> None:
 
     # Second step: Adam state carries over; stale old log-probs make the ratio (and clip) active.
     out["m2"] = policy.train_step(batch, adv, logp, out["ref"])
+    if rank0:
+        del out["m2"]["logprobs_BT"]
     out["sd2"] = policy.export_hf_state_dict()
+
+    # Third step on-policy: the training forward supplies the old log-probs (no separate pass).
+    out["logp_sd2"] = policy.compute_logprobs(batch)
+    out["m3"] = policy.train_step(batch, adv, None, out["ref"], on_policy=True)
+    out["logp_m3"] = out["m3"].pop("logprobs_BT") if rank0 else None
+    out["sd3"] = policy.export_hf_state_dict()
     if rank0:
         out["batch"] = batch
         torch.save(out, args.out)

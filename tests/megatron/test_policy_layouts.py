@@ -106,6 +106,12 @@ def test_baseline_matches_hf_and_round_trips(baseline: dict) -> None:
     assert m1["kl"] == 0.0 and m2["kl"] > 0 and m2["clip_frac"] > 0
     assert m1["grad_norm"] > 0.5  # > grad_clip, so clipping was active
     assert 0.5 < m1["aux_loss"] < 4 and 0 < m1["entropy"] < 4.2  # log(64) = 4.16
+    # The training forward's log-probs are the pre-update ones: the on-policy step needs no
+    # separate old-log-prob pass, and its ratio is 1 (nothing clipped).
+    assert (baseline["logp_m1"] - baseline["logp"]).abs().max() < 1e-6
+    assert (baseline["logp_m3"] - baseline["logp_sd2"]).abs().max() < 1e-6
+    assert baseline["m3"]["clip_frac"] == 0.0 and baseline["m3"]["kl"] > 0
+    assert max_diff(baseline["sd3"], baseline["sd2"]) > 1e-4
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "tp1-ep1"])
@@ -118,13 +124,15 @@ def test_layout_matches_baseline(name: str, baseline: dict, tmp_path: Path) -> N
     # What the rollout engine checks after a weight sync: HF on the exported weights agrees.
     assert (run["logp_sd1"] - hf_logprobs(run["batch"], 1.0, run["sd1"])).abs().max() < LOGP_TOL
     assert torch.equal(run["ref"], run["logp"])
-    for step in ("m1", "m2"):
+    assert (run["logp_m3"] - baseline["logp_m3"]).abs().max() < LOGP_TOL
+    for step in ("m1", "m2", "m3"):
         assert set(run[step]) == set(baseline[step])
         for key, value in baseline[step].items():
             got = run[step][key]
             assert abs(got - value) < 1e-5 * max(1.0, abs(value)), (step, key, got, value)
     assert max_diff(run["sd1"], baseline["sd1"]) < WEIGHT_TOL
     assert max_diff(run["sd2"], baseline["sd2"]) < WEIGHT_TOL
+    assert max_diff(run["sd3"], baseline["sd3"]) < WEIGHT_TOL
     from hpcrl.trainer.policy import hf_state_dict_sha256
 
     assert run["sha_reloaded"] == hf_state_dict_sha256(run["sd1"])

@@ -124,6 +124,26 @@ def test_micro_batches_give_the_same_step_as_one_batch(world1) -> None:
     assert "aux_loss" not in m_big
 
 
+def test_on_policy_step_equals_a_step_with_separate_old_logprobs(world1) -> None:
+    """The on-policy step takes its old log-probs from its own forward: the same update, bit for
+    bit, as passing the log-probs of a separate forward, and it returns those log-probs."""
+    cfg = qwen_config()
+    separate, fused = make_policy(cfg, lr=1e-2), make_policy(cfg, lr=1e-2)
+    separate.init_from_seed(4)
+    fused.init_from_seed(4)
+    sha_init = fused.policy_sha256()
+    batch = random_batch(64, rows=8, seed=7)
+    adv = torch.randn(8, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # the second step runs on moved weights and Adam state
+        old = separate.compute_logprobs(batch)
+        m_sep = separate.train_step(batch, adv, old)
+        m_fused = fused.train_step(batch, adv, on_policy=True)
+        assert torch.equal(m_fused.pop("logprobs_BT"), old)
+        assert torch.equal(m_sep.pop("logprobs_BT"), old)
+        assert m_sep == m_fused
+    assert separate.policy_sha256() == fused.policy_sha256() != sha_init
+
+
 def test_grad_clipping_scales_grads_on_cpu(world1) -> None:
     policy = make_policy(qwen_config(), grad_clip=0.05)
     policy.init_from_seed(0)
@@ -162,5 +182,9 @@ def test_bad_input_raises(world1) -> None:
         policy.compute_logprobs(batch, "ref")
     with pytest.raises(ValueError, match=r"old_logp_BT has shape \(8, 99\)"):
         policy.train_step(batch, torch.zeros(8), torch.zeros(8, 99))
+    with pytest.raises(ValueError, match=r"old_logp_BT is None; pass .* shape \(8, \d+\) or on_policy=True"):
+        policy.train_step(batch, torch.zeros(8))
+    with pytest.raises(ValueError, match="old_logp_BT given with on_policy=True"):
+        policy.train_step(batch, torch.zeros(8), torch.zeros(8, batch.response_width), on_policy=True)
     with pytest.raises(KeyError, match="lm_head.weight"):
         policy.load_hf_state_dict({})

@@ -126,7 +126,19 @@ class RolloutConfig:
     logprob_tolerance: float = 1e-4
     """Max |engine log-prob - trainer log-prob| after a weight sync; larger stops the run."""
     bucket_mb: int = 64
-    """Weight-sync bucket size (flattened-bucket broadcast)."""
+    """Weight-sync bucket size (flattened-bucket broadcast) and, for shard sync, the per-round staging
+    budget of each rank."""
+    weight_sync: str = "auto"
+    """auto | shard | broadcast. shard: every trainer rank sends its Megatron shards straight to the
+    engines along a moe plan (hpcrl's extension route; reference engine only). broadcast: trainer rank
+    0 gathers HF tensors and broadcasts them (SGLang's update_weights_from_distributed). auto: shard
+    for the reference engine, broadcast for sglang."""
+
+    def resolved_weight_sync(self) -> str:
+        """`weight_sync` with auto decided: shard or broadcast."""
+        if self.weight_sync != "auto":
+            return self.weight_sync
+        return "shard" if self.backend == "reference" else "broadcast"
 
 
 @dataclass(kw_only=True)

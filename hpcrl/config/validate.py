@@ -36,6 +36,7 @@ DTYPES = ("float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
 DISPATCHERS = ("alltoall", "allgather")
 BACKENDS = ("reference", "sglang")
+WEIGHT_SYNCS = ("auto", "shard", "broadcast")
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
@@ -115,6 +116,7 @@ _CHOICES: list[tuple[str, tuple[str, ...]]] = [
     ("algorithm.loss_agg", LOSS_AGGS),
     ("trainer.dispatcher", DISPATCHERS),
     ("rollout.backend", BACKENDS),
+    ("rollout.weight_sync", WEIGHT_SYNCS),
     ("resources.device", DEVICES),
 ]
 
@@ -317,6 +319,10 @@ def _check_devices(job: JobConfig, m: ModelDims) -> None:
         raise ConfigError("rollout.tp_per_engine", r.tp_per_engine,
                           "the reference engine runs one process per engine: use tp_per_engine=1, "
                           "or rollout.backend=sglang on GPUs")
+    if r.backend == "sglang" and r.weight_sync == "shard":
+        raise ConfigError("rollout.weight_sync", r.weight_sync,
+                          "SGLang accepts weights only by broadcast (update_weights_from_distributed); use "
+                          "broadcast or auto with rollout.backend=sglang")
     if r.backend == "sglang":
         if res.device != "cuda":
             raise ConfigError("rollout.backend", r.backend, f"SGLang needs GPUs: set resources.device=cuda "

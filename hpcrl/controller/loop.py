@@ -78,6 +78,7 @@ def run(s: Session) -> None:
             "rollout/response_len": rollout.num_tokens / len(rollout.response_ids),
             **{f"train/{k}": v for k, v in train.metrics.items()},
             "sync/bytes": sync["bytes"],
+            "sync/gbps": sync["bytes"] * 8 / 1e9 / max(sync["seconds"], 1e-9),
             "sync/logprob_max_abs_diff": sync_diff,
             **{f"timing/{k}_s": round(v, 6) for k, v in t.seconds.items()},
             "timing/step_s": round(time.perf_counter() - step_t0, 6),

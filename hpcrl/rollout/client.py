@@ -172,6 +172,13 @@ class EngineClient:
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
             "world_size": world_size, "group_name": group_name, "backend": backend})
 
+    def update_weights_reshard(self, body: dict) -> dict:
+        """hpcrl's shard-to-shard route (hpcrl/rollout/reshard_route.py); blocks until the engine has
+        received its plan's bytes from the trainer ranks and loaded them."""
+        from hpcrl.rollout.reshard_route import ROUTE
+
+        return self.request("POST", ROUTE, body)
+
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
 

@@ -9,7 +9,8 @@ Routes (bodies and answers as SGLang's): POST /generate; GET /health, /health_ge
 /get_weights_by_name, /release_memory_occupation, /resume_memory_occupation; POST
 /init_weights_update_group, /destroy_weights_update_group, /begin_weight_update,
 /update_weights_from_distributed, /end_weight_update, /update_weight_version, /pause_generation,
-/continue_generation. Weight routes answer {"success", "message"} with HTTP 200 or 400; other
+/continue_generation; and hpcrl's extension POST /hpcrl/update_weights_reshard (shard-to-shard sync,
+hpcrl/rollout/reshard_route.py). Weight routes answer {"success", "message"} with HTTP 200 or 400; other
 failures answer {"error": {"message"}} with 400 (bad request) or 500 (engine fault).
 
 Concurrency: /generate requests are queued; one worker thread runs everything queued at once as one
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.rollout.engine import ReferenceModel
+from hpcrl.rollout.reshard_route import ROUTE, PlanRequest, spec_fingerprint
 from hpcrl.rollout.weight_sender import init_custom_process_group, parse_dtype, unflatten_bucket
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -78,6 +80,8 @@ class ReferenceServer:
         self.session_open = False
         self.released: set[str] = set()
         self.weight_version = "default"
+        self.reshard_out = None  # the shard route's receive buffers, kept across syncs
+        self.reshard_staging = None
         self.unpaused = threading.Event()
         self.unpaused.set()
         self.shutting_down = False
@@ -92,6 +96,7 @@ class ReferenceServer:
                   "begin_weight_update": self.begin_weight_update,
                   "end_weight_update": self.end_weight_update,
                   "update_weights_from_distributed": self.update_weights_from_distributed,
+                  ROUTE.lstrip("/"): self.update_weights_reshard,
                   "update_weight_version": self.update_weight_version,
                   "release_memory_occupation": self.release_memory_occupation,
                   "resume_memory_occupation": self.resume_memory_occupation}
@@ -339,6 +344,53 @@ class ReferenceServer:
             self.weight_version = str(version)
             message += f" Weight version updated to {version}."
         return {"success": True, "message": message}
+
+    def update_weights_reshard(self, req: dict) -> dict:
+        from moe.runtime import ReshardError, Staging, reshard
+        from moe.specs import spec_from_config
+
+        try:
+            request = PlanRequest.from_json(req)
+        except ValueError as exc:
+            raise _Fail(f"{ROUTE}: {exc}") from None
+        rank, deadline_s = _field(req, "engine_rank", int), float(_field(req, "deadline_s", (int, float)))
+        cfg = {k: v for k, v in json.loads(Path(self.args.model_config).read_text()).items() if k != "dtype"}
+        spec = spec_from_config({**cfg, "torch_dtype": self.args.dtype})  # as the trainer's build_spec
+        if spec_fingerprint(spec) != req.get("spec_sha256"):
+            raise _Fail(f"spec_sha256 {req.get('spec_sha256')!r} is not this engine's model "
+                        f"({spec_fingerprint(spec)}, {self.args.model_config}, dtype {self.args.dtype}): "
+                        "trainer and engine would plan different models")
+        try:
+            plan = request.build(spec)
+        except ValueError as exc:
+            raise _Fail(f"{ROUTE}: cannot plan: {exc}") from None
+        if not 0 <= rank < plan.dst.world_size or plan.dst.tp != 1:
+            raise _Fail(f"engine_rank={rank} with rollout layout {plan.dst}: the reference engine is one "
+                        f"rank (tp 1), engine_rank in [0, {plan.dst.world_size})")
+        group_name = _field(req, "group_name", str)
+        group = self.groups.get(group_name)
+        if group is None:
+            raise _Fail(f"Group {group_name} not in {sorted(self.groups)}. Please call "
+                        f"`init_weights_update_group` first.")
+        with self.model_lock:
+            self.reshard_staging = self.reshard_staging or Staging()
+            try:
+                self.reshard_out = reshard(plan, "rollout", rank, group=group, deadline_s=deadline_s,
+                                           out=self.reshard_out, device=self.engine.device,
+                                           staging=self.reshard_staging)
+            except ReshardError as exc:
+                raise _Fail(f"Failed to receive the weights: {exc}. No weight was changed.") from None
+            if "weights" in self.released:
+                raise _Fail("weights are released; call /resume_memory_occupation with tag 'weights' first")
+            try:
+                self.engine.load_weights((n, t) for n, (_, t) in self.reshard_out.items())
+            except ValueError as exc:
+                raise _Fail(f"Failed to update parameter online: {exc}. No weight was changed.") from None
+        version = req.get("weight_version")
+        if version is not None:
+            self.weight_version = str(version)
+        return {"success": True, "message": f"Received {int(plan.received_bytes()[rank])} bytes in "
+                                            f"{plan.num_rounds} rounds; weight version {self.weight_version}."}
 
     def _receive(self, group, dtypes, shapes, load_format) -> list[torch.Tensor]:
         device = self.engine.device if self.engine.device.type == "cuda" else torch.device("cpu")

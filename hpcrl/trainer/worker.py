@@ -2,8 +2,9 @@
 
 Every trainer rank runs every phase (Megatron's collectives need all of them); results that are
 global (log-probs, metrics, hashes) come back from trainer rank 0, the others answer None.
-Trainer rank 0 also owns the weight sender: it broadcasts HF-named buckets into the engines over
-SGLang's weight-update group.
+Weight sync (`rollout.weight_sync`): "shard" -- every trainer rank sends its shards straight to the
+engines along a moe plan (hpcrl/trainer/shard_sync.py); "broadcast" -- trainer rank 0 gathers the HF
+tensors and broadcasts them in buckets over SGLang's weight-update group (hpcrl/rollout/weight_sender.py).
 """
 
 from __future__ import annotations
@@ -37,11 +38,19 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         return None
 
     def connect(cmd):
-        if is_leader:
-            from hpcrl.rollout.client import EngineClient
+        from hpcrl.rollout.client import EngineClient
+
+        clients = [EngineClient(url, timeout_s=job.resources.timeout_s) for url in cmd.payload] if is_leader \
+            else None
+        if job.rollout.resolved_weight_sync() == "shard":
+            from hpcrl.trainer.shard_sync import ShardSync
+
+            sync = ShardSync(state["policy"], job, clients, job.resources.timeout_s)
+            sync.connect()
+            state["shard_sync"] = sync
+        elif is_leader:
             from hpcrl.rollout.weight_sender import WeightSender
 
-            clients = [EngineClient(url, timeout_s=job.resources.timeout_s) for url in cmd.payload]
             sender = WeightSender(clients, backend="gloo", tp_per_engine=job.rollout.tp_per_engine)
             sender.connect()
             state["sender"] = sender
@@ -70,12 +79,20 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         return {"metrics": out, "logprobs": logprobs}
 
     def sync(cmd):
+        import time
+
+        version = cmd.payload["weight_version"]
+        if "shard_sync" in state:
+            return state["shard_sync"].push(version)
+        t0 = time.perf_counter()
         named = state["policy"].export_hf_state_dict()
         if not is_leader:
             return None
-        nbytes = state["sender"].push(list(named.items()), bucket_bytes=job.rollout.bucket_mb << 20,
-                                      flattened=True, weight_version=cmd.payload["weight_version"])
-        return {"bytes": nbytes}
+        sender = state["sender"]
+        nbytes = sender.push(list(named.items()), bucket_bytes=job.rollout.bucket_mb << 20, flattened=True,
+                             weight_version=version)
+        # what the engines received, as the shard path counts it: one copy per engine rank
+        return {"bytes": nbytes * (sender.world_size - 1), "seconds": time.perf_counter() - t0}
 
     def save(cmd):
         from hpcrl.trainer import checkpoint_io

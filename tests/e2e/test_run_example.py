@@ -39,18 +39,25 @@ def test_example_learns_from_random_init(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_two_trainer_ranks_ep2_two_engines_and_same_seed_same_result(tmp_path):
-    """Expert parallel trainer (EP=2 over 2 ranks) syncing into two engines; a rerun with the same
-    seed gives the same rewards and the same final policy hash."""
+def test_two_trainer_ranks_ep2_two_engines_shard_and_broadcast_sync_agree(tmp_path):
+    """Expert parallel trainer (EP=2 over 2 ranks) syncing into two engines, once shard to shard (the
+    default: each rank sends its own experts) and once by broadcast from trainer rank 0: the engines
+    get the same weights, so the same seed gives the same rewards and the same final policy hash."""
+    from hpcrl.models.presets import load_hf_config
+    from moe.specs import spec_from_config
+
+    model_bytes = sum(t.numel * 4 for t in spec_from_config(load_hf_config("tiny-qwen3-moe", None)).tensors)
     args = ["--set", "trainer.num_procs=2", "--set", "trainer.ep=2", "--set", "rollout.num_engines=2",
             "--set", "algorithm.num_steps=3", "--set", "logging.progress=false"]
     results = []
-    for name in ("a", "b"):
-        run_dir = tmp_path / name
-        out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *args, timeout_s=280)
+    for sync in ("shard", "broadcast"):
+        run_dir = tmp_path / sync
+        out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *args, "--set",
+                       f"rollout.weight_sync={sync}", timeout_s=280)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert all(r["sync/logprob_max_abs_diff"] < 1e-4 for r in records), records
+        assert all(r["sync/bytes"] == 2 * model_bytes and r["sync/gbps"] > 0 for r in records), records
         results.append(([r["reward/mean"] for r in records], json.loads((run_dir / "final.json").read_text())))
     assert results[0] == results[1]
 

@@ -147,6 +147,30 @@ def test_weight_routes_refuse_bad_calls(server):
         client.init_weights_update_group("127.0.0.1", free_port(), 1, 2, backend="nccl")
 
 
+def test_shard_route_refuses_bad_calls(server):
+    """hpcrl's /hpcrl/update_weights_reshard names the bad field, a model mismatch, a missing group."""
+    from hpcrl.rollout.reshard_route import plan_request, spec_fingerprint
+    from moe.layouts import RolloutLayout, TrainerLayout
+    from moe.specs import spec_from_config
+
+    _, client, _ = server
+    spec = spec_from_config({**HF_CONFIG, "torch_dtype": "float32"})
+    good = {**plan_request(TrainerLayout(ep=2, dp=2, vocab_divisible_by=1), RolloutLayout(), 1 << 20).to_json(),
+            "group_name": "g", "engine_rank": 0, "deadline_s": 5, "spec_sha256": spec_fingerprint(spec)}
+    with pytest.raises(EngineError, match="field 'trainer' must be a dict"):
+        client.update_weights_reshard({**good, "trainer": 3})
+    with pytest.raises(EngineError, match="bad layout fields"):
+        client.update_weights_reshard({**good, "rollout": {"engines": 2}})
+    other = spec_from_config({**HF_CONFIG, "torch_dtype": "float32", "num_hidden_layers": 1})
+    with pytest.raises(EngineError, match="trainer and engine would plan different models"):
+        client.update_weights_reshard({**good, "spec_sha256": spec_fingerprint(other)})
+    with pytest.raises(EngineError, match="engine_rank=1"):
+        client.update_weights_reshard({**good, "engine_rank": 1})
+    with pytest.raises(EngineError, match="Please call `init_weights_update_group` first") as info:
+        client.update_weights_reshard(good)
+    assert info.value.status == 400
+
+
 def _server_greedy(client: EngineClient) -> list[dict]:
     return client.generate(PROMPTS, [GREEDY] * 3, return_logprob=True)
 

@@ -1,0 +1,156 @@
+"""Shard-to-shard weight sync: every trainer rank sends its Megatron shards straight to the engines.
+
+The default sync for the reference engine (`rollout.weight_sync: shard`). Trainer ranks and engines
+form one process group (SGLang's `init_weights_update_group` route, rank = trainer rank, then
+T + engine index); both sides compute the same `moe.plan` from the job's layouts and the model spec,
+and run `moe.runtime.reshard` on it: each byte leaves the least-loaded trainer rank that holds it
+and lands in the engine that needs it, in bounded rounds with per-peer checksums. The engine side is
+the reference server's extension route `/hpcrl/update_weights_reshard` (hpcrl/rollout/reshard_route.py).
+Nothing is gathered on trainer rank 0, unlike the broadcast path (hpcrl/rollout/weight_sender.py)
+that SGLang needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.config.schema import JobConfig
+from hpcrl.dist import free_port, routable_host
+from hpcrl.rollout.reshard_route import plan_request, spec_fingerprint
+from hpcrl.rollout.weight_sender import init_custom_process_group
+from moe.hf_megatron import local_params
+from moe.runtime import Shards, Staging, reshard
+from moe.slices import Box
+
+GROUP_NAME = "hpcrl_reshard"
+
+
+def local_hf_shards(params: dict[str, torch.Tensor], dims: Any, coords: Any, dtype: torch.dtype,
+                    out: Shards | None = None) -> Shards:
+    """This rank's weights as {HF name: (global box, tensor)}: the HF-named view of its Megatron
+    shards (fused qkv / fc1 cut back into q, k, v / gate, up). `out` (an earlier result) is reused."""
+    pieces: dict[str, list[tuple[torch.Tensor, Box]]] = {}
+    for lp in local_params(dims, coords):
+        param = params[lp.name]
+        for pc in lp.pieces:
+            pieces.setdefault(pc.hf_name, []).append((param[pc.local_box.index], pc.hf_box))
+    shards: Shards = {}
+    for name, parts in pieces.items():
+        boxes = [b for _, b in parts]
+        lo = tuple(min(b.offsets[d] for b in boxes) for d in range(len(boxes[0].offsets)))
+        hi = tuple(max(b.end[d] for b in boxes) for d in range(len(lo)))
+        union = Box(lo, tuple(h - o for o, h in zip(lo, hi)))
+        assert union.numel == sum(b.numel for b in boxes), f"{name}: this rank's pieces do not tile a box"
+        if out is not None and name in out and out[name][0] == union:
+            buf = out[name][1]
+        else:
+            buf = torch.empty(union.shape, dtype=dtype, device=parts[0][0].device)
+        for view, box in parts:
+            buf[box.relative_to(union)].copy_(view)
+        shards[name] = (union, buf)
+    return shards
+
+
+class ShardSync:
+    """Trainer side of the shard-to-shard sync; every trainer rank holds one (collective calls).
+
+    `clients` are the engines' EngineClients on trainer rank 0 (None elsewhere): rank 0 drives the
+    engines over HTTP while every rank takes part in the transfer.
+    """
+
+    def __init__(self, policy: Any, job: JobConfig, clients: list | None, timeout_s: float) -> None:
+        from hpcrl.plan_cmd import build_layouts, build_spec
+
+        self.policy, self.clients, self.timeout_s = policy, clients, timeout_s
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.spec = build_spec(job)
+        trainer, rollout = build_layouts(job, self.spec)
+        trainer = dataclasses.replace(trainer, vocab_divisible_by=1)  # hpcrl's Megatron does not pad the vocab
+        self.request = plan_request(trainer, rollout, memory_budget_bytes=max(job.rollout.bucket_mb << 20, 1 << 20))
+        self.plan = self.request.build(self.spec)
+        self.dtype = getattr(torch, job.model.dtype)
+        self.group: dist.ProcessGroup | None = None
+        self.staging = Staging()
+        self._shards: Shards | None = None
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(clients or [])), thread_name_prefix="reshard")
+        self._check_layout_matches_megatron()
+
+    def _check_layout_matches_megatron(self) -> None:
+        """The plan's trainer layout must give this rank exactly the boxes Megatron holds here."""
+        mine = local_hf_shards(dict(self.policy.gpt.named_parameters()), self.policy.dims, self.policy.coords,
+                               self.dtype)
+        want = dict(self.plan.src.shards(self.spec, self.rank))
+        got = {n: b for n, (b, _) in mine.items()}
+        if got != want:
+            diff = sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
+            raise RuntimeError(
+                f"trainer rank {self.rank}: moe.layouts' {self.plan.src} disagrees with Megatron's shards "
+                f"on {len(diff)} tensors, e.g. {diff[0]}: layout {want.get(diff[0])}, Megatron "
+                f"{got.get(diff[0])}; use rollout.weight_sync: broadcast and report this layout")
+
+    def connect(self) -> None:
+        """Form the trainer + engines group (collective over the trainer ranks)."""
+        addr: list[Any] = [None]
+        if self.rank == 0:
+            host = routable_host() if self._multi_host() else "127.0.0.1"
+            addr[0] = (host, free_port(host))
+        dist.broadcast_object_list(addr, src=0)
+        host, port = addr[0]
+        world = self.world + self.plan.dst.world_size  # engines have TP 1: one group rank each
+        calls = []
+        if self.rank == 0:
+            calls = [self._pool.submit(c.init_weights_update_group, host, port, self.world + i, world,
+                                       GROUP_NAME, "gloo") for i, c in enumerate(self.clients)]
+        # gloo's own timeout is longer than the per-round deadline, so the deadline names the peer
+        self.group = init_custom_process_group("gloo", f"tcp://{host}:{port}", world, self.rank, GROUP_NAME,
+                                               self.timeout_s + 60)
+        for i, fut in enumerate(calls):
+            try:
+                fut.result(timeout=self.timeout_s)
+            except Exception as exc:
+                raise RuntimeError(f"engine {i} ({self.clients[i].base_url}) could not join the reshard group: "
+                                   f"{exc}") from exc
+
+    def _multi_host(self) -> bool:
+        return any(c.host not in ("127.0.0.1", "localhost") for c in self.clients or [])
+
+    def push(self, weight_version: str) -> dict[str, float] | None:
+        """Move the current weights into every engine; {"bytes", "seconds"} on rank 0, else None."""
+        if self.group is None:
+            raise RuntimeError("ShardSync.push before connect()")
+        t0 = time.perf_counter()
+        self._shards = local_hf_shards(dict(self.policy.gpt.named_parameters()), self.policy.dims,
+                                       self.policy.coords, self.dtype, self._shards)
+        calls = []
+        if self.rank == 0:
+            body = {**self.request.to_json(), "group_name": GROUP_NAME, "weight_version": weight_version,
+                    "spec_sha256": spec_fingerprint(self.spec), "deadline_s": self.timeout_s}
+            calls = [self._pool.submit(c.update_weights_reshard, {**body, "engine_rank": i})
+                     for i, c in enumerate(self.clients)]
+        try:
+            reshard(self.plan, "trainer", self.rank, self._shards, group=self.group, deadline_s=self.timeout_s,
+                    staging=self.staging)
+        finally:
+            errors = []
+            for i, fut in enumerate(calls):
+                try:
+                    fut.result(timeout=self.timeout_s)
+                except Exception as exc:  # noqa: BLE001 - every engine's failure is reported together
+                    errors.append(f"engine {i} ({self.clients[i].base_url}): {exc}")
+            if errors:
+                raise RuntimeError("shard-to-shard weight sync failed: " + "; ".join(errors))
+        if self.rank != 0:
+            return None
+        return {"bytes": float(self.plan.nbytes.sum()), "seconds": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+        self._pool.shutdown(wait=False)

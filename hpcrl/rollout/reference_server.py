@@ -82,6 +82,7 @@ class ReferenceServer:
         self.weight_version = "default"
         self.reshard_out = None  # the shard route's receive buffers, kept across syncs
         self.reshard_staging = None
+        self.reshard_spec = None  # (MoESpec, its fingerprint) of this engine's model, made once
         self.unpaused = threading.Event()
         self.unpaused.set()
         self.shutting_down = False
@@ -354,11 +355,14 @@ class ReferenceServer:
         except ValueError as exc:
             raise _Fail(f"{ROUTE}: {exc}") from None
         rank, deadline_s = _field(req, "engine_rank", int), float(_field(req, "deadline_s", (int, float)))
-        cfg = {k: v for k, v in json.loads(Path(self.args.model_config).read_text()).items() if k != "dtype"}
-        spec = spec_from_config({**cfg, "torch_dtype": self.args.dtype})  # as the trainer's build_spec
-        if spec_fingerprint(spec) != req.get("spec_sha256"):
+        if self.reshard_spec is None:
+            cfg = {k: v for k, v in json.loads(Path(self.args.model_config).read_text()).items() if k != "dtype"}
+            spec = spec_from_config({**cfg, "torch_dtype": self.args.dtype})  # as the trainer's build_spec
+            self.reshard_spec = spec, spec_fingerprint(spec)
+        spec, fingerprint = self.reshard_spec
+        if fingerprint != req.get("spec_sha256"):
             raise _Fail(f"spec_sha256 {req.get('spec_sha256')!r} is not this engine's model "
-                        f"({spec_fingerprint(spec)}, {self.args.model_config}, dtype {self.args.dtype}): "
+                        f"({fingerprint}, {self.args.model_config}, dtype {self.args.dtype}): "
                         "trainer and engine would plan different models")
         try:
             plan = request.build(spec)

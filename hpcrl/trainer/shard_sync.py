@@ -31,30 +31,41 @@ from moe.slices import Box
 GROUP_NAME = "hpcrl_reshard"
 
 
-def local_hf_shards(params: dict[str, torch.Tensor], dims: Any, coords: Any, dtype: torch.dtype,
-                    out: Shards | None = None) -> Shards:
+class LocalHFShards:
     """This rank's weights as {HF name: (global box, tensor)}: the HF-named view of its Megatron
-    shards (fused qkv / fc1 cut back into q, k, v / gate, up). `out` (an earlier result) is reused."""
-    pieces: dict[str, list[tuple[torch.Tensor, Box]]] = {}
-    for lp in local_params(dims, coords):
-        param = params[lp.name]
-        for pc in lp.pieces:
-            pieces.setdefault(pc.hf_name, []).append((param[pc.local_box.index], pc.hf_box))
-    shards: Shards = {}
-    for name, parts in pieces.items():
-        boxes = [b for _, b in parts]
-        lo = tuple(min(b.offsets[d] for b in boxes) for d in range(len(boxes[0].offsets)))
-        hi = tuple(max(b.end[d] for b in boxes) for d in range(len(lo)))
-        union = Box(lo, tuple(h - o for o, h in zip(lo, hi)))
-        assert union.numel == sum(b.numel for b in boxes), f"{name}: this rank's pieces do not tile a box"
-        if out is not None and name in out and out[name][0] == union:
-            buf = out[name][1]
-        else:
+    shards (fused qkv / fc1 cut back into q, k, v / gate, up).
+
+    Built once: a tensor that is one piece of one parameter (most of them) is a view of that
+    parameter, so nothing is copied; the others (q/k/v rows of several TP groups, a dtype change)
+    get a buffer that `refresh()` fills. Megatron updates its parameters in place, so the views stay
+    current; call `refresh()` before each sync.
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], dims: Any, coords: Any, dtype: torch.dtype) -> None:
+        pieces: dict[str, list[tuple[torch.Tensor, Box]]] = {}
+        for lp in local_params(dims, coords):
+            param = params[lp.name]
+            for pc in lp.pieces:
+                pieces.setdefault(pc.hf_name, []).append((param.detach()[pc.local_box.index], pc.hf_box))
+        self.shards: Shards = {}
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, parts in pieces.items():
+            boxes = [b for _, b in parts]
+            lo = tuple(min(b.offsets[d] for b in boxes) for d in range(len(boxes[0].offsets)))
+            hi = tuple(max(b.end[d] for b in boxes) for d in range(len(lo)))
+            union = Box(lo, tuple(h - o for o, h in zip(lo, hi)))
+            assert union.numel == sum(b.numel for b in boxes), f"{name}: this rank's pieces do not tile a box"
+            if len(parts) == 1 and parts[0][0].dtype == dtype:
+                self.shards[name] = (union, parts[0][0])
+                continue
             buf = torch.empty(union.shape, dtype=dtype, device=parts[0][0].device)
-        for view, box in parts:
-            buf[box.relative_to(union)].copy_(view)
-        shards[name] = (union, buf)
-    return shards
+            self._copies += [(buf[box.relative_to(union)], view) for view, box in parts]
+            self.shards[name] = (union, buf)
+
+    def refresh(self) -> Shards:
+        for dst, src in self._copies:
+            dst.copy_(src)
+        return self.shards
 
 
 class ShardSync:
@@ -74,19 +85,18 @@ class ShardSync:
         trainer = dataclasses.replace(trainer, vocab_divisible_by=1)  # hpcrl's Megatron does not pad the vocab
         self.request = plan_request(trainer, rollout, memory_budget_bytes=max(job.rollout.bucket_mb << 20, 1 << 20))
         self.plan = self.request.build(self.spec)
+        self.fingerprint = spec_fingerprint(self.spec)
         self.dtype = getattr(torch, job.model.dtype)
         self.group: dist.ProcessGroup | None = None
         self.staging = Staging()
-        self._shards: Shards | None = None
+        self.local = LocalHFShards(dict(policy.gpt.named_parameters()), policy.dims, policy.coords, self.dtype)
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(clients or [])), thread_name_prefix="reshard")
         self._check_layout_matches_megatron()
 
     def _check_layout_matches_megatron(self) -> None:
         """The plan's trainer layout must give this rank exactly the boxes Megatron holds here."""
-        mine = local_hf_shards(dict(self.policy.gpt.named_parameters()), self.policy.dims, self.policy.coords,
-                               self.dtype)
         want = dict(self.plan.src.shards(self.spec, self.rank))
-        got = {n: b for n, (b, _) in mine.items()}
+        got = {n: b for n, (b, _) in self.local.shards.items()}
         if got != want:
             diff = sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
             raise RuntimeError(
@@ -125,16 +135,15 @@ class ShardSync:
         if self.group is None:
             raise RuntimeError("ShardSync.push before connect()")
         t0 = time.perf_counter()
-        self._shards = local_hf_shards(dict(self.policy.gpt.named_parameters()), self.policy.dims,
-                                       self.policy.coords, self.dtype, self._shards)
+        shards = self.local.refresh()
         calls = []
         if self.rank == 0:
             body = {**self.request.to_json(), "group_name": GROUP_NAME, "weight_version": weight_version,
-                    "spec_sha256": spec_fingerprint(self.spec), "deadline_s": self.timeout_s}
+                    "spec_sha256": self.fingerprint, "deadline_s": self.timeout_s}
             calls = [self._pool.submit(c.update_weights_reshard, {**body, "engine_rank": i})
                      for i, c in enumerate(self.clients)]
         try:
-            reshard(self.plan, "trainer", self.rank, self._shards, group=self.group, deadline_s=self.timeout_s,
+            reshard(self.plan, "trainer", self.rank, shards, group=self.group, deadline_s=self.timeout_s,
                     staging=self.staging)
         finally:
             errors = []

@@ -132,13 +132,7 @@ class RolloutConfig:
     """auto | shard | broadcast. shard: every trainer rank sends its Megatron shards straight to the
     engines along a moe plan (hpcrl's extension route; reference engine only). broadcast: trainer rank
     0 gathers HF tensors and broadcasts them (SGLang's update_weights_from_distributed). auto: shard
-    for the reference engine, broadcast for sglang."""
-
-    def resolved_weight_sync(self) -> str:
-        """`weight_sync` with auto decided: shard or broadcast."""
-        if self.weight_sync != "auto":
-            return self.weight_sync
-        return "shard" if self.backend == "reference" else "broadcast"
+    for the reference engine on CPU, broadcast otherwise (shard runs over gloo on CPU tensors)."""
 
 
 @dataclass(kw_only=True)
@@ -262,3 +256,11 @@ class JobConfig:
     def world_size(self) -> int:
         """Ranks of the MPI world: controller + trainer ranks + one rank per rollout engine."""
         return 1 + self.trainer.num_procs + self.rollout.num_engines
+
+
+def weight_sync_mode(job: JobConfig) -> str:
+    """`rollout.weight_sync` with auto decided: "shard" or "broadcast"."""
+    r = job.rollout
+    if r.weight_sync != "auto":
+        return r.weight_sync
+    return "shard" if r.backend == "reference" and job.resources.device == "cpu" else "broadcast"

@@ -319,6 +319,10 @@ def _check_devices(job: JobConfig, m: ModelDims) -> None:
         raise ConfigError("rollout.tp_per_engine", r.tp_per_engine,
                           "the reference engine runs one process per engine: use tp_per_engine=1, "
                           "or rollout.backend=sglang on GPUs")
+    if r.weight_sync == "shard" and res.device != "cpu":
+        raise ConfigError("rollout.weight_sync", r.weight_sync,
+                          f"shard sync runs over gloo on CPU tensors; with resources.device={res.device!r} "
+                          "use broadcast or auto")
     if r.backend == "sglang" and r.weight_sync == "shard":
         raise ConfigError("rollout.weight_sync", r.weight_sync,
                           "SGLang accepts weights only by broadcast (update_weights_from_distributed); use "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hpcrl.config.schema import JobConfig
+from hpcrl.config.schema import JobConfig, weight_sync_mode
 
 
 def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
@@ -42,13 +42,17 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
 
         clients = [EngineClient(url, timeout_s=job.resources.timeout_s) for url in cmd.payload] if is_leader \
             else None
-        if job.rollout.resolved_weight_sync() == "shard":
+        mode = weight_sync_mode(job)
+        if mode == "shard":
             from hpcrl.trainer.shard_sync import ShardSync
 
             sync = ShardSync(state["policy"], job, clients, job.resources.timeout_s)
             sync.connect()
             state["shard_sync"] = sync
+            print(f"weight sync: shard, {len(sync.plan)} transfers in {sync.plan.num_rounds} rounds, "
+                  f"{int(sync.plan.sent_bytes()[sync.rank])} bytes sent by this rank", flush=True)
         elif is_leader:
+            print("weight sync: broadcast from trainer rank 0", flush=True)
             from hpcrl.rollout.weight_sender import WeightSender
 
             sender = WeightSender(clients, backend="gloo", tp_per_engine=job.rollout.tp_per_engine)

@@ -58,6 +58,7 @@ def test_two_trainer_ranks_ep2_two_engines_shard_and_broadcast_sync_agree(tmp_pa
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert all(r["sync/logprob_max_abs_diff"] < 1e-4 for r in records), records
         assert all(r["sync/bytes"] == 2 * model_bytes and r["sync/gbps"] > 0 for r in records), records
+        assert f"weight sync: {sync}" in (run_dir / "logs" / "rank1-trainer.log").read_text()
         results.append(([r["reward/mean"] for r in records], json.loads((run_dir / "final.json").read_text())))
     assert results[0] == results[1]
 

@@ -31,6 +31,26 @@ def make_batch():  # -> TrainBatch
     return TrainBatch.from_lists(prompts, responses)
 
 
+def shard_boxes_match(policy, args) -> bool:
+    """Whether moe's TrainerLayout gives every rank exactly the HF boxes its Megatron shards hold
+    (what the shard-to-shard weight sync relies on). Collective."""
+    import torch.distributed as dist
+
+    from hpcrl.models.presets import load_hf_config
+    from hpcrl.trainer.shard_sync import LocalHFShards
+    from moe.layouts import TrainerLayout
+    from moe.specs import spec_from_config
+
+    spec = spec_from_config({**load_hf_config("tiny-qwen3-moe", None), "torch_dtype": "float32"})
+    layout = TrainerLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
+                           dp=dist.get_world_size() // (args.tp * args.pp), vocab_divisible_by=1)
+    local = LocalHFShards(dict(policy.gpt.named_parameters()), policy.dims, policy.coords, torch.float32)
+    same = {n: b for n, (b, _) in local.shards.items()} == dict(layout.shards(spec, dist.get_rank()))
+    flag = torch.tensor([int(same)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     for axis in ("tp", "pp", "ep", "etp"):
@@ -56,8 +76,10 @@ def main() -> None:
     algorithm = AlgorithmConfig(lr=1e-2, kl_coef=0.05, grad_clip=0.5, aux_loss_coef=0.01, adam_eps=1e-6)
     policy = MegatronPolicy(load_hf_config("tiny-qwen3-moe", None), trainer, algorithm)
     policy.init_from_seed(SEED)
+    out_boxes = shard_boxes_match(policy, args)
     rank0 = dist.get_rank() == 0
-    out: dict = {"sd0": policy.export_hf_state_dict(), "sha0": policy.policy_sha256()}
+    out: dict = {"sd0": policy.export_hf_state_dict(), "sha0": policy.policy_sha256(),
+                 "shard_boxes_match": out_boxes}
 
     batch = make_batch()
     logp = policy.compute_logprobs(batch)

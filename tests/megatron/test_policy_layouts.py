@@ -89,6 +89,7 @@ def test_baseline_matches_hf_and_round_trips(baseline: dict) -> None:
     batch = baseline["batch"]
     assert baseline["logp"].shape == (batch.batch_size, batch.response_width)
     assert baseline["logp"].dtype == torch.float32
+    assert baseline["shard_boxes_match"]
     assert (baseline["logp"] - hf_logprobs(batch, 1.0)).abs().max() < LOGP_TOL
     assert (baseline["logp_t07"] - hf_logprobs(batch, 0.7)).abs().max() < LOGP_TOL
     # After a step every weight (norms, router, experts) differs from its init: HF agrees too.
@@ -118,6 +119,7 @@ def test_baseline_matches_hf_and_round_trips(baseline: dict) -> None:
 def test_layout_matches_baseline(name: str, baseline: dict, tmp_path: Path) -> None:
     run = launch(name, tmp_path / "out.pt")
     assert run["sha0"] == baseline["sha0"], "init_from_seed must be layout-independent, bit for bit"
+    assert run["shard_boxes_match"], "moe.layouts.TrainerLayout disagrees with Megatron's shards (shard sync)"
     assert max_diff(run["sd0"], baseline["sd0"]) == 0.0
     assert (run["logp"] - baseline["logp"]).abs().max() < LOGP_TOL
     assert (run["logp_t07"] - baseline["logp_t07"]).abs().max() < LOGP_TOL

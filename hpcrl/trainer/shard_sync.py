@@ -87,6 +87,7 @@ class ShardSync:
         self.plan = self.request.build(self.spec)
         self.fingerprint = spec_fingerprint(self.spec)
         self.dtype = getattr(torch, job.model.dtype)
+        self.multi_host = job.resources.nodes + job.resources.rollout_nodes > 1  # as the engines' URLs
         self.group: dist.ProcessGroup | None = None
         self.staging = Staging()
         self.local = LocalHFShards(dict(policy.gpt.named_parameters()), policy.dims, policy.coords, self.dtype)
@@ -108,7 +109,7 @@ class ShardSync:
         """Form the trainer + engines group (collective over the trainer ranks)."""
         addr: list[Any] = [None]
         if self.rank == 0:
-            host = routable_host() if self._multi_host() else "127.0.0.1"
+            host = routable_host() if self.multi_host else "127.0.0.1"
             addr[0] = (host, free_port(host))
         dist.broadcast_object_list(addr, src=0)
         host, port = addr[0]
@@ -126,9 +127,6 @@ class ShardSync:
             except Exception as exc:
                 raise RuntimeError(f"engine {i} ({self.clients[i].base_url}) could not join the reshard group: "
                                    f"{exc}") from exc
-
-    def _multi_host(self) -> bool:
-        return any(c.host not in ("127.0.0.1", "localhost") for c in self.clients or [])
 
     def push(self, weight_version: str) -> dict[str, float] | None:
         """Move the current weights into every engine; {"bytes", "seconds"} on rank 0, else None."""

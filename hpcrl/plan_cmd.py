@@ -23,7 +23,8 @@ from hpcrl.config.validate import read_model_config
 from moe.layouts import RolloutLayout, TrainerLayout
 from moe.network import Topology
 from moe.report import plan_report, render_text
-from moe.specs import MoESpec, spec_from_config
+from hpcrl.rollout.reshard_route import spec_at_dtype
+from moe.specs import MoESpec
 
 GIB = 2**30
 
@@ -39,11 +40,9 @@ _ROLLOUT_KEYS = {"num_engines": "rollout.num_engines", "tp": "rollout.tp_per_eng
 def build_spec(job: JobConfig) -> MoESpec:
     """The `moe.specs` spec of the job's model, at the job's `model.dtype` (ConfigError if unsupported)."""
     key, value, source, cfg = read_model_config(job)
-    cfg = {k: v for k, v in cfg.items() if k != "dtype"}
-    cfg["torch_dtype"] = job.model.dtype  # the trainer's parameter dtype is what moves
     try:
         flavor = str(value) if key == "model.preset" else os.path.basename(str(value)).removesuffix(".json")
-        return spec_from_config(cfg, flavor=flavor)
+        return spec_at_dtype(cfg, job.model.dtype, flavor)  # the trainer's parameter dtype is what moves
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(key, value, f"{source}: {str(exc).removeprefix('config.json ')}") from None
 

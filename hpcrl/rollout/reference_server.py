@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.rollout.engine import ReferenceModel
-from hpcrl.rollout.reshard_route import ROUTE, PlanRequest, spec_fingerprint
+from hpcrl.rollout.reshard_route import ROUTE, PlanRequest, spec_at_dtype, spec_fingerprint
 from hpcrl.rollout.weight_sender import init_custom_process_group, parse_dtype, unflatten_bucket
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -348,7 +348,6 @@ class ReferenceServer:
 
     def update_weights_reshard(self, req: dict) -> dict:
         from moe.runtime import ReshardError, Staging, reshard
-        from moe.specs import spec_from_config
 
         try:
             request = PlanRequest.from_json(req)
@@ -356,8 +355,7 @@ class ReferenceServer:
             raise _Fail(f"{ROUTE}: {exc}") from None
         rank, deadline_s = _field(req, "engine_rank", int), float(_field(req, "deadline_s", (int, float)))
         if self.reshard_spec is None:
-            cfg = {k: v for k, v in json.loads(Path(self.args.model_config).read_text()).items() if k != "dtype"}
-            spec = spec_from_config({**cfg, "torch_dtype": self.args.dtype})  # as the trainer's build_spec
+            spec = spec_at_dtype(json.loads(Path(self.args.model_config).read_text()), self.args.dtype)
             self.reshard_spec = spec, spec_fingerprint(spec)
         spec, fingerprint = self.reshard_spec
         if fingerprint != req.get("spec_sha256"):

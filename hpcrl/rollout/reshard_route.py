@@ -25,7 +25,7 @@ from typing import Any
 
 from moe.layouts import RolloutLayout, TrainerLayout
 from moe.plan import Plan, plan
-from moe.specs import MoESpec
+from moe.specs import MoESpec, spec_from_config
 
 ROUTE = "/hpcrl/update_weights_reshard"
 
@@ -58,15 +58,18 @@ class PlanRequest:
         return _cached_plan(self, spec)
 
 
-def plan_request(trainer: TrainerLayout, rollout: RolloutLayout, memory_budget_bytes: int) -> PlanRequest:
-    return PlanRequest(trainer, rollout, int(memory_budget_bytes))
-
-
 @lru_cache(maxsize=4)
 def _cached_plan(request: PlanRequest, spec: MoESpec) -> Plan:
     request.trainer.validate(spec)
     request.rollout.validate(spec)
     return plan(request.trainer, request.rollout, spec, request.memory_budget_bytes)
+
+
+def spec_at_dtype(cfg: dict[str, Any], dtype: str, flavor: str = "custom") -> MoESpec:
+    """The spec of a HF config.json dict with every tensor at `dtype`, the dtype the weights move in.
+    Trainer (`hpcrl plan`'s build_spec) and engine both build it here, so their fingerprints agree."""
+    clean = {k: v for k, v in cfg.items() if k != "dtype"}
+    return spec_from_config({**clean, "torch_dtype": dtype}, flavor=flavor)
 
 
 def spec_fingerprint(spec: MoESpec) -> str:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from hpcrl.config.schema import JobConfig
 from hpcrl.dist import free_port, routable_host
-from hpcrl.rollout.reshard_route import plan_request, spec_fingerprint
+from hpcrl.rollout.reshard_route import PlanRequest, spec_fingerprint
 from hpcrl.rollout.weight_sender import init_custom_process_group
 from moe.hf_megatron import local_params
 from moe.runtime import Shards, Staging, reshard
@@ -83,7 +83,7 @@ class ShardSync:
         self.spec = build_spec(job)
         trainer, rollout = build_layouts(job, self.spec)
         trainer = dataclasses.replace(trainer, vocab_divisible_by=1)  # hpcrl's Megatron does not pad the vocab
-        self.request = plan_request(trainer, rollout, memory_budget_bytes=max(job.rollout.bucket_mb << 20, 1 << 20))
+        self.request = PlanRequest(trainer, rollout, memory_budget_bytes=max(job.rollout.bucket_mb << 20, 1 << 20))
         self.plan = self.request.build(self.spec)
         self.fingerprint = spec_fingerprint(self.spec)
         self.dtype = getattr(torch, job.model.dtype)
@@ -155,9 +155,3 @@ class ShardSync:
         if self.rank != 0:
             return None
         return {"bytes": float(self.plan.nbytes.sum()), "seconds": time.perf_counter() - t0}
-
-    def close(self) -> None:
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
-        self._pool.shutdown(wait=False)

@@ -4,7 +4,6 @@ model's log-probs with the trainer's on the same tokens. argv: WORK_DIR. Prints 
 
 import datetime
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +13,10 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
+    from hpcrl.dist import free_port
+
     work = Path(sys.argv[1])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)

@@ -38,10 +38,10 @@ def shard_boxes_match(policy, args) -> bool:
 
     from hpcrl.models.presets import load_hf_config
     from hpcrl.trainer.shard_sync import LocalHFShards
+    from hpcrl.rollout.reshard_route import spec_at_dtype
     from moe.layouts import TrainerLayout
-    from moe.specs import spec_from_config
 
-    spec = spec_from_config({**load_hf_config("tiny-qwen3-moe", None), "torch_dtype": "float32"})
+    spec = spec_at_dtype(load_hf_config("tiny-qwen3-moe", None), "float32")
     layout = TrainerLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                            dp=dist.get_world_size() // (args.tp * args.pp), vocab_divisible_by=1)
     local = LocalHFShards(dict(policy.gpt.named_parameters()), policy.dims, policy.coords, torch.float32)

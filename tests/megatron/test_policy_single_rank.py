@@ -5,10 +5,11 @@ clipping works on CPU, bad input raises clear errors."""
 from __future__ import annotations
 
 import datetime
-import socket
 
 import pytest
 import torch
+
+from hpcrl.dist import free_port
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
 
@@ -24,9 +25,7 @@ def world1():
 
     if dist.is_initialized():
         pytest.skip("torch.distributed is already initialised in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)

@@ -149,19 +149,18 @@ def test_weight_routes_refuse_bad_calls(server):
 
 def test_shard_route_refuses_bad_calls(server):
     """hpcrl's /hpcrl/update_weights_reshard names the bad field, a model mismatch, a missing group."""
-    from hpcrl.rollout.reshard_route import plan_request, spec_fingerprint
+    from hpcrl.rollout.reshard_route import PlanRequest, spec_at_dtype, spec_fingerprint
     from moe.layouts import RolloutLayout, TrainerLayout
-    from moe.specs import spec_from_config
 
     _, client, _ = server
-    spec = spec_from_config({**HF_CONFIG, "torch_dtype": "float32"})
-    good = {**plan_request(TrainerLayout(ep=2, dp=2, vocab_divisible_by=1), RolloutLayout(), 1 << 20).to_json(),
+    spec = spec_at_dtype(HF_CONFIG, "float32")
+    good = {**PlanRequest(TrainerLayout(ep=2, dp=2, vocab_divisible_by=1), RolloutLayout(), 1 << 20).to_json(),
             "group_name": "g", "engine_rank": 0, "deadline_s": 5, "spec_sha256": spec_fingerprint(spec)}
     with pytest.raises(EngineError, match="field 'trainer' must be a dict"):
         client.update_weights_reshard({**good, "trainer": 3})
     with pytest.raises(EngineError, match="bad layout fields"):
         client.update_weights_reshard({**good, "rollout": {"engines": 2}})
-    other = spec_from_config({**HF_CONFIG, "torch_dtype": "float32", "num_hidden_layers": 1})
+    other = spec_at_dtype({**HF_CONFIG, "num_hidden_layers": 1}, "float32")
     with pytest.raises(EngineError, match="trainer and engine would plan different models"):
         client.update_weights_reshard({**good, "spec_sha256": spec_fingerprint(other)})
     with pytest.raises(EngineError, match="engine_rank=1"):

@@ -3,8 +3,10 @@
 One MPI world: rank 0 is the controller, then the trainer ranks, then one rank per rollout engine.
 Roles come from `COMM_WORLD.Split` (each role also gets its own communicator). The controller
 sends small pickled commands point-to-point and collects one reply per rank; waits poll
-non-blocking requests with a short sleep (so idle ranks do not spin on the 2-core laptop case)
-until a deadline, after which the silent ranks are named with role, host and phase.
+non-blocking requests until a deadline, after which the silent ranks are named with role, host and
+phase. Between polls a waiting rank sleeps on its doorbell (hpcrl/controller/doorbell.py), which
+every sender rings after posting a message: no spinning on the 2-core laptop case, and no sleep
+latency per hop either.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from typing import Any
 
 from mpi4py import MPI
 
+from hpcrl.controller.doorbell import Address, Doorbell
+from hpcrl.dist import routable_host
 from launch.procs import process_gone
 
 TAG_COMMAND = 11
 TAG_REPLY = 12
+NAP_MIN_S, NAP_MAX_S = 5e-5, 5e-3  # poll back-off of a waiting rank (a doorbell ring resets it)
 ROLES = ("controller", "trainer", "rollout")
 
 
@@ -36,6 +41,8 @@ class RankInfo:
     role: str
     host: str
     pid: int
+    ip: str = "127.0.0.1"  # where other hosts reach this rank's doorbell
+    bell_port: int = 0
 
     def describe(self) -> str:
         return f"rank {self.rank} ({self.role}, host {self.host}, pid {self.pid})"
@@ -72,6 +79,7 @@ class World:
     role: str
     role_comm: Any
     ranks: list[RankInfo] = field(default_factory=list)
+    bell: Doorbell | None = None
 
     @property
     def rank(self) -> int:
@@ -79,6 +87,20 @@ class World:
 
     def ranks_of(self, role: str) -> list[int]:
         return [r.rank for r in self.ranks if r.role == role]
+
+    def ring(self, rank: int) -> None:
+        """Wake `rank` if it waits for a message (loopback when it shares this host)."""
+        if self.bell is None:
+            return
+        to, me = self.ranks[rank], self.ranks[self.rank]
+        self.bell.ring(("127.0.0.1" if to.host == me.host else to.ip, to.bell_port))
+
+    def nap(self, seconds: float) -> bool:
+        """Sleep up to `seconds`, less if the doorbell rings (then True)."""
+        if self.bell is None:
+            time.sleep(seconds)
+            return False
+        return self.bell.wait(seconds)
 
 
 def join_world(num_trainer: int) -> World:
@@ -88,19 +110,21 @@ def join_world(num_trainer: int) -> World:
     role_comm = comm.Split(color=ROLES.index(role), key=comm.Get_rank())
     # Under Slurm name the (possibly virtual) node; several slurmd may share one host.
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    me = RankInfo(comm.Get_rank(), role, host, os.getpid())
+    bell = Doorbell()
+    me = RankInfo(comm.Get_rank(), role, host, os.getpid(), routable_host(), bell.port)
     ranks = comm.allgather(me)
-    return World(comm, role, role_comm, ranks)
+    return World(comm, role, role_comm, ranks, bell)
 
 
-def _receive(comm: Any, sources: list[int], tag: int, deadline: float,
+def _receive(world: World, sources: list[int], tag: int, deadline: float,
              gone: Callable[[list[int]], list[int]] | None = None) -> dict[int, Any]:
     """Receive one pickled message from each source until the monotonic deadline; return what
-    arrived. Matched probes (improbe) size the buffer, so payloads of any size work. Sleeps back
-    off from 50 us to 1 ms between polls so waiting ranks leave the CPU to working ones. `gone`
-    (checked twice a second) returns awaited sources known to be dead, which ends the wait early."""
+    arrived. Matched probes (improbe) size the buffer, so payloads of any size work. Between polls
+    the rank naps on its doorbell (back-off 50 us to 5 ms, reset by a ring or a message), so waiting
+    ranks leave the CPU to working ones and still wake as soon as a sender rings. `gone` (checked
+    twice a second) returns awaited sources known to be dead, which ends the wait early."""
     done: dict[int, Any] = {}
-    nap = 5e-5
+    nap = NAP_MIN_S
     next_check = time.monotonic() + 0.5
     while len(done) < len(sources):
         if gone is not None and time.monotonic() > next_check:
@@ -110,28 +134,30 @@ def _receive(comm: Any, sources: list[int], tag: int, deadline: float,
         for src in sources:
             if src in done:
                 continue
-            msg = comm.improbe(source=src, tag=tag)
+            msg = world.comm.improbe(source=src, tag=tag)
             if msg is not None:
                 done[src] = msg.recv()
-                nap = 5e-5
+                nap = NAP_MIN_S
         if len(done) == len(sources) or time.monotonic() > deadline:
             break
-        time.sleep(nap)
-        nap = min(nap * 2, 1e-3)
+        nap = NAP_MIN_S if world.nap(nap) else min(nap * 2, NAP_MAX_S)
     return done
 
 
-def _send_all(comm: Any, messages: dict[int, Any], tag: int, deadline: float) -> list[int]:
-    """Send each (dest -> object) without blocking past the deadline; return dests not reached."""
-    reqs = {dest: comm.isend(obj, dest=dest, tag=tag) for dest, obj in messages.items()}
+def _send_all(world: World, messages: dict[int, Any], tag: int, deadline: float) -> list[int]:
+    """Send each (dest -> object) without blocking past the deadline, ringing each dest's doorbell;
+    return dests not reached."""
+    reqs = {dest: world.comm.isend(obj, dest=dest, tag=tag) for dest, obj in messages.items()}
+    for dest in reqs:
+        world.ring(dest)
     pending = dict(reqs)
-    nap = 5e-5
+    nap = NAP_MIN_S
     while pending and time.monotonic() <= deadline:
         for dest in [d for d, r in pending.items() if r.Test()]:
             del pending[dest]
         if pending:
             time.sleep(nap)
-            nap = min(nap * 2, 1e-3)
+            nap = min(nap * 2, NAP_MAX_S)
     return sorted(pending)
 
 
@@ -153,7 +179,7 @@ class RoleGroup:
         """Send the command now (under the deadline); the replies are collected by `wait`."""
         messages = {rank: Command(op, step, per_rank[rank] if per_rank is not None else payload)
                     for rank in self.ranks}
-        unreached = _send_all(self.world.comm, messages, TAG_COMMAND, time.monotonic() + timeout_s)
+        unreached = _send_all(self.world, messages, TAG_COMMAND, time.monotonic() + timeout_s)
         if unreached:
             who = "; ".join(self.world.ranks[r].describe() for r in unreached)
             raise RankFailure(f"could not deliver phase '{op}' of step {step} within {timeout_s:.0f} s "
@@ -168,7 +194,7 @@ class PendingCall:
         self.world, self.op, self.step, self.sources = world, op, step, sources
 
     def wait(self, timeout_s: float) -> dict[int, Any]:
-        replies: dict[int, Reply] = _receive(self.world.comm, self.sources, TAG_REPLY,
+        replies: dict[int, Reply] = _receive(self.world, self.sources, TAG_REPLY,
                                              time.monotonic() + timeout_s, self._dead)
         for rank, reply in sorted(replies.items()):
             if not reply.ok:
@@ -201,7 +227,7 @@ class WorkerChannel:
         self.world = world
 
     def next_command(self, timeout_s: float) -> Command:
-        got = _receive(self.world.comm, [0], TAG_COMMAND, time.monotonic() + timeout_s)
+        got = _receive(self.world, [0], TAG_COMMAND, time.monotonic() + timeout_s)
         if 0 not in got:
             raise RankFailure(f"{self.world.ranks[self.world.rank].describe()}: the controller "
                               f"({self.world.ranks[0].describe()}) sent no command for "
@@ -216,6 +242,6 @@ class WorkerChannel:
         self._send(Reply(self.world.rank, cmd.op, cmd.step, False, error=text), timeout_s)
 
     def _send(self, reply: Reply, timeout_s: float) -> None:
-        if _send_all(self.world.comm, {0: reply}, TAG_REPLY, time.monotonic() + timeout_s):
+        if _send_all(self.world, {0: reply}, TAG_REPLY, time.monotonic() + timeout_s):
             raise RankFailure(f"{self.world.ranks[self.world.rank].describe()}: the controller did not "
                               f"take the reply to '{reply.op}' of step {reply.step} within {timeout_s:.0f} s")

@@ -180,9 +180,12 @@ class MegatronPolicy:
                             use_distributed_optimizer=False),
             [self.ddp])
         # Megatron applies wd_mult (0 for norms and biases) through its LR scheduler, which hpcrl
-        # does not use (constant LR); apply it to the param groups once here.
+        # does not use (constant LR); apply it to the param groups once here. torch's Adam takes
+        # its per-tensor loop on CPU unless asked for the foreach kernels (one call per op for all
+        # tensors of a group); on CUDA it picks foreach itself.
         for group in self.optimizer.param_groups:
             group["weight_decay"] = a.weight_decay * group.get("wd_mult", 1.0)
+            group["foreach"] = True
 
     # ------------------------------------------------------------------ weights
 

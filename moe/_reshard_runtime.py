@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -103,16 +104,63 @@ def _bucket_view(bucket: torch.Tensor, off: int, view: torch.Tensor) -> torch.Te
     return bucket[off:off + nb].view(view.dtype).view(view.shape)
 
 
+@dataclass
+class _Prepared:
+    """A peer's part of a round with its bucket layout and every bucket view made once, so that a
+    sync repeated with the same tensors (weights updated in place) only copies and sends."""
+
+    plan: _PeerPlan
+    send_bucket: torch.Tensor | None = None
+    pack: tuple[list[torch.Tensor], list[torch.Tensor]] = field(default_factory=lambda: ([], []))  # (bucket, source)
+    send_direct: list[torch.Tensor] = field(default_factory=list)
+    recv_bucket: torch.Tensor | None = None
+    unpack: tuple[list[torch.Tensor], list[torch.Tensor]] = field(default_factory=lambda: ([], []))  # (dest, bucket)
+    recv_direct: list[torch.Tensor] = field(default_factory=list)
+
+
+def prepare(p: _PeerPlan, direct_bytes: int, staging: Staging, device: torch.device | None) -> _Prepared:
+    """Lay out `p`'s messages: small items in one bucket per direction (views into `staging`'s
+    buffer for this peer), the others direct."""
+    out = _Prepared(p)
+    if p.send:
+        bucketed, direct, size = _segments(p.send, direct_bytes)
+        out.send_direct = [v for _, v in direct]
+        if bucketed:
+            out.send_bucket = staging.get(p.peer, "send", size, device)
+            out.pack = ([_bucket_view(out.send_bucket, off, v) for off, (_, v) in bucketed],
+                        [v for _, (_, v) in bucketed])
+    if p.recv:
+        bucketed, direct, size = _segments(p.recv, direct_bytes)
+        out.recv_direct = [v for _, v in direct]
+        if bucketed:
+            out.recv_bucket = staging.get(p.peer, "recv", size, device)
+            out.unpack = ([v for _, (_, v) in bucketed],
+                          [_bucket_view(out.recv_bucket, off, v) for off, (_, v) in bucketed])
+    return out
+
+
+def bucket_sizes(peers: Sequence[_PeerPlan], direct_bytes: int) -> dict[tuple[int, str], int]:
+    """{(peer, "send" / "recv"): bucket bytes} of one round."""
+    sizes = {}
+    for p in peers:
+        for direction, items in (("send", p.send), ("recv", p.recv)):
+            if items:
+                sizes[(p.peer, direction)] = _segments(items, direct_bytes)[2]
+    return sizes
+
+
 class Staging:
     """Reusable bucket buffers, one per (peer, direction), grown as needed.
 
     Fresh buffers cost page faults on every sync (CPU) or allocator traffic (GPU); a caller that
     syncs weights every step keeps one `Staging` and passes it to every call. Holds at most one
-    round's buckets (the plan's per-round budget bounds them).
+    round's buckets (the plan's per-round budget bounds them), and the prepared rounds of the
+    last `reshard` call that can repeat (moe/runtime.py).
     """
 
     def __init__(self) -> None:
         self._bufs: dict[tuple[int, str], torch.Tensor] = {}
+        self.program: tuple[Any, ...] | None = None  # (plan, key, prepared rounds) of the last repeatable call
 
     def get(self, peer: int, direction: str, nbytes: int, device: torch.device | None) -> torch.Tensor:
         buf = self._bufs.get((peer, direction))
@@ -124,45 +172,42 @@ class Staging:
         return sum(b.numel() for b in self._bufs.values())
 
 
-def exchange(peers: Sequence[_PeerPlan], *, deadline_s: float, round_label: str, verify: bool = True,
-             direct_bytes: int = 1 << 20, group: dist.ProcessGroup | None = None,
+def exchange(peers: Sequence[_PeerPlan | _Prepared], *, deadline_s: float, round_label: str,
+             verify: bool = True, direct_bytes: int = 1 << 20, group: dist.ProcessGroup | None = None,
              device: torch.device | None = None, staging: Staging | None = None) -> None:
     """Run one round: every peer's sends and receives, checked, within `deadline_s`.
 
     Both sides of a pair must list the same items (same order, sizes and dtypes). Payload sends and
     all receives are posted in one `batch_isend_irecv`; the sender's checksums are computed while
     the payload is in flight and follow in a second batch. Raises `RoundTimeout` naming the
-    stalled peers, `ChecksumError` naming the peer and its tensors.
+    stalled peers, `ChecksumError` naming the peer and its tensors. Peers may come `prepare`d
+    (then `direct_bytes` and `staging` were applied when they were prepared).
     """
     ops: list[dist.P2POp] = []
     owners: list[_PeerPlan] = []
     done: dict[int, Callable[[], None]] = {}  # index of a peer's last receive op -> verify + unpack
     sent: list[tuple[_PeerPlan, int, list[torch.Tensor]]] = []
     staging = staging or Staging()
-    for p in peers:
+    for pp in peers:
+        q = pp if isinstance(pp, _Prepared) else prepare(pp, direct_bytes, staging, device)
+        p = q.plan
         if p.send:
-            bucketed, direct, size = _segments(p.send, direct_bytes)
             payloads = []
-            if bucketed:
-                bucket = staging.get(p.peer, "send", size, device)
-                for off, (_, view) in bucketed:
-                    _bucket_view(bucket, off, view).copy_(view)
-                payloads.append(bucket)
-            payloads += [_flat(v if v.is_contiguous() else v.contiguous()) for _, v in direct]
+            if q.send_bucket is not None:
+                torch._foreach_copy_(q.pack[0], q.pack[1])
+                payloads.append(q.send_bucket)
+            payloads += [_flat(v if v.is_contiguous() else v.contiguous()) for v in q.send_direct]
             for tag, buf in enumerate(payloads):
                 ops.append(dist.P2POp(dist.isend, buf, p.peer, group, tag))
                 owners.append(p)
             sent.append((p, len(payloads), payloads))
         if p.recv:
             unpack: list[Callable[[], None]] = []
-            bucketed, direct, size = _segments(p.recv, direct_bytes)
             bufs = []
-            if bucketed:
-                bucket = staging.get(p.peer, "recv", size, device)
-                bufs.append(bucket)
-                unpack.append(lambda bucket=bucket, bucketed=bucketed: [
-                    view.copy_(_bucket_view(bucket, off, view)) for off, (_, view) in bucketed])
-            for _, view in direct:
+            if q.recv_bucket is not None:
+                bufs.append(q.recv_bucket)
+                unpack.append(lambda q=q: torch._foreach_copy_(q.unpack[0], q.unpack[1]))
+            for view in q.recv_direct:
                 if view.is_contiguous():
                     bufs.append(_flat(view))
                 else:

@@ -2,8 +2,8 @@
 
 One `mpiexec -n 6` launch runs every layout pair (EP change, TP change, PP -> no PP, DP replicas,
 uneven pipeline stages, ETP) through `reshard` (the planned shard-to-shard path, small memory
-budget so there are many rounds and on-node relays) and `broadcast_sync` (the SGLang path, small
-buckets), comparing every rollout shard bit for bit with the same deterministically generated
+budget so there are many rounds and on-node relays), `broadcast_sync` (the SGLang path, small
+buckets) and two repeated `reshard` syncs that reuse their prepared rounds, comparing every rollout shard bit for bit with the same deterministically generated
 global tensors; then trainer rank 1 stops participating and the ranks waiting on it must raise
 RoundTimeout naming it. Run as a script, this file is the MPI program:
 `mpiexec -n 6 python test_reshard_runtime.py OUT_DIR`; each rank writes OUT_DIR/rank{r}.json (files,
@@ -91,7 +91,34 @@ def _run_case(name: str, grank: int) -> dict:
         bad = [n for n, b in want if n not in got or got[n][0] != b
                or not _bits(got[n][1]).equal(_bits(full[n][b.relative_to(_full_box(full[n]))]))]
         res[path] = len(want) if not bad and len(got) == len(want) else f"mismatch: {bad[:5]}"
+    res["repeat"] = _repeat_syncs(p, role, rank, shards, full, dst, spec)
     return res
+
+
+def _repeat_syncs(p, role: str, rank: int, shards, full: dict, dst, spec):
+    """Two syncs with one Staging into kept `out` buffers, the trainer weights changed in place in
+    between (every bit flipped): the second sync reuses the prepared rounds and must deliver the
+    new bits. Returns the number of checked shards (trainer: 0) or a mismatch."""
+    import torch
+
+    from moe.runtime import Staging, allocate_shards, reshard
+
+    staging = Staging()
+    out = allocate_shards(spec, dst.shards(spec, rank)) if role == "rollout" else None
+    reshard(p, role, rank, shards, deadline_s=60.0, out=out, staging=staging)
+    first = staging.program
+    if role == "trainer":
+        for _, t in shards.values():  # clones: contiguous
+            _bits(t).bitwise_not_()
+    got = reshard(p, role, rank, shards, deadline_s=60.0, out=out, staging=staging)
+    if first is None or staging.program is not first:
+        return "the second sync did not reuse the prepared rounds"
+    if role == "trainer":
+        return 0
+    want = dst.shards(spec, rank)
+    bad = [n for n, b in want if got[n][1] is not out[n][1] or not _bits(got[n][1]).equal(
+        _bits(full[n][b.relative_to(_full_box(full[n]))].clone()).bitwise_not())]
+    return len(want) if not bad else f"mismatch: {bad[:5]}"
 
 
 def _full_box(t):
@@ -191,10 +218,10 @@ def test_bit_exact(mpi_results: dict[int, dict], case: str) -> None:
         if g >= T + R:
             assert r == {"idle": True}
         elif g < T:
-            assert r["reshard"] == 0 and r["broadcast"] == 0, r
+            assert r["reshard"] == 0 and r["broadcast"] == 0 and r["repeat"] == 0, r
         else:
             assert isinstance(r["reshard"], int) and r["reshard"] > 0, (g, r)
-            assert r["broadcast"] == r["reshard"], (g, r)
+            assert r["broadcast"] == r["reshard"] == r["repeat"], (g, r)
             assert r["rounds"] > 1, "the budget should force several rounds"
     if case in ("pp_to_no_pp", "dp_replicas"):
         assert mpi_results[T][case]["relays"] > 0, "replicated rollout ranks on one node should relay"

@@ -142,6 +142,7 @@ class ReferenceModel:
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.slots = model_slots(self.model)
         self._params = self.model.state_dict(keep_vars=True)
+        self._views: dict[str, torch.Tensor] = {}  # HF name -> view of the model's weight, made once
         self.vocab_size: int = self.config.vocab_size
         self.context_len: int = self.config.max_position_embeddings
         eos = self.config.eos_token_id
@@ -167,14 +168,16 @@ class ReferenceModel:
                     continue
                 raise ValueError(f"unknown weight name {name!r}; expected HF checkpoint names such as "
                                  f"{list(self.slots)[:3]} ({len(self.slots)} in all)")
-            target = self._view(slot)
+            target = self._views.get(name)
+            if target is None:
+                target = self._views[name] = self._view(slot)
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(f"weight {name!r} has shape {list(tensor.shape)}, the model expects "
                                  f"{list(target.shape)}")
             todo.append((target, tensor))
-        with torch.no_grad():
-            for target, tensor in todo:
-                target.copy_(tensor)
+        if todo:
+            with torch.no_grad():
+                torch._foreach_copy_([t for t, _ in todo], [x for _, x in todo])
         return len(todo)
 
     def get_weight(self, name: str) -> torch.Tensor:
@@ -192,6 +195,7 @@ class ReferenceModel:
         """Move the weights (used to release and resume accelerator memory)."""
         self.model.to(device)
         self._params = self.model.state_dict(keep_vars=True)
+        self._views = {}
 
     # -- generation ----------------------------------------------------------------------------
 

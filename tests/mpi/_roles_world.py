@@ -33,8 +33,9 @@ def main() -> int:
         for g in groups.values():
             g.call("shutdown", -1, None, timeout_s)
     except RankFailure as exc:
-        print(f"RANKFAILURE after {time.monotonic() - t0 if 't0' in dir() else 0:.1f}s: {exc}", flush=True)
+        # The file first: MPI_Abort may tear down mpiexec's stdout forwarding before the print arrives.
         (run_dir / ".failure.txt").write_text(str(exc))
+        print(f"RANKFAILURE after {time.monotonic() - t0 if 't0' in dir() else 0:.1f}s: {exc}", flush=True)
         world.comm.Abort(1)
     print("WHO " + json.dumps({k: {str(r): v for r, v in sorted(d.items())} for k, d in who.items()}, sort_keys=True), flush=True)
     print("RESULTS " + json.dumps({k: {str(r): v for r, v in sorted(d.items())} for k, d in results.items()}, sort_keys=True), flush=True)

@@ -30,7 +30,10 @@ def _run(tmp_path: Path, fault: str | None, timeout_s: float = 5.0, num_trainer:
     )
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=100)
-    return out.stdout + out.stderr, time.monotonic() - t0
+    # The controller's RankFailure, also from its file: MPI_Abort can cut mpiexec's output forwarding.
+    failure = tmp_path / ".failure.txt"
+    text = out.stdout + out.stderr + (f"\nFAILURE FILE {failure.read_text()}" if failure.exists() else "")
+    return text, time.monotonic() - t0
 
 
 def _no_leftovers(tmp_path: Path) -> None:

@@ -27,6 +27,11 @@ and measurements: notes/python_stack.md sections 2-2.4):
   5. `clip_grads.py:167 clip_grad_by_total_norm_fp32` asserts the grad type string
      'torch.cuda.FloatTensor'; the patched function is the same in-place scaling for fp32 CPU
      grads, so `grad_clip > 0` works.
+  6. Start-up, not correctness: `jit.py:21` sets `jit_fuser = torch.compile`, and decorating the
+     fusion functions with it imports dynamo and inductor (about 2 s of the 4 s import). hpcrl
+     turns every fusion off, so none of those functions runs here; the first `import megatron.core`
+     happens with `torch.compile` as the identity (restored right after), which leaves
+     `jit_fuser` a plain decorator.
 
 The patches touch private functions, so the module refuses any other megatron-core version.
 `apply()` is idempotent.
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 import types
 from typing import Any
 
@@ -161,13 +167,29 @@ class _CpuTorch(types.ModuleType):
         return attr
 
 
-def _check_version() -> None:
-    import megatron.core
+def _identity_compile(fn: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """`torch.compile` as a no-op, both as `@torch.compile` and as `torch.compile(...)(fn)`."""
+    return fn if fn is not None else (lambda f: f)
 
-    if megatron.core.__version__ != MEGATRON_VERSION:
+
+def _import_megatron() -> Any:
+    """`import megatron.core`; the first time on CPU, with torch.compile as the identity (patch 6)."""
+    if "megatron.core" in sys.modules or torch.cuda.is_available():
+        return importlib.import_module("megatron.core")
+    real = torch.compile
+    torch.compile = _identity_compile
+    try:
+        return importlib.import_module("megatron.core")
+    finally:
+        torch.compile = real
+
+
+def _check_version() -> None:
+    megatron_core = _import_megatron()
+    if megatron_core.__version__ != MEGATRON_VERSION:
         raise RuntimeError(
             f"hpcrl.trainer.megatron_compat patches private functions of megatron-core "
-            f"{MEGATRON_VERSION}, but megatron-core {megatron.core.__version__} is installed; "
+            f"{MEGATRON_VERSION}, but megatron-core {megatron_core.__version__} is installed; "
             f"install megatron-core=={MEGATRON_VERSION} (the version pyproject.toml pins)")
 
 

@@ -55,3 +55,24 @@ def test_cpu_grad_clipping_scales_in_place() -> None:
     assert torch.allclose(q.grad, torch.tensor([0.0, 0.8]))
     clip_grads.clip_grad_by_total_norm_fp32([p, q], max_norm=10.0, total_norm=1.0)  # no-op below the max
     assert torch.allclose(q.grad, torch.tensor([0.0, 0.8]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU patch")
+def test_first_import_leaves_jit_fuser_plain_and_skips_inductor() -> None:
+    """Patch 6, in a fresh process (this one may have imported Megatron already): after apply(),
+    Megatron's jit_fuser is a plain decorator, torch.compile is the real one again, and neither
+    dynamo's nor inductor's compiler was imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; real = torch.compile\n"
+        "from hpcrl.trainer import megatron_compat; megatron_compat.apply()\n"
+        "from megatron.core import jit\n"
+        "from megatron.core.transformer.moe import moe_utils\n"
+        "f = lambda x: x + 1\n"
+        "print(torch.compile is real, jit.jit_fuser(f) is f, 'torch._inductor.compile_fx' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == ["True", "True", "False"], out.stdout

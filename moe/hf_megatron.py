@@ -24,10 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from moe.slices import Box
+
+if TYPE_CHECKING:
+    import torch  # the tensor functions import it when called: config validation stays torch-free
 
 FAMILIES = ("qwen3_moe", "mixtral")
 
@@ -265,6 +267,8 @@ def hf_to_megatron(hf_sd: Mapping[str, torch.Tensor], dims: HFModelDims,
 
     Raises KeyError naming a missing HF tensor and ValueError for a shape mismatch.
     """
+    import torch
+
     shapes = dims.hf_shapes()
     for name, shape in shapes.items():
         if name not in hf_sd:
@@ -288,6 +292,8 @@ def megatron_to_hf(shards: Iterable[tuple[RankCoords, Mapping[str, torch.Tensor]
     Replicated pieces may appear several times (TP/DP replicas); the first one seen wins. Raises
     ValueError when some region of some HF tensor is held by no shard.
     """
+    import torch
+
     shapes = dims.hf_shapes()
     out: dict[str, torch.Tensor] = {}
     seen: dict[str, set[Box]] = {name: set() for name in shapes}
@@ -339,6 +345,8 @@ def hf_fused_to_checkpoint(sd: Mapping[str, torch.Tensor], dims: HFModelDims) ->
 def hf_checkpoint_to_fused(sd: Mapping[str, torch.Tensor], dims: HFModelDims) -> dict[str, torch.Tensor]:
     """The inverse of `hf_fused_to_checkpoint` (stacks the per-expert tensors into new tensors;
     tied embeddings get `lm_head.weight` back as the embedding)."""
+    import torch
+
     out = dict(sd)
     if dims.tied_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]

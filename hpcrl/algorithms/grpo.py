@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+from hpcrl.algorithms import KL_ESTIMATORS, LOSS_AGGS
 
 
 def group_advantages(rewards_N: torch.Tensor, group_size: int, norm_by_std: bool = True,

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcrl.algorithms.grpo import KL_ESTIMATORS, LOSS_AGGS
+from hpcrl.algorithms import KL_ESTIMATORS, LOSS_AGGS
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import JobConfig
 from hpcrl.models.presets import CONFIG_DIR, preset_names

@@ -15,9 +15,23 @@ from pathlib import Path
 from hpcrl.config.schema import JobConfig, weight_sync_mode
 
 
+def _import_megatron() -> BaseException | None:
+    """Import (and patch) Megatron now, while the controller is still starting, so that start-up
+    overlaps instead of queueing behind it; a failure is returned and raised by `init`."""
+    try:
+        from hpcrl.trainer import megatron_compat
+        from hpcrl.trainer.policy import MegatronPolicy  # noqa: F401 - the import is the point
+
+        megatron_compat.apply()
+    except Exception as exc:  # noqa: BLE001 - reported through the controller by init
+        return exc
+    return None
+
+
 def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
     state: dict = {}
     is_leader = world.role_comm.Get_rank() == 0
+    import_error = _import_megatron()
 
     def init(cmd):
         import torch
@@ -26,6 +40,8 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         from hpcrl.trainer import megatron_compat
         from hpcrl.trainer.policy import MegatronPolicy
 
+        if import_error is not None:
+            raise import_error
         megatron_compat.apply()
         torch.set_num_threads(job.resources.cpus_per_rank)
         device = job.resources.device

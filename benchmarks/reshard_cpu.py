@@ -51,7 +51,7 @@ def _layouts(procs: int):
     return TrainerLayout(tp=2, ep=2, dp=half // 2), RolloutLayout(num_engines=1, tp=half, ep=half)
 
 
-def worker(reps: int, budget_bytes: int) -> None:
+def worker(reps: int, budget_bytes: int, colocated: bool = False) -> None:
     """The MPI program: every rank runs every method `reps` times; rank 0 prints a JSON summary."""
     import numpy as np
     import torch
@@ -59,6 +59,7 @@ def worker(reps: int, budget_bytes: int) -> None:
     from mpi4py import MPI
 
     from hpcrl.dist import init_torch_distributed
+    from moe.network import Topology
     from moe.plan import plan
     from moe.runtime import Staging, allocate_shards, broadcast_groups, broadcast_sync, reshard
 
@@ -70,7 +71,7 @@ def worker(reps: int, budget_bytes: int) -> None:
     src, dst = _layouts(comm.Get_size())
     T, R = src.world_size, dst.world_size
     assert T + R == comm.Get_size()
-    p = plan(src, dst, spec, budget_bytes)
+    p = plan(src, dst, spec, budget_bytes, Topology(colocated=colocated))
     role, rank = ("trainer", g) if g < T else ("rollout", g - T)
     shards = None
     if role == "trainer":
@@ -127,7 +128,7 @@ def worker(reps: int, budget_bytes: int) -> None:
             times[m].append(dt)
     if g == 0:
         print("RESULT " + json.dumps({"times": times, "bytes": int(p.nbytes.sum()), "rounds": p.num_rounds,
-                                      "transfers": len(p), "model_bytes": spec.total_bytes,
+                                      "relays": int(p.from_rollout.sum()), "transfers": len(p), "model_bytes": spec.total_bytes,
                                       "trainer": repr(src), "rollout": repr(dst)}), flush=True)
     comm.Barrier()
     os._exit(0)
@@ -191,18 +192,21 @@ def main() -> None:
                     help="MPI processes (a multiple of 4, >= 8): half trainer, half rollout")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions of every method")
     ap.add_argument("--budget-mib", type=int, default=64, help="plan memory budget per rank and round (MiB)")
+    ap.add_argument("--colocated", action="store_true",
+                    help="plan with trainer and rollout ranks on the same nodes (true of this one host): "
+                         "rollout ranks receive straight from trainer ranks, no relays")
     ap.add_argument("--results", type=Path, default=None, help="append a section to this RESULTS.md")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args.reps, args.budget_mib << 20)
+        return worker(args.reps, args.budget_mib << 20, args.colocated)
     if args.procs < 8 or args.procs % 4:
         raise SystemExit(f"--procs={args.procs} must be a multiple of 4 and >= 8 (TP2 x EP2 x DP trainer)")
     load_before = _load()
     mpiexec = Path(sys.executable).parent / "mpiexec"
     cmd = [str(mpiexec), "-n", str(args.procs), sys.executable, __file__, "--worker",
            "--reps", str(args.reps),
-           "--budget-mib", str(args.budget_mib)]
+           "--budget-mib", str(args.budget_mib), *(["--colocated"] if args.colocated else [])]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, cwd=REPO)
@@ -232,13 +236,14 @@ def render(res: dict, args, load_before: str, load_after: str, wall_s: float) ->
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=REPO).stdout.strip()
     out = [f"### {now} (commit {commit}): `python benchmarks/reshard_cpu.py --procs {args.procs} "
-           f"--reps {args.reps}"
+           f"--reps {args.reps}{' --colocated' if args.colocated else ''}"
            f"{' --results ' + str(args.results) if args.results else ''}`", "",
            f"Host: {platform.node()} ({os.cpu_count()} CPUs, shared), load average (1/5/15 min) "
            f"{load_before} before, {load_after} after; {args.procs} processes on gloo, one torch thread each; total "
            f"{wall_s:.0f} s. Model: {res['model_bytes'] / 1e6:.0f} MB bf16 (Qwen3-MoE scaled, 16 experts); "
            f"trainer {res['trainer']} -> rollout {res['rollout']}; plan: {res['transfers']} transfers, "
-           f"{res['rounds']} rounds at a {args.budget_mib} MiB budget, {nb / 1e6:.0f} MB moved. "
+           f"{res['rounds']} rounds at a {args.budget_mib} MiB budget, {res.get('relays', 0)} relays"
+           f"{' (colocated topology)' if args.colocated else ''}, {nb / 1e6:.0f} MB moved. "
            f"Times: slowest rank, median of {args.reps} (all reps in brackets); GB/s = plan bytes / time.", "",
            "| method | median s | GB/s | reps (s) |", "|---|---|---|---|"]
     for label, m in rows:

@@ -10,6 +10,8 @@ alternating order per repetition:
   * gather+bcast -- the naive baseline: every trainer rank sends its unique pieces to trainer
                  rank 0, which broadcasts the whole model to the rollout ranks (64 MB chunks);
   * broadcast_sync -- the SGLang-compatible path of moe.runtime (for reference).
+`--colocated` plans for trainer and rollout ranks sharing nodes, which is what this one host is
+(no on-node relays, fewer rounds); the default plans for two nodes, as a cluster would have them.
 Each time is the slowest rank's (barrier, run, max over ranks); reported values are medians over
 repetitions; GB/s = plan bytes / time. The results table (with the load average) is appended
 under `## reshard_cpu` in the results file.

@@ -10,8 +10,9 @@ models. The engine then runs `moe.runtime.reshard` as rollout rank `engine_rank`
 buffers it keeps across syncs, and loads the tensors into its model.
 
 Request: {"group_name", "engine_rank", "trainer": {TrainerLayout fields}, "rollout": {RolloutLayout
-fields}, "memory_budget_bytes", "spec_sha256", "deadline_s", "weight_version"?}. Answer: SGLang's
-{"success", "message"}; a failure leaves the old weights in place.
+fields}, "memory_budget_bytes", "topology"?: {moe.network.Topology fields}, "spec_sha256",
+"deadline_s", "weight_version"?}. Answer: SGLang's {"success", "message"}; a failure leaves the old
+weights in place.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from functools import lru_cache
 from typing import Any
 
 from moe.layouts import RolloutLayout, TrainerLayout
+from moe.network import Topology
 from moe.plan import Plan, plan
 from moe.specs import MoESpec, spec_from_config
 
@@ -37,10 +39,11 @@ class PlanRequest:
     trainer: TrainerLayout
     rollout: RolloutLayout
     memory_budget_bytes: int
+    topology: Topology = Topology()  # node placement the plan assumes (colocated: one host)
 
     def to_json(self) -> dict[str, Any]:
         return {"trainer": dataclasses.asdict(self.trainer), "rollout": dataclasses.asdict(self.rollout),
-                "memory_budget_bytes": self.memory_budget_bytes}
+                "memory_budget_bytes": self.memory_budget_bytes, "topology": dataclasses.asdict(self.topology)}
 
     @staticmethod
     def from_json(req: dict[str, Any]) -> PlanRequest:
@@ -48,11 +51,14 @@ class PlanRequest:
         for key, kind in (("trainer", dict), ("rollout", dict), ("memory_budget_bytes", int)):
             if not isinstance(req.get(key), kind):
                 raise ValueError(f"field {key!r} must be a {kind.__name__}, got {req.get(key)!r}")
+        topology = req.get("topology", {})
+        if not isinstance(topology, dict):
+            raise ValueError(f"field 'topology' must be a dict, got {topology!r}")
         try:
             return PlanRequest(TrainerLayout(**req["trainer"]), RolloutLayout(**req["rollout"]),
-                               req["memory_budget_bytes"])
+                               req["memory_budget_bytes"], Topology(**topology))
         except TypeError as exc:
-            raise ValueError(f"bad layout fields: {exc}") from None
+            raise ValueError(f"bad layout or topology fields: {exc}") from None
 
     def build(self, spec: MoESpec) -> Plan:
         return _cached_plan(self, spec)
@@ -62,7 +68,7 @@ class PlanRequest:
 def _cached_plan(request: PlanRequest, spec: MoESpec) -> Plan:
     request.trainer.validate(spec)
     request.rollout.validate(spec)
-    return plan(request.trainer, request.rollout, spec, request.memory_budget_bytes)
+    return plan(request.trainer, request.rollout, spec, request.memory_budget_bytes, request.topology)
 
 
 def spec_at_dtype(cfg: dict[str, Any], dtype: str, flavor: str = "custom") -> MoESpec:

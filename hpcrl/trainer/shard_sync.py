@@ -25,6 +25,7 @@ from hpcrl.dist import free_port, routable_host
 from hpcrl.rollout.reshard_route import PlanRequest, spec_fingerprint
 from hpcrl.rollout.weight_sender import init_custom_process_group
 from moe.hf_megatron import local_params
+from moe.network import Topology
 from moe.runtime import Shards, Staging, reshard
 from moe.slices import Box
 
@@ -83,11 +84,14 @@ class ShardSync:
         self.spec = build_spec(job)
         trainer, rollout = build_layouts(job, self.spec)
         trainer = dataclasses.replace(trainer, vocab_divisible_by=1)  # hpcrl's Megatron does not pad the vocab
-        self.request = PlanRequest(trainer, rollout, memory_budget_bytes=max(job.rollout.bucket_mb << 20, 1 << 20))
+        self.multi_host = job.resources.nodes + job.resources.rollout_nodes > 1  # as the engines' URLs
+        # On one host every engine takes its bytes straight from the trainer ranks (no on-node
+        # relays, fewer rounds: benchmarks/RESULTS.md, reshard_cpu --colocated).
+        self.request = PlanRequest(trainer, rollout, memory_budget_bytes=max(job.rollout.bucket_mb << 20, 1 << 20),
+                                   topology=Topology(colocated=not self.multi_host))
         self.plan = self.request.build(self.spec)
         self.fingerprint = spec_fingerprint(self.spec)
         self.dtype = getattr(torch, job.model.dtype)
-        self.multi_host = job.resources.nodes + job.resources.rollout_nodes > 1  # as the engines' URLs
         self.group: dist.ProcessGroup | None = None
         self.staging = Staging()
         self.local = LocalHFShards(dict(policy.gpt.named_parameters()), policy.dims, policy.coords, self.dtype)

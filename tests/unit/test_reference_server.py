@@ -158,8 +158,14 @@ def test_shard_route_refuses_bad_calls(server):
             "group_name": "g", "engine_rank": 0, "deadline_s": 5, "spec_sha256": spec_fingerprint(spec)}
     with pytest.raises(EngineError, match="field 'trainer' must be a dict"):
         client.update_weights_reshard({**good, "trainer": 3})
-    with pytest.raises(EngineError, match="bad layout fields"):
+    with pytest.raises(EngineError, match="bad layout or topology fields"):
         client.update_weights_reshard({**good, "rollout": {"engines": 2}})
+    with pytest.raises(EngineError, match="field 'topology' must be a dict"):
+        client.update_weights_reshard({**good, "topology": "one host"})
+    with pytest.raises(EngineError, match="bad layout or topology fields"):
+        client.update_weights_reshard({**good, "topology": {"hosts": 1}})
+    with pytest.raises(EngineError, match=r"Topology.gpus_per_node=0 must be a positive int"):
+        client.update_weights_reshard({**good, "topology": {"gpus_per_node": 0}})
     other = spec_at_dtype({**HF_CONFIG, "num_hidden_layers": 1}, "float32")
     with pytest.raises(EngineError, match="trainer and engine would plan different models"):
         client.update_weights_reshard({**good, "spec_sha256": spec_fingerprint(other)})

@@ -130,7 +130,8 @@ def worker(reps: int, budget_bytes: int, colocated: bool = False) -> None:
             times[m].append(dt)
     if g == 0:
         print("RESULT " + json.dumps({"times": times, "bytes": int(p.nbytes.sum()), "rounds": p.num_rounds,
-                                      "relays": int(p.from_rollout.sum()), "transfers": len(p), "model_bytes": spec.total_bytes,
+                                      "relays": int(p.from_rollout.sum()), "transfers": len(p),
+                                      "model_bytes": spec.total_bytes,
                                       "trainer": repr(src), "rollout": repr(dst)}), flush=True)
     comm.Barrier()
     os._exit(0)
@@ -244,7 +245,7 @@ def render(res: dict, args, load_before: str, load_after: str, wall_s: float) ->
            f"{load_before} before, {load_after} after; {args.procs} processes on gloo, one torch thread each; total "
            f"{wall_s:.0f} s. Model: {res['model_bytes'] / 1e6:.0f} MB bf16 (Qwen3-MoE scaled, 16 experts); "
            f"trainer {res['trainer']} -> rollout {res['rollout']}; plan: {res['transfers']} transfers, "
-           f"{res['rounds']} rounds at a {args.budget_mib} MiB budget, {res.get('relays', 0)} relays"
+           f"{res['rounds']} rounds at a {args.budget_mib} MiB budget, {res['relays']} relays"
            f"{' (colocated topology)' if args.colocated else ''}, {nb / 1e6:.0f} MB moved. "
            f"Times: slowest rank, median of {args.reps} (all reps in brackets); GB/s = plan bytes / time.", "",
            "| method | median s | GB/s | reps (s) |", "|---|---|---|---|"]

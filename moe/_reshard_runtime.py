@@ -17,8 +17,8 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist

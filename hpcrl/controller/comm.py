@@ -21,7 +21,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from hpcrl.controller.doorbell import Address, Doorbell
+from hpcrl.controller.doorbell import Doorbell
 from hpcrl.dist import routable_host
 from launch.procs import process_gone
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from hpcrl.config.schema import JobConfig, weight_sync_mode
 
 
-def _import_megatron() -> BaseException | None:
+def _preload_megatron() -> BaseException | None:
     """Import (and patch) Megatron now, while the controller is still starting, so that start-up
     overlaps instead of queueing behind it; a failure is returned and raised by `init`."""
     try:
@@ -31,18 +31,16 @@ def _import_megatron() -> BaseException | None:
 def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
     state: dict = {}
     is_leader = world.role_comm.Get_rank() == 0
-    import_error = _import_megatron()
+    import_error = _preload_megatron()
 
     def init(cmd):
         import torch
 
         from hpcrl.dist import init_torch_distributed
-        from hpcrl.trainer import megatron_compat
         from hpcrl.trainer.policy import MegatronPolicy
 
-        if import_error is not None:
+        if import_error is not None:  # megatron_compat.apply() ran in _preload_megatron
             raise import_error
-        megatron_compat.apply()
         torch.set_num_threads(job.resources.cpus_per_rank)
         device = job.resources.device
         init_torch_distributed(world.role_comm, "nccl" if device == "cuda" else "gloo",

@@ -54,6 +54,10 @@ def hf_state_dict_sha256(sd: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def _logp_and_entropy(logits_BLv: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: torch.Tensor,
                       temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target under log_softmax(logits / temperature) at its position, and the
@@ -64,13 +68,17 @@ def _logp_and_entropy(logits_BLv: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: to
     with Megatron's autograd-aware all-reduce, so full-vocab logits are never materialised.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     v = logits_BLv.shape[-1]
     z_BTv = logits_BLv.gather(1, pos_BT.unsqueeze(-1).expand(-1, -1, v)).float() / temperature
     max_BT = z_BTv.detach().amax(dim=-1)
     if ps.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(max_BT, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+        group = ps.get_tensor_model_parallel_group()
+        dist.all_reduce(max_BT, op=dist.ReduceOp.MAX, group=group)
+        tp_sum = partial(reduce_from_tensor_model_parallel_region, group=group)
+    else:
+        tp_sum = _identity
     exp_BTv = torch.exp(z_BTv - max_BT.unsqueeze(-1))
     sum_BT = tp_sum(exp_BTv.sum(dim=-1))
     logz_BT = max_BT + torch.log(sum_BT)
@@ -289,6 +297,14 @@ class MegatronPolicy:
         """The inputs on every rank: an input that some rank passed as None is taken from rank 0
         (so callers may pass results of rank-0-only methods, e.g. log-probs, on rank 0 alone)."""
         items: list[Any] = [batch, *tensors.values()]
+        if dist.get_world_size() > 1:
+            self._fill_from_rank0(items)
+        if items[0] is None:
+            raise ValueError("batch is None on every trainer rank; rank 0 must always pass the batch")
+        return items[0], dict(zip(tensors, items[1:]))
+
+    def _fill_from_rank0(self, items: list[Any]) -> None:
+        """Replace, in place, each item that some rank has as None by rank 0's value."""
         have = torch.tensor([x is not None for x in items], dtype=torch.int32, device=self.device)
         both = torch.cat([have, -have])  # MIN over ranks of have and of -have: (min, -max)
         dist.all_reduce(both, op=dist.ReduceOp.MIN)
@@ -299,9 +315,6 @@ class MegatronPolicy:
             dist.broadcast_object_list(payload, src=0)
             for i, value in zip(missing, payload[0]):
                 items[i] = value
-        if items[0] is None:
-            raise ValueError("batch is None on every trainer rank; rank 0 must always pass the batch")
-        return items[0], dict(zip(tensors, items[1:]))
 
     def _split(self, batch: TrainBatch, per_row: dict[str, torch.Tensor]
                ) -> tuple[list[dict[str, torch.Tensor]], int, int, int]:
@@ -472,7 +485,8 @@ class MegatronPolicy:
         aux = torch.zeros(1, dtype=torch.float32)
         tracker = get_moe_layer_wise_logging_tracker()
         if "load_balancing_loss" in tracker:
-            reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
+            if dist.get_world_size() > 1:  # every group has one rank otherwise: all identities
+                reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
             values = tracker["load_balancing_loss"]["values"]
             aux[0] = float(values.sum()) / self.dims.num_layers / n_mb
             clear_aux_losses_tracker()

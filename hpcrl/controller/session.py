@@ -16,6 +16,7 @@ from hpcrl.controller.checkpointing import Checkpointer, resume_mode_from_env
 from hpcrl.controller.comm import World
 from hpcrl.controller.groups import PolicyGroup, Rollout, RolloutGroup
 from hpcrl.controller.metrics import MetricsLogger
+from hpcrl.controller.phase_file import PhaseFile
 from hpcrl.rewards import load_reward_fn
 from hpcrl.tasks import default_tokenizer, make_sampler
 
@@ -38,6 +39,7 @@ class Session:
         self.reward_fn = load_reward_fn(job.reward.fn)
         self.checkpointer = Checkpointer(job, run_dir, self.policy, resume_mode_from_env())
         self.metrics: MetricsLogger | None = None
+        self.phase_file = PhaseFile(run_dir / ".phase.json")
         self._write_json(".ranks.json", [r.__dict__ for r in world.ranks])
         roles = {role: [r for r in world.ranks if r.role == role] for role in ("controller", "trainer", "rollout")}
         print(f"hpcrl: MPI world of {len(world.ranks)} ranks: " + "; ".join(
@@ -52,7 +54,7 @@ class Session:
     def phase(self, step: int, name: str) -> None:
         """Record the current phase (so a launcher can name it if a rank dies without a word) and
         let the checkpointer abandon the step after a preemption signal."""
-        self._write_json(".phase.json", {"step": step, "phase": name})
+        self.phase_file.write(step, name)
         self.checkpointer.check_abandon(step, name)
 
     def start(self) -> None:
@@ -101,5 +103,6 @@ class Session:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        self.phase_file.close()
         self.rollouts.shutdown()
         self.policy.shutdown()

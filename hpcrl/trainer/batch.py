@@ -95,11 +95,11 @@ class TrainBatch:
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses; "
                              "pass one response per prompt")
-        lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
-        tokens = torch.full((len(prompts), max(lens, default=0)), PAD_ID, dtype=torch.int64)
-        for b, (p, r) in enumerate(zip(prompts, responses)):
-            tokens[b, : lens[b]] = torch.tensor(list(p) + list(r), dtype=torch.int64)
-        return TrainBatch(tokens, torch.tensor([len(p) for p in prompts], dtype=torch.int64),
+        rows = [[*p, *r] for p, r in zip(prompts, responses)]
+        L = max(map(len, rows), default=0)
+        # one tensor from padded lists: a tensor per row costs ~20 us each
+        tokens = torch.tensor([row + [PAD_ID] * (L - len(row)) for row in rows] or [[]], dtype=torch.int64)
+        return TrainBatch(tokens[: len(rows)], torch.tensor([len(p) for p in prompts], dtype=torch.int64),
                           torch.tensor([len(r) for r in responses], dtype=torch.int64))
 
     def padded(self, num_rows: int, seq_len: int) -> TrainBatch:

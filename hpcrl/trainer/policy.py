@@ -471,7 +471,8 @@ class MegatronPolicy:
             per_row["ref_BT"] = t["ref_BT"].float()
         mbs, n_mb, mb, L = self._split(batch, per_row)
 
-        self.ddp.train()
+        if not self.ddp.training:  # train() walks every module: skip it when nothing changed
+            self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         clear_aux_losses_tracker()

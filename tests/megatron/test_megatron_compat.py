@@ -128,39 +128,16 @@ def test_foreach_grad_norm_matches_megatrons_local_norm() -> None:
     assert clip_grads.l2_norm_impl(0, None, [[]], False)[0].tolist() == [0.0]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU patch")
-def test_single_rank_group_mappings_are_identities() -> None:
-    """Patch 9, in a fresh one-rank gloo world: with a one-rank group the TP mappings hand back
-    their input and gradients flow through unchanged; the wrappers are installed where Megatron's
-    layers look the names up. Also patch 7's fallback: with a dgrad all-reduce to do, the TP linear
-    runs Megatron's Function (which warns about CUDA_DEVICE_MAX_CONNECTIONS the first time)."""
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU patches")
+@pytest.mark.parametrize("name", ["mappings", "sdpa"])
+def test_one_rank_world_checks(name: str) -> None:
+    """Patches 9 and 10 and patch 7's fallback, checked in a fresh one-rank gloo world
+    (tests/megatron/_one_rank_world.py says what each check asserts)."""
     import subprocess
     import sys
+    from pathlib import Path
 
-    code = (
-        "import datetime, torch, torch.distributed as dist\n"
-        "from hpcrl.dist import free_port\n"
-        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1,\n"
-        "                        timeout=datetime.timedelta(seconds=60))\n"
-        "from hpcrl.trainer import megatron_compat; megatron_compat.apply()\n"
-        "from megatron.core.tensor_parallel import layers, mappings\n"
-        "from megatron.core.transformer.moe import moe_utils, token_dispatcher\n"
-        "group = dist.new_group([0])\n"
-        "x = torch.randn(4, 3, requires_grad=True)\n"
-        "a = layers.copy_to_tensor_model_parallel_region(x, group=group)\n"
-        "b = moe_utils.reduce_from_tensor_model_parallel_region(a * 2, group=group)\n"
-        "c = token_dispatcher.all_to_all(group, b, [4], [4])\n"
-        "c.sum().backward()\n"
-        "print(a is x, torch.equal(c, x * 2), torch.equal(x.grad, torch.full((4, 3), 2.0)),\n"
-        "      layers.reduce_from_tensor_model_parallel_region is mappings.reduce_from_tensor_model_parallel_region)\n"
-        "import warnings\n"
-        "w = torch.randn(5, 3)\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    warnings.simplefilter('always')\n"
-        "    y = layers.linear_with_grad_accumulation_and_async_allreduce(x, w, None, False, True, False,\n"
-        "                                                                 tp_group=group)\n"
-        "print(any('async grad allreduce' in str(m.message) for m in caught), torch.allclose(y, x @ w.t()))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-6:] == ["True"] * 6, out.stdout
+    script = Path(__file__).with_name("_one_rank_world.py")
+    out = subprocess.run([sys.executable, str(script), name], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == f"{name} OK", out.stdout

@@ -1,0 +1,95 @@
+"""Checks of megatron_compat patches that need torch.distributed and Megatron's parallel state:
+run as `python _one_rank_world.py NAME` in a fresh process (a one-rank gloo world); prints
+`NAME OK` on success, raises otherwise."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def _values_and_grads(fn, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+    out = fn(*leaves)
+    (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+    return [out.detach(), *(leaf.grad for leaf in leaves)]
+
+
+def check_sdpa() -> None:
+    """Patch 10: causal grouped-query attention through SDPA gives Megatron's values and grads
+    (4 query heads sharing 2 kv heads); with an explicit mask Megatron's own forward runs."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fast = DotProductAttention.forward
+    original = next(c.cell_contents for c in fast.__closure__
+                    if getattr(c.cell_contents, "__name__", "") == "forward")
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               kv_channels=8, attention_dropout=0.0, masked_softmax_fusion=False)
+    attn = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                               attention_type="self")
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(5, 3, 4, 8, generator=g)
+    k, v = torch.randn(5, 3, 2, 8, generator=g), torch.randn(5, 3, 2, 8, generator=g)
+    want = _values_and_grads(lambda q, k, v: original(attn, q, k, v, None), q, k, v)
+    got = _values_and_grads(lambda q, k, v: fast(attn, q, k, v, None), q, k, v)
+    assert got[0].shape == (5, 3, 32), got[0].shape
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+    torch.nn.functional.scaled_dot_product_attention = lambda *a, **k: calls.append(1) or sdpa(*a, **k)
+    try:
+        mask = torch.triu(torch.ones(1, 1, 5, 5, dtype=torch.bool), diagonal=1)  # the causal mask itself
+        torch.testing.assert_close(fast(attn, q, k, v, mask), want[0], rtol=1e-5, atol=1e-6)
+        assert calls == [], "an explicit mask must take Megatron's forward"
+        fast(attn, q, k, v, None)
+        assert calls == [1], "no mask must take the SDPA path"
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+
+
+def check_mappings() -> None:
+    """Patch 9: with a one-rank group the TP mappings hand back their input and gradients flow
+    through unchanged; the wrappers are installed where Megatron's layers look the names up.
+    Patch 7's fallback: with a dgrad all-reduce to do, the TP linear runs Megatron's Function
+    (which warns about CUDA_DEVICE_MAX_CONNECTIONS the first time)."""
+    import warnings
+
+    from megatron.core.tensor_parallel import layers, mappings
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    group = dist.new_group([0])
+    x = torch.randn(4, 3, requires_grad=True)
+    a = layers.copy_to_tensor_model_parallel_region(x, group=group)
+    b = moe_utils.reduce_from_tensor_model_parallel_region(a * 2, group=group)
+    c = token_dispatcher.all_to_all(group, b, [4], [4])
+    c.sum().backward()
+    assert a is x and torch.equal(c, x * 2) and torch.equal(x.grad, torch.full((4, 3), 2.0))
+    assert layers.reduce_from_tensor_model_parallel_region is mappings.reduce_from_tensor_model_parallel_region
+    w = torch.randn(5, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = layers.linear_with_grad_accumulation_and_async_allreduce(x, w, None, False, True, False,
+                                                                     tp_group=group)
+    assert any("async grad allreduce" in str(m.message) for m in caught), [str(m.message) for m in caught]
+    torch.testing.assert_close(y, x @ w.t())
+
+
+if __name__ == "__main__":
+    from hpcrl.dist import free_port
+    from hpcrl.trainer import megatron_compat
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    megatron_compat.apply()
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel()
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    name = sys.argv[1]
+    {"sdpa": check_sdpa, "mappings": check_mappings}[name]()
+    print(f"{name} OK")

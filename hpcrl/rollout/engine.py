@@ -70,7 +70,7 @@ class SamplingParams:
     def from_dict(cls, params: Mapping | None) -> SamplingParams:
         """Parse an SGLang `sampling_params` dict; ValueError names the bad key and value."""
         params = dict(params or {})
-        known = {f.name for f in fields(cls)}
+        known = _FIELDS
         kwargs = {}
         for key, value in params.items():
             if key in known:
@@ -111,6 +111,9 @@ class SamplingParams:
             raise bad("ignore_eos", "must be true or false")
         if self.sampling_seed is not None and not _is_int(self.sampling_seed):
             raise bad("sampling_seed", "must be an integer")
+
+
+_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 
 def _is_int(x) -> bool:

@@ -143,8 +143,9 @@ class ReferenceServer:
             raise job.error
         latency = time.perf_counter() - start
         with_text = bool(req.get("return_text_in_logprobs"))
-        answers = [self._answer(p, o, rid, lp, with_text, latency)
-                   for p, o, rid, lp in zip(prompts, job.outputs, rids, return_logprob)]
+        base = uuid.uuid4().hex[:20]  # ids unique like SGLang's uuid4 hex, 12 hex digits per answer
+        answers = [self._answer(p, o, rid if rid is not None else f"{base}{i:012x}", lp, with_text, latency)
+                   for i, (p, o, rid, lp) in enumerate(zip(prompts, job.outputs, rids, return_logprob))]
         return answers if batched else answers[0]
 
     def _prompts(self, req: dict) -> tuple[list[list[int]], bool]:
@@ -166,7 +167,7 @@ class ReferenceServer:
 
     def _answer(self, prompt, out: dict, rid, return_logprob: bool, with_text: bool, latency: float) -> dict:
         ids = out["output_ids"]
-        meta = {"id": rid if rid is not None else uuid.uuid4().hex, "finish_reason": out["finish_reason"],
+        meta = {"id": rid, "finish_reason": out["finish_reason"],
                 "prompt_tokens": len(prompt), "completion_tokens": len(ids), "cached_tokens": 0,
                 "reasoning_tokens": 0, "weight_version": self.weight_version, "num_retractions": 0,
                 "e2e_latency": latency}
@@ -539,11 +540,15 @@ class _Handler(BaseHTTPRequestHandler):
         elif isinstance(obj, str):
             body, ctype = obj.encode(), "text/plain; charset=utf-8"
         else:
-            body, ctype = json.dumps(obj).encode(), "application/json"
+            body, ctype = _ENCODER.encode(obj).encode(), "application/json"
         reason = self.responses.get(status, ("",))[0]
         head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                 f"{'Connection: close' if self.close_connection else 'Connection: keep-alive'}\r\n\r\n")
         self.wfile.write(head.encode() + body)  # one write: no Nagle/delayed-ACK stall
+
+
+# Answers are fresh trees of plain values: no cycle check; compact separators (10% fewer bytes).
+_ENCODER = json.JSONEncoder(check_circular=False, separators=(",", ":"))
 
 
 def _error_body(message: str, weight_route: bool) -> dict:

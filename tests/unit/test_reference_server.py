@@ -71,6 +71,9 @@ def test_generate_answers_in_sglang_shapes(server):
     assert isinstance(batch, list) and len(batch) == 3
     assert batch[0]["output_ids"] == single["output_ids"]
     assert "output_token_logprobs" not in batch[0]["meta_info"]
+    again = client.generate(PROMPTS, [GREEDY] * 3)
+    ids = [a["meta_info"]["id"] for a in batch + again]  # SGLang's shape: 32 hex digits, all distinct
+    assert len(set(ids)) == 6 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids), ids
     by_text = client.generate(text="12+3=", sampling_params={"max_new_tokens": 2, "temperature": 0})
     assert by_text["meta_info"]["prompt_tokens"] == 6 and isinstance(by_text["text"], str)
     assert client.model_info()["model_type"] == "qwen3_moe"

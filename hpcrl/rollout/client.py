@@ -3,7 +3,9 @@
 `EngineClient` keeps one keep-alive `http.client` connection per calling thread (so one client may be
 used from several threads), sends each request in a single write with TCP_NODELAY (no Nagle/delayed
 ACK stalls), and has one method per route with SGLang's argument names. A failed call raises
-`EngineError` naming the URL, the route, the HTTP status and the server's message. Servers older
+`EngineError` naming the URL, the route, the HTTP status and the server's message. `start` writes a
+request and returns a `PendingResponse` to read later on the same thread (the shard sync keeps its
+request in flight while the trainer rank sends, without a thread hand-off). Servers older
 than SGLang 0.5.23 have no weight-update session routes; `begin_weight_update`/`end_weight_update`
 then return None after a 404 instead of failing.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -27,7 +30,7 @@ from urllib.parse import urlsplit
 
 from launch.procs import die_with_parent
 
-__all__ = ["EngineClient", "EngineError", "launch_reference_server"]
+__all__ = ["EngineClient", "EngineError", "PendingResponse", "launch_reference_server"]
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -67,6 +70,39 @@ class EngineClient:
             self._local.conn = conn
         return conn
 
+    def start(self, method: str, route: str, payload=None, timeout_s: float | None = None) -> PendingResponse:
+        """Write one request and return at once; `result()` of the answer reads it (on this thread).
+
+        For a call that must be in flight while this thread does other work (the shard sync: the
+        engine receives while the trainer sends), without a thread hand-off. Not retried: a kept-alive
+        connection the server has closed is detected and replaced before writing.
+        """
+        body = None if payload is None else json.dumps(payload).encode()
+        try:
+            conn = self._connection(fresh=self._dropped())
+            conn.sock.settimeout(self.timeout_s if timeout_s is None else timeout_s)
+            conn.request(method, route, body=body, headers=_JSON_HEADERS if body is not None else {})
+        except (OSError, http.client.HTTPException) as exc:
+            self._drop()
+            raise EngineError(self.base_url, route, None, f"{type(exc).__name__}: {exc}") from exc
+        return PendingResponse(self, conn, route)
+
+    def _dropped(self) -> bool:
+        """Whether this thread's kept-alive connection was closed by the server (it is readable:
+        a server sends nothing unasked, so that can only be the end of the stream)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None or conn.sock is None:
+            return False
+        return bool(select.select([conn.sock], [], [], 0)[0])
+
+    def _answer(self, route: str, status: int, data: bytes, content_type: str):
+        decoded = _decode(data, content_type)
+        if status >= 400:
+            raise EngineError(self.base_url, route, status, _message(decoded))
+        if isinstance(decoded, dict) and decoded.get("success") is False:
+            raise EngineError(self.base_url, route, status, _message(decoded))
+        return decoded
+
     def request(self, method: str, route: str, payload=None, timeout_s: float | None = None):
         """One call; returns the decoded JSON (or text, or None for an empty body); EngineError on failure."""
         body = None if payload is None else json.dumps(payload).encode()
@@ -89,12 +125,7 @@ class EngineClient:
             except (OSError, http.client.HTTPException) as exc:
                 self._drop()
                 raise EngineError(self.base_url, route, None, f"{type(exc).__name__}: {exc}") from exc
-        decoded = _decode(data, ctype)
-        if status >= 400:
-            raise EngineError(self.base_url, route, status, _message(decoded))
-        if isinstance(decoded, dict) and decoded.get("success") is False:
-            raise EngineError(self.base_url, route, status, _message(decoded))
-        return decoded
+        return self._answer(route, status, data, ctype)
 
     def _drop(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -179,6 +210,13 @@ class EngineClient:
 
         return self.request("POST", ROUTE, body)
 
+    def start_update_weights_reshard(self, body: dict) -> PendingResponse:
+        """`update_weights_reshard` written now and answered by `result()`, so the calling thread can
+        take part in the transfer meanwhile."""
+        from hpcrl.rollout.reshard_route import ROUTE
+
+        return self.start("POST", ROUTE, body)
+
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
@@ -234,6 +272,23 @@ class EngineClient:
 
     def resume_memory_occupation(self, tags: list[str] | None = None):
         return self.request("POST", "/resume_memory_occupation", {"tags": tags})
+
+
+class PendingResponse:
+    """The answer to a request `EngineClient.start` has written."""
+
+    def __init__(self, client: EngineClient, conn: http.client.HTTPConnection, route: str) -> None:
+        self.client, self.conn, self.route = client, conn, route
+
+    def result(self):
+        """Read and decode the answer (the connection's timeout applies); EngineError on failure."""
+        try:
+            resp = self.conn.getresponse()
+            status, data, ctype = resp.status, resp.read(), resp.getheader("Content-Type", "")
+        except (OSError, http.client.HTTPException) as exc:
+            self.client._drop()
+            raise EngineError(self.client.base_url, self.route, None, f"{type(exc).__name__}: {exc}") from exc
+        return self.client._answer(self.route, status, data, ctype)
 
 
 def _decode(data: bytes, content_type: str):

@@ -137,6 +137,30 @@ def test_client_errors_name_url_route_status_and_message(server):
         dead.flush_cache()
 
 
+def test_started_requests_answer_later_and_survive_a_closed_connection(server):
+    """`start` writes the request and returns; `result` reads the answer on the same thread. A
+    kept-alive connection that the server has closed is replaced before writing (nothing is lost)."""
+    import socket
+
+    _, client, _ = server
+    pending = client.start("POST", "/generate", {"input_ids": PROMPTS[0], "sampling_params": GREEDY})
+    answer = pending.result()
+    assert answer["output_ids"] == client.generate(PROMPTS[0], GREEDY)["output_ids"]
+    version = client.request("GET", "/get_weight_version")
+    old = client._local.conn
+    assert not client._dropped()
+    old.sock.shutdown(socket.SHUT_RD)  # what a server's idle close looks like from here: EOF
+    assert client._dropped()
+    assert client.start("GET", "/get_weight_version").result() == version
+    assert client._local.conn is not old
+    with pytest.raises(EngineError, match="not a route") as info:
+        client.start("POST", "/no_such_route", {}).result()
+    assert info.value.status == 404
+    dead = EngineClient(f"http://127.0.0.1:{free_port()}", timeout_s=5)
+    with pytest.raises(EngineError, match="no HTTP answer"):
+        dead.start("POST", "/flush_cache")
+
+
 def test_weight_routes_refuse_bad_calls(server):
     _, client, _ = server
     with pytest.raises(EngineError, match="Please call `init_weights_update_group` first") as info:

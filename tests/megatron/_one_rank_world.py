@@ -52,6 +52,48 @@ def check_sdpa() -> None:
         torch.nn.functional.scaled_dot_product_attention = sdpa
 
 
+def check_experts() -> None:
+    """Patch 11: the grouped-GEMM experts give the per-expert loop's output and the same grads for
+    the input, the routing probs and every expert weight, also with an expert that gets no token."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fast = SequentialMLP.forward
+    original = next(c.cell_contents for c in fast.__closure__
+                    if getattr(c.cell_contents, "__name__", "") == "forward")
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=8,
+                               moe_ffn_hidden_size=8, num_moe_experts=3, gated_linear_unit=True,
+                               activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False,
+                               gradient_accumulation_fusion=False, use_cpu_initialization=True)
+    spec = get_gpt_layer_local_spec(num_experts=3, moe_grouped_gemm=False)
+    experts = spec.submodules.mlp.submodules.experts
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    mlp = experts.module(3, config, experts.submodules, pg_collection=groups)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    x, probs = torch.randn(9, 16, generator=g), torch.rand(9, generator=g)
+    for counts in ([4, 0, 5], [2, 3, 4]):
+        per_expert = torch.tensor(counts)
+        results = []
+        for forward in (original, fast):
+            mlp.zero_grad()
+            xi, pi = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+            out, bias = forward(mlp, xi, per_expert, pi)
+            (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+            results.append([out.detach(), xi.grad, pi.grad, *(p.grad.clone() for p in mlp.parameters())])
+            assert bias is None
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    one = experts.module(1, config, experts.submodules, pg_collection=groups)  # one local expert: Megatron's own path
+    out, _ = fast(one, x, torch.tensor([9]), probs)
+    assert out.shape == (9, 16)
+
+
 def check_mappings() -> None:
     """Patch 9: with a one-rank group the TP mappings hand back their input and gradients flow
     through unchanged; the wrappers are installed where Megatron's layers look the names up.
@@ -91,5 +133,5 @@ if __name__ == "__main__":
     parallel_state.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     name = sys.argv[1]
-    {"sdpa": check_sdpa, "mappings": check_mappings}[name]()
+    {"sdpa": check_sdpa, "mappings": check_mappings, "experts": check_experts}[name]()
     print(f"{name} OK")

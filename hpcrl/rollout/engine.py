@@ -304,9 +304,13 @@ class ReferenceModel:
         rows = torch.arange(B, device=dev)
         cache = DynamicCache(config=self.config)
         ids_in, pos_in = tokens_BL.to(dev), pos_BL.to(dev)
+        # Without left padding the mask is all ones: then HF's plain causal path needs none (building
+        # the 4-D mask costs ~5% of a tiny model's generation).
+        padded = min(lengths) != L
         for t in range(num_steps):
-            logits_BV = self.model(input_ids=ids_in, attention_mask=mask_BN[:, :L + t], position_ids=pos_in,
-                                   cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+            logits_BV = self.model(input_ids=ids_in, attention_mask=mask_BN[:, :L + t] if padded else None,
+                                   position_ids=pos_in, cache=cache, use_cache=True,
+                                   logits_to_keep=1).logits[:, -1].float()
             tok_B, lp_B = _sample(logits_BV, u_BT[:, t], all_greedy, *sampler_args)
             tokens_BT[:, t] = tok_B
             logprobs_BT[:, t] = lp_B

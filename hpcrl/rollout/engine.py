@@ -70,10 +70,9 @@ class SamplingParams:
     def from_dict(cls, params: Mapping | None) -> SamplingParams:
         """Parse an SGLang `sampling_params` dict; ValueError names the bad key and value."""
         params = dict(params or {})
-        known = _FIELDS
         kwargs = {}
         for key, value in params.items():
-            if key in known:
+            if key in _FIELDS:
                 if value is not None:
                     kwargs[key] = value
                 elif key == "max_new_tokens":
@@ -84,7 +83,7 @@ class SamplingParams:
                                      f"engine; leave it at its default {_INERT_DEFAULTS[key][0]!r}")
             elif key not in _TEXT_ONLY:
                 raise ValueError(f"unknown sampling_params key {key!r}; supported: "
-                                 f"{sorted(known | set(_INERT_DEFAULTS) | _TEXT_ONLY)}")
+                                 f"{sorted(_FIELDS | set(_INERT_DEFAULTS) | _TEXT_ONLY)}")
         if isinstance(kwargs.get("stop_token_ids"), list):
             kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])
         out = cls(**kwargs)

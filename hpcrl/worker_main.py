@@ -5,8 +5,7 @@ ranks write their output to RUN_DIR/logs/rank<r>-<role>.log. Any failure ends th
 a worker reports its traceback to the controller, which names rank, role, host and phase, then
 aborts every rank (MPI_Abort) so nothing is left behind.
 
-Fault injection for tests: HPCRL_FAULT="<rank>:<op>:<exit|crash|hang>" makes that rank exit(0),
-raise, or hang when it receives that command.
+Fault injection for tests: HPCRL_FAULT="<rank>:<op>:<exit|crash|hang>" (hpcrl/faults.py).
 """
 
 from __future__ import annotations
@@ -33,33 +32,17 @@ def _redirect_output(run_dir: Path, rank: int, role: str) -> None:
     os.close(fd)
 
 
-def _maybe_inject_fault(rank: int, op: str) -> None:
-    spec = os.environ.get("HPCRL_FAULT", "")
-    if not spec:
-        return
-    f_rank, f_op, action = spec.split(":")
-    if int(f_rank) != rank or f_op != op:
-        return
-    print(f"HPCRL_FAULT: injecting {action} at {op}", flush=True)
-    if action == "exit":
-        os._exit(0)
-    if action == "crash":
-        raise RuntimeError(f"HPCRL_FAULT injected crash in {op}")
-    if action == "hang":
-        while True:
-            time.sleep(1)
-
-
 def serve(world, handlers: dict[str, Callable[[Any], Any]], idle_timeout_s: float) -> None:
     """Answer commands until 'shutdown'. A handler error is reported to the controller, which
     aborts the world; this rank then waits to be killed (the error is the controller's to tell)."""
+    from hpcrl import faults
     from hpcrl.controller.comm import WorkerChannel
 
     chan = WorkerChannel(world)
     while True:
         cmd = chan.next_command(idle_timeout_s)
         try:
-            _maybe_inject_fault(world.rank, cmd.op)
+            faults.inject(faults.planned(world.rank, cmd.op), cmd.op)
             result = handlers[cmd.op](cmd)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the controller
             chan.reply_error(cmd, exc)

@@ -1,18 +1,23 @@
 """Controller-side handles on the worker roles, one typed method per phase of a step.
 
 `PolicyGroup` (trainer ranks, Megatron) and `RolloutGroup` (one rank per engine) translate the
-algorithm's calls into commands on the MPI control plane and merge the per-rank replies. Each
-`async_*` method returns a handle whose `wait()` enforces the phase deadline.
+algorithm's calls into commands on the MPI control plane and merge the per-rank replies; generation
+requests go straight to the engines' HTTP servers. Each `async_*` method returns a handle whose
+`wait()` enforces the phase deadline.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
-from hpcrl.controller.comm import PendingCall, RoleGroup, World
+from hpcrl.controller.comm import PendingCall, RankFailure, RoleGroup, World
+from hpcrl.rollout.client import EngineClient, EngineError
 from hpcrl.tasks import Example
+from launch.procs import process_gone
 
 
 @dataclass
@@ -58,15 +63,32 @@ class _Handle:
 
 
 class PolicyGroup:
-    """The Megatron trainer ranks."""
+    """The Megatron trainer ranks.
+
+    `train` queues the step's weight sync right behind the train command, so the trainer ranks start
+    pushing weights as soon as the update is done, with no controller round trip in between;
+    `push_weights` collects that sync. A queued sync is always collected before any other command
+    is sent, so replies can never be taken for another command's.
+    """
 
     def __init__(self, world: World, timeout_s: float) -> None:
         self.group = RoleGroup(world, "trainer")
         self.timeout_s = timeout_s
+        self._queued_sync: tuple[int, _Handle] | None = None  # (step, handle)
 
     def _async(self, op: str, step: int, payload: object = None) -> _Handle:
+        self._collect_queued_sync()
+        return self._send(op, step, payload)
+
+    def _send(self, op: str, step: int, payload: object = None) -> _Handle:
         return _Handle(self.group.async_call(op, step, payload, timeout_s=self.timeout_s), self.timeout_s,
                        _leader)
+
+    def _collect_queued_sync(self) -> None:
+        """Wait for the queued sync, if any (its reply is only metrics)."""
+        if self._queued_sync is not None:
+            (_, handle), self._queued_sync = self._queued_sync, None
+            handle.wait()
 
     def async_init(self, startup_timeout_s: float) -> _Handle:
         return _Handle(self.group.async_call("init", -1, None, timeout_s=startup_timeout_s),
@@ -84,11 +106,17 @@ class PolicyGroup:
         """One on-policy optimizer step (the engines sampled with the current weights)."""
         payload = {**rollout.token_batch(), "advantages": advantages, "ref_logprobs": ref_BT,
                    "temperature": temperature}
-        out = self._async("train", step, payload).wait()
+        train = self._async("train", step, payload)
+        self._queued_sync = (step, self._send("sync", step, {"weight_version": str(step)}))
+        out = train.wait()
         return TrainResult(out["metrics"], out["logprobs"])
 
     def push_weights(self, step: int) -> dict[str, float]:
-        """Export Megatron shards as HF tensors and broadcast them into every engine."""
+        """Export Megatron shards as HF tensors and send them into every engine (the sync `train`
+        queued for this step, else a new one)."""
+        if self._queued_sync is not None and self._queued_sync[0] == step:
+            (_, handle), self._queued_sync = self._queued_sync, None
+            return handle.wait()
         return self._async("sync", step, {"weight_version": str(step)}).wait()
 
     def save_checkpoint(self, ckpt_dir: str, step: int, attempt_id: str, keep: int, metadata: dict) -> None:
@@ -104,33 +132,83 @@ class PolicyGroup:
         return self._async("sha256", step).wait()
 
     def shutdown(self) -> None:
+        self._collect_queued_sync()
         self.group.call("shutdown", -1, None, timeout_s=self.timeout_s)
 
 
 class RolloutGroup:
-    """One rank per generation engine; prompts are split evenly across engines."""
+    """One rank per generation engine; prompts are split evenly across engines.
+
+    The ranks launch and stop the engines. Generation goes from the controller straight to the
+    engines over SGLang's HTTP API, all engines at once (each request written before any answer is
+    read), with the phase deadline as the socket timeout: no MPI hop per step. A failed request is
+    reported as a RankFailure naming the engine's rollout rank. Each step also posts a heartbeat to
+    the ranks, collected at the next step, so a rollout rank that died is named even if its engine
+    still answers, and idle ranks keep hearing from the controller.
+    """
 
     def __init__(self, world: World, timeout_s: float) -> None:
         self.group = RoleGroup(world, "rollout")
         self.timeout_s = timeout_s
+        self.engines: list[EngineClient] = []
+        self._heartbeat: PendingCall | None = None
 
     def async_init(self, startup_timeout_s: float) -> _Handle:
-        def urls(replies: dict[int, object]) -> list[str]:
-            return [replies[r] for r in sorted(replies)]
+        def connect(replies: dict[int, object]) -> list[str]:
+            urls = [replies[r] for r in sorted(replies)]
+            self.engines = [EngineClient(url, timeout_s=self.timeout_s) for url in urls]
+            return urls
 
         return _Handle(self.group.async_call("init", -1, None, timeout_s=startup_timeout_s),
-                       startup_timeout_s, urls)
+                       startup_timeout_s, connect)
 
     def generate(self, step: int, examples: list[Example], prompt_ids: list[list[int]],
                  sampling_params: list[dict]) -> Rollout:
-        ranks = self.group.ranks
-        bounds = np.linspace(0, len(prompt_ids), len(ranks) + 1).astype(int)
-        per_rank = {rank: {"input_ids": prompt_ids[lo:hi], "sampling_params": sampling_params[lo:hi]}
-                    for rank, lo, hi in zip(ranks, bounds[:-1], bounds[1:])}
-        replies = self.group.call("generate", step, None, self.timeout_s, per_rank=per_rank)
-        outs = [o for rank in ranks for o in replies[rank]]
-        return Rollout(examples, prompt_ids, [o["output_ids"] for o in outs], [o["logprobs"] for o in outs],
-                       [o["finish_reason"] for o in outs])
+        self._beat(step)
+        bounds = np.linspace(0, len(prompt_ids), len(self.engines) + 1).astype(int)
+        pending = []
+        for rank, engine, lo, hi in zip(self.group.ranks, self.engines, bounds[:-1], bounds[1:]):
+            if hi > lo:
+                body = {"input_ids": prompt_ids[lo:hi], "sampling_params": sampling_params[lo:hi],
+                        "return_logprob": True}
+                with self._engine_of(rank, step):
+                    pending.append((rank, engine.start("POST", "/generate", body)))
+        outs = []
+        for rank, answer in pending:
+            with self._engine_of(rank, step):
+                outs += answer.result()
+        return Rollout(examples, prompt_ids, [o["output_ids"] for o in outs],
+                       [[lp[0] for lp in o["meta_info"]["output_token_logprobs"]] for o in outs],
+                       [o["meta_info"]["finish_reason"]["type"] for o in outs])
+
+    @contextmanager
+    def _engine_of(self, rank: int, step: int) -> Iterator[None]:
+        """Turn an engine's EngineError into a RankFailure naming its rollout rank."""
+        try:
+            yield
+        except EngineError as exc:
+            world = self.group.world
+            who = world.ranks[rank].describe()
+            log = f"RUN_DIR/logs/engine{self.group.ranks.index(rank)}.log"
+            if world.ranks[rank].host == world.ranks[world.rank].host and process_gone(world.ranks[rank].pid):
+                raise RankFailure(f"{who} exited during phase 'generate' of step {step}; its engine at "
+                                  f"{exc.url} is gone with it (see its log in RUN_DIR/logs/)") from None
+            if exc.status is None and "timed out" in exc.message:
+                raise RankFailure(f"no answer within {self.timeout_s:.0f} s in phase 'generate' of step "
+                                  f"{step} from the engine of {who} at {exc.url} (hung; see {log})") from None
+            raise RankFailure(f"the engine of {who} failed in phase 'generate' of step {step}: {exc} "
+                              f"(see {log})") from None
+
+    def _beat(self, step: int) -> None:
+        """Collect the previous step's heartbeat answers and post this step's."""
+        self._collect_heartbeat()
+        self._heartbeat = self.group.async_call("heartbeat", step, None, timeout_s=self.timeout_s)
+
+    def _collect_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.wait(self.timeout_s)
+            self._heartbeat = None
 
     def shutdown(self) -> None:
+        self._collect_heartbeat()
         self.group.call("shutdown", -1, None, timeout_s=self.timeout_s)

@@ -13,9 +13,10 @@ Routes (bodies and answers as SGLang's): POST /generate; GET /health, /health_ge
 hpcrl/rollout/reshard_route.py). Weight routes answer {"success", "message"} with HTTP 200 or 400; other
 failures answer {"error": {"message"}} with 400 (bad request) or 500 (engine fault).
 
-Concurrency: /generate requests are queued; one worker thread runs everything queued at once as one
-batch (results do not depend on batch composition, see engine.py), so many small concurrent requests
-cost about as much as one batched request. Generation, weight loads and memory release/resume are
+Concurrency: /generate requests are queued; the first waiting request's own handler thread runs
+everything queued at once as one batch (results do not depend on batch composition, see engine.py),
+so many small concurrent requests cost about as much as one batched request, and a lone request
+runs on its own thread with no hand-off to another one. Generation, weight loads and memory release/resume are
 serialised by one lock. Differences from SGLang, by design: a weight update whose metadata parses
 always receives its broadcast before it is judged, so a refused update never leaves the trainer's
 broadcast hanging; updates outside begin/end_weight_update are refused (SGLang 0.5.23 rule);
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import signal
 import socket
 import sys
@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hpcrl import faults
 from hpcrl.rollout.engine import ReferenceModel
 from hpcrl.rollout.reshard_route import ROUTE, PlanRequest, spec_at_dtype, spec_fingerprint
 from hpcrl.rollout.weight_sender import init_custom_process_group, parse_dtype, unflatten_bucket
@@ -83,12 +84,13 @@ class ReferenceServer:
         self.reshard_out = None  # the shard route's receive buffers, kept across syncs
         self.reshard_staging = None
         self.reshard_spec = None  # (MoESpec, its fingerprint) of this engine's model, made once
+        self.fault = os.environ.get("HPCRL_ENGINE_FAULT")  # tests only (hpcrl/faults.py)
         self.unpaused = threading.Event()
         self.unpaused.set()
         self.shutting_down = False
-        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.worker = threading.Thread(target=self._generation_loop, name="generation", daemon=True)
-        self.worker.start()
+        self.queued: list[_Job] = []  # requests waiting for the next batch
+        self.batching = threading.Condition()  # guards `queued` and `running`
+        self.running = False  # a handler thread is running a batch
         post = {"generate": self.generate, "pause_generation": self.pause_generation,
                 "continue_generation": self.continue_generation, "flush_cache": self.flush_cache,
                 "get_weights_by_name": self.get_weights_by_name}
@@ -116,6 +118,7 @@ class ReferenceServer:
 
     def generate(self, req: dict):
         start = time.perf_counter()
+        faults.inject(self.fault, "generate")
         for key, value in req.items():
             if key not in _GENERATE_KEYS and value not in (None, False, 0, "", [], {}):
                 raise _Fail(f"/generate field {key!r} is not supported by the reference engine")
@@ -137,8 +140,7 @@ class ReferenceServer:
             raise _Fail(str(exc)) from None
         self._check_not_released()
         job = _Job(prompts, params)
-        self.jobs.put(job)
-        job.done.wait()
+        self._run_queued(job)
         if job.error is not None:
             raise job.error
         latency = time.perf_counter() - start
@@ -183,26 +185,27 @@ class ReferenceServer:
             raise _Fail(f"engine memory is released (tags {sorted(self.released)}); call "
                         f"/resume_memory_occupation before /generate")
 
-    def _generation_loop(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
+    def _run_queued(self, job: _Job) -> None:
+        """Queue `job` and return when it has run. While no batch is running, the caller's thread
+        takes everything queued (its own job included) and runs it as one batch; requests that
+        arrive meanwhile wait for it, then one of their threads runs the next batch."""
+        with self.batching:
+            self.queued.append(job)
+            while self.running and not job.done.is_set():
+                self.batching.wait()
+            if job.done.is_set():
                 return
-            jobs = [job]
-            while True:
-                try:
-                    more = self.jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self.jobs.put(None)
-                    break
-                jobs.append(more)
+            self.running, jobs, self.queued = True, self.queued, []
+        try:
             self.unpaused.wait()
             with self.model_lock:
                 self._run_batch(jobs)
-            for j in jobs:
-                j.done.set()
+        finally:
+            with self.batching:
+                for j in jobs:
+                    j.done.set()
+                self.running = False
+                self.batching.notify_all()
 
     def _run_batch(self, jobs: list[_Job]) -> None:
         try:
@@ -453,7 +456,6 @@ class ReferenceServer:
     def close(self) -> None:
         """Stop the worker and destroy the groups (skipped if a transfer still holds the lock)."""
         self.shutting_down = True
-        self.jobs.put(None)
         if self.model_lock.acquire(timeout=1.0):
             for group in self.groups.values():
                 dist.destroy_process_group(group)

@@ -1,4 +1,6 @@
-"""A rollout rank: launches one generation engine server and drives it over SGLang's HTTP API.
+"""A rollout rank: launches one generation engine server, keeps it alive and stops it. The controller
+sends prompts straight to the engine over SGLang's HTTP API (hpcrl/controller/groups.py); the rank
+answers one heartbeat per step, so a rollout rank that died is named even if its engine lives on.
 
 backend `reference`: hpcrl's reference engine (hpcrl.rollout.reference_server), CPU or GPU.
 backend `sglang`: a real SGLang 0.5.x server (`python -m sglang.launch_server`) started with dummy
@@ -7,11 +9,13 @@ weights and no tokenizer; the trainer's initial weight sync loads the policy int
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+from hpcrl import faults
 from hpcrl.config.schema import JobConfig
 from hpcrl.dist import free_port, routable_host
 from launch.procs import die_with_parent
@@ -35,6 +39,9 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
     state: dict = {}
 
     def init(cmd):
+        fault = faults.planned(world.rank, "generate")  # generation never reaches this rank: the engine
+        if fault is not None:                           # injects it (tests only, hpcrl/faults.py)
+            os.environ["HPCRL_ENGINE_FAULT"] = fault
         host = routable_host() if job.resources.nodes + job.resources.rollout_nodes > 1 else "127.0.0.1"
         log_path = run_dir / "logs" / f"engine{engine_index}.log"
         if job.rollout.backend == "reference":
@@ -51,14 +58,6 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         state["client"] = client
         return url
 
-    def generate(cmd):
-        p = cmd.payload
-        outs = state["client"].generate(input_ids=p["input_ids"], sampling_params=p["sampling_params"],
-                                        return_logprob=True)
-        return [{"output_ids": o["output_ids"],
-                 "logprobs": [float(lp[0]) for lp in o["meta_info"]["output_token_logprobs"]],
-                 "finish_reason": o["meta_info"]["finish_reason"]["type"]} for o in outs]
-
     def shutdown(cmd):
         proc = state.get("proc")
         if proc is not None and proc.poll() is None:
@@ -70,4 +69,4 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
                 proc.wait()
         return None
 
-    return {"init": init, "generate": generate, "shutdown": shutdown}
+    return {"init": init, "heartbeat": lambda cmd: None, "shutdown": shutdown}

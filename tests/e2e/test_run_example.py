@@ -83,5 +83,21 @@ def test_rollout_rank_that_dies_is_named(tmp_path):
                    env_extra={"HPCRL_FAULT": "2:generate:exit"}, timeout_s=280)
     text = out.stdout + out.stderr
     assert out.returncode != 0
-    assert "rank 2 (rollout, host" in text and "'generate'" in text, text[-3000:]
+    assert "the engine of rank 2 (rollout, host" in text and "in phase 'generate' of step 0" in text, text[-3000:]
+    assert "see RUN_DIR/logs/engine0.log" in text
+    assert not leftover_processes(str(run_dir))
+
+
+@pytest.mark.timeout(300)
+def test_hung_engine_is_named_within_the_deadline(tmp_path):
+    """Generation goes from the controller straight to the engine over HTTP: a hung engine is named
+    with its rollout rank when the phase deadline passes, and nothing is left running."""
+    run_dir = tmp_path / "hang"
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), "--set", "resources.timeout_s=10",
+                   "--set", "algorithm.num_steps=3", env_extra={"HPCRL_FAULT": "2:generate:hang"}, timeout_s=280)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert "no answer within 10 s in phase 'generate' of step 0 from the engine of rank 2 (rollout, host" \
+        in text, text[-3000:]
+    assert "Traceback" not in out.stderr
     assert not leftover_processes(str(run_dir))

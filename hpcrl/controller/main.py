@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from hpcrl.config.schema import JobConfig
 from hpcrl.controller.checkpointing import ResumeError
@@ -21,6 +22,15 @@ def _report(run_dir: Path, message: str) -> None:
     (run_dir / ".failure.txt").write_text(message + "\n")
     if os.environ.get("HPCRL_LAUNCHER") != "mpiexec":
         print(f"\n{message}", file=sys.stderr, flush=True)
+
+
+def _abort(world: World, code: int) -> NoReturn:
+    """Stop every rank. MPI_Abort can return before the process manager kills this process: then
+    exit at once (MPI_Finalize after an abort fails on unread messages and prints a traceback)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    world.comm.Abort(code)
+    os._exit(code)
 
 
 def controller_main(job: JobConfig, run_dir: Path, world: World) -> int:
@@ -52,22 +62,18 @@ def controller_main(job: JobConfig, run_dir: Path, world: World) -> int:
             except RankFailure:
                 pass
             _report(run_dir, f"hpcrl run preempted and a rank failed meanwhile: {exc}")
-            world.comm.Abort(EXIT_REQUEUE)
-            return EXIT_REQUEUE
+            _abort(world, EXIT_REQUEUE)
         _report(run_dir, f"hpcrl run failed: {exc}")
-        world.comm.Abort(EXIT_FAILURE)
-        return EXIT_FAILURE
+        _abort(world, EXIT_FAILURE)
     except (WeightSyncError, ResumeError) as exc:
         _report(run_dir, f"hpcrl run failed: {exc}")
-        world.comm.Abort(EXIT_FAILURE)
-        return EXIT_FAILURE
+        _abort(world, EXIT_FAILURE)
     except BaseException as exc:  # the controller itself failed: say where, then stop every rank
         import traceback
 
         traceback.print_exc()
         _report(run_dir, f"hpcrl run failed on the controller (rank 0): {exc!r}")
-        world.comm.Abort(EXIT_FAILURE)
-        return EXIT_FAILURE
+        _abort(world, EXIT_FAILURE)
     print(f"policy sha256: {digest}", flush=True)
     print(f"run dir: {run_dir}", flush=True)
     return 0

@@ -95,6 +95,27 @@ def test_seeds_change_samples_and_top_k_1_is_greedy(engine):
         torch.testing.assert_close(torch.tensor(out["output_logprobs"]), ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.6])
+def test_first_tokens_follow_the_filtered_distribution(engine, top_p):
+    """Over many seeds, first-token frequencies match the temperature-scaled, top-p filtered and
+    renormalised probabilities (the per-seed uniforms are uniform, the inverse CDF is right)."""
+    prompt, temperature, n = [1, 7, 8, 9], 1.5, 6000
+    params = [{"temperature": temperature, "top_p": top_p, "max_new_tokens": 1, "ignore_eos": True,
+               "sampling_seed": s} for s in range(n)]
+    firsts = torch.tensor([o["output_ids"][0] for o in engine.generate([prompt] * n, params)])
+    with torch.inference_mode():
+        logits = engine.model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+    probs = torch.softmax(logits / temperature, -1)
+    sorted_p, order = probs.sort(descending=True)
+    kept = torch.where(sorted_p.cumsum(0) - sorted_p > top_p, 0.0, sorted_p)
+    expected = torch.zeros_like(probs).scatter_(0, order, kept / kept.sum())
+    freq = torch.bincount(firsts, minlength=probs.numel()).double() / n
+    assert freq[expected == 0].sum() == 0  # nothing outside the nucleus
+    # 4.5 standard errors per token: a wrong uniform or CDF shifts the heavy tokens far more
+    tol = 4.5 * (expected * (1 - expected) / n).sqrt() + 1e-3
+    assert ((freq - expected).abs() <= tol).all(), (freq - expected).abs().max()
+
+
 def test_stop_on_eos_and_stop_token_ids():
     prompt = [1, 11, 12, 13]
     base = ReferenceModel(HF_CONFIG, seed=5)

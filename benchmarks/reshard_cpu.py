@@ -239,7 +239,7 @@ def render(res: dict, args, load_before: str, load_after: str, wall_s: float) ->
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=REPO).stdout.strip()
     out = [f"### {now} (commit {commit}): `python benchmarks/reshard_cpu.py --procs {args.procs} "
-           f"--reps {args.reps}{' --colocated' if args.colocated else ''}"
+           f"--reps {args.reps} --budget-mib {args.budget_mib}{' --colocated' if args.colocated else ''}"
            f"{' --results ' + str(args.results) if args.results else ''}`", "",
            f"Host: {platform.node()} ({os.cpu_count()} CPUs, shared), load average (1/5/15 min) "
            f"{load_before} before, {load_after} after; {args.procs} processes on gloo, one torch thread each; total "

@@ -89,6 +89,20 @@ def test_rollout_rank_that_dies_is_named(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_rollout_rank_that_exits_is_named_with_its_engine_gone(tmp_path):
+    """The rollout rank itself dies (at its step-0 heartbeat): its engine goes with it, and the
+    controller names the rank, whichever of generation or the next heartbeat notices first."""
+    run_dir = tmp_path / "rank_exit"
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), "--set", "algorithm.num_steps=3",
+                   env_extra={"HPCRL_FAULT": "2:heartbeat:exit"}, timeout_s=280)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert "rank 2 (rollout, host" in text and "exited during phase" in text, text[-3000:]
+    assert "Traceback" not in out.stderr
+    assert not leftover_processes(str(run_dir))
+
+
+@pytest.mark.timeout(300)
 def test_hung_engine_is_named_within_the_deadline(tmp_path):
     """Generation goes from the controller straight to the engine over HTTP: a hung engine is named
     with its rollout rank when the phase deadline passes, and nothing is left running."""

@@ -72,7 +72,9 @@ class CheckpointWriter:
 
     Raises CheckpointExistsError if the step is already committed. `attempt_id` is required when
     `world_size > 1`: pass the same string on every rank, unique per run attempt (e.g. a uuid4 hex
-    broadcast once at start-up). `keep_last` (rank 0) deletes older checkpoints after the commit.
+    broadcast once at start-up). `keep_last` (rank 0) deletes older checkpoints before and after
+    the commit, so at most `keep_last + 1` complete ones exist even when saves are killed between
+    their commit and the cleanup that follows it.
     """
 
     def __init__(self, store: ShardStore | str | os.PathLike[str], step: int, *, rank: int = 0,
@@ -316,16 +318,27 @@ class CheckpointWriter:
             interval = min(interval * 1.5, 0.5)  # gentle on a shared filesystem's metadata server
         manifest = build_manifest(self.step, self.world_size, self.attempt_id, indexes.values(),
                                   self._metadata)
+        # Retention also runs before the commit: a kill between commit and the cleanup below leaves
+        # one checkpoint too many, and the next save's commit must not add another on top of it.
+        self._retain("before commit")
         self.store.put_text(self.step, MANIFEST, manifest.to_text())
         self.store.put_text(None, LATEST, f"{self.step}\n")
         try:
             for name in self.store.list_names(self.step):
                 if name.endswith(".done") or ".tmp-" in name:
                     self.store.remove(self.step, name)
-            if self.keep_last is not None:
-                apply_retention(self.store, self.keep_last, below_step=self.step)
         except OSError as e:  # the checkpoint is committed; cleanup can be redone next time
             warnings.warn(f"checkpoint step {self.step}: cleanup after commit failed: {e}", stacklevel=1)
+        self._retain("after commit")
+
+    def _retain(self, when: str) -> None:
+        """Keep the `keep_last` newest complete checkpoints (rank 0); a failure only warns."""
+        if self.keep_last is None:
+            return
+        try:
+            apply_retention(self.store, self.keep_last, below_step=self.step)
+        except OSError as e:  # cleanup can be redone at the next save
+            warnings.warn(f"checkpoint step {self.step}: retention {when} failed: {e}", stacklevel=2)
 
     def _wait_for_manifest(self) -> None:
         deadline = time.monotonic() + self.commit_timeout_s

@@ -267,6 +267,20 @@ def test_retention_latest_and_discard(store):
         discard_newer(store, 7)
 
 
+def test_saves_killed_after_their_commit_never_pile_up(store, monkeypatch):
+    """A kill between the commit and the cleanup after it leaves one checkpoint too many; the next
+    save's retention before its own commit takes it away, so consecutive such kills cannot add up."""
+    real = CheckpointWriter._retain
+    monkeypatch.setattr(CheckpointWriter, "_retain",
+                        lambda self, when: None if when == "after commit" else real(self, when))
+    for step in range(1, 8):
+        save_simple(store, step, keep_last=3)
+        assert len(list_checkpoints(store)) == min(step, 4)
+    monkeypatch.setattr(CheckpointWriter, "_retain", real)
+    save_simple(store, 8, keep_last=3)
+    assert list_checkpoints(store) == [6, 7, 8]
+
+
 def test_latest_pointer_and_incomplete_steps(tmp_path):
     for step in (1, 2):
         save_simple(tmp_path, step)

@@ -95,6 +95,11 @@ class World:
         to, me = self.ranks[rank], self.ranks[self.rank]
         self.bell.ring(("127.0.0.1" if to.host == me.host else to.ip, to.bell_port))
 
+    def gone(self, ranks: list[int]) -> list[int]:
+        """Those of `ranks` on this host whose process is gone (remote ones are left to deadlines)."""
+        me = self.ranks[self.rank]
+        return [r for r in ranks if self.ranks[r].host == me.host and process_gone(self.ranks[r].pid)]
+
     def nap(self, seconds: float) -> bool:
         """Sleep up to `seconds`, less if the doorbell rings (then True)."""
         if self.bell is None:
@@ -195,13 +200,13 @@ class PendingCall:
 
     def wait(self, timeout_s: float) -> dict[int, Any]:
         replies: dict[int, Reply] = _receive(self.world, self.sources, TAG_REPLY,
-                                             time.monotonic() + timeout_s, self._dead)
+                                             time.monotonic() + timeout_s, self.world.gone)
         for rank, reply in sorted(replies.items()):
             if not reply.ok:
                 raise RankFailure(f"{self.world.ranks[rank].describe()} failed in phase "
                                   f"'{self.op}' of step {self.step}:\n{reply.error}")
         missing = [r for r in self.sources if r not in replies]
-        dead = self._dead(missing)
+        dead = self.world.gone(missing)
         if dead:
             who = "; ".join(self.world.ranks[r].describe() for r in dead)
             raise RankFailure(f"{who} exited during phase '{self.op}' of step {self.step} without "
@@ -213,11 +218,6 @@ class PendingCall:
                               f"RUN_DIR/logs/)")
         return {rank: reply.payload for rank, reply in replies.items()}
 
-
-    def _dead(self, ranks: list[int]) -> list[int]:
-        """Awaited ranks on this host whose process is gone (remote ones are left to the deadline)."""
-        me = self.world.ranks[self.world.rank]
-        return [r for r in ranks if self.world.ranks[r].host == me.host and process_gone(self.world.ranks[r].pid)]
 
 
 class WorkerChannel:

@@ -17,7 +17,6 @@ import numpy as np
 from hpcrl.controller.comm import PendingCall, RankFailure, RoleGroup, World
 from hpcrl.rollout.client import EngineClient, EngineError
 from hpcrl.tasks import Example
-from launch.procs import process_gone
 
 
 @dataclass
@@ -190,7 +189,7 @@ class RolloutGroup:
             world = self.group.world
             who = world.ranks[rank].describe()
             log = f"RUN_DIR/logs/engine{self.group.ranks.index(rank)}.log"
-            if world.ranks[rank].host == world.ranks[world.rank].host and process_gone(world.ranks[rank].pid):
+            if world.gone([rank]):
                 raise RankFailure(f"{who} exited during phase 'generate' of step {step}; its engine at "
                                   f"{exc.url} is gone with it (see its log in RUN_DIR/logs/)") from None
             if exc.status is None and "timed out" in exc.message:

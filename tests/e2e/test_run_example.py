@@ -63,55 +63,46 @@ def test_two_trainer_ranks_ep2_two_engines_shard_and_broadcast_sync_agree(tmp_pa
     assert results[0] == results[1]
 
 
+def failed_run(run_dir, fault: str, *settings: str) -> tuple[str, str]:
+    """`hpcrl run` of the example with HPCRL_FAULT set: it must fail and leave nothing running.
+    Returns (stdout + stderr, stderr)."""
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), "--set", "algorithm.num_steps=3",
+                   *settings, env_extra={"HPCRL_FAULT": fault}, timeout_s=280)
+    assert out.returncode != 0
+    assert not leftover_processes(str(run_dir))
+    return out.stdout + out.stderr, out.stderr
+
+
 @pytest.mark.timeout(300)
 def test_hung_trainer_rank_is_named_and_the_job_stops(tmp_path):
     run_dir = tmp_path / "hang"
-    out, wall = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), "--set", "resources.timeout_s=10",
-                      "--set", "algorithm.num_steps=3", env_extra={"HPCRL_FAULT": "1:train:hang"}, timeout_s=280)
-    text = out.stdout + out.stderr
-    assert out.returncode != 0
+    text, stderr = failed_run(run_dir, "1:train:hang", "--set", "resources.timeout_s=10")
     assert "no answer within 10 s in phase 'train' of step 0 from rank 1 (trainer, host" in text, text[-3000:]
-    assert "Traceback" not in out.stderr
+    assert "Traceback" not in stderr
     assert not (run_dir / "final.json").exists()
-    assert not leftover_processes(str(run_dir))
 
 
 @pytest.mark.timeout(300)
 def test_rollout_rank_that_dies_is_named(tmp_path):
-    run_dir = tmp_path / "exit"
-    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), "--set", "algorithm.num_steps=3",
-                   env_extra={"HPCRL_FAULT": "2:generate:exit"}, timeout_s=280)
-    text = out.stdout + out.stderr
-    assert out.returncode != 0
+    text, _ = failed_run(tmp_path / "exit", "2:generate:exit")
     assert "the engine of rank 2 (rollout, host" in text and "in phase 'generate' of step 0" in text, text[-3000:]
     assert "see RUN_DIR/logs/engine0.log" in text
-    assert not leftover_processes(str(run_dir))
 
 
 @pytest.mark.timeout(300)
 def test_rollout_rank_that_exits_is_named_with_its_engine_gone(tmp_path):
     """The rollout rank itself dies (at its step-0 heartbeat): its engine goes with it, and the
     controller names the rank, whichever of generation or the next heartbeat notices first."""
-    run_dir = tmp_path / "rank_exit"
-    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), "--set", "algorithm.num_steps=3",
-                   env_extra={"HPCRL_FAULT": "2:heartbeat:exit"}, timeout_s=280)
-    text = out.stdout + out.stderr
-    assert out.returncode != 0
+    text, stderr = failed_run(tmp_path / "rank_exit", "2:heartbeat:exit")
     assert "rank 2 (rollout, host" in text and "exited during phase" in text, text[-3000:]
-    assert "Traceback" not in out.stderr
-    assert not leftover_processes(str(run_dir))
+    assert "Traceback" not in stderr
 
 
 @pytest.mark.timeout(300)
 def test_hung_engine_is_named_within_the_deadline(tmp_path):
     """Generation goes from the controller straight to the engine over HTTP: a hung engine is named
     with its rollout rank when the phase deadline passes, and nothing is left running."""
-    run_dir = tmp_path / "hang"
-    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), "--set", "resources.timeout_s=10",
-                   "--set", "algorithm.num_steps=3", env_extra={"HPCRL_FAULT": "2:generate:hang"}, timeout_s=280)
-    text = out.stdout + out.stderr
-    assert out.returncode != 0
+    text, stderr = failed_run(tmp_path / "hang", "2:generate:hang", "--set", "resources.timeout_s=10")
     assert "no answer within 10 s in phase 'generate' of step 0 from the engine of rank 2 (rollout, host" \
         in text, text[-3000:]
-    assert "Traceback" not in out.stderr
-    assert not leftover_processes(str(run_dir))
+    assert "Traceback" not in stderr

@@ -40,8 +40,15 @@ class Bucket:
     nbytes: int = 0                               # payload bytes (aligned), checksum excluded
 
 
-def assign_sources(spec: MoESpec, placement: list[TensorPlacement], bucket_bytes: int) -> list[list[Bucket]]:
-    """Per trainer rank, its buckets (empty list: not a source). Deterministic from the inputs."""
+def assign_sources(spec: MoESpec, placement: list[TensorPlacement], bucket_bytes: int, packed: bool = False
+                   ) -> list[list[Bucket]]:
+    """Per trainer rank, its buckets (empty list: not a source). Deterministic from the inputs.
+
+    Default: tensors in spec order at offsets padded to `ALIGN`, room for a checksum after them.
+    `packed`: SGLang's flattened-bucket layout, tensors back to back with no padding; a source's
+    tensors are ordered by falling item size (then spec order) so every offset stays a multiple of
+    its tensor's item size and views in place.
+    """
     world = 1 + max(r for pl in placement for _, ranks in pl for r in ranks)
     load = [0] * world
     per_src: list[list[int]] = [[] for _ in range(world)]
@@ -52,10 +59,13 @@ def assign_sources(spec: MoESpec, placement: list[TensorPlacement], bucket_bytes
         load[s] += t.nbytes
         per_src[s].append(ti)
     out: list[list[Bucket]] = []
+    align = 1 if packed else ALIGN
     for s, tids in enumerate(per_src):
+        if packed:
+            tids.sort(key=lambda ti: (-spec.tensors[ti].itemsize, ti))
         buckets: list[Bucket] = []
         for ti in tids:
-            nb = -(-spec.tensors[ti].nbytes // ALIGN) * ALIGN
+            nb = -(-spec.tensors[ti].nbytes // align) * align
             if not buckets or (buckets[-1].nbytes and buckets[-1].nbytes + nb > bucket_bytes):
                 buckets.append(Bucket(s))
             b = buckets[-1]

@@ -32,12 +32,13 @@ import torch.distributed as dist
 from moe import _broadcast_sync
 from moe._reshard_runtime import (ChecksumError, ReshardError, RoundTimeout, Staging, _PeerPlan, _Prepared,
                                   bucket_sizes, exchange, prepare)
+from moe.layouts import TensorPlacement
 from moe.plan import Plan
 from moe.slices import Box
 from moe.specs import MoESpec
 
 __all__ = ["ChecksumError", "RankMap", "ReshardError", "RoundTimeout", "Shards", "Staging", "allocate_shards",
-           "broadcast_groups", "broadcast_sync", "reshard"]
+           "broadcast_groups", "broadcast_sync", "gather_buckets", "reshard", "source_buckets"]
 
 Shards = dict[str, tuple[Box, torch.Tensor]]
 ROLES = ("trainer", "rollout")
@@ -244,3 +245,37 @@ def broadcast_groups(plan: Plan, *, base: int = 0, bucket_bytes: int = 64 << 20,
     rmap = RankMap(plan.src.world_size, plan.dst.world_size, base)
     return _broadcast_sync.make_groups(plan.spec, plan.src.placement(plan.spec), plan.dst.world_size,
                                        rmap.global_rank, bucket_bytes, backend or dist.get_backend())
+
+
+def source_buckets(spec: MoESpec, placement: list[TensorPlacement], bucket_bytes: int = 64 << 20
+                   ) -> list[list[_broadcast_sync.Bucket]]:
+    """Per trainer rank, the buckets of full HF tensors it broadcasts (empty: not a source).
+
+    Every tensor gets one source, the least loaded in bytes among the ranks holding it whole (else
+    among those holding a piece), so the sources share the work; each source's tensors are cut into
+    buckets of at most `bucket_bytes` in SGLang's flattened-bucket layout (back to back, no padding).
+    Deterministic from the inputs: every rank computes the same answer.
+    """
+    return _broadcast_sync.assign_sources(spec, placement, bucket_bytes, packed=True)
+
+
+def gather_buckets(spec: MoESpec, placement: list[TensorPlacement],
+                   buckets: list[list[_broadcast_sync.Bucket]], rank: int, shards: Shards, *,
+                   deadline_s: float = 60.0, verify: bool = True, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Fill this trainer rank's buckets (`buckets[rank]`, from `source_buckets`) with full tensors.
+
+    Pieces this rank holds are copied, the others received point to point from one holder each
+    (checked with checksums, each bucket within `deadline_s`). Collective over the trainer ranks,
+    which must be the ranks of the default group: every one calls it, source or not. Returns one
+    uint8 tensor per bucket, `into`'s when given (reuse them across syncs).
+    """
+    mine = buckets[rank]
+    device = next((t.device for _, t in shards.values()), None)
+    if into is None:
+        into = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in mine]
+    if [t.numel() for t in into] != [b.nbytes for b in mine]:
+        raise ValueError(f"into holds {len(into)} buffers that do not match this rank's {len(mine)} buckets")
+    for k in range(max(map(len, buckets), default=0)):
+        _broadcast_sync._gather(spec, placement, buckets, k, rank, shards, into[k] if k < len(mine) else None,
+                                lambda side, r: r, lambda side, r: f"trainer rank {r}", deadline_s, verify)
+    return into

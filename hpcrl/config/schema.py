@@ -130,8 +130,9 @@ class RolloutConfig:
     budget of each rank."""
     weight_sync: str = "auto"
     """auto | shard | broadcast. shard: every trainer rank sends its Megatron shards straight to the
-    engines along a moe plan (hpcrl's extension route; reference engine only). broadcast: trainer rank
-    0 gathers HF tensors and broadcasts them (SGLang's update_weights_from_distributed). auto: shard
+    engines along a moe plan (hpcrl's extension route; reference engine only). broadcast: full HF
+    tensors in buckets over SGLang's update_weights_from_distributed, from every trainer rank that is a
+    source of some tensors, engines taken in turns (hpcrl/trainer/broadcast_sync.py). auto: shard
     for the reference engine on CPU, broadcast otherwise (shard runs over gloo on CPU tensors)."""
 
 

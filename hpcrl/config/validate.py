@@ -296,8 +296,9 @@ def _check_parallel(job: JobConfig, m: ModelDims) -> None:
                           f"dp = num_procs/(ep*etp*pp)); valid num_procs: {_nearest(valid, t.num_procs)}")
     if t.ep == 1 and t.etp != t.tp:
         # Megatron then treats expert weights as dense and reduces their grads over the dense DP group
-        raise ConfigError("trainer.etp", t.etp, f"with trainer.ep=1 the experts are split like dense layers, so "
-                                                f"etp must equal tp={t.tp}; set trainer.etp={t.tp}, or ep > 1")
+        raise ConfigError("trainer.etp", t.etp, f"with trainer.ep=1 the experts are split like dense "
+                                                f"layers, so etp must equal tp={t.tp}; set "
+                                                f"trainer.etp={t.tp}, or ep > 1")
     if job.resources.device == "cpu" and t.dispatcher == "alltoall" and t.etp > 1:
         raise ConfigError("trainer.etp", t.etp, "the alltoall dispatcher with etp > 1 needs an uneven "
                                                 "all_gather that gloo (device cpu) cannot do; set "

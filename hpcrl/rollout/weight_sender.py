@@ -113,12 +113,14 @@ def unflatten_bucket(buffer: torch.Tensor, dtypes: Sequence[torch.dtype],
 class WeightSender:
     """Rank 0 of the weight-update group: pushes HF-named tensors into every engine.
 
-    `clients[i]` drives engine i, which has `tp_per_engine` ranks. Use: `connect()` once, `push(...)`
-    per sync, `close()` at the end. Works against hpcrl's reference server and SGLang 0.5.x.
+    `clients[i]` drives engine i (named `engine_ids[i]` in messages), which has `tp_per_engine` ranks.
+    Use: `connect()` once, `push(...)` per sync, `close()` at the end. Works against hpcrl's reference
+    server and SGLang 0.5.x.
     """
 
     def __init__(self, clients: list[EngineClient], backend: str = "gloo", master_address: str = "127.0.0.1",
-                 tp_per_engine: int = 1, group_name: str = "weight_update_group", timeout_s: float = 600.0):
+                 tp_per_engine: int = 1, group_name: str = "weight_update_group", timeout_s: float = 600.0,
+                 engine_ids: Sequence[int] | None = None):
         if not clients:
             raise ValueError("WeightSender needs at least one EngineClient")
         if tp_per_engine < 1:
@@ -130,6 +132,7 @@ class WeightSender:
         self.group_name = group_name
         self.timeout_s = timeout_s
         self.world_size = 1 + len(clients) * tp_per_engine
+        self.engine_ids = list(range(len(clients)) if engine_ids is None else engine_ids)  # for messages
         self.group: dist.ProcessGroup | None = None
         self._pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="weight-sender")
 
@@ -158,8 +161,8 @@ class WeightSender:
         while joiner.is_alive() and time.monotonic() < deadline:
             for i, fut in enumerate(calls):
                 if fut.done() and fut.exception() is not None:
-                    raise RuntimeError(f"engine {i} ({self.clients[i].base_url}) could not join "
-                                       f"weight-update group {self.group_name!r}: {fut.exception()}"
+                    raise RuntimeError(f"engine {self.engine_ids[i]} ({self.clients[i].base_url}) could not "
+                                       f"join weight-update group {self.group_name!r}: {fut.exception()}"
                                        ) from fut.exception()
             joiner.join(0.05)
         if joiner.is_alive() or "error" in local:
@@ -172,8 +175,8 @@ class WeightSender:
                 fut.result(timeout=max(1.0, deadline - time.monotonic()))
             except Exception as exc:
                 self.close()
-                raise RuntimeError(f"engine {i} ({self.clients[i].base_url}) failed to join weight-update "
-                                   f"group {self.group_name!r}: {exc}") from exc
+                raise RuntimeError(f"engine {self.engine_ids[i]} ({self.clients[i].base_url}) failed to join "
+                                   f"weight-update group {self.group_name!r}: {exc}") from exc
 
     def push(self, named_tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int, flattened: bool = True,
              weight_version: str | None = None) -> int:
@@ -209,19 +212,38 @@ class WeightSender:
                      weight_version: str | None) -> int:
         names = [n for n, _ in bucket]
         tensors = [t.detach().to(device).contiguous() for _, t in bucket]
-        calls = [self._pool.submit(c.update_weights_from_distributed, names,
-                                   [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors],
-                                   group_name=self.group_name, flush_cache=k == num_buckets - 1,
-                                   load_format="flattened_bucket" if flattened else None,
-                                   weight_version=weight_version) for c in self.clients]
+        dtypes, shapes = [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors]
+        what = f"bucket {k + 1}/{num_buckets}"
         if flattened:
-            dist.broadcast(flatten_bucket(tensors), group=self.group, group_src=0)
+            self.send_flat(names, dtypes, shapes, flatten_bucket(tensors), k == num_buckets - 1,
+                           weight_version, what)
         else:
+            calls = self._announce(names, dtypes, shapes, k == num_buckets - 1, None, weight_version)
             works = [dist.broadcast(t, group=self.group, group_src=0, async_op=True) for t in tensors]
             for work in works:
                 work.wait()
-        self._check(calls, f"update_weights_from_distributed (bucket {k + 1}/{num_buckets})")
+            self._check(calls, f"update_weights_from_distributed ({what})")
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def send_flat(self, names: list[str], dtypes: list[str], shapes: list[list[int]], flat: torch.Tensor,
+                  flush_cache: bool, weight_version: str | None, what: str = "bucket") -> None:
+        """One flattened bucket (uint8, tensors back to back in `names` order) into every engine.
+
+        The caller opens and closes the engines' weight-update session (begin/end_weight_update).
+        Raises RuntimeError naming the engines that refused it, after the broadcast completed.
+        """
+        if self.group is None:
+            raise RuntimeError("WeightSender.send_flat before connect()")
+        calls = self._announce(names, dtypes, shapes, flush_cache, "flattened_bucket", weight_version)
+        dist.broadcast(flat, group=self.group, group_src=0)
+        self._check(calls, f"update_weights_from_distributed ({what})")
+
+    def _announce(self, names, dtypes, shapes, flush_cache: bool, load_format: str | None,
+                  weight_version: str | None) -> list:
+        return [self._pool.submit(c.update_weights_from_distributed, names, dtypes, shapes,
+                                  group_name=self.group_name, flush_cache=flush_cache,
+                                  load_format=load_format, weight_version=weight_version)
+                for c in self.clients]
 
     def close(self) -> None:
         """Destroy the group on the engines (best effort) and locally; the sender can connect() again."""
@@ -251,7 +273,7 @@ class WeightSender:
             try:
                 fut.result(timeout=self.timeout_s)
             except Exception as exc:
-                errors.append(f"engine {i} ({self.clients[i].base_url}): {exc}")
+                errors.append(f"engine {self.engine_ids[i]} ({self.clients[i].base_url}): {exc}")
         if errors:
             raise RuntimeError(f"{what} failed on {len(errors)} of {len(calls)} engines: "
                                + "; ".join(errors))

@@ -32,6 +32,16 @@ from moe.slices import Box
 GROUP_NAME = "hpcrl_reshard"
 
 
+def spans_hosts(job: JobConfig) -> bool:
+    """Whether the job's trainer ranks and engines run on more than one host."""
+    return job.resources.nodes + job.resources.rollout_nodes > 1
+
+
+def sync_host(job: JobConfig) -> str:
+    """The address engines reach this trainer rank at for a weight-update group."""
+    return routable_host() if spans_hosts(job) else "127.0.0.1"
+
+
 class LocalHFShards:
     """This rank's weights as {HF name: (global box, tensor)}: the HF-named view of its Megatron
     shards (fused qkv / fc1 cut back into q, k, v / gate, up).
@@ -79,16 +89,15 @@ class ShardSync:
     def __init__(self, policy: Any, job: JobConfig, clients: list | None, timeout_s: float) -> None:
         from hpcrl.plan_cmd import build_layouts, build_spec
 
-        self.policy, self.clients, self.timeout_s = policy, clients, timeout_s
+        self.policy, self.job, self.clients, self.timeout_s = policy, job, clients, timeout_s
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.spec = build_spec(job)
         trainer, rollout = build_layouts(job, self.spec)
         trainer = dataclasses.replace(trainer, vocab_divisible_by=1)  # hpcrl's Megatron does not pad the vocab
-        self.multi_host = job.resources.nodes + job.resources.rollout_nodes > 1  # as the engines' URLs
         # On one host every engine takes its bytes straight from the trainer ranks (no on-node
         # relays, fewer rounds: benchmarks/RESULTS.md, reshard_cpu --colocated).
         self.request = PlanRequest(trainer, rollout, memory_budget_bytes=max(job.rollout.bucket_mb << 20, 1 << 20),
-                                   topology=Topology(colocated=not self.multi_host))
+                                   topology=Topology(colocated=not spans_hosts(job)))
         self.plan = self.request.build(self.spec)
         self.fingerprint = spec_fingerprint(self.spec)
         self.dtype = getattr(torch, job.model.dtype)
@@ -113,7 +122,7 @@ class ShardSync:
         """Form the trainer + engines group (collective over the trainer ranks)."""
         addr: list[Any] = [None]
         if self.rank == 0:
-            host = routable_host() if self.multi_host else "127.0.0.1"
+            host = sync_host(self.job)
             addr[0] = (host, free_port(host))
         dist.broadcast_object_list(addr, src=0)
         host, port = addr[0]

@@ -3,8 +3,8 @@
 Every trainer rank runs every phase (Megatron's collectives need all of them); results that are
 global (log-probs, metrics, hashes) come back from trainer rank 0, the others answer None.
 Weight sync (`rollout.weight_sync`): "shard" -- every trainer rank sends its shards straight to the
-engines along a moe plan (hpcrl/trainer/shard_sync.py); "broadcast" -- trainer rank 0 gathers the HF
-tensors and broadcasts them in buckets over SGLang's weight-update group (hpcrl/rollout/weight_sender.py).
+engines along a moe plan (hpcrl/trainer/shard_sync.py); "broadcast" -- SGLang's weight-update groups,
+full HF tensors broadcast in buckets from several trainer sources in turns (hpcrl/trainer/broadcast_sync.py).
 """
 
 from __future__ import annotations
@@ -62,16 +62,16 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
 
             sync = ShardSync(state["policy"], job, clients, job.resources.timeout_s)
             sync.connect()
-            state["shard_sync"] = sync
+            state["weight_sync"] = sync
             print(f"weight sync: shard, {len(sync.plan)} transfers in {sync.plan.num_rounds} rounds, "
                   f"{int(sync.plan.sent_bytes()[sync.rank])} bytes sent by this rank", flush=True)
-        elif is_leader:
-            print("weight sync: broadcast from trainer rank 0", flush=True)
-            from hpcrl.rollout.weight_sender import WeightSender
+        else:
+            from hpcrl.trainer.broadcast_sync import BroadcastSync
 
-            sender = WeightSender(clients, backend="gloo", tp_per_engine=job.rollout.tp_per_engine)
-            sender.connect()
-            state["sender"] = sender
+            sync = BroadcastSync.for_policy(state["policy"], job, cmd.payload, job.resources.timeout_s)
+            sync.connect()
+            state["weight_sync"] = sync
+            print(f"weight sync: broadcast, {sync.describe()}", flush=True)
         return None
 
     def batch_of(payload):
@@ -97,20 +97,8 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         return {"metrics": out, "logprobs": logprobs}
 
     def sync(cmd):
-        import time
-
         version = cmd.payload["weight_version"]
-        if "shard_sync" in state:
-            return state["shard_sync"].push(version)
-        t0 = time.perf_counter()
-        named = state["policy"].export_hf_state_dict()
-        if not is_leader:
-            return None
-        sender = state["sender"]
-        nbytes = sender.push(list(named.items()), bucket_bytes=job.rollout.bucket_mb << 20, flattened=True,
-                             weight_version=version)
-        # what the engines received, as the shard path counts it: one copy per engine rank
-        return {"bytes": nbytes * (sender.world_size - 1), "seconds": time.perf_counter() - t0}
+        return state["weight_sync"].push(version)
 
     def save(cmd):
         from hpcrl.trainer import checkpoint_io

@@ -15,13 +15,13 @@ keep the box their layout assigns. Entry point: `moe.runtime.broadcast_sync`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from moe._reshard_runtime import ALIGN, ChecksumError, _PeerPlan, _wait, checksum, exchange
+from moe._reshard_runtime import ALIGN, ChecksumError, Staging, _PeerPlan, _Prepared, _wait, checksum, exchange
 from moe.layouts import TensorPlacement
 from moe.slices import Box
 from moe.specs import MoESpec
@@ -40,21 +40,28 @@ class Bucket:
     nbytes: int = 0                               # payload bytes (aligned), checksum excluded
 
 
-def assign_sources(spec: MoESpec, placement: list[TensorPlacement], bucket_bytes: int, packed: bool = False
-                   ) -> list[list[Bucket]]:
+def assign_sources(spec: MoESpec, placement: list[TensorPlacement], bucket_bytes: int, packed: bool = False,
+                   max_sources: int | None = None) -> list[list[Bucket]]:
     """Per trainer rank, its buckets (empty list: not a source). Deterministic from the inputs.
 
     Default: tensors in spec order at offsets padded to `ALIGN`, room for a checksum after them.
     `packed`: SGLang's flattened-bucket layout, tensors back to back with no padding; a source's
     tensors are ordered by falling item size (then spec order) so every offset stays a multiple of
-    its tensor's item size and views in place.
+    its tensor's item size and views in place. `max_sources`: only that many ranks, evenly spread
+    over the rank range (rank 0 first), may be sources; a tensor none of them holds is gathered by
+    the least loaded of them.
     """
     world = 1 + max(r for pl in placement for _, ranks in pl for r in ranks)
+    allowed = None
+    if max_sources is not None and max_sources < world:
+        allowed = sorted({i * world // max(1, max_sources) for i in range(max(1, max_sources))})
     load = [0] * world
     per_src: list[list[int]] = [[] for _ in range(world)]
     for ti, (t, pl) in enumerate(zip(spec.tensors, placement)):
         whole = [ranks for box, ranks in pl if box.shape == t.shape]
         cands = sorted(whole[0]) if whole else sorted({r for _, ranks in pl for r in ranks})
+        if allowed is not None:
+            cands = [r for r in cands if r in allowed] or allowed
         s = min(cands, key=lambda r: (load[r], r))
         load[s] += t.nbytes
         per_src[s].append(ti)
@@ -150,7 +157,19 @@ def _gather(spec: MoESpec, pl: list[TensorPlacement], plan: list[list[Bucket]], 
             shards: Shards, buf: torch.Tensor | None, global_rank: Callable[[str, int], int],
             label: Callable[[str, int], str], deadline_s: float, verify: bool) -> None:
     """Sources fill their k-th bucket: own pieces copied, missing pieces received from one holder each."""
+    copies, peers = gather_program(spec, pl, plan, k, rank, shards, buf, global_rank, label)
+    run_gather(copies, peers, deadline_s, verify, f"broadcast gather {k} on {label('trainer', rank)}",
+               buf.device if buf is not None else None)
+
+
+def gather_program(spec: MoESpec, pl: list[TensorPlacement], plan: list[list[Bucket]], k: int, rank: int,
+                   shards: Shards, buf: torch.Tensor | None, global_rank: Callable[[str, int], int],
+                   label: Callable[[str, int], str]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                                              list[_PeerPlan]]:
+    """What bucket round k asks of this rank, as views: (local copies (dst, src), peers to
+    exchange with, in global rank order). Valid while `shards` and `buf` keep their memory."""
     peers: dict[int, _PeerPlan] = {}
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     for s, buckets in enumerate(plan):
         if k >= len(buckets):
             continue
@@ -165,7 +184,7 @@ def _gather(spec: MoESpec, pl: list[TensorPlacement], plan: list[list[Bucket]], 
                     dst = full[box.relative_to(Box.full(t.shape))]
                     if holder == rank:
                         sb, st = shards[t.name]
-                        dst.copy_(st[box.relative_to(sb)])
+                        copies.append((dst, st[box.relative_to(sb)]))
                     else:
                         g = global_rank("trainer", holder)
                         peers.setdefault(g, _PeerPlan(g, label("trainer", holder))).recv.append((t.name, dst))
@@ -174,9 +193,17 @@ def _gather(spec: MoESpec, pl: list[TensorPlacement], plan: list[list[Bucket]], 
                     g = global_rank("trainer", s)
                     peers.setdefault(g, _PeerPlan(g, label("trainer", s))).send.append(
                         (t.name, st[box.relative_to(sb)]))
-    exchange([peers[g] for g in sorted(peers)], deadline_s=deadline_s, verify=verify,
-             round_label=f"broadcast gather {k} on {label('trainer', rank)}",
-             device=buf.device if buf is not None else None)
+    return copies, [peers[g] for g in sorted(peers)]
+
+
+def run_gather(copies: list[tuple[torch.Tensor, torch.Tensor]], peers: Sequence[_PeerPlan | _Prepared],
+               deadline_s: float, verify: bool, round_label: str, device: torch.device | None,
+               staging: Staging | None = None) -> None:
+    """Execute one bucket round of `gather_program`: the local copies, then the checked exchange."""
+    if copies:
+        torch._foreach_copy_([d for d, _ in copies], [src for _, src in copies])
+    exchange(peers, deadline_s=deadline_s, verify=verify, round_label=round_label, device=device,
+             staging=staging)
 
 
 def _consume(spec: MoESpec, b: Bucket, buf: torch.Tensor, boxes: dict[str, Box], result: Shards, verify: bool,

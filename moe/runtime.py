@@ -247,35 +247,53 @@ def broadcast_groups(plan: Plan, *, base: int = 0, bucket_bytes: int = 64 << 20,
                                        rmap.global_rank, bucket_bytes, backend or dist.get_backend())
 
 
-def source_buckets(spec: MoESpec, placement: list[TensorPlacement], bucket_bytes: int = 64 << 20
-                   ) -> list[list[_broadcast_sync.Bucket]]:
+def source_buckets(spec: MoESpec, placement: list[TensorPlacement], bucket_bytes: int = 64 << 20,
+                   max_sources: int | None = None) -> list[list[_broadcast_sync.Bucket]]:
     """Per trainer rank, the buckets of full HF tensors it broadcasts (empty: not a source).
 
     Every tensor gets one source, the least loaded in bytes among the ranks holding it whole (else
     among those holding a piece), so the sources share the work; each source's tensors are cut into
     buckets of at most `bucket_bytes` in SGLang's flattened-bucket layout (back to back, no padding).
-    Deterministic from the inputs: every rank computes the same answer.
+    `max_sources` caps the number of sources (evenly spread ranks; the others' tensors are gathered
+    by them). Deterministic from the inputs: every rank computes the same answer.
     """
-    return _broadcast_sync.assign_sources(spec, placement, bucket_bytes, packed=True)
+    return _broadcast_sync.assign_sources(spec, placement, bucket_bytes, packed=True,
+                                          max_sources=max_sources)
 
 
 def gather_buckets(spec: MoESpec, placement: list[TensorPlacement],
                    buckets: list[list[_broadcast_sync.Bucket]], rank: int, shards: Shards, *,
-                   deadline_s: float = 60.0, verify: bool = True, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                   deadline_s: float = 60.0, verify: bool = True, into: list[torch.Tensor] | None = None,
+                   staging: Staging | None = None) -> list[torch.Tensor]:
     """Fill this trainer rank's buckets (`buckets[rank]`, from `source_buckets`) with full tensors.
 
     Pieces this rank holds are copied, the others received point to point from one holder each
     (checked with checksums, each bucket within `deadline_s`). Collective over the trainer ranks,
     which must be the ranks of the default group: every one calls it, source or not. Returns one
-    uint8 tensor per bucket, `into`'s when given (reuse them across syncs).
+    uint8 tensor per bucket, `into`'s when given. Pass the same `into` and `staging` to every sync:
+    a call that repeats with the same buckets and tensors reuses the prepared rounds (views,
+    message layout) of the first.
     """
     mine = buckets[rank]
-    device = next((t.device for _, t in shards.values()), None)
+    device = _device_of(shards)
     if into is None:
         into = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in mine]
     if [t.numel() for t in into] != [b.nbytes for b in mine]:
         raise ValueError(f"into holds {len(into)} buffers that do not match this rank's {len(mine)} buckets")
-    for k in range(max(map(len, buckets), default=0)):
-        _broadcast_sync._gather(spec, placement, buckets, k, rank, shards, into[k] if k < len(mine) else None,
-                                lambda side, r: r, lambda side, r: f"trainer rank {r}", deadline_s, verify)
+    staging = staging or Staging()
+    key = ("gather", id(buckets), rank, _identity(shards), tuple(t.data_ptr() for t in into))
+    cached = staging.program
+    if cached is not None and cached[0] is buckets and cached[1] == key:
+        rounds = cached[2]
+    else:
+        rounds = []
+        for k in range(max(map(len, buckets), default=0)):
+            copies, peers = _broadcast_sync.gather_program(
+                spec, placement, buckets, k, rank, shards, into[k] if k < len(mine) else None,
+                lambda side, r: r, lambda side, r: f"trainer rank {r}")
+            rounds.append((f"broadcast gather {k} on trainer rank {rank}", copies,
+                           [prepare(p, 1 << 20, staging, device) for p in peers]))
+        staging.program = (buckets, key, rounds)
+    for label, copies, peers in rounds:
+        _broadcast_sync.run_gather(copies, peers, deadline_s, verify, label, device, staging)
     return into

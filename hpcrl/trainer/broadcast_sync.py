@@ -5,8 +5,11 @@ and an engine loads one update at a time (its writer lock). verl and slime gathe
 on trainer rank 0 and broadcast it from there; rank 0's link then carries everything. Here:
 
   1. Every tensor gets one source trainer rank (`moe.runtime.source_buckets`: a rank holding it
-     whole if any, bytes balanced), so S sources own disjoint parts. The placement comes from
-     Megatron's actual shards (every rank reports its HF boxes at connect), not from a layout model.
+     whole if any, bytes balanced), so S sources own disjoint parts. S is at most one per bucket's
+     worth of weights (ceil(model bytes / rollout.bucket_mb)): a source with less than a bucket
+     would only add a transfer per engine, and an engine takes one at a time. So a small model has
+     one source, trainer rank 0, broadcasting to all engines at once, as verl and slime do. The
+     placement comes from Megatron's actual shards (every rank reports its HF boxes at connect).
   2. Sources gather the pieces they lack from the other trainer ranks, point to point and checked
      (`moe.runtime.gather_buckets`); other ranks only send.
   3. The E engines are split into P = min(S, E) blocks, engine e in block e mod P. Every source has
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -43,7 +47,7 @@ from hpcrl.rollout.client import EngineClient, EngineError
 from hpcrl.rollout.weight_sender import WeightSender
 from hpcrl.trainer.shard_sync import LocalHFShards, sync_host
 from moe.layouts import TensorPlacement
-from moe.runtime import Shards, gather_buckets, source_buckets
+from moe.runtime import Shards, Staging, gather_buckets, source_buckets
 from moe.slices import Box
 from moe.specs import MoESpec
 
@@ -95,13 +99,18 @@ class BroadcastSync:
         boxes: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(boxes, {n: b for n, (b, _) in shards().items()})
         self.placement = placement_from_shards(spec, boxes)
-        self.buckets = source_buckets(spec, self.placement, bucket_bytes)
+        # a source with less than a bucket to send only adds a transfer per engine (engines take
+        # one update at a time): at most one source per bucket's worth of weights
+        self.buckets = source_buckets(spec, self.placement, bucket_bytes,
+                                      max_sources=-(-spec.total_bytes // bucket_bytes))
         self.sources = [s for s, b in enumerate(self.buckets) if b]
         self.position = self.sources.index(self.rank) if self.rank in self.sources else None
         self.blocks = engine_blocks(len(self.sources), len(urls))
         self.clients = [EngineClient(u, timeout_s=timeout_s) for u in urls]
+        self._pool = ThreadPoolExecutor(max_workers=len(urls) + 1, thread_name_prefix="broadcast-sync")
         self.senders: dict[int, WeightSender] = {}
         self._bufs: list[torch.Tensor] | None = None
+        self._staging = Staging()
         self._meta = [self._bucket_meta(b) for b in self.buckets[self.rank]]
 
     @classmethod
@@ -116,7 +125,7 @@ class BroadcastSync:
                    tp_per_engine=job.rollout.tp_per_engine, host=sync_host(job), timeout_s=timeout_s)
 
     def describe(self) -> str:
-        return (f"{len(self.sources)} sources into {len(self.clients)} engines, {len(self.blocks)} turns, "
+        return (f"sources {self.sources} into {len(self.clients)} engine(s) in {len(self.blocks)} turn(s), "
                 f"{sum(b.nbytes for b in self.buckets[self.rank])} bytes from this rank")
 
     def _bucket_meta(self, bucket) -> tuple[list[str], list[str], list[list[int]]]:
@@ -145,21 +154,40 @@ class BroadcastSync:
         if self.position is not None and len(self.senders) != len(self.blocks):
             raise RuntimeError("BroadcastSync.push before connect()")
         t0 = time.perf_counter()
+        opening = self._on_engines("begin_weight_update")  # rank 0's HTTP overlaps the gather
         self._bufs = gather_buckets(self.spec, self.placement, self.buckets, self.rank, self.shards(),
-                                    deadline_s=self.timeout_s, into=self._bufs)
-        self._agree(self._on_engines("begin_weight_update"), "begin_weight_update")
+                                    deadline_s=self.timeout_s, into=self._bufs, staging=self._staging)
+        # also the start line: no source sends before every engine's session is open
+        self._agree(opening.result(), "begin_weight_update")
         try:
-            for k in range(len(self.blocks)):
-                self._agree(self._send_turn(k, weight_version), f"turn {k + 1}/{len(self.blocks)}")
+            self._turns(weight_version)
         except RuntimeError:
-            self._on_engines("end_weight_update")  # best effort: leave no session open
+            self._on_engines("end_weight_update").result()  # best effort: leave no session open
             raise
-        self._agree(self._on_engines("end_weight_update"), "end_weight_update")
+        closing = self._on_engines("end_weight_update").result()
+        if closing is not None:  # rank 0 only; the controller stops the job on it
+            raise RuntimeError(f"broadcast weight sync failed in {closing}")
         if self.rank != 0:
             return None
         model_bytes = sum(b.nbytes for bs in self.buckets for b in bs)
         return {"bytes": float(model_bytes * len(self.clients) * self.tp),
                 "seconds": time.perf_counter() - t0}
+
+    def _turns(self, weight_version: str) -> None:
+        """Every turn's broadcasts. A barrier after each turn when a block has several engines
+        (module docstring); with one engine per block only the final agreement is needed."""
+        turns = len(self.blocks)
+        if any(len(b) > 1 for b in self.blocks):
+            for k in range(turns):
+                self._agree(self._send_turn(k, weight_version), f"turn {k + 1}/{turns}")
+            return
+        error = None
+        for k in range(turns):
+            error = self._send_turn(k, weight_version)
+            if error is not None:
+                error = f"turn {k + 1}/{turns}: {error}"
+                break
+        self._agree(error, f"{turns} turns")
 
     def _send_turn(self, k: int, weight_version: str) -> str | None:
         if self.position is None:
@@ -175,17 +203,25 @@ class BroadcastSync:
             return str(exc)
         return None
 
-    def _on_engines(self, method: str) -> str | None:
-        """Trainer rank 0 calls `method` on every engine; returns the failures as one message."""
+    def _on_engines(self, method: str) -> Future[str | None]:
+        """Trainer rank 0 calls `method` on every engine at once; the future's result is the
+        failures as one message, or None (always None on other ranks)."""
         if self.rank != 0:
-            return None
-        errors = []
-        for i, c in enumerate(self.clients):
-            try:
-                getattr(c, method)()
-            except (EngineError, OSError) as exc:
-                errors.append(f"engine {i} ({c.base_url}): {exc}")
-        return f"{method}: " + "; ".join(errors) if errors else None
+            done: Future[str | None] = Future()
+            done.set_result(None)
+            return done
+        calls = [self._pool.submit(getattr(c, method)) for c in self.clients]
+
+        def collect() -> str | None:
+            errors = []
+            for i, (c, fut) in enumerate(zip(self.clients, calls)):
+                try:
+                    fut.result(timeout=self.timeout_s)
+                except (EngineError, OSError, TimeoutError) as exc:
+                    errors.append(f"engine {i} ({c.base_url}): {exc}")
+            return f"{method}: " + "; ".join(errors) if errors else None
+
+        return self._pool.submit(collect)
 
     def _agree(self, error: str | None, what: str) -> None:
         """Barrier of the trainer ranks that also shares failures: all raise if any rank failed."""

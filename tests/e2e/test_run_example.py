@@ -41,9 +41,10 @@ def test_example_learns_from_random_init(tmp_path):
 @pytest.mark.timeout(600)
 def test_two_trainer_ranks_ep2_two_engines_shard_and_broadcast_sync_agree(tmp_path):
     """Expert parallel trainer (EP=2 over 2 ranks) syncing into two engines, once shard to shard (the
-    default: each rank sends its own experts) and once by SGLang-style broadcast from both trainer
-    ranks in two turns: the engines get the same weights, so the same seed gives the same rewards and
-    the same final policy hash."""
+    default: each rank sends its own experts) and once by SGLang-style broadcast (the model is below
+    one bucket, so trainer rank 0 is the only source: it gathers rank 1's experts, then broadcasts to
+    both engines in one group): the engines get the same weights, so the same seed gives the same
+    rewards and the same final policy hash."""
     from hpcrl.models.presets import load_hf_config
     from moe.specs import spec_from_config
 
@@ -59,7 +60,8 @@ def test_two_trainer_ranks_ep2_two_engines_shard_and_broadcast_sync_agree(tmp_pa
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert all(r["sync/logprob_max_abs_diff"] < 1e-4 for r in records), records
         assert all(r["sync/bytes"] == 2 * model_bytes and r["sync/gbps"] > 0 for r in records), records
-        announced = {"shard": "weight sync: shard", "broadcast": "weight sync: broadcast, 2 sources into 2 engines"}
+        announced = {"shard": "weight sync: shard",
+                     "broadcast": "weight sync: broadcast, sources [0] into 2 engine(s) in 1 turn(s)"}
         assert announced[sync] in (run_dir / "logs" / "rank1-trainer.log").read_text()
         results.append(([r["reward/mean"] for r in records], json.loads((run_dir / "final.json").read_text())))
     assert results[0] == results[1]

@@ -54,6 +54,24 @@ def test_placement_from_shards_refuses_shards_that_do_not_tile():
         placement_from_shards(spec, [{**whole, t.name: half}, {**whole, t.name: half}])
 
 
+def test_sources_are_capped_and_still_cover_every_tensor():
+    from moe.layouts import TrainerLayout
+    from moe.runtime import source_buckets
+
+    spec = spec_at_dtype(load_hf_config("tiny-qwen3-moe", None), "float32")
+    placement = TrainerLayout(tp=2, ep=2, vocab_divisible_by=1).placement(spec)
+    for cap, sources in ((None, [0, 1]), (1, [0]), (2, [0, 1])):
+        buckets = source_buckets(spec, placement, 16 << 10, max_sources=cap)
+        assert [s for s, b in enumerate(buckets) if b] == sources
+        sent = sorted(ti for bs in buckets for b in bs for ti in b.tensors)
+        assert sent == list(range(len(spec.tensors)))  # every tensor exactly once
+        for bs in buckets:
+            for b in bs:  # packed back to back, each offset aligned to its tensor's item size
+                sizes = [spec.tensors[ti].nbytes for ti in b.tensors]
+                assert b.offsets == [sum(sizes[:i]) for i in range(len(sizes))] and b.nbytes == sum(sizes)
+                assert all(o % spec.tensors[ti].itemsize == 0 for ti, o in zip(b.tensors, b.offsets))
+
+
 def global_tensors(spec, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {t.name: torch.randn(t.shape, generator=g) for t in spec.tensors}
@@ -138,7 +156,7 @@ def test_two_sources_three_engines_bit_exact_and_a_refusal_is_named(engines, tmp
 
     spec = spec_at_dtype(load_hf_config("tiny-qwen3-moe", None), "float32")
     model_bytes = sum(t.nbytes for t in spec.tensors)
-    assert reports[0]["describe"].startswith("2 sources into 3 engines, 2 turns")
+    assert reports[0]["describe"].startswith("sources [0, 1] into 3 engine(s) in 2 turn(s)")
     for version in ("v1", "v3"):
         assert reports[0][version]["bytes"] == NUM_ENGINES * model_bytes and reports[1][version] is None
     # the refusal: every trainer rank raises the same message, naming the engine and its reason

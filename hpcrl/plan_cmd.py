@@ -21,7 +21,7 @@ from typing import Any, TextIO
 from hpcrl.config import ConfigError, JobConfig, load_job
 from hpcrl.config.validate import read_model_config
 from moe.layouts import RolloutLayout, TrainerLayout
-from moe.network import Topology
+from moe.network import Topology, sglang_broadcast_seconds
 from moe.report import plan_report, render_text
 from hpcrl.rollout.reshard_route import spec_at_dtype
 from moe.specs import MoESpec
@@ -149,6 +149,9 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
     report = plan_report(spec, trainer, rollout, topology=topology,
                          memory_budget_bytes=max(1, int(job.network.memory_budget_gb * GIB)),
                          gpu_memory_bytes=gpu_bytes)
+    sglang = sglang_broadcast_seconds(spec, trainer, topology, max(1, job.rollout.bucket_mb << 20))
+    report["sglang_broadcast_s"] = sglang.pop("sglang_broadcast_s")
+    report["sglang_broadcast_terms"] = sglang
     moved = report["plan"]["nic_bytes"] + report["plan"]["nvlink_bytes"]
     report["mean_recv_bytes_per_gpu"] = moved / rollout.world_size
     errors = {}
@@ -174,6 +177,10 @@ def render(report: dict[str, Any]) -> str:
         f"{_gib(report['mean_send_bytes_per_gpu'])}; rollout GPUs receive max "
         f"{_gib(report['max_recv_bytes_per_gpu'])}, mean {_gib(report['mean_recv_bytes_per_gpu'])} "
         f"(must hold {_gib(report['must_hold_bytes_per_gpu'])})",
+        f"SGLang path      {report['sglang_broadcast_s']:.4g} s: hpcrl's broadcast for rollout.backend sglang "
+        f"({int(report['sglang_broadcast_terms']['num_sources'])} sources gather "
+        f"{report['sglang_broadcast_terms']['gather_s']:.3g} s, then every rollout GPU receives the whole "
+        f"model {report['sglang_broadcast_terms']['broadcast_s']:.4g} s)",
         "notes            estimate: per round, the slowest GPU's NIC share or NVLink time; lower bound:",
         "                 the NIC line rate, which no schedule beats; baseline: gather per pipeline stage,",
         "                 then broadcast every tensor to every rollout GPU (verl / slime",

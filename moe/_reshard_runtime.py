@@ -23,10 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moe.sources import ALIGN
+
 # A (tensor name, view) item of a round. Send views may be non-contiguous (they are packed or
 # copied); receive views are written in place.
 Item = tuple[str, torch.Tensor]
-ALIGN = 8  # bucket offsets are multiples of 8 so that any dtype can be viewed in place
 
 
 class ReshardError(RuntimeError):

@@ -27,6 +27,12 @@ Three numbers describe a resharding:
                     concurrently but share the receivers' NICs. Gather and broadcast are not
                     overlapped within a stage, so baseline = max stage gather time
                     + total_bytes / NIC share per GPU.
+  * SGLang path    = hpcrl's own broadcast for `rollout.backend: sglang` (hpcrl/trainer/broadcast_sync.py):
+                    every tensor has one source (moe/sources.py, at most one per bucket's worth), the
+                    sources gather their missing pieces at once (the slowest source's incoming bytes,
+                    NVLink on its node, NIC otherwise), then broadcast in turns. SGLang loads whole
+                    tensors on every TP rank, so every rollout GPU still receives every byte: the same
+                    total_bytes / NIC share as the baseline. Only the gather term shrinks.
 """
 
 from __future__ import annotations
@@ -179,3 +185,28 @@ def broadcast_baseline_seconds(spec: MoESpec, src: TrainerLayout, topo: Topology
     bcast = spec.total_bytes / nic
     return {"baseline_broadcast_s": float(gather.max() + bcast), "gather_s": float(gather.max()),
             "broadcast_s": float(bcast)}
+
+
+def sglang_broadcast_seconds(spec: MoESpec, src: TrainerLayout, topo: Topology,
+                             bucket_bytes: int = 64 << 20) -> dict[str, float]:
+    """hpcrl's multi-source broadcast over SGLang's routes (module docstring), and its two parts."""
+    from moe.sources import assign_sources
+
+    placement = src.placement(spec)
+    buckets = assign_sources(spec, placement, bucket_bytes, packed=True,
+                             max_sources=-(-spec.total_bytes // bucket_bytes))
+    nodes = topo.trainer_nodes(src.world_size)
+    near, far = np.zeros(src.world_size), np.zeros(src.world_size)
+    for s, bs in enumerate(buckets):
+        for b in bs:
+            for ti in b.tensors:
+                t = spec.tensors[ti]
+                for box, ranks in placement[ti]:
+                    if s in ranks:
+                        continue
+                    holder = ranks[ti % len(ranks)]  # as moe/_broadcast_sync.gather_program picks it
+                    (near if nodes[holder] == nodes[s] else far)[s] += box.numel * t.itemsize
+    gather = float((near / topo.nvlink_bytes_per_s + far / topo.gpu_nic_bytes_per_s).max())
+    bcast = spec.total_bytes / topo.gpu_nic_bytes_per_s
+    return {"sglang_broadcast_s": gather + bcast, "gather_s": gather, "broadcast_s": float(bcast),
+            "num_sources": float(sum(1 for bs in buckets if bs))}

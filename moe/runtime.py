@@ -35,6 +35,7 @@ from moe._reshard_runtime import (ChecksumError, ReshardError, RoundTimeout, Sta
 from moe.layouts import TensorPlacement
 from moe.plan import Plan
 from moe.slices import Box
+from moe.sources import Bucket, assign_sources
 from moe.specs import MoESpec
 
 __all__ = ["ChecksumError", "RankMap", "ReshardError", "RoundTimeout", "Shards", "Staging", "allocate_shards",
@@ -248,7 +249,7 @@ def broadcast_groups(plan: Plan, *, base: int = 0, bucket_bytes: int = 64 << 20,
 
 
 def source_buckets(spec: MoESpec, placement: list[TensorPlacement], bucket_bytes: int = 64 << 20,
-                   max_sources: int | None = None) -> list[list[_broadcast_sync.Bucket]]:
+                   max_sources: int | None = None) -> list[list[Bucket]]:
     """Per trainer rank, the buckets of full HF tensors it broadcasts (empty: not a source).
 
     Every tensor gets one source, the least loaded in bytes among the ranks holding it whole (else
@@ -257,12 +258,11 @@ def source_buckets(spec: MoESpec, placement: list[TensorPlacement], bucket_bytes
     `max_sources` caps the number of sources (evenly spread ranks; the others' tensors are gathered
     by them). Deterministic from the inputs: every rank computes the same answer.
     """
-    return _broadcast_sync.assign_sources(spec, placement, bucket_bytes, packed=True,
-                                          max_sources=max_sources)
+    return assign_sources(spec, placement, bucket_bytes, packed=True, max_sources=max_sources)
 
 
 def gather_buckets(spec: MoESpec, placement: list[TensorPlacement],
-                   buckets: list[list[_broadcast_sync.Bucket]], rank: int, shards: Shards, *,
+                   buckets: list[list[Bucket]], rank: int, shards: Shards, *,
                    deadline_s: float = 60.0, verify: bool = True, into: list[torch.Tensor] | None = None,
                    staging: Staging | None = None) -> list[torch.Tensor]:
     """Fill this trainer rank's buckets (`buckets[rank]`, from `source_buckets`) with full tensors.

@@ -65,6 +65,12 @@ def test_json_report_has_the_required_keys_and_sane_values(json_report):
     assert abs(r["total_params"] - published) / published < 0.005
     assert r["estimate_s"] >= r["lower_bound_s"] > 0
     assert r["baseline_broadcast_s"] > r["estimate_s"]
+    # hpcrl's SGLang path: many sources, so a smaller gather than the baseline's, but every rollout
+    # GPU still receives the whole model (SGLang loads whole tensors on every TP rank)
+    sg = r["sglang_broadcast_terms"]
+    assert sg["num_sources"] > 1 and sg["broadcast_s"] == pytest.approx(r["baseline_terms"]["broadcast_s"])
+    assert r["sglang_broadcast_s"] == pytest.approx(sg["gather_s"] + sg["broadcast_s"])
+    assert r["estimate_s"] < r["sglang_broadcast_s"] <= r["baseline_broadcast_s"]
     t, ro = r["trainer"], r["rollout"]
     assert (t["world_size"], ro["world_size"]) == (trainer_gpus, rollout_gpus)
     # Each figure is the max over trainer GPUs (possibly of different GPUs), so the parts bound the total.
@@ -96,7 +102,7 @@ def test_text_report(name):
     assert f"{published / 1e9:.0f}" in text.splitlines()[1]  # e.g. "671.03B params"
     for needle in (f"trainer          {trainer_gpus} GPUs", f"rollout          {rollout_gpus} GPUs",
                    "params ", "grads ", "optimizer ", "weights ", "(fits)", "line-rate lower bound",
-                   "broadcast baseline",
+                   "broadcast baseline", "SGLang path",
                    "send max", "mean", "receive max"):
         assert needle in text, needle
     assert "DOES NOT FIT" not in text

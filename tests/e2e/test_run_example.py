@@ -67,6 +67,29 @@ def test_two_trainer_ranks_ep2_two_engines_shard_and_broadcast_sync_agree(tmp_pa
     assert results[0] == results[1]
 
 
+@pytest.mark.timeout(600)
+def test_broadcast_sync_from_two_sources_matches_shard_sync(tmp_path):
+    """The small preset (108 MiB) with 16 MB buckets: both trainer ranks are broadcast sources,
+    each engine hears from both in two turns (SGLang's protocol, one group per source and engine).
+    The engines get the same weights as with the shard sync: same rewards, same final policy."""
+    args = ["--set", "model.preset=small-qwen3-moe", "--set", "trainer.num_procs=2", "--set", "trainer.ep=2",
+            "--set", "rollout.num_engines=2", "--set", "data.num_prompts_per_step=2", "--set",
+            "algorithm.group_size=2", "--set", "algorithm.num_steps=2", "--set", "rollout.bucket_mb=16",
+            "--set", "logging.progress=false"]
+    results = []
+    for sync in ("shard", "broadcast"):
+        run_dir = tmp_path / sync
+        out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *args, "--set",
+                       f"rollout.weight_sync={sync}", timeout_s=280)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert all(r["sync/logprob_max_abs_diff"] < 1e-4 for r in records), records
+        results.append(([r["reward/mean"] for r in records], json.loads((run_dir / "final.json").read_text())))
+    log = (tmp_path / "broadcast" / "logs" / "rank2-trainer.log").read_text()
+    assert "weight sync: broadcast, sources [0, 1] into 2 engine(s) in 2 turn(s)" in log, log[-2000:]
+    assert results[0] == results[1]
+
+
 def failed_run(run_dir, fault: str, *settings: str) -> tuple[str, str]:
     """`hpcrl run` of the example with HPCRL_FAULT set: it must fail and leave nothing running.
     Returns (stdout + stderr, stderr)."""

@@ -148,6 +148,7 @@ class ModelDims:
     vocab_size: int
     expert_ffn_size: int
     max_position_embeddings: int
+    tied_embeddings: bool
 
 
 def read_model_config(job: JobConfig) -> tuple[str, Any, str, dict[str, Any]]:
@@ -200,7 +201,8 @@ def _read_model(job: JobConfig) -> ModelDims:
     return ModelDims(source=source, path=key, num_experts=dims.num_experts,
                      num_attention_heads=dims.num_heads, num_key_value_heads=dims.num_kv_heads,
                      num_hidden_layers=dims.num_layers, vocab_size=dims.vocab_size,
-                     expert_ffn_size=dims.moe_ffn_size, max_position_embeddings=dims.max_position_embeddings)
+                     expert_ffn_size=dims.moe_ffn_size, max_position_embeddings=dims.max_position_embeddings,
+                     tied_embeddings=dims.tied_embeddings)
 
 
 def _strip_prefix(message: str, path: str, value: Any) -> str:
@@ -294,6 +296,11 @@ def _check_parallel(job: JobConfig, m: ModelDims) -> None:
                           f"ranks do not add up: num_procs must be a multiple of tp*pp={dense} (dense "
                           f"layers: dp = num_procs/(tp*pp)) and of ep*etp*pp={expert} (experts: expert "
                           f"dp = num_procs/(ep*etp*pp)); valid num_procs: {_nearest(valid, t.num_procs)}")
+    if m.tied_embeddings and t.pp > 1 and job.resources.device == "cpu":
+        # Megatron moves the last stage's copy of a shared embedding with Tensor.cuda()
+        raise ConfigError("trainer.pp", t.pp, f"{src} ties its input and output embeddings "
+                                              f"(tie_word_embeddings), which Megatron cannot split over "
+                                              f"pipeline stages on CPU; set trainer.pp=1")
     if t.ep == 1 and t.etp != t.tp:
         # Megatron then treats expert weights as dense and reduces their grads over the dense DP group
         raise ConfigError("trainer.etp", t.etp, f"with trainer.ep=1 the experts are split like dense "

@@ -123,6 +123,8 @@ BAD = [
     ("ranks-add-up", "trainer: {tp: 2, ep: 4, num_procs: 6}", [], None, "trainer.num_procs", "6",
      "valid num_procs: 4, 8, 12"),
     ("etp-alltoall-cpu", "trainer: {ep: 2, etp: 2, num_procs: 4}", [], None, "trainer.etp", "2", "allgather"),
+    ("tied-embeddings-pp-cpu", "model: {config_path: model.json}\ntrainer: {pp: 2, num_procs: 2}", [],
+     lambda p: model_file(p, tie_word_embeddings=True), "trainer.pp", "2", "set trainer.pp=1"),
     ("etp-not-tp-without-ep", "trainer: {tp: 2, num_procs: 2}", [], None, "trainer.etp", "1",
      "set trainer.etp=2"),
     ("batch-split", "algorithm: {group_size: 3}\ndata: {num_prompts_per_step: 3}\ntrainer: {num_procs: 2}",

@@ -13,8 +13,11 @@ alternating order per repetition:
 `--colocated` plans for trainer and rollout ranks sharing nodes, which is what this one host is
 (no on-node relays, fewer rounds); the default plans for two nodes, as a cluster would have them.
 Each time is the slowest rank's (barrier, run, max over ranks); reported values are medians over
-repetitions; GB/s = plan bytes / time. The results table (with the load average) is appended
-under `## reshard_cpu` in the results file.
+repetitions; GB/s = plan bytes / time; CPU s = process time summed over ranks. Barrier and
+reductions go over gloo, which blocks while it waits: MPICH busy-polls, so with MPI a rank that
+finished early took CPU from the ranks still working (8 ranks share 2 cores here), which slowed
+every method and most those whose ranks finish unevenly (results before 2026-11-30 18:50 UTC).
+The results table (with the load average) is appended under `## reshard_cpu` in the results file.
 """
 
 from __future__ import annotations
@@ -119,17 +122,24 @@ def worker(reps: int, budget_bytes: int, colocated: bool = False) -> None:
                "gather_bcast": gather_bcast,
                "broadcast_sync": bsync}
     times: dict[str, list[float]] = {m: [] for m in methods}
+    cpu: dict[str, list[float]] = {m: [] for m in methods}
     planned()  # warm-up: connections, allocator
     for rep in range(reps):
         order = list(methods) if rep % 2 == 0 else list(reversed(methods))
         for m in order:
-            comm.Barrier()
-            t0 = time.perf_counter()
+            # Synchronise and reduce over gloo, whose waits block: MPICH's busy-polling barrier and
+            # allreduce would let ranks that finished early take CPU from those still working.
+            dist.barrier()
+            c0, t0 = time.process_time(), time.perf_counter()
             methods[m]()
-            dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-            times[m].append(dt)
+            took = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
+            total = took.clone()
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            times[m].append(float(took[0]))
+            cpu[m].append(float(total[1]))
     if g == 0:
-        print("RESULT " + json.dumps({"times": times, "bytes": int(p.nbytes.sum()), "rounds": p.num_rounds,
+        print("RESULT " + json.dumps({"times": times, "cpu": cpu, "bytes": int(p.nbytes.sum()), "rounds": p.num_rounds,
                                       "relays": int(p.from_rollout.sum()), "transfers": len(p),
                                       "model_bytes": spec.total_bytes,
                                       "trainer": repr(src), "rollout": repr(dst)}), flush=True)
@@ -247,17 +257,21 @@ def render(res: dict, args, load_before: str, load_after: str, wall_s: float) ->
            f"trainer {res['trainer']} -> rollout {res['rollout']}; plan: {res['transfers']} transfers, "
            f"{res['rounds']} rounds at a {args.budget_mib} MiB budget, {res['relays']} relays"
            f"{' (colocated topology)' if args.colocated else ''}, {nb / 1e6:.0f} MB moved. "
-           f"Times: slowest rank, median of {args.reps} (all reps in brackets); GB/s = plan bytes / time.", "",
-           "| method | median s | GB/s | reps (s) |", "|---|---|---|---|"]
+           f"Times: slowest rank, median of {args.reps} (all reps in brackets); GB/s = plan bytes / time; "
+           f"CPU s = process time summed over all ranks (every thread), median.", "",
+           "| method | median s | GB/s | CPU s | reps (s) |", "|---|---|---|---|---|"]
+    cpu = {m: statistics.median(ts) for m, ts in res["cpu"].items()}
     for label, m in rows:
-        out.append(f"| {label} | {med[m]:.3f} | {nb / med[m] / 1e9:.3f} | {rel(m)} |")
+        out.append(f"| {label} | {med[m]:.3f} | {nb / med[m] / 1e9:.3f} | {cpu[m]:.3f} | {rel(m)} |")
     ratio_a2a = med["all_to_all"] / med["planned"]
     ratio_gb = med["gather_bcast"] / med["planned"]
     per_rep = [a / b for a, b in zip(res["times"]["all_to_all"], res["times"]["planned"])]
     ratio_nv = med["all_to_all"] / med["planned_noverify"]
     out += ["", f"Planned GB/s / all_to_all GB/s: {ratio_a2a:.2f} with checksums, {ratio_nv:.2f} without "
             f"(goal >= 0.8; per rep, with: {' '.join(f'{x:.2f}' for x in per_rep)}). Planned vs gather+broadcast: "
-            f"{ratio_gb:.1f}x faster (goal >= 3x).", ""]
+            f"{ratio_gb:.1f}x faster (goal >= 3x). CPU seconds, all_to_all / planned: "
+            f"{cpu['all_to_all'] / cpu['planned']:.2f} with checksums, "
+            f"{cpu['all_to_all'] / cpu['planned_noverify']:.2f} without.", ""]
     return "\n".join(out)
 
 

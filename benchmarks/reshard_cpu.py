@@ -9,7 +9,9 @@ alternating order per repetition:
                  pre-packed buffers: the transport's bound for the same traffic;
   * gather+bcast -- the naive baseline: every trainer rank sends its unique pieces to trainer
                  rank 0, which broadcasts the whole model to the rollout ranks (64 MB chunks);
-  * broadcast_sync -- the SGLang-compatible path of moe.runtime (for reference).
+  * broadcast_sync -- moe.runtime's broadcast of full HF tensors from disjoint sources inside one
+                 torch world (the SGLang-style path; the one hpcrl drives over SGLang's HTTP routes is
+                 benchmarks/broadcast_sync.py).
 `--colocated` plans for trainer and rollout ranks sharing nodes, which is what this one host is
 (no on-node relays, fewer rounds); the default plans for two nodes, as a cluster would have them.
 Each time is the slowest rank's (barrier, run, max over ranks); reported values are medians over
@@ -244,7 +246,7 @@ def render(res: dict, args, load_before: str, load_after: str, wall_s: float) ->
         ("planned runtime, checksums off (`verify=False`)", "planned_noverify"),
         ("raw gloo `all_to_all_single`, same bytes per pair", "all_to_all"),
         ("gather to trainer rank 0, then broadcast", "gather_bcast"),
-        ("`moe.runtime.broadcast_sync` (SGLang path)", "broadcast_sync"),
+        ("`moe.runtime.broadcast_sync` (SGLang-style, one torch world)", "broadcast_sync"),
     ]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=REPO).stdout.strip()

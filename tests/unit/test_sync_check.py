@@ -1,0 +1,53 @@
+"""The per-step sync check: the max difference is returned, and a failure says which token and
+whether it looks like a weight-sync defect (every token off) or a router near-tie (a few off)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hpcrl.controller.sync_check import WeightSyncError, logprob_max_abs_diff
+
+rng = np.random.default_rng(0)
+TRAINER = -rng.random((8, 6)) * 3  # 8 sequences, up to 6 response tokens
+
+
+def rollout(engine):
+    return SimpleNamespace(engine_logprobs=[row.tolist() for row in engine])
+
+
+def test_returns_the_max_over_response_tokens_only():
+    engine = TRAINER + rng.normal(0, 1e-7, TRAINER.shape)
+    lengths = [6, 3, 0, 6, 1, 6, 2, 6]
+    rows = [engine[b, :n] for b, n in enumerate(lengths)]
+    trainer = TRAINER.copy()
+    for b, n in enumerate(lengths):
+        trainer[b, n:] = 99.0  # padding past a response: never compared
+    want = max(float(np.abs(r - TRAINER[b, : len(r)]).max()) for b, r in enumerate(rows) if len(r))
+    got = logprob_max_abs_diff(SimpleNamespace(engine_logprobs=[r.tolist() for r in rows]), trainer, 1e-4, 0)
+    assert got == pytest.approx(want) and 0 < got < 1e-6
+
+
+def test_a_few_tokens_off_are_named_as_a_router_near_tie():
+    engine = TRAINER + rng.normal(0, 1e-7, TRAINER.shape)
+    engine[5, 3:] += 0.03  # a flip at token 3 of sequence 5 shifts its later tokens
+    with pytest.raises(WeightSyncError) as info:
+        logprob_max_abs_diff(rollout(engine), TRAINER, 1e-4, 7)
+    msg = str(info.value)
+    assert "step 7" in msg and "(sequence 5, response token" in msg
+    assert "3 of 48 response tokens in 1 of 8" in msg
+    assert "router near-tie" in msg and "not running the trainer's weights" not in msg
+
+
+def test_every_token_off_is_named_as_a_sync_defect():
+    engine = TRAINER + rng.normal(0, 0.05, TRAINER.shape)
+    with pytest.raises(WeightSyncError, match="not running the trainer's weights") as info:
+        logprob_max_abs_diff(rollout(engine), TRAINER, 1e-4, 2)
+    assert "router near-tie" not in str(info.value)
+
+
+def test_nan_log_probs_fail_the_check():
+    engine = TRAINER.copy()
+    engine[2, 1] = np.nan
+    with pytest.raises(WeightSyncError, match=r"differ by inf \(sequence 2, response token 1\)"):
+        logprob_max_abs_diff(rollout(engine), TRAINER, 1e-4, 0)

@@ -111,6 +111,8 @@ class BroadcastSync:
         self.senders: dict[int, WeightSender] = {}
         self._bufs: list[torch.Tensor] | None = None
         self._staging = Staging()
+        # where collectives of the trainer group need their tensors (NCCL on GPUs: CUDA tensors)
+        self._device = next((t.device for _, t in shards().values()), torch.device("cpu"))
         self._meta = [self._bucket_meta(b) for b in self.buckets[self.rank]]
 
     @classmethod
@@ -225,7 +227,7 @@ class BroadcastSync:
 
     def _agree(self, error: str | None, what: str) -> None:
         """Barrier of the trainer ranks that also shares failures: all raise if any rank failed."""
-        flag = torch.tensor([0 if error is None else 1])
+        flag = torch.tensor([0 if error is None else 1], device=self._device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not int(flag):
             return

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from moe._reshard_runtime import ChecksumError, Staging, _PeerPlan, _Prepared, _wait, checksum, exchange
 from moe.layouts import TensorPlacement
-from moe.sources import ALIGN, Bucket, assign_sources
+from moe.sources import ALIGN, Bucket, assign_sources, gather_holder
 from moe.slices import Box
 from moe.specs import MoESpec
 
@@ -124,7 +124,7 @@ def gather_program(spec: MoESpec, pl: list[TensorPlacement], plan: list[list[Buc
         for ti, off in zip(b.tensors, b.offsets):
             t = spec.tensors[ti]
             for box, ranks in pl[ti]:
-                holder = s if s in ranks else ranks[ti % len(ranks)]
+                holder = gather_holder(ti, s, ranks)
                 if s == rank:
                     assert buf is not None
                     full = _full_view(buf, off, t.shape, getattr(torch, t.dtype), t.nbytes)

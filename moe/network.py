@@ -190,11 +190,11 @@ def broadcast_baseline_seconds(spec: MoESpec, src: TrainerLayout, topo: Topology
 def sglang_broadcast_seconds(spec: MoESpec, src: TrainerLayout, topo: Topology,
                              bucket_bytes: int = 64 << 20) -> dict[str, float]:
     """hpcrl's multi-source broadcast over SGLang's routes (module docstring), and its two parts."""
-    from moe.sources import assign_sources
+    from moe.sources import assign_sources, gather_holder, source_cap
 
     placement = src.placement(spec)
     buckets = assign_sources(spec, placement, bucket_bytes, packed=True,
-                             max_sources=-(-spec.total_bytes // bucket_bytes))
+                             max_sources=source_cap(spec, bucket_bytes))
     nodes = topo.trainer_nodes(src.world_size)
     near, far = np.zeros(src.world_size), np.zeros(src.world_size)
     for s, bs in enumerate(buckets):
@@ -204,7 +204,7 @@ def sglang_broadcast_seconds(spec: MoESpec, src: TrainerLayout, topo: Topology,
                 for box, ranks in placement[ti]:
                     if s in ranks:
                         continue
-                    holder = ranks[ti % len(ranks)]  # as moe/_broadcast_sync.gather_program picks it
+                    holder = gather_holder(ti, s, ranks)
                     (near if nodes[holder] == nodes[s] else far)[s] += box.numel * t.itemsize
     gather = float((near / topo.nvlink_bytes_per_s + far / topo.gpu_nic_bytes_per_s).max())
     bcast = spec.total_bytes / topo.gpu_nic_bytes_per_s

@@ -281,7 +281,7 @@ def gather_buckets(spec: MoESpec, placement: list[TensorPlacement],
     if [t.numel() for t in into] != [b.nbytes for b in mine]:
         raise ValueError(f"into holds {len(into)} buffers that do not match this rank's {len(mine)} buckets")
     staging = staging or Staging()
-    key = ("gather", id(buckets), rank, _identity(shards), tuple(t.data_ptr() for t in into))
+    key = ("gather", rank, _identity(shards), tuple(t.data_ptr() for t in into))  # buckets: by identity
     cached = staging.program
     if cached is not None and cached[0] is buckets and cached[1] == key:
         rounds = cached[2]

@@ -14,6 +14,17 @@ from moe.specs import MoESpec
 ALIGN = 8  # bucket offsets are multiples of 8 so that any dtype can be viewed in place
 
 
+def source_cap(spec: MoESpec, bucket_bytes: int) -> int:
+    """At most one broadcast source per bucket's worth of weights: a source with less than a bucket
+    only adds one more update per engine (an engine takes one at a time)."""
+    return -(-spec.total_bytes // bucket_bytes)
+
+
+def gather_holder(ti: int, source: int, ranks: tuple[int, ...]) -> int:
+    """The rank source `source` takes its piece of tensor `ti` from (itself if it holds it)."""
+    return source if source in ranks else ranks[ti % len(ranks)]
+
+
 @dataclass
 class Bucket:
     """Tensors (spec indices) one source broadcasts together, with their byte offsets."""

@@ -15,11 +15,11 @@ on trainer rank 0 and broadcast it from there; rank 0's link then carries everyt
   3. The E engines are split into P = min(S, E) blocks, engine e in block e mod P. Every source has
      one weight-update group per block: {source} + the block's engine ranks, made with SGLang's
      `init_weights_update_group` (engines keep groups by `group_name`).
-  4. Turn k of P: the source at position i broadcasts all its buckets to block (i + k) mod P; a
-     barrier of the trainer ranks ends the turn. A block of several engines (S < E) thus hears
-     from exactly one source per turn, so no two broadcasts can wait on each other's engines; a
-     block of one engine (S > E) may hear from several sources in a turn, one after another, and
-     each of those transfers needs only its source and that engine. Every engine receives every
+  4. Turn k of P: the source at position i broadcasts all its buckets to block (i + k) mod P.
+     When a block has several engines (S < E), a barrier of the trainer ranks ends each turn, so
+     such a block hears from exactly one source per turn and no two broadcasts can wait on each
+     other's engines. A block of one engine (S >= E) may hear from several sources in a turn, one
+     after another; each of those transfers needs only its source and that engine, so no barrier. Every engine receives every
      tensor exactly once.
 
     trainer ranks           turn 0            turn 1          (S = 2 sources, E = 4 engines, P = 2)
@@ -49,6 +49,7 @@ from hpcrl.trainer.shard_sync import LocalHFShards, sync_host
 from moe.layouts import TensorPlacement
 from moe.runtime import Shards, Staging, gather_buckets, source_buckets
 from moe.slices import Box
+from moe.sources import source_cap
 from moe.specs import MoESpec
 
 
@@ -96,13 +97,12 @@ class BroadcastSync:
             raise ValueError("BroadcastSync needs at least one engine URL")
         self.rank, self.timeout_s = dist.get_rank(), timeout_s
         self.spec, self.shards, self.tp, self.host = spec, shards, tp_per_engine, host
+        held = shards()
         boxes: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(boxes, {n: b for n, (b, _) in shards().items()})
+        dist.all_gather_object(boxes, {n: b for n, (b, _) in held.items()})
         self.placement = placement_from_shards(spec, boxes)
-        # a source with less than a bucket to send only adds a transfer per engine (engines take
-        # one update at a time): at most one source per bucket's worth of weights
         self.buckets = source_buckets(spec, self.placement, bucket_bytes,
-                                      max_sources=-(-spec.total_bytes // bucket_bytes))
+                                      max_sources=source_cap(spec, bucket_bytes))
         self.sources = [s for s, b in enumerate(self.buckets) if b]
         self.position = self.sources.index(self.rank) if self.rank in self.sources else None
         self.blocks = engine_blocks(len(self.sources), len(urls))
@@ -112,7 +112,7 @@ class BroadcastSync:
         self._bufs: list[torch.Tensor] | None = None
         self._staging = Staging()
         # where collectives of the trainer group need their tensors (NCCL on GPUs: CUDA tensors)
-        self._device = next((t.device for _, t in shards().values()), torch.device("cpu"))
+        self._device = next((t.device for _, t in held.values()), torch.device("cpu"))
         self._meta = [self._bucket_meta(b) for b in self.buckets[self.rank]]
 
     @classmethod

@@ -38,6 +38,17 @@ def test_example_learns_from_random_init(tmp_path):
     print(f"example: {len(records)} steps in {wall:.0f} s wall, reward {first5:.3f} -> {last5:.3f}")
 
 
+def run_with_sync(run_dir, sync: str, args: list[str]) -> tuple[list[dict], dict]:
+    """`hpcrl run` of the example with `rollout.weight_sync=sync`: it must succeed with the sync
+    check below 1e-4 at every step. Returns (metrics records, final.json)."""
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *args, "--set", f"rollout.weight_sync={sync}",
+                   timeout_s=280)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["sync/logprob_max_abs_diff"] < 1e-4 for r in records), records
+    return records, json.loads((run_dir / "final.json").read_text())
+
+
 @pytest.mark.timeout(600)
 def test_two_trainer_ranks_ep2_two_engines_shard_and_broadcast_sync_agree(tmp_path):
     """Expert parallel trainer (EP=2 over 2 ranks) syncing into two engines, once shard to shard (the
@@ -53,17 +64,12 @@ def test_two_trainer_ranks_ep2_two_engines_shard_and_broadcast_sync_agree(tmp_pa
             "--set", "algorithm.num_steps=3", "--set", "logging.progress=false"]
     results = []
     for sync in ("shard", "broadcast"):
-        run_dir = tmp_path / sync
-        out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *args, "--set",
-                       f"rollout.weight_sync={sync}", timeout_s=280)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert all(r["sync/logprob_max_abs_diff"] < 1e-4 for r in records), records
+        records, final = run_with_sync(tmp_path / sync, sync, args)
         assert all(r["sync/bytes"] == 2 * model_bytes and r["sync/gbps"] > 0 for r in records), records
         announced = {"shard": "weight sync: shard",
                      "broadcast": "weight sync: broadcast, sources [0] into 2 engine(s) in 1 turn(s)"}
-        assert announced[sync] in (run_dir / "logs" / "rank1-trainer.log").read_text()
-        results.append(([r["reward/mean"] for r in records], json.loads((run_dir / "final.json").read_text())))
+        assert announced[sync] in (tmp_path / sync / "logs" / "rank1-trainer.log").read_text()
+        results.append(([r["reward/mean"] for r in records], final))
     assert results[0] == results[1]
 
 
@@ -78,13 +84,8 @@ def test_broadcast_sync_from_two_sources_matches_shard_sync(tmp_path):
             "--set", "logging.progress=false"]
     results = []
     for sync in ("shard", "broadcast"):
-        run_dir = tmp_path / sync
-        out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *args, "--set",
-                       f"rollout.weight_sync={sync}", timeout_s=280)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert all(r["sync/logprob_max_abs_diff"] < 1e-4 for r in records), records
-        results.append(([r["reward/mean"] for r in records], json.loads((run_dir / "final.json").read_text())))
+        records, final = run_with_sync(tmp_path / sync, sync, args)
+        results.append(([r["reward/mean"] for r in records], final))
     log = (tmp_path / "broadcast" / "logs" / "rank2-trainer.log").read_text()
     assert "weight sync: broadcast, sources [0, 1] into 2 engine(s) in 2 turn(s)" in log, log[-2000:]
     assert results[0] == results[1]

@@ -9,7 +9,7 @@ into buckets of at most `bucket_bytes` (a larger tensor is a bucket of its own).
 (1) sources missing pieces of their k-th bucket gather them point to point from a holder (a
 checked, deadlined `exchange`); (2) every source broadcasts its k-th bucket plus a checksum to all
 rollout ranks in its own group ({source} + rollout ranks), all sources concurrently. Rollout
-ranks verify, hand each full tensor to `on_full_tensor` (an SGLang engine's load_weights) and
+ranks verify (moe/_reshard_runtime.py's checksum modes), hand each full tensor to `on_full_tensor` (an SGLang engine's load_weights) and
 keep the box their layout assigns. Entry point: `moe.runtime.broadcast_sync`.
 """
 
@@ -20,14 +20,16 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from moe._reshard_runtime import ChecksumError, Staging, _PeerPlan, _Prepared, _wait, checksum, exchange
+from moe._reshard_runtime import (FULL, SAMPLE_EVERY, ChecksumError, Staging, _PeerPlan, _Prepared, _wait, checksum,
+                                  exchange, next_phase)
 from moe.layouts import TensorPlacement
-from moe.sources import ALIGN, Bucket, assign_sources, gather_holder
+from moe.sources import Bucket, assign_sources, gather_holder
 from moe.slices import Box
 from moe.specs import MoESpec
 
 Shards = dict[str, tuple[Box, torch.Tensor]]
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+TRAILER = 16  # bytes after a broadcast bucket: the sender's checksum phase and checksum, two int64
 
 
 def make_groups(spec: MoESpec, src_placement: list[TensorPlacement], rollout_world: int,
@@ -61,7 +63,7 @@ def _full_view(buf: torch.Tensor, off: int, t_shape: tuple[int, ...], dtype: tor
 def run(spec: MoESpec, src_placement: list[TensorPlacement], rollout_boxes: dict[str, Box], role: str,
         rank: int, shards: Shards | None, result: Shards, global_rank: Callable[[str, int], int],
         label: Callable[[str, int], str], rollout_world: int, bucket_bytes: int, deadline_s: float,
-        verify: bool, groups: dict[int, dist.ProcessGroup],
+        verify: str, groups: dict[int, dist.ProcessGroup],
         on_full_tensor: Callable[[str, torch.Tensor], None] | None) -> None:
     """Execute the broadcast path on this rank (see the module docstring); fills `result` in place."""
     plan = assign_sources(spec, src_placement, bucket_bytes)
@@ -77,17 +79,17 @@ def run(spec: MoESpec, src_placement: list[TensorPlacement], rollout_boxes: dict
         if role == "trainer":
             mine = plan[rank][k] if k < len(plan[rank]) else None
             if mine is not None:
-                bufs[rank] = torch.empty(mine.nbytes + ALIGN, dtype=torch.uint8, device=device)
+                bufs[rank] = torch.empty(mine.nbytes + TRAILER, dtype=torch.uint8, device=device)
             _gather(spec, src_placement, plan, k, rank, shards or {}, bufs.get(rank), global_rank, label,
                     deadline_s, verify)
             if mine is not None:
-                buf = bufs[rank]
-                s = checksum(buf[:mine.nbytes]) if verify else 0
-                buf[mine.nbytes:].view(torch.int64)[0] = s
+                phase = next_phase(verify, f"broadcast bucket {k} from {label('trainer', rank)}")
+                s = checksum(bufs[rank][:mine.nbytes], phase) if verify != "off" else 0
+                bufs[rank][mine.nbytes:].view(torch.int64)[:] = torch.tensor([phase, s])
         else:
             for s in sources:
                 if k < len(plan[s]):
-                    bufs[s] = torch.empty(plan[s][k].nbytes + ALIGN, dtype=torch.uint8, device=device)
+                    bufs[s] = torch.empty(plan[s][k].nbytes + TRAILER, dtype=torch.uint8, device=device)
         works, owners = [], []
         for s, buf in sorted(bufs.items()):
             works.append(dist.broadcast(buf, src=global_rank("trainer", s), group=groups[s], async_op=True))
@@ -102,7 +104,7 @@ def run(spec: MoESpec, src_placement: list[TensorPlacement], rollout_boxes: dict
 
 def _gather(spec: MoESpec, pl: list[TensorPlacement], plan: list[list[Bucket]], k: int, rank: int,
             shards: Shards, buf: torch.Tensor | None, global_rank: Callable[[str, int], int],
-            label: Callable[[str, int], str], deadline_s: float, verify: bool) -> None:
+            label: Callable[[str, int], str], deadline_s: float, verify: str) -> None:
     """Sources fill their k-th bucket: own pieces copied, missing pieces received from one holder each."""
     copies, peers = gather_program(spec, pl, plan, k, rank, shards, buf, global_rank, label)
     run_gather(copies, peers, deadline_s, verify, f"broadcast gather {k} on {label('trainer', rank)}",
@@ -144,7 +146,7 @@ def gather_program(spec: MoESpec, pl: list[TensorPlacement], plan: list[list[Buc
 
 
 def run_gather(copies: list[tuple[torch.Tensor, torch.Tensor]], peers: Sequence[_PeerPlan | _Prepared],
-               deadline_s: float, verify: bool, round_label: str, device: torch.device | None,
+               deadline_s: float, verify: str, round_label: str, device: torch.device | None,
                staging: Staging | None = None) -> None:
     """Execute one bucket round of `gather_program`: the local copies, then the checked exchange."""
     if copies:
@@ -153,13 +155,14 @@ def run_gather(copies: list[tuple[torch.Tensor, torch.Tensor]], peers: Sequence[
              staging=staging)
 
 
-def _consume(spec: MoESpec, b: Bucket, buf: torch.Tensor, boxes: dict[str, Box], result: Shards, verify: bool,
+def _consume(spec: MoESpec, b: Bucket, buf: torch.Tensor, boxes: dict[str, Box], result: Shards, verify: str,
              src_label: str, on_full_tensor: Callable[[str, torch.Tensor], None] | None) -> None:
-    if verify:
-        want, got = int(buf[b.nbytes:].view(torch.int64)[0]), checksum(buf[:b.nbytes])
+    if verify != "off":
+        phase, want = buf[b.nbytes:].view(torch.int64).tolist()
+        got = checksum(buf[:b.nbytes], phase) if FULL <= phase < SAMPLE_EVERY else None
         if want != got:
             names = [spec.tensors[ti].name for ti in b.tensors]
-            raise ChecksumError(f"broadcast from {src_label}: checksum mismatch (sender {want}, "
+            raise ChecksumError(f"broadcast from {src_label}: checksum mismatch (sender {want}, phase {phase}, "
                                 f"receiver {got}) "
                                 f"in a bucket of {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
     for ti, off in zip(b.tensors, b.offsets):

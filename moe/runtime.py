@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from moe import _broadcast_sync
 from moe._reshard_runtime import (ChecksumError, ReshardError, RoundTimeout, Staging, _PeerPlan, _Prepared,
-                                  bucket_sizes, exchange, prepare)
+                                  bucket_sizes, exchange, prepare, verify_mode)
 from moe.layouts import TensorPlacement
 from moe.plan import Plan
 from moe.slices import Box
@@ -105,7 +105,7 @@ def _dst_shards(plan: Plan, rank: int, out: Shards | None, device: torch.device 
 
 
 def reshard(plan: Plan, role: str, rank: int, shards: Shards | None = None, *, base: int = 0,
-            group: dist.ProcessGroup | None = None, deadline_s: float = 60.0, verify: bool = True,
+            group: dist.ProcessGroup | None = None, deadline_s: float = 60.0, verify: str = "sampled",
             direct_bytes: int = 1 << 20, out: Shards | None = None,
             device: torch.device | str | None = None, staging: Staging | None = None) -> Shards:
     """Execute `plan` on this rank: `role` "trainer" or "rollout", `rank` within that layout.
@@ -113,13 +113,16 @@ def reshard(plan: Plan, role: str, rank: int, shards: Shards | None = None, *, b
     Collective over all trainer and rollout ranks of the plan (mapping: `RankMap`). Trainer ranks
     pass `shards` (their local pieces, as `plan.src.shards(spec, rank)` lists them); rollout ranks
     get back their pieces as `plan.dst.shards(spec, rank)` lists them (into `out` if given).
-    Every round must finish within `deadline_s` (RoundTimeout names the stalled peers); with
-    `verify`, every peer's bytes are checksummed (ChecksumError names the peer and tensors).
+    Every round must finish within `deadline_s` (RoundTimeout names the stalled peers); every
+    peer's bytes are checksummed (ChecksumError names the peer and tensors): `verify` "sampled" (a
+    rotating 1/16 of the bytes each sync; every byte once in 16 syncs), "full" or "off", the
+    same on/off on every rank (moe/_reshard_runtime.py).
     Pieces of at least `direct_bytes` travel as their own message (zero-copy when contiguous),
     smaller ones in one bucket per peer and round; pass the same `staging` to every call to reuse
     the bucket memory across syncs, and, when the call repeats with the same plan and the same
     tensors (`shards`, or `out`), the prepared rounds: views, bucket layout, validation.
     """
+    verify_mode(verify)
     staging = staging or Staging()
     # A call repeated with the same tensors (a trainer syncing every step, an engine receiving into
     # its kept buffers) reuses the rounds prepared by the first: views and bucket layout included.
@@ -207,7 +210,7 @@ def _device_of(shards: Shards | None) -> torch.device | None:
 
 
 def broadcast_sync(plan: Plan, role: str, rank: int, shards: Shards | None = None, *, base: int = 0,
-                   group: dist.ProcessGroup | None = None, deadline_s: float = 60.0, verify: bool = True,
+                   group: dist.ProcessGroup | None = None, deadline_s: float = 60.0, verify: str = "sampled",
                    bucket_bytes: int = 64 << 20, out: Shards | None = None,
                    device: torch.device | str | None = None,
                    groups: dict[int, dist.ProcessGroup] | None = None,
@@ -223,6 +226,7 @@ def broadcast_sync(plan: Plan, role: str, rank: int, shards: Shards | None = Non
     for every HF tensor as it arrives (the view is only valid during the call).
     """
     _check_args(plan, role, rank, shards)
+    verify_mode(verify)
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes!r} must be a positive int (e.g. 64 << 20)")
     rmap = RankMap(plan.src.world_size, plan.dst.world_size, base)
@@ -263,7 +267,7 @@ def source_buckets(spec: MoESpec, placement: list[TensorPlacement], bucket_bytes
 
 def gather_buckets(spec: MoESpec, placement: list[TensorPlacement],
                    buckets: list[list[Bucket]], rank: int, shards: Shards, *,
-                   deadline_s: float = 60.0, verify: bool = True, into: list[torch.Tensor] | None = None,
+                   deadline_s: float = 60.0, verify: str = "sampled", into: list[torch.Tensor] | None = None,
                    staging: Staging | None = None) -> list[torch.Tensor]:
     """Fill this trainer rank's buckets (`buckets[rank]`, from `source_buckets`) with full tensors.
 
@@ -274,6 +278,7 @@ def gather_buckets(spec: MoESpec, placement: list[TensorPlacement],
     a call that repeats with the same buckets and tensors reuses the prepared rounds (views,
     message layout) of the first.
     """
+    verify_mode(verify)
     mine = buckets[rank]
     device = _device_of(shards)
     if into is None:

@@ -2,8 +2,8 @@
 
 One `mpiexec -n 6` launch runs every layout pair (EP change, TP change, PP -> no PP, DP replicas,
 uneven pipeline stages, ETP) through `reshard` (the planned shard-to-shard path, small memory
-budget so there are many rounds and on-node relays), `broadcast_sync` (the SGLang path, small
-buckets) and two repeated `reshard` syncs that reuse their prepared rounds, comparing every rollout shard bit for bit with the same deterministically generated
+budget so there are many rounds and on-node relays; each checksum mode), `broadcast_sync` (the
+SGLang path, small buckets; sampled and full checksums) and two repeated `reshard` syncs that reuse their prepared rounds, comparing every rollout shard bit for bit with the same deterministically generated
 global tensors; then trainer rank 1 stops participating and the ranks waiting on it must raise
 RoundTimeout naming it. Run as a script, this file is the MPI program:
 `mpiexec -n 6 python test_reshard_runtime.py OUT_DIR`; each rank writes OUT_DIR/rank{r}.json (files,
@@ -82,7 +82,10 @@ def _run_case(name: str, grank: int) -> dict:
         role, rank, shards = "rollout", grank - T, None
     res = {"rounds": p.num_rounds, "relays": int(p.from_rollout.sum())}
     bkw = {"bucket_bytes": BUCKET_BYTES, "groups": groups}
-    for path, fn, kw in (("reshard", reshard, {}), ("broadcast", broadcast_sync, bkw)):
+    paths = (("reshard", reshard, {}), ("reshard_full", reshard, {"verify": "full"}),
+             ("reshard_off", reshard, {"verify": "off"}), ("broadcast", broadcast_sync, bkw),
+             ("broadcast_full", broadcast_sync, {**bkw, "verify": "full"}))
+    for path, fn, kw in paths:
         got = fn(p, role, rank, shards, deadline_s=60.0, **kw)
         if role == "trainer":
             res[path] = 0 if got == {} else "trainer got shards"
@@ -205,9 +208,13 @@ def mpi_results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
 
+PATHS = ("reshard", "reshard_full", "reshard_off", "broadcast", "broadcast_full", "repeat")
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_bit_exact(mpi_results: dict[int, dict], case: str) -> None:
-    """Every rollout rank holds exactly its layout's boxes, bit-identical, through both paths."""
+    """Every rollout rank holds exactly its layout's boxes, bit-identical, through both paths and
+    every checksum mode (default sampled, full, off)."""
     spec_name, tkw, rkw = CASES[case]
     from moe.layouts import RolloutLayout, TrainerLayout
 
@@ -218,10 +225,10 @@ def test_bit_exact(mpi_results: dict[int, dict], case: str) -> None:
         if g >= T + R:
             assert r == {"idle": True}
         elif g < T:
-            assert r["reshard"] == 0 and r["broadcast"] == 0 and r["repeat"] == 0, r
+            assert all(r[k] == 0 for k in PATHS), r
         else:
             assert isinstance(r["reshard"], int) and r["reshard"] > 0, (g, r)
-            assert r["broadcast"] == r["reshard"] == r["repeat"], (g, r)
+            assert all(r[k] == r["reshard"] for k in PATHS), (g, r)
             assert r["rounds"] > 1, "the budget should force several rounds"
     if case in ("pp_to_no_pp", "dp_replicas"):
         assert mpi_results[T][case]["relays"] > 0, "replicated rollout ranks on one node should relay"

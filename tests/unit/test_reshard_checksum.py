@@ -1,0 +1,83 @@
+"""The runtime's per-round checksums: what a full and a sampled checksum cover, and the receiver's
+check raising ChecksumError that names the peer and its tensors (moe/_reshard_runtime.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe._reshard_runtime import (FULL, SAMPLE_EVERY, ChecksumError, _finish, _PeerPlan, _wrap, checksum,
+                                  next_phase, verify_mode)
+
+WORDS = 40_003  # not a multiple of SAMPLE_EVERY: the slices' integer bounds must still tile the message
+
+
+def _message(nbytes: int = WORDS * 8) -> torch.Tensor:
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+
+
+def _flipped(buf: torch.Tensor, byte: int) -> torch.Tensor:
+    out = buf.clone()
+    out[byte] ^= 0x10
+    return out
+
+
+def test_full_checksum_sees_every_byte() -> None:
+    buf = _message()
+    base = checksum(buf)
+    for byte in (0, 7, 8 * (WORDS // 2) + 3, 8 * WORDS - 1):
+        assert checksum(_flipped(buf, byte)) != base, byte
+
+
+def test_sampled_phases_tile_the_message_and_each_sees_only_its_slice() -> None:
+    """Phase k sums words [k * w // 16, (k + 1) * w // 16): a flip inside changes it, outside does not,
+    and the 16 phases together are exactly the full sum (every byte once in 16 syncs)."""
+    buf = _message()
+    bounds = [k * WORDS // SAMPLE_EVERY for k in range(SAMPLE_EVERY + 1)]
+    length_term = 8 * WORDS * 1_000_003
+    total = sum(checksum(buf, k) - length_term for k in range(SAMPLE_EVERY))
+    assert _wrap(total + length_term) == checksum(buf, FULL)
+    for k in (0, 5, SAMPLE_EVERY - 1):
+        inside = 8 * bounds[k] + 3
+        outside = 8 * bounds[k + 1] + 3 if k + 1 < SAMPLE_EVERY else 0
+        assert checksum(_flipped(buf, inside), k) != checksum(buf, k), k
+        assert checksum(_flipped(buf, outside), k) == checksum(buf, k), k
+
+
+def test_every_phase_sees_a_truncated_or_misaligned_message() -> None:
+    buf = _message()
+    short = buf[:-8].clone()
+    for k in (FULL, *range(SAMPLE_EVERY)):
+        assert checksum(short, k) != checksum(buf, k), k
+    odd = _message(8 * 1000 + 3)[1:]  # misaligned start and odd length: copied once, same rule
+    assert checksum(odd, 2) == checksum(odd.clone(), 2)
+
+
+def test_phases_rotate_per_round_and_full_is_fixed() -> None:
+    seen = [next_phase("sampled", "test round A") for _ in range(2 * SAMPLE_EVERY)]
+    assert seen == list(range(SAMPLE_EVERY)) * 2
+    assert next_phase("sampled", "test round B") == 0  # rounds rotate independently
+    assert next_phase("full", "test round A") == FULL
+
+
+def test_bad_verify_value_is_named() -> None:
+    with pytest.raises(ValueError, match=r"verify=True must be one of 'sampled', 'full', 'off'"):
+        verify_mode(True)
+
+
+@pytest.mark.parametrize("phase", [FULL, 3])
+def test_receiver_raises_checksum_error_naming_peer_and_tensors(phase: int) -> None:
+    buf = _message()
+    peer = _PeerPlan(5, "trainer rank 1 (global rank 5)", recv=[("model.layers.0.mlp.gate.weight", buf)])
+    good = torch.tensor([phase, checksum(buf, phase)])
+    _finish(peer, good, [buf], [], "reshard round 0/2 on rollout rank 0")  # passes
+    bad = torch.tensor([phase, checksum(buf, phase) + 1])
+    with pytest.raises(ChecksumError, match=r"from trainer rank 1 \(global rank 5\).*model\.layers\.0\.mlp\.gate"):
+        _finish(peer, bad, [buf], [], "reshard round 0/2 on rollout rank 0")
+
+
+def test_garbage_phase_from_the_wire_is_a_checksum_error() -> None:
+    buf = _message()
+    peer = _PeerPlan(2, "trainer rank 2", recv=[("w", buf)])
+    with pytest.raises(ChecksumError, match="phase 99"):
+        _finish(peer, torch.tensor([99, checksum(buf)]), [buf], [], "round 0")

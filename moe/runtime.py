@@ -30,15 +30,15 @@ import torch
 import torch.distributed as dist
 
 from moe import _broadcast_sync
-from moe._reshard_runtime import (ChecksumError, ReshardError, RoundTimeout, Staging, _PeerPlan, _Prepared,
-                                  bucket_sizes, exchange, prepare, verify_mode)
+from moe._reshard_runtime import (VERIFY_MODES, ChecksumError, ReshardError, RoundTimeout, Staging, _PeerPlan,
+                                  _Prepared, bucket_sizes, exchange, prepare, verify_mode)
 from moe.layouts import TensorPlacement
 from moe.plan import Plan
 from moe.slices import Box
 from moe.sources import Bucket, assign_sources
 from moe.specs import MoESpec
 
-__all__ = ["ChecksumError", "RankMap", "ReshardError", "RoundTimeout", "Shards", "Staging", "allocate_shards",
+__all__ = ["VERIFY_MODES", "ChecksumError", "RankMap", "ReshardError", "RoundTimeout", "Shards", "Staging", "allocate_shards",
            "broadcast_groups", "broadcast_sync", "gather_buckets", "reshard", "source_buckets"]
 
 Shards = dict[str, tuple[Box, torch.Tensor]]

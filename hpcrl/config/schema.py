@@ -134,6 +134,11 @@ class RolloutConfig:
     tensors in buckets over SGLang's update_weights_from_distributed, from every trainer rank that is a
     source of some tensors, engines taken in turns (hpcrl/trainer/broadcast_sync.py). auto: shard
     for the reference engine on CPU, broadcast otherwise (shard runs over gloo on CPU tensors)."""
+    sync_checksum: str = "sampled"
+    """sampled | full | off: the checksum of every point-to-point round of a weight sync (shard sync,
+    and the broadcast path's gather). sampled: every message's length and a sixteenth of its bytes,
+    a different sixteenth each sync (every byte once in 16 syncs); full: every byte (on CPU about
+    half the cost of moving the bytes); off: none. The log-prob check runs every step regardless."""
 
 
 @dataclass(kw_only=True)

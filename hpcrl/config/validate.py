@@ -37,6 +37,7 @@ DEVICES = ("cpu", "cuda")
 DISPATCHERS = ("alltoall", "allgather")
 BACKENDS = ("reference", "sglang")
 WEIGHT_SYNCS = ("auto", "shard", "broadcast")
+SYNC_CHECKSUMS = ("sampled", "full", "off")  # moe._reshard_runtime.VERIFY_MODES (torch-free here)
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
@@ -117,6 +118,7 @@ _CHOICES: list[tuple[str, tuple[str, ...]]] = [
     ("trainer.dispatcher", DISPATCHERS),
     ("rollout.backend", BACKENDS),
     ("rollout.weight_sync", WEIGHT_SYNCS),
+    ("rollout.sync_checksum", SYNC_CHECKSUMS),
     ("resources.device", DEVICES),
 ]
 

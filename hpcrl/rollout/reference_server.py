@@ -351,13 +351,16 @@ class ReferenceServer:
         return {"success": True, "message": message}
 
     def update_weights_reshard(self, req: dict) -> dict:
-        from moe.runtime import ReshardError, Staging, reshard
+        from moe.runtime import VERIFY_MODES, ReshardError, Staging, reshard
 
         try:
             request = PlanRequest.from_json(req)
         except ValueError as exc:
             raise _Fail(f"{ROUTE}: {exc}") from None
         rank, deadline_s = _field(req, "engine_rank", int), float(_field(req, "deadline_s", (int, float)))
+        verify = req.get("verify", "sampled")
+        if verify not in VERIFY_MODES:
+            raise _Fail(f"{ROUTE}: field 'verify'={verify!r} must be one of {', '.join(VERIFY_MODES)}")
         if self.reshard_spec is None:
             spec = spec_at_dtype(json.loads(Path(self.args.model_config).read_text()), self.args.dtype)
             self.reshard_spec = spec, spec_fingerprint(spec)
@@ -381,7 +384,7 @@ class ReferenceServer:
         with self.model_lock:
             self.reshard_staging = self.reshard_staging or Staging()
             try:
-                self.reshard_out = reshard(plan, "rollout", rank, group=group, deadline_s=deadline_s,
+                self.reshard_out = reshard(plan, "rollout", rank, group=group, deadline_s=deadline_s, verify=verify,
                                            out=self.reshard_out, device=self.engine.device,
                                            staging=self.reshard_staging)
             except ReshardError as exc:

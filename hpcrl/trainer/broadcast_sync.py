@@ -87,15 +87,17 @@ class BroadcastSync:
 
     `shards()` returns this rank's current weights as {HF name: (global box, tensor)} (the same
     boxes at every call); `urls` are the engines' base URLs, the same on every rank; every engine
-    has `tp_per_engine` ranks. `host` is the address the engines reach this rank at. Use:
+    has `tp_per_engine` ranks. `host` is the address the engines reach this rank at; `verify` is the
+    gather's checksum mode (moe.runtime.VERIFY_MODES). Use:
     `connect()` once, then `push(version)` per sync. `for_policy` builds one for a Megatron policy.
     """
 
     def __init__(self, spec: MoESpec, shards: Callable[[], Shards], urls: list[str], *, bucket_bytes: int,
-                 tp_per_engine: int = 1, host: str = "127.0.0.1", timeout_s: float = 600.0) -> None:
+                 tp_per_engine: int = 1, host: str = "127.0.0.1", timeout_s: float = 600.0,
+                 verify: str = "sampled") -> None:
         if not urls:
             raise ValueError("BroadcastSync needs at least one engine URL")
-        self.rank, self.timeout_s = dist.get_rank(), timeout_s
+        self.rank, self.timeout_s, self.verify = dist.get_rank(), timeout_s, verify
         self.spec, self.shards, self.tp, self.host = spec, shards, tp_per_engine, host
         held = shards()
         boxes: list[Any] = [None] * dist.get_world_size()
@@ -124,7 +126,8 @@ class BroadcastSync:
         local = LocalHFShards(dict(policy.gpt.named_parameters()), policy.dims, policy.coords,
                               getattr(torch, job.model.dtype))
         return cls(build_spec(job), local.refresh, urls, bucket_bytes=max(job.rollout.bucket_mb << 20, 1),
-                   tp_per_engine=job.rollout.tp_per_engine, host=sync_host(job), timeout_s=timeout_s)
+                   tp_per_engine=job.rollout.tp_per_engine, host=sync_host(job), timeout_s=timeout_s,
+                   verify=job.rollout.sync_checksum)
 
     def describe(self) -> str:
         return (f"sources {self.sources} into {len(self.clients)} engine(s) in {len(self.blocks)} turn(s), "
@@ -158,7 +161,8 @@ class BroadcastSync:
         t0 = time.perf_counter()
         opening = self._on_engines("begin_weight_update")  # rank 0's HTTP overlaps the gather
         self._bufs = gather_buckets(self.spec, self.placement, self.buckets, self.rank, self.shards(),
-                                    deadline_s=self.timeout_s, into=self._bufs, staging=self._staging)
+                                    deadline_s=self.timeout_s, verify=self.verify, into=self._bufs,
+                                    staging=self._staging)
         # also the start line: no source sends before every engine's session is open
         self._agree(opening.result(), "begin_weight_update")
         try:

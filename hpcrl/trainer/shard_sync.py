@@ -153,7 +153,8 @@ class ShardSync:
             # Written from this thread and answered after the transfer: no thread hand-off between
             # the request and this rank's sends (it cost ~1 ms per sync on the tiny run).
             body = {**self.request.to_json(), "group_name": GROUP_NAME, "weight_version": weight_version,
-                    "spec_sha256": self.fingerprint, "deadline_s": self.timeout_s}
+                    "spec_sha256": self.fingerprint, "deadline_s": self.timeout_s,
+                    "verify": self.job.rollout.sync_checksum}
             for i, c in enumerate(self.clients):
                 try:
                     calls.append(c.start_update_weights_reshard({**body, "engine_rank": i}))
@@ -162,6 +163,7 @@ class ShardSync:
                     errors.append(f"engine {i} ({c.base_url}): {exc}")
         try:
             reshard(self.plan, "trainer", self.rank, shards, group=self.group, deadline_s=self.timeout_s,
+                    verify=self.job.rollout.sync_checksum,
                     staging=self.staging)
         finally:
             for i, pending in enumerate(calls):

@@ -77,11 +77,12 @@ def test_two_trainer_ranks_ep2_two_engines_shard_and_broadcast_sync_agree(tmp_pa
 def test_broadcast_sync_from_two_sources_matches_shard_sync(tmp_path):
     """The small preset (108 MiB) with 16 MB buckets: both trainer ranks are broadcast sources,
     each engine hears from both in two turns (SGLang's protocol, one group per source and engine).
-    The engines get the same weights as with the shard sync: same rewards, same final policy."""
+    The engines get the same weights as with the shard sync: same rewards, same final policy.
+    Checksums over every byte (`rollout.sync_checksum: full`) on both paths' point-to-point rounds."""
     args = ["--set", "model.preset=small-qwen3-moe", "--set", "trainer.num_procs=2", "--set", "trainer.ep=2",
             "--set", "rollout.num_engines=2", "--set", "data.num_prompts_per_step=2", "--set",
             "algorithm.group_size=2", "--set", "algorithm.num_steps=2", "--set", "rollout.bucket_mb=16",
-            "--set", "logging.progress=false"]
+            "--set", "rollout.sync_checksum=full", "--set", "logging.progress=false"]
     results = []
     for sync in ("shard", "broadcast"):
         records, final = run_with_sync(tmp_path / sync, sync, args)

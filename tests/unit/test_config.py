@@ -85,6 +85,8 @@ BAD = [
     ("backend", "rollout: {backend: vllm}", [], None, "rollout.backend", "'vllm'", "reference, sglang"),
     ("weight-sync", "rollout: {weight_sync: p2p}", [], None, "rollout.weight_sync", "'p2p'",
      "auto, shard, broadcast"),
+    ("sync-checksum", "rollout: {sync_checksum: crc32}", [], None, "rollout.sync_checksum", "'crc32'",
+     "sampled, full, off"),
     ("device", "resources: {device: gpu}", [], None, "resources.device", "'gpu'", "cpu, cuda"),
     ("dtype", "model: {dtype: fp16}", [], None, "model.dtype", "'fp16'", "float32, bfloat16"),
     ("unknown-preset", "model: {preset: tiny-qwen3}", [], None, "model.preset", "'tiny-qwen3'",
@@ -303,3 +305,11 @@ def test_schema_field_types_are_supported_by_the_loader():
         for f in dataclasses.fields(tp):
             hint = typing.get_type_hints(tp)[f.name]
             assert hint in (int, float, bool, str, str | None, list[str]), f"{section.name}.{f.name}: {hint}"
+
+
+def test_sync_checksum_choices_are_the_runtimes_modes():
+    """validate.py is torch-free, so it lists the modes itself; they must be moe's."""
+    from hpcrl.config.validate import SYNC_CHECKSUMS
+    from moe.runtime import VERIFY_MODES
+
+    assert SYNC_CHECKSUMS == VERIFY_MODES

@@ -198,6 +198,8 @@ def test_shard_route_refuses_bad_calls(server):
         client.update_weights_reshard({**good, "spec_sha256": spec_fingerprint(other)})
     with pytest.raises(EngineError, match="engine_rank=1"):
         client.update_weights_reshard({**good, "engine_rank": 1})
+    with pytest.raises(EngineError, match=r"field 'verify'='crc32' must be one of sampled, full, off"):
+        client.update_weights_reshard({**good, "verify": "crc32"})
     with pytest.raises(EngineError, match="Please call `init_weights_update_group` first") as info:
         client.update_weights_reshard(good)
     assert info.value.status == 400

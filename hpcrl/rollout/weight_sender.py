@@ -268,15 +268,22 @@ class WeightSender:
         self._check([self._pool.submit(getattr(c, method)) for c in self.clients], method)
 
     def _check(self, calls, what: str) -> None:
-        errors = []
-        for i, fut in enumerate(calls):
-            try:
-                fut.result(timeout=self.timeout_s)
-            except Exception as exc:
-                errors.append(f"engine {self.engine_ids[i]} ({self.clients[i].base_url}): {exc}")
+        errors = call_failures(calls, self.clients, self.engine_ids, self.timeout_s)
         if errors:
             raise RuntimeError(f"{what} failed on {len(errors)} of {len(calls)} engines: "
                                + "; ".join(errors))
+
+
+def call_failures(calls: list, clients: list, engine_ids: list[int], timeout_s: float) -> list[str]:
+    """Wait for one call per engine (futures, in `clients` order); "engine i (url): error" for each
+    that failed or did not answer within `timeout_s`."""
+    errors = []
+    for fut, client, engine in zip(calls, clients, engine_ids):
+        try:
+            fut.result(timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - every engine's failure goes into one report
+            errors.append(f"engine {engine} ({client.base_url}): {exc}")
+    return errors
 
 
 def _buckets(named_tensors, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:

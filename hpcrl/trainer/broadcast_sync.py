@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.config.schema import JobConfig
-from hpcrl.rollout.client import EngineClient, EngineError
-from hpcrl.rollout.weight_sender import WeightSender
+from hpcrl.rollout.client import EngineClient
+from hpcrl.rollout.weight_sender import WeightSender, call_failures
 from hpcrl.trainer.shard_sync import LocalHFShards, sync_host
 from moe.layouts import TensorPlacement
 from moe.runtime import Shards, Staging, gather_buckets, source_buckets
@@ -219,12 +219,7 @@ class BroadcastSync:
         calls = [self._pool.submit(getattr(c, method)) for c in self.clients]
 
         def collect() -> str | None:
-            errors = []
-            for i, (c, fut) in enumerate(zip(self.clients, calls)):
-                try:
-                    fut.result(timeout=self.timeout_s)
-                except (EngineError, OSError, TimeoutError) as exc:
-                    errors.append(f"engine {i} ({c.base_url}): {exc}")
+            errors = call_failures(calls, self.clients, list(range(len(self.clients))), self.timeout_s)
             return f"{method}: " + "; ".join(errors) if errors else None
 
         return self._pool.submit(collect)

@@ -308,7 +308,8 @@ def render(res: dict, args, load_before: str, load_after: str, wall_s: float) ->
             f"(goal >= 0.8; per rep: {' '.join(f'{x:.2f}' for x in per_rep)}), {ratio_full:.2f} with full "
             f"checksums, {ratio_nv:.2f} without. Planned vs gather+broadcast: "
             f"{ratio_gb:.1f}x faster (goal >= 3x). CPU seconds, all_to_all / planned: "
-            f"{cpu['all_to_all'] / cpu['planned']:.2f} sampled, {cpu['all_to_all'] / cpu['planned_full']:.2f} full, "
+            f"{cpu['all_to_all'] / cpu['planned']:.2f} sampled, "
+            f"{cpu['all_to_all'] / cpu['planned_full']:.2f} full, "
             f"{cpu['all_to_all'] / cpu['planned_noverify']:.2f} off. The plan's messages alone / "
             f"all_to_all: {med['all_to_all'] / med['messages']:.2f} (the transport cost of the plan's "
             f"message structure).", ""]

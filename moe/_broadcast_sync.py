@@ -8,9 +8,10 @@ a piece, always the least loaded so far in bytes. Each source packs its tensors,
 into buckets of at most `bucket_bytes` (a larger tensor is a bucket of its own). Bucket round k:
 (1) sources missing pieces of their k-th bucket gather them point to point from a holder (a
 checked, deadlined `exchange`); (2) every source broadcasts its k-th bucket plus a checksum to all
-rollout ranks in its own group ({source} + rollout ranks), all sources concurrently. Rollout
-ranks verify (moe/_reshard_runtime.py's checksum modes), hand each full tensor to `on_full_tensor` (an SGLang engine's load_weights) and
-keep the box their layout assigns. Entry point: `moe.runtime.broadcast_sync`.
+rollout ranks in its own group ({source} + rollout ranks), all sources concurrently. Rollout ranks
+verify (moe/_reshard_runtime.py's checksum modes), hand each full tensor to `on_full_tensor` (an
+SGLang engine's load_weights) and keep the box their layout assigns. Entry point:
+`moe.runtime.broadcast_sync`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from moe._reshard_runtime import (FULL, SAMPLE_EVERY, ChecksumError, Staging, _PeerPlan, _Prepared, _wait, checksum,
-                                  exchange, next_phase)
+from moe._reshard_runtime import (FULL, SAMPLE_EVERY, ChecksumError, Staging, _PeerPlan, _Prepared, _wait,
+                                  checksum, exchange, next_phase)
 from moe.layouts import TensorPlacement
 from moe.sources import Bucket, assign_sources, gather_holder
 from moe.slices import Box
@@ -162,9 +163,9 @@ def _consume(spec: MoESpec, b: Bucket, buf: torch.Tensor, boxes: dict[str, Box],
         got = checksum(buf[:b.nbytes], phase) if FULL <= phase < SAMPLE_EVERY else None
         if want != got:
             names = [spec.tensors[ti].name for ti in b.tensors]
-            raise ChecksumError(f"broadcast from {src_label}: checksum mismatch (sender {want}, phase {phase}, "
-                                f"receiver {got}) "
-                                f"in a bucket of {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
+            raise ChecksumError(f"broadcast from {src_label}: checksum mismatch (sender {want}, "
+                                f"phase {phase}, receiver {got}) in a bucket of {', '.join(names[:8])}"
+                                f"{' ...' if len(names) > 8 else ''}")
     for ti, off in zip(b.tensors, b.offsets):
         t = spec.tensors[ti]
         full = _full_view(buf, off, t.shape, getattr(torch, t.dtype), t.nbytes)

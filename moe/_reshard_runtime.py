@@ -268,9 +268,9 @@ def exchange(peers: Sequence[_PeerPlan | _Prepared], *, deadline_s: float, round
     works = dist.batch_isend_irecv(ops) if ops else []
     if checked and sent:
         phase = next_phase(verify, round_label)
-        sum_ops = [dist.P2POp(dist.isend, torch.tensor([phase, combine([checksum(b, phase) for b in payloads])],
-                                                       dtype=torch.int64, device=device), p.peer, group, tag)
-                   for p, tag, payloads in sent]
+        sums = [torch.tensor([phase, combine([checksum(b, phase) for b in payloads])], dtype=torch.int64,
+                             device=device) for _, _, payloads in sent]
+        sum_ops = [dist.P2POp(dist.isend, s, p.peer, group, tag) for s, (p, tag, _) in zip(sums, sent)]
         works += dist.batch_isend_irecv(sum_ops)
         owners += [p for p, _, _ in sent]
     _wait(works, owners, deadline_s, round_label, group, done)

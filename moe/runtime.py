@@ -38,8 +38,9 @@ from moe.slices import Box
 from moe.sources import Bucket, assign_sources
 from moe.specs import MoESpec
 
-__all__ = ["VERIFY_MODES", "ChecksumError", "RankMap", "ReshardError", "RoundTimeout", "Shards", "Staging", "allocate_shards",
-           "broadcast_groups", "broadcast_sync", "gather_buckets", "reshard", "source_buckets"]
+__all__ = ["VERIFY_MODES", "ChecksumError", "RankMap", "ReshardError", "RoundTimeout", "Shards", "Staging",
+           "allocate_shards", "broadcast_groups", "broadcast_sync", "gather_buckets", "reshard",
+           "source_buckets"]
 
 Shards = dict[str, tuple[Box, torch.Tensor]]
 ROLES = ("trainer", "rollout")

@@ -384,7 +384,8 @@ class ReferenceServer:
         with self.model_lock:
             self.reshard_staging = self.reshard_staging or Staging()
             try:
-                self.reshard_out = reshard(plan, "rollout", rank, group=group, deadline_s=deadline_s, verify=verify,
+                self.reshard_out = reshard(plan, "rollout", rank, group=group, deadline_s=deadline_s,
+                                           verify=verify,
                                            out=self.reshard_out, device=self.engine.device,
                                            staging=self.reshard_staging)
             except ReshardError as exc:

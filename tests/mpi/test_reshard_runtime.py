@@ -1,9 +1,10 @@
 """moe.runtime under real MPI + gloo: both weight paths are bit-exact, and a stalled peer is named.
 
 One `mpiexec -n 6` launch runs every layout pair (EP change, TP change, PP -> no PP, DP replicas,
-uneven pipeline stages, ETP) through `reshard` (the planned shard-to-shard path, small memory
-budget so there are many rounds and on-node relays; each checksum mode), `broadcast_sync` (the
-SGLang path, small buckets; sampled and full checksums) and two repeated `reshard` syncs that reuse their prepared rounds, comparing every rollout shard bit for bit with the same deterministically generated
+uneven pipeline stages, ETP) through `reshard` (the planned shard-to-shard path, small memory budget
+so there are many rounds and on-node relays; each checksum mode), `broadcast_sync` (the SGLang path,
+small buckets; sampled and full checksums) and two repeated `reshard` syncs that reuse their
+prepared rounds, comparing every rollout shard bit for bit with the same deterministically generated
 global tensors; then trainer rank 1 stops participating and the ranks waiting on it must raise
 RoundTimeout naming it. Run as a script, this file is the MPI program:
 `mpiexec -n 6 python test_reshard_runtime.py OUT_DIR`; each rank writes OUT_DIR/rank{r}.json (files,

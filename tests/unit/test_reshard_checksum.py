@@ -72,7 +72,8 @@ def test_receiver_raises_checksum_error_naming_peer_and_tensors(phase: int) -> N
     good = torch.tensor([phase, checksum(buf, phase)])
     _finish(peer, good, [buf], [], "reshard round 0/2 on rollout rank 0")  # passes
     bad = torch.tensor([phase, checksum(buf, phase) + 1])
-    with pytest.raises(ChecksumError, match=r"from trainer rank 1 \(global rank 5\).*model\.layers\.0\.mlp\.gate"):
+    named = r"from trainer rank 1 \(global rank 5\).*model\.layers\.0\.mlp\.gate"
+    with pytest.raises(ChecksumError, match=named):
         _finish(peer, bad, [buf], [], "reshard round 0/2 on rollout rank 0")
 
 

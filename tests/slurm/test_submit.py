@@ -89,8 +89,11 @@ def test_submitted_hetjob_matches_hpcrl_run_and_spans_both_components(slurm, job
         assert record["job_id"] == job_id and record["template"] == "hetjob.sbatch.j2"
         # `hpcrl render` prints exactly the script that was submitted
         assert hpcrl("render", str(EXAMPLE), *het).stdout == (run_dir / "job.sbatch").read_text()
+        # as from a terminal: a shell's background jobs (nohup ... &) inherit SIGINT ignored, and a
+        # Python started with it ignored installs no KeyboardInterrupt handler
         follower = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "logs", str(run_dir), "-f"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             # (e) while the ranks live: which node (component) each one runs on
             ranks = slurm.wait_until("the controller to write .ranks.json",

@@ -89,11 +89,8 @@ def test_submitted_hetjob_matches_hpcrl_run_and_spans_both_components(slurm, job
         assert record["job_id"] == job_id and record["template"] == "hetjob.sbatch.j2"
         # `hpcrl render` prints exactly the script that was submitted
         assert hpcrl("render", str(EXAMPLE), *het).stdout == (run_dir / "job.sbatch").read_text()
-        # as from a terminal: a shell's background jobs (nohup ... &) inherit SIGINT ignored, and a
-        # Python started with it ignored installs no KeyboardInterrupt handler
         follower = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "logs", str(run_dir), "-f"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
         try:
             # (e) while the ranks live: which node (component) each one runs on
             ranks = slurm.wait_until("the controller to write .ranks.json",
@@ -147,9 +144,12 @@ def test_cancel_ends_the_job_and_every_rank(slurm, job_dir: Path) -> None:
     ranks = slurm.wait_until("the ranks to start", lambda: json.loads((run_dir / ".ranks.json").read_text())
                              if (run_dir / ".ranks.json").exists() else None, 240, job_id)
     assert [r["role"] for r in ranks] == ["controller", "trainer", "rollout"]
-    # Ctrl-C of `hpcrl logs -f` ends it quietly (exit 130, no traceback) and leaves the job alone
+    # Ctrl-C of `hpcrl logs -f` ends it quietly (exit 130, no traceback) and leaves the job alone.
+    # SIGINT at its default disposition, as from a terminal: a shell's background jobs (nohup ... &)
+    # inherit it ignored, and a Python started so installs no KeyboardInterrupt handler.
     follower = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "logs", str(run_dir), "-f"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         header = follower.stdout.readline()  # blocks until the follower runs and found the log
         follower.send_signal(signal.SIGINT)

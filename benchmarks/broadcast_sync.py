@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from results_md import append_to_section
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
 COMMON = ["model.preset=small-qwen3-moe", "trainer.num_procs=2", "trainer.ep=2", "rollout.num_engines=2",
@@ -92,14 +94,7 @@ def main() -> int:
     table = "\n".join(rows) + "\n"
     print(table)
     if args.results:
-        text = args.results.read_text()
-        head = "\n## broadcast_sync\n"
-        if head not in text:
-            text = text.rstrip() + "\n" + head
-        start = text.index(head) + len(head)
-        end = text.find("\n## ", start)
-        end = len(text) if end < 0 else end + 1
-        args.results.write_text(text[:end].rstrip() + "\n\n" + table + ("\n" + text[end:] if end < len(text) else ""))
+        append_to_section(args.results, "## broadcast_sync", table)
     return 0
 
 

@@ -24,6 +24,7 @@ from moe.layouts import RolloutLayout, TrainerLayout
 from moe.network import Topology
 from moe.report import plan_report
 from moe.specs import get_spec
+from results_md import append_to_section
 
 CASES = {
     "256 -> 128": (TrainerLayout(tp=8, pp=8, ep=32, etp=1, dp=4, first_stage_layers=7, last_stage_layers=6),
@@ -81,19 +82,6 @@ def section(rows: list[dict], command: str) -> str:
     return "\n".join(lines)
 
 
-def append_section(text: str) -> None:
-    """Append `text` at the end of the `## plan_scale` section, creating the file or section if needed."""
-    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    if HEADING not in old:
-        RESULTS.write_text(old.rstrip("\n") + f"\n\n{HEADING}\n\n{text}")
-        return
-    start = old.index(HEADING)
-    nxt = old.find("\n## ", start + len(HEADING))
-    end = len(old) if nxt < 0 else nxt + 1
-    body = old[start:end].rstrip("\n") + "\n\n" + text
-    RESULTS.write_text(old[:start] + body + ("\n" + old[end:] if end < len(old) else ""))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget-gib", type=float, default=1.0, help="staging memory per GPU per round")
@@ -102,7 +90,7 @@ def main() -> None:
     rows = run(int(args.budget_gib * 2**30))
     if not args.no_write:
         command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/plan_scale.py", *sys.argv[1:]])
-        append_section(section(rows, command))
+        append_to_section(RESULTS, HEADING, section(rows, command))
         print(f"appended to {RESULTS}")
 
 

@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+from results_md import append_to_section
+
 REPO = Path(__file__).resolve().parent.parent
 CHUNK_BYTES = 64 << 20
 
@@ -265,7 +267,7 @@ def main() -> None:
     text = render(res, args, load_before, _load(), time.time() - t0)
     print(text)
     if args.results:
-        append_section(args.results, text)
+        append_to_section(args.results, "## reshard_cpu", text)
 
 
 def render(res: dict, args, load_before: str, load_after: str, wall_s: float) -> str:
@@ -314,20 +316,6 @@ def render(res: dict, args, load_before: str, load_after: str, wall_s: float) ->
             f"all_to_all: {med['all_to_all'] / med['messages']:.2f} (the transport cost of the plan's "
             f"message structure).", ""]
     return "\n".join(out)
-
-
-def append_section(path: Path, text: str) -> None:
-    """Append `text` at the end of the `## reshard_cpu` section (created at the end if missing)."""
-    body = path.read_text() if path.exists() else "# Benchmark results\n"
-    lines = body.splitlines()
-    try:
-        start = lines.index("## reshard_cpu")
-    except ValueError:
-        path.write_text(body.rstrip("\n") + "\n\n## reshard_cpu\n\n" + text + "\n")
-        return
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    new = lines[:end] + ([""] if lines[end - 1].strip() else []) + text.splitlines() + lines[end:]
-    path.write_text("\n".join(new).rstrip("\n") + "\n")
 
 
 if __name__ == "__main__":

@@ -84,8 +84,10 @@ def run(spec: MoESpec, src_placement: list[TensorPlacement], rollout_boxes: dict
             _gather(spec, src_placement, plan, k, rank, shards or {}, bufs.get(rank), global_rank, label,
                     deadline_s, verify)
             if mine is not None:
-                phase = next_phase(verify, f"broadcast bucket {k} from {label('trainer', rank)}")
-                s = checksum(bufs[rank][:mine.nbytes], phase) if verify != "off" else 0
+                phase, s = FULL, 0  # "off": the trailer travels unchecked
+                if verify != "off":
+                    phase = next_phase(verify, f"broadcast bucket {k} from {label('trainer', rank)}")
+                    s = checksum(bufs[rank][:mine.nbytes], phase)
                 bufs[rank][mine.nbytes:].view(torch.int64)[:] = torch.tensor([phase, s])
         else:
             for s in sources:

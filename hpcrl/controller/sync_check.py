@@ -10,6 +10,8 @@ tokens off (a router near-tie rounded differently by the two computations).
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 
@@ -20,24 +22,24 @@ class WeightSyncError(RuntimeError):
 def logprob_max_abs_diff(rollout, trainer_logp_BT: np.ndarray, tolerance: float, step: int) -> float:
     """The max |engine - trainer| log-prob over all response tokens; WeightSyncError above
     `tolerance` (a NaN or infinite log-prob on either side counts as infinitely far)."""
-    diffs: list[np.ndarray] = []
-    rows: list[int] = []
-    for b, engine_lp in enumerate(rollout.engine_logprobs):
-        if not engine_lp:
-            continue
-        d = np.abs(np.asarray(engine_lp, dtype=np.float64) - trainer_logp_BT[b, : len(engine_lp)])
-        d[~np.isfinite(d)] = np.inf
-        diffs.append(d)
-        rows.append(b)
-    if not diffs:
-        return 0.0
-    worst_of = [float(d.max()) for d in diffs]
-    k = int(np.argmax(worst_of))
-    worst = worst_of[k]
+    engine = rollout.engine_logprobs
+    lengths_B = np.fromiter(map(len, engine), dtype=np.int64, count=len(engine))
+    total = int(lengths_B.sum())
+    # Every response token in row order, on both sides: one vectorised pass (a loop over rows cost
+    # ~1.4 ms per step of the tiny example's controller).
+    engine_N = np.fromiter(itertools.chain.from_iterable(engine), dtype=np.float64, count=total)
+    assert lengths_B.max(initial=0) <= trainer_logp_BT.shape[1], "a response is longer than the trainer's"
+    mask_BT = np.arange(trainer_logp_BT.shape[1])[None, :] < lengths_B[:, None]
+    d_N = np.abs(engine_N - trainer_logp_BT[mask_BT])
+    d_N[~np.isfinite(d_N)] = np.inf
+    worst = float(d_N.max(initial=0.0))
     if worst <= tolerance:
         return worst
-    every = np.concatenate(diffs)
-    over, median = int((every > tolerance).sum()), float(np.median(every))
+    rows = [b for b, n in enumerate(lengths_B) if n]
+    diffs = np.split(d_N, np.cumsum(lengths_B[rows])[:-1])
+    worst_of = [float(d.max()) for d in diffs]
+    k = int(np.argmax(worst_of))
+    over, median = int((d_N > tolerance).sum()), float(np.median(d_N))
     seqs = sum(1 for w in worst_of if w > tolerance)
     if median <= tolerance / 10:
         why = ("Most tokens agree, and a weight-sync defect would move them all: this is most likely "
@@ -50,5 +52,5 @@ def logprob_max_abs_diff(rollout, trainer_logp_BT: np.ndarray, tolerance: float,
     raise WeightSyncError(
         f"step {step}: engine and trainer log-probs differ by {worst:.3g} (sequence {rows[k]}, response "
         f"token {int(diffs[k].argmax())}) > rollout.logprob_tolerance={tolerance:g}; {over} of "
-        f"{every.size} response tokens in {seqs} of {len(diffs)} sequences exceed it, median "
+        f"{d_N.size} response tokens in {seqs} of {len(diffs)} sequences exceed it, median "
         f"difference {median:.2g}. {why}")

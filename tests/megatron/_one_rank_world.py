@@ -80,6 +80,30 @@ def check_mappings() -> None:
     torch.testing.assert_close(y, x @ w.t())
 
 
+def check_grad_norm() -> None:
+    """Patch 11: on a one-rank group the grad norm is the original's value exactly, without its
+    all-reduce; other norm types still go to Megatron's function (which all-reduces)."""
+    from unittest import mock
+
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    assert optimizer.get_grad_norm_fp32 is clip_grads.get_grad_norm_fp32
+    original = next(c.cell_contents for c in clip_grads.get_grad_norm_fp32.__closure__
+                    if getattr(c.cell_contents, "__name__", "") == "get_grad_norm_fp32")
+    g = torch.Generator().manual_seed(5)
+    grads = [torch.randn(shape, generator=g) for shape in ((7, 3), (11,), (2, 5, 4))]
+    group = dist.new_group([0])
+    want = original(grads, 2, group)
+    with mock.patch.object(dist, "all_reduce", side_effect=AssertionError("all_reduce on one rank")):
+        got = clip_grads.get_grad_norm_fp32(grads, grad_stats_parallel_group=group)
+        assert clip_grads.get_grad_norm_fp32([], grad_stats_parallel_group=group) == 0.0
+    assert got == want and abs(got - float(torch.cat([x.flatten() for x in grads]).norm())) < 1e-5
+    with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as reduce:
+        assert abs(clip_grads.get_grad_norm_fp32(grads, 1, group)
+                   - float(sum(x.abs().sum() for x in grads))) < 1e-3
+    assert reduce.called
+
+
 if __name__ == "__main__":
     from hpcrl.dist import free_port
     from hpcrl.trainer import megatron_compat
@@ -92,5 +116,5 @@ if __name__ == "__main__":
     parallel_state.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     name = sys.argv[1]
-    {"mappings": check_mappings, "experts": check_experts}[name]()
+    {"mappings": check_mappings, "experts": check_experts, "grad_norm": check_grad_norm}[name]()
     print(f"{name} OK")

@@ -52,6 +52,10 @@ and measurements: notes/python_stack.md sections 2-2.4):
      -> patch 8's foreach norm alone when the L2 norm's reduction group has one rank and no grad is
      a DTensor: without the per-grad DTensor probes and the one-rank all-reduce (~0.35 ms of the
      tiny model's ~45 ms step), and with the same float arithmetic, so the same value.
+  12. `rope_utils.py:92 _apply_rotary_pos_emb_bshd` ends with `torch.cat((t, t_pass))`, which
+     copies the rotated q or k when the rotary dims cover the whole head (t_pass empty; every
+     model hpcrl builds but MLA); the fast path returns the rotated tensor itself (-1% of the
+     tiny train step, same-process A/B). MLA and partial rotary go to Megatron's function.
   Together with patch 1 caching its attribute look-ups, patches 7-9 took the tiny model's train
   step from 58 to 46 ms (median of 4 alternating runs), patch 10 another 11% (same-process A/B;
   dev/LOG.md). Attention is left to Megatron: SDPA there (7% faster) moved the trainer's rounding
@@ -355,6 +359,20 @@ def _grouped_experts_fast_path(original: Any) -> Any:
     return forward
 
 
+def _rope_without_pass_through(original: Any, rotate_half: Any) -> Any:
+    """`rope_utils._apply_rotary_pos_emb_bshd` without the copy that appends an empty pass-through
+    part (patch 12): Megatron's unfused RoPE arithmetic, op for op."""
+    def apply(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
+              multi_latent_attention: bool = False, mscale: float = 1.0) -> torch.Tensor:
+        if multi_latent_attention or t.shape[-1] != freqs.shape[-1]:
+            return original(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
+        cos_ = (torch.cos(freqs) * mscale).to(t.dtype)
+        sin_ = (torch.sin(freqs) * mscale).to(t.dtype)
+        return (t * cos_) + (rotate_half(t, rotary_interleaved) * sin_)
+
+    return apply
+
+
 def _one_rank_grad_norm(original: Any) -> Any:
     """`clip_grads.get_grad_norm_fp32` that skips the reductions when they are over one rank
     (patch 11): the same (norm ** 2) ** (1 / 2) float the original returns there."""
@@ -387,6 +405,7 @@ def _apply_cpu_patches() -> None:
     for name in _CPU_MODULES:
         importlib.import_module(name).torch = cpu_torch
 
+    from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.tensor_parallel import layers, mappings, random
     from megatron.core.transformer import torch_norm
@@ -402,6 +421,8 @@ def _apply_cpu_patches() -> None:
         layers.linear_with_grad_accumulation_and_async_allreduce)
     router.router_gating_linear = _router_linear_fast_path(router.router_gating_linear)
     experts.SequentialMLP.forward = _grouped_experts_fast_path(experts.SequentialMLP.forward)
+    rope_utils._apply_rotary_pos_emb_bshd = _rope_without_pass_through(rope_utils._apply_rotary_pos_emb_bshd,
+                                                                      rope_utils._rotate_half)
     for fn_name, group_first in (("copy_to_tensor_model_parallel_region", False),
                                  ("reduce_from_tensor_model_parallel_region", False),
                                  ("all_to_all", True)):

@@ -141,3 +141,23 @@ def test_one_rank_world_checks(name: str) -> None:
     out = subprocess.run([sys.executable, str(script), name], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == f"{name} OK", out.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU patches")
+def test_rope_without_pass_through_gives_megatrons_values_and_grads() -> None:
+    """Patch 12: full-head RoPE without the final copy is Megatron's result bit for bit (plain and
+    interleaved, with mscale); partial rotary and MLA still go through Megatron's function."""
+    megatron_compat.apply()
+    from megatron.core.models.common.embeddings import rope_utils
+
+    fast = rope_utils._apply_rotary_pos_emb_bshd
+    original = next(c.cell_contents for c in fast.__closure__
+                    if getattr(c.cell_contents, "__name__", "") == "_apply_rotary_pos_emb_bshd")
+    g = torch.Generator().manual_seed(2)
+    t, freqs = torch.randn(6, 3, 2, 8, generator=g), torch.randn(6, 1, 1, 8, generator=g)
+    for interleaved, mscale in ((False, 1.0), (True, 0.7)):
+        want = _values_and_grads(lambda t, f: original(t, f, interleaved, False, mscale), t, freqs)
+        got = _values_and_grads(lambda t, f: fast(t, f, interleaved, False, mscale), t, freqs)
+        assert all(torch.equal(a, c) for a, c in zip(got, want))
+    for args in ((t, freqs[..., :4]), (t, freqs, False, True)):  # partial rotary; MLA
+        assert torch.equal(fast(*args), original(*args))

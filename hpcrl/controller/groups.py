@@ -8,6 +8,7 @@ requests go straight to the engines' HTTP servers. Each `async_*` method returns
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpcrl.controller.comm import PendingCall, RankFailure, RoleGroup, World
-from hpcrl.rollout.client import EngineClient, EngineError
+from hpcrl.rollout.client import EngineClient, EngineError, PendingResponse
 from hpcrl.tasks import Example
 
 
@@ -44,6 +45,23 @@ class TrainResult:
 
     metrics: dict[str, float]
     logprobs_BT: np.ndarray
+
+
+@dataclass
+class GenerateRequest:
+    """A step's generation requests, ready to send: one encoded /generate body per engine (None
+    for an engine with no prompt)."""
+
+    examples: list[Example]
+    prompt_ids: list[list[int]]
+    bodies: list[bytes | None]
+
+
+@dataclass
+class PendingRollout:
+    step: int
+    request: GenerateRequest
+    answers: list[tuple[int, PendingResponse]]  # (rollout rank, its engine's answer)
 
 
 def _leader(replies: dict[int, object]) -> object:
@@ -102,9 +120,11 @@ class PolicyGroup:
 
     def train(self, step: int, rollout: Rollout, advantages: np.ndarray, ref_BT: np.ndarray | None,
               temperature: float) -> TrainResult:
-        """One on-policy optimizer step (the engines sampled with the current weights)."""
+        """One on-policy optimizer step (the engines sampled with the current weights). The trainer
+        learns that a sync follows (`sync_version`), so it can prepare the engines for it while it
+        trains."""
         payload = {**rollout.token_batch(), "advantages": advantages, "ref_logprobs": ref_BT,
-                   "temperature": temperature}
+                   "temperature": temperature, "sync_version": str(step)}
         train = self._async("train", step, payload)
         self._queued_sync = (step, self._send("sync", step, {"weight_version": str(step)}))
         out = train.wait()
@@ -139,8 +159,8 @@ class RolloutGroup:
     """One rank per generation engine; prompts are split evenly across engines.
 
     The ranks launch and stop the engines. Generation goes from the controller straight to the
-    engines over SGLang's HTTP API, all engines at once (each request written before any answer is
-    read), with the phase deadline as the socket timeout: no MPI hop per step. A failed request is
+    engines over SGLang's HTTP API, all engines at once (`start` writes each request before
+    `collect` reads any answer), with the phase deadline as the socket timeout: no MPI hop per step. A failed request is
     reported as a RankFailure naming the engine's rollout rank. Each step also posts a heartbeat to
     the ranks, collected at the next step, so a rollout rank that died is named even if its engine
     still answers, and idle ranks keep hearing from the controller.
@@ -161,22 +181,32 @@ class RolloutGroup:
         return _Handle(self.group.async_call("init", -1, None, timeout_s=startup_timeout_s),
                        startup_timeout_s, connect)
 
-    def generate(self, step: int, examples: list[Example], prompt_ids: list[list[int]],
-                 sampling_params: list[dict]) -> Rollout:
-        self._beat(step)
+    def prepare(self, examples: list[Example], prompt_ids: list[list[int]],
+                sampling_params: list[dict]) -> GenerateRequest:
+        """Split a step's prompts evenly across the engines and encode each engine's /generate body."""
         bounds = np.linspace(0, len(prompt_ids), len(self.engines) + 1).astype(int)
+        bodies = [json.dumps({"input_ids": prompt_ids[lo:hi], "sampling_params": sampling_params[lo:hi],
+                              "return_logprob": True}).encode() if hi > lo else None
+                  for lo, hi in zip(bounds[:-1], bounds[1:])]
+        return GenerateRequest(examples, prompt_ids, bodies)
+
+    def start(self, step: int, request: GenerateRequest) -> PendingRollout:
+        """Write every engine's request (all before any answer is read); `collect` reads them."""
+        self._beat(step)
         pending = []
-        for rank, engine, lo, hi in zip(self.group.ranks, self.engines, bounds[:-1], bounds[1:]):
-            if hi > lo:
-                body = {"input_ids": prompt_ids[lo:hi], "sampling_params": sampling_params[lo:hi],
-                        "return_logprob": True}
+        for rank, engine, body in zip(self.group.ranks, self.engines, request.bodies):
+            if body is not None:
                 with self._engine_of(rank, step):
                     pending.append((rank, engine.start("POST", "/generate", body)))
+        return PendingRollout(step, request, pending)
+
+    def collect(self, started: PendingRollout) -> Rollout:
         outs = []
-        for rank, answer in pending:
-            with self._engine_of(rank, step):
+        for rank, answer in started.answers:
+            with self._engine_of(rank, started.step):
                 outs += answer.result()
-        return Rollout(examples, prompt_ids, [o["output_ids"] for o in outs],
+        r = started.request
+        return Rollout(r.examples, r.prompt_ids, [o["output_ids"] for o in outs],
                        [[lp[0] for lp in o["meta_info"]["output_token_logprobs"]] for o in outs],
                        [o["meta_info"]["finish_reason"]["type"] for o in outs])
 

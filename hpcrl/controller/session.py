@@ -14,7 +14,7 @@ import numpy as np
 from hpcrl.config.schema import JobConfig
 from hpcrl.controller.checkpointing import Checkpointer, resume_mode_from_env
 from hpcrl.controller.comm import World
-from hpcrl.controller.groups import PolicyGroup, Rollout, RolloutGroup
+from hpcrl.controller.groups import GenerateRequest, PolicyGroup, Rollout, RolloutGroup
 from hpcrl.controller.metrics import MetricsLogger
 from hpcrl.controller.phase_file import PhaseFile
 from hpcrl.rewards import load_reward_fn
@@ -40,6 +40,7 @@ class Session:
         self.checkpointer = Checkpointer(job, run_dir, self.policy, resume_mode_from_env())
         self.metrics: MetricsLogger | None = None
         self.phase_file = PhaseFile(run_dir / ".phase.json")
+        self._prepared: dict[int, GenerateRequest] = {}  # the next step's requests, built ahead
         self._write_json(".ranks.json", [r.__dict__ for r in world.ranks])
         roles = {role: [r for r in world.ranks if r.role == role] for role in ("controller", "trainer", "rollout")}
         print(f"hpcrl: MPI world of {len(world.ranks)} ranks: " + "; ".join(
@@ -76,6 +77,16 @@ class Session:
                                      tensorboard=log.tensorboard, progress=log.progress)
 
     def generate(self, step: int) -> Rollout:
+        """The step's completions. The next step's requests are built while the engines generate
+        (the controller is idle then; building them costs ~1 ms of the tiny run's step)."""
+        request = self._prepared.pop(step, None) or self._request(step)
+        started = self.rollouts.start(step, request)
+        if step + 1 < self.job.algorithm.num_steps:
+            self._prepared = {step + 1: self._request(step + 1)}
+        return self.rollouts.collect(started)
+
+    def _request(self, step: int) -> GenerateRequest:
+        """Prompts and sampling parameters of `step`: a pure function of the job and the step."""
         examples = [ex for ex in self.sampler.batch(step) for _ in range(self.job.algorithm.group_size)]
         prompt_ids = [self.tokenizer.encode(ex.prompt) for ex in examples]
         r = self.job.rollout
@@ -83,7 +94,7 @@ class Session:
                    "stop_token_ids": [self.tokenizer.eos_id], "ignore_eos": r.ignore_eos,
                    "sampling_seed": sampling_seed(self.job.trainer.seed, step, i)}
                   for i in range(len(examples))]
-        return self.rollouts.generate(step, examples, prompt_ids, params)
+        return self.rollouts.prepare(examples, prompt_ids, params)
 
     def score(self, rollout: Rollout) -> np.ndarray:
         texts = [self.tokenizer.decode(ids) for ids in rollout.response_ids]

@@ -75,9 +75,10 @@ class EngineClient:
 
         For a call that must be in flight while this thread does other work (the shard sync: the
         engine receives while the trainer sends), without a thread hand-off. Not retried: a kept-alive
-        connection the server has closed is detected and replaced before writing.
+        connection the server has closed is detected and replaced before writing. `payload` is a
+        JSON-able object, or bytes of JSON encoded ahead of time.
         """
-        body = None if payload is None else json.dumps(payload).encode()
+        body = payload if isinstance(payload, bytes) or payload is None else json.dumps(payload).encode()
         try:
             conn = self._connection(fresh=self._dropped())
             conn.sock.settimeout(self.timeout_s if timeout_s is None else timeout_s)

@@ -100,6 +100,9 @@ class ShardSync:
                                    topology=Topology(colocated=not spans_hosts(job)))
         self.plan = self.request.build(self.spec)
         self.fingerprint = spec_fingerprint(self.spec)
+        self.request_json = {**self.request.to_json(), "group_name": GROUP_NAME, "spec_sha256": self.fingerprint,
+                             "deadline_s": self.timeout_s, "verify": job.rollout.sync_checksum}
+        self._announced: tuple[str, tuple[list[Any], list[str]]] | None = None
         self.dtype = getattr(torch, job.model.dtype)
         self.group: dist.ProcessGroup | None = None
         self.staging = Staging()
@@ -141,6 +144,32 @@ class ShardSync:
                 raise RuntimeError(f"engine {i} ({self.clients[i].base_url}) could not join the reshard group: "
                                    f"{exc}") from exc
 
+    def announce(self, weight_version: str) -> None:
+        """Write the engines' requests for the next push now (rank 0; nothing elsewhere).
+
+        Called before the update whose weights that push sends: the engines parse the request and
+        find their plan while this rank trains (they are idle then: generation is over), then wait
+        in their receives, so the push starts sending at once (~1 ms of the tiny run's sync). The
+        caller guarantees that `push(weight_version)` follows, as the controller does by queueing
+        the sync right behind the train command; the engines wait for it up to the deadline.
+        """
+        if self.rank == 0:
+            assert self._announced is None, "announce() twice without a push in between"
+            self._announced = (weight_version, self._start_requests(weight_version))
+
+    def _start_requests(self, weight_version: str) -> tuple[list[Any], list[str]]:
+        """Write every engine's request (answered after the transfer); (pending calls, errors)."""
+        calls: list[Any] = []
+        errors: list[str] = []
+        body = {**self.request_json, "weight_version": weight_version}
+        for i, c in enumerate(self.clients):
+            try:
+                calls.append(c.start_update_weights_reshard({**body, "engine_rank": i}))
+            except Exception as exc:  # noqa: BLE001 - reported with the others by push
+                calls.append(None)
+                errors.append(f"engine {i} ({c.base_url}): {exc}")
+        return calls, errors
+
     def push(self, weight_version: str) -> dict[str, float] | None:
         """Move the current weights into every engine; {"bytes", "seconds"} on rank 0, else None."""
         if self.group is None:
@@ -148,19 +177,15 @@ class ShardSync:
         t0 = time.perf_counter()
         shards = self.local.refresh()
         calls: list[Any] = []
-        errors = []
+        errors: list[str] = []
         if self.rank == 0:
-            # Written from this thread and answered after the transfer: no thread hand-off between
-            # the request and this rank's sends (it cost ~1 ms per sync on the tiny run).
-            body = {**self.request.to_json(), "group_name": GROUP_NAME, "weight_version": weight_version,
-                    "spec_sha256": self.fingerprint, "deadline_s": self.timeout_s,
-                    "verify": self.job.rollout.sync_checksum}
-            for i, c in enumerate(self.clients):
-                try:
-                    calls.append(c.start_update_weights_reshard({**body, "engine_rank": i}))
-                except Exception as exc:  # noqa: BLE001 - reported with the others below
-                    calls.append(None)
-                    errors.append(f"engine {i} ({c.base_url}): {exc}")
+            if self._announced is not None:
+                (version, (calls, errors)), self._announced = self._announced, None
+                assert version == weight_version, f"announced version {version}, pushing {weight_version}"
+            else:
+                # Written from this thread and answered after the transfer: no thread hand-off
+                # between the request and this rank's sends (it cost ~1 ms per sync on the tiny run).
+                calls, errors = self._start_requests(weight_version)
         try:
             reshard(self.plan, "trainer", self.rank, shards, group=self.group, deadline_s=self.timeout_s,
                     verify=self.job.rollout.sync_checksum,

@@ -88,6 +88,8 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         import torch
 
         p = cmd.payload
+        if p.get("sync_version") is not None:  # the controller queued a sync right behind this step
+            state["weight_sync"].announce(p["sync_version"])
         ref = None if p["ref_logprobs"] is None else torch.from_numpy(p["ref_logprobs"])
         out = state["policy"].train_step(batch_of(p), torch.from_numpy(p["advantages"]), None, ref,
                                          temperature=p["temperature"], on_policy=True)

@@ -38,6 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from checkpoints import CheckpointWriter, open_checkpoint  # noqa: E402
 from checkpoints._dtypes import to_storage  # noqa: E402
 from moe.slices import Box  # noqa: E402
+from results_md import replace_section  # noqa: E402
+
+HEADING = "## checkpoint_io"
 
 
 def build_state(size_gb: float, ranks: int) -> dict[str, torch.Tensor]:
@@ -201,9 +204,9 @@ def main() -> None:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     report = render(rows, nbytes, args)
-    print(report)
+    print(f"{HEADING}\n\n{report}")
     if args.results is not None:
-        write_section(args.results, report)
+        replace_section(args.results, HEADING, report)
 
 
 def render(rows: list[dict[str, float]], nbytes: int, args: argparse.Namespace) -> str:
@@ -219,8 +222,6 @@ def render(rows: list[dict[str, float]], nbytes: int, args: argparse.Namespace) 
     cmd = (f".venv/bin/python benchmarks/checkpoint_io.py --size-gb {args.size_gb} --ranks {args.ranks} "
            f"--repeats {args.repeats}" + (f" --results {args.results}" if args.results else ""))
     return "\n".join([
-        "## checkpoint_io",
-        "",
         f"`{cmd}`  ",
         f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs shared with other jobs (load average "
         f"{args.load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end), "
@@ -253,19 +254,6 @@ def render(rows: list[dict[str, float]], nbytes: int, args: argparse.Namespace) 
         f"| caller blocked by a sync save | {med('save_blocked'):.2f} |",
         "",
     ])
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace (or append) the `## checkpoint_io` section of a markdown file, leaving the rest."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.strip() == "## checkpoint_io"), None)
-    if start is None:
-        new = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        new = "".join(lines[:start]) + section + ("\n" + "".join(lines[end:]) if end < len(lines) else "")
-    path.write_text(new.rstrip("\n") + "\n")
 
 
 if __name__ == "__main__":

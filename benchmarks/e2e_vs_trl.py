@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from results_md import replace_section
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
 TRL_SCRIPT = REPO / "benchmarks" / "trl_grpo_tiny.py"
@@ -216,19 +218,6 @@ def reward_curves(cfg: BenchConfig, by: dict[str, list[RunResult]]) -> list[str]
     return out + [""]
 
 
-def write_section(path: Path, body: str) -> None:
-    """Replace (or append) the `## e2e_vs_trl` section of `path`, leaving other sections untouched."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    start = text.find(f"\n{SECTION}\n")
-    new = f"{SECTION}\n\n{body.rstrip()}\n"
-    if start < 0:
-        text = text.rstrip() + "\n\n" + new
-    else:
-        end = text.find("\n## ", start + 1)
-        text = text[:start + 1] + new + ("" if end < 0 else "\n" + text[end + 1:])
-    path.write_text(text)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="tiny,compute", help="comma list of: tiny, compute")
@@ -305,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.threads} torch thread(s) per compute process on both sides. {args.note}")
     print(f"\nrun dirs and results.json: {out_dir}")
     if args.results:
-        write_section(args.results, head + "\n\n" + "\n".join(blocks))
+        replace_section(args.results, SECTION, head + "\n\n" + "\n".join(blocks))
         print(f"wrote the {SECTION} section of {args.results}")
 
 

@@ -19,3 +19,19 @@ def append_to_section(path: Path, heading: str, text: str) -> None:
     new = (lines[:end] + ([""] if lines[end - 1].strip() else []) + text.rstrip("\n").splitlines()
            + ([""] if end < len(lines) else []) + lines[end:])
     path.write_text("\n".join(new).rstrip("\n") + "\n")
+
+
+def replace_section(path: Path, heading: str, body: str) -> None:
+    """Make `body` the whole text under `heading` (e.g. "## e2e_vs_trl") in the markdown file `path`,
+    leaving every other section as it is; the section (and the file) is created at the end if missing."""
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    lines = text.splitlines()
+    section = [heading, ""] + body.strip("\n").splitlines()
+    try:
+        start = lines.index(heading)
+    except ValueError:
+        path.write_text(text.rstrip("\n") + "\n\n" + "\n".join(section) + "\n")
+        return
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    new = lines[:start] + section + ([""] if end < len(lines) else []) + lines[end:]
+    path.write_text("\n".join(new).rstrip("\n") + "\n")

@@ -101,7 +101,7 @@ class ShardSync:
         self.plan = self.request.build(self.spec)
         self.fingerprint = spec_fingerprint(self.spec)
         self.request_json = {**self.request.to_json(), "group_name": GROUP_NAME, "spec_sha256": self.fingerprint,
-                             "deadline_s": self.timeout_s, "verify": job.rollout.sync_checksum}
+                             "verify": job.rollout.sync_checksum}
         self._announced: tuple[str, tuple[list[Any], list[str]]] | None = None
         self.dtype = getattr(torch, job.model.dtype)
         self.group: dist.ProcessGroup | None = None
@@ -151,17 +151,18 @@ class ShardSync:
         find their plan while this rank trains (they are idle then: generation is over), then wait
         in their receives, so the push starts sending at once (~1 ms of the tiny run's sync). The
         caller guarantees that `push(weight_version)` follows, as the controller does by queueing
-        the sync right behind the train command; the engines wait for it up to the deadline.
+        the sync right behind the train command. The engines' first round then also waits out the
+        update, so its deadline is twice the phase timeout: the update's phase has its own.
         """
         if self.rank == 0:
             assert self._announced is None, "announce() twice without a push in between"
-            self._announced = (weight_version, self._start_requests(weight_version))
+            self._announced = (weight_version, self._start_requests(weight_version, 2 * self.timeout_s))
 
-    def _start_requests(self, weight_version: str) -> tuple[list[Any], list[str]]:
+    def _start_requests(self, weight_version: str, deadline_s: float) -> tuple[list[Any], list[str]]:
         """Write every engine's request (answered after the transfer); (pending calls, errors)."""
         calls: list[Any] = []
         errors: list[str] = []
-        body = {**self.request_json, "weight_version": weight_version}
+        body = {**self.request_json, "weight_version": weight_version, "deadline_s": deadline_s}
         for i, c in enumerate(self.clients):
             try:
                 calls.append(c.start_update_weights_reshard({**body, "engine_rank": i}))
@@ -185,7 +186,7 @@ class ShardSync:
             else:
                 # Written from this thread and answered after the transfer: no thread hand-off
                 # between the request and this rank's sends (it cost ~1 ms per sync on the tiny run).
-                calls, errors = self._start_requests(weight_version)
+                calls, errors = self._start_requests(weight_version, self.timeout_s)
         try:
             reshard(self.plan, "trainer", self.rank, shards, group=self.group, deadline_s=self.timeout_s,
                     verify=self.job.rollout.sync_checksum,

@@ -10,6 +10,7 @@ Fault injection for tests: HPCRL_FAULT="<rank>:<op>:<exit|crash|hang>" (hpcrl/fa
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -30,6 +31,23 @@ def _redirect_output(run_dir: Path, rank: int, role: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+def join_world_within(num_trainer: int, deadline_s: float):
+    """`join_world` (MPI_Init, role split, rank table), ending this process with a traceback if it
+    has not completed within `deadline_s`.
+
+    MPI_Init has no timeout of its own: a rank whose peer died during it waits forever, and so
+    does its Slurm job (seen once under CI: a garbled PMI2 exchange aborted one rank in MPI_Init,
+    and its peers sat in MPI_Init until the test cancelled the job). faulthandler's watchdog is a
+    C thread that needs no GIL, so it fires while this thread is blocked inside MPI_Init.
+    """
+    faulthandler.dump_traceback_later(deadline_s, exit=True)
+    from hpcrl.controller.comm import join_world
+
+    world = join_world(num_trainer)
+    faulthandler.cancel_dump_traceback_later()
+    return world
 
 
 def serve(world, handlers: dict[str, Callable[[Any], Any]], idle_timeout_s: float) -> None:
@@ -60,9 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     import json
 
     job = job_from_dict(json.loads((run_dir / "config.json").read_text()), base_dir=str(run_dir))
-    from hpcrl.controller.comm import join_world
-
-    world = join_world(job.trainer.num_procs)
+    world = join_world_within(job.trainer.num_procs, job.resources.startup_timeout_s)
     if world.role != "controller":
         _redirect_output(run_dir, world.rank, world.role)
         # Preemption signals (USR1, TERM) may reach every rank; only the controller acts on them

@@ -77,3 +77,27 @@ def test_rank_that_exits_early_is_named(tmp_path):
     assert "phase" in out
     assert wall < 60
     _no_leftovers(tmp_path)
+
+
+def test_a_rank_stuck_in_mpi_init_ends_the_world_within_the_startup_deadline(tmp_path):
+    """MPI_Init has no timeout of its own: rank 1 stalls before it, so rank 0 waits inside MPI_Init.
+    join_world_within ends rank 0 at its deadline with a traceback naming where it waited, and
+    mpiexec takes the stalled rank down with it, long before the stall would end."""
+    script = tmp_path / "stall.py"
+    script.write_text(
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
+        "if os.environ.get('PMI_RANK') == '1':\n"
+        "    time.sleep(60)\n"
+        "from hpcrl.worker_main import join_world_within\n"
+        "join_world_within(1, 3.0)\n"
+        "print('joined', flush=True)\n")
+    mpiexec = Path(sys.executable).with_name("mpiexec")
+    t0 = time.monotonic()
+    out = subprocess.run([str(mpiexec), "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=50)
+    took = time.monotonic() - t0
+    assert out.returncode != 0 and took < 30, (took, out.stdout, out.stderr)
+    assert "Timeout (0:00:03)!" in out.stderr and "join_world_within" in out.stderr, out.stderr
+    assert "joined" not in out.stdout
+    _no_leftovers(tmp_path)

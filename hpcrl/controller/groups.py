@@ -160,10 +160,10 @@ class RolloutGroup:
 
     The ranks launch and stop the engines. Generation goes from the controller straight to the
     engines over SGLang's HTTP API, all engines at once (`start` writes each request before
-    `collect` reads any answer), with the phase deadline as the socket timeout: no MPI hop per step. A failed request is
-    reported as a RankFailure naming the engine's rollout rank. Each step also posts a heartbeat to
-    the ranks, collected at the next step, so a rollout rank that died is named even if its engine
-    still answers, and idle ranks keep hearing from the controller.
+    `collect` reads any answer), with the phase deadline as the socket timeout: no MPI hop per
+    step. A failed request is reported as a RankFailure naming the engine's rollout rank. Each step
+    also posts a heartbeat to the ranks, collected at the next step, so a rollout rank that died is
+    named even if its engine still answers, and idle ranks keep hearing from the controller.
     """
 
     def __init__(self, world: World, timeout_s: float) -> None:

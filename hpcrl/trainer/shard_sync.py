@@ -100,8 +100,8 @@ class ShardSync:
                                    topology=Topology(colocated=not spans_hosts(job)))
         self.plan = self.request.build(self.spec)
         self.fingerprint = spec_fingerprint(self.spec)
-        self.request_json = {**self.request.to_json(), "group_name": GROUP_NAME, "spec_sha256": self.fingerprint,
-                             "verify": job.rollout.sync_checksum}
+        self.request_json = {**self.request.to_json(), "group_name": GROUP_NAME,
+                             "spec_sha256": self.fingerprint, "verify": job.rollout.sync_checksum}
         self._announced: tuple[str, tuple[list[Any], list[str]]] | None = None
         self.dtype = getattr(torch, job.model.dtype)
         self.group: dist.ProcessGroup | None = None

@@ -92,10 +92,11 @@ def test_a_rank_stuck_in_mpi_init_ends_the_world_within_the_startup_deadline(tmp
         "from hpcrl.worker_main import join_world_within\n"
         "join_world_within(1, 3.0)\n"
         "print('joined', flush=True)\n")
-    mpiexec = Path(sys.executable).with_name("mpiexec")
+    from launch.local import mpiexec_path
+
     t0 = time.monotonic()
-    out = subprocess.run([str(mpiexec), "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=50)
+    out = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, str(script)], capture_output=True,
+                         text=True, timeout=50)
     took = time.monotonic() - t0
     assert out.returncode != 0 and took < 30, (took, out.stdout, out.stderr)
     assert "Timeout (0:00:03)!" in out.stderr and "join_world_within" in out.stderr, out.stderr

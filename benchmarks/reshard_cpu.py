@@ -141,8 +141,8 @@ def worker(reps: int, budget_bytes: int, colocated: bool = False) -> None:
     for _, peers in rounds:
         ops = []
         for q in peers:
-            sends = ([] if q.send_bucket is None else [q.send_bucket]) + [_bytes(v) for v in q.send_direct]
-            recvs = ([] if q.recv_bucket is None else [q.recv_bucket]) + [_bytes(v) for v in q.recv_direct]
+            sends = [_bytes(v) for v in q.send_direct] + ([q.send_bucket] if q.pack[0] else [])
+            recvs = [_bytes(v) for v in q.recv_direct] + ([q.recv_bucket] if q.unpack[0] else [])
             ops += [dist.P2POp(dist.isend, b, q.plan.peer, None, tag) for tag, b in enumerate(sends)]
             ops += [dist.P2POp(dist.irecv, b, q.plan.peer, None, tag) for tag, b in enumerate(recvs)]
         msg_rounds.append(ops)

@@ -5,10 +5,12 @@ One call of `exchange(...)` is one round: for every peer, the items this rank se
 the items it receives from it, each an (HF tensor name, tensor view) pair listed in the same order
 on both sides. Items smaller than `direct_bytes` are packed into one flat uint8 bucket per peer
 (one copy); larger items travel as their own message straight from / into the tensor memory when
-the view is contiguous (no copy). Every peer also gets one message with the sender's checksum of
-those bytes (`verify`: "sampled", the default, sums a rotating 1/16 of them; "full" every byte;
-"off" sends none); the receiver recomputes it over what arrived and raises `ChecksumError`
-naming the peer and the tensors on a mismatch. All messages of a round go out in one `batch_isend_irecv`.
+the view is contiguous (no copy). The bucket starts with a 16-byte header that carries the sender's
+checksum of all the bytes it sends that peer in the round (`verify`: "sampled", the default, sums a
+rotating 1/16 of them; "full" every byte; "off" none, and a peer with no small items then gets no
+bucket); the receiver recomputes it over what arrived and raises `ChecksumError` naming the peer
+and the tensors on a mismatch. The direct messages and every receive are posted first; the sender
+computes its checksums while they are in flight and sends each bucket last.
 The round must complete by its deadline, otherwise `RoundTimeout` names every peer whose messages
 are still pending. Gloo's own timeout (the process group's) should be longer than the deadline.
 """
@@ -86,18 +88,30 @@ def checksum(buf: torch.Tensor, phase: int = FULL) -> int:
     odd-sized buffer is copied once); computed on the tensor's device. A native int64 sum runs at
     memory speed, unlike widening int32 words (20x slower on CPU).
     """
+    return word_sum(_words(buf), buf.numel() * buf.element_size(), phase)
+
+
+def _words(buf: torch.Tensor) -> np.ndarray | torch.Tensor:
+    """`buf`'s bytes as 64-bit words (zero-padded; a misaligned or odd-sized buffer is copied).
+
+    A view when it can be: a prepared round keeps it and sums it on every sync (moe/runtime.py).
+    numpy on CPU: a few microseconds less per call than torch, and there is a call per message.
+    """
     b = buf.reshape(-1).view(torch.uint8)
     n = b.numel()
     if n % 8 or b.data_ptr() % 8:
         padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=b.device)
         padded[:n] = b
         b = padded
-    # numpy on CPU: a few microseconds less per call than torch, and there is a call per message
-    words = b.detach().numpy().view(np.int64) if b.device.type == "cpu" else b.view(torch.int64)
+    return b.detach().numpy().view(np.int64) if b.device.type == "cpu" else b.view(torch.int64)
+
+
+def word_sum(words: np.ndarray | torch.Tensor, nbytes: int, phase: int = FULL) -> int:
+    """`checksum` of a buffer of `nbytes` bytes whose words (`_words`) are given."""
     if phase != FULL:
         w = len(words)
         words = words[phase * w // SAMPLE_EVERY:(phase + 1) * w // SAMPLE_EVERY]
-    return _wrap(int(words.sum()) + n * 1_000_003)
+    return _wrap(int(words.sum()) + nbytes * 1_000_003)
 
 
 def combine(sums: list[int]) -> int:
@@ -124,9 +138,14 @@ class _PeerPlan:
     recv: list[Item] = field(default_factory=list)
 
 
+# The bucket's header: (phase, checksum) as two int64 words, ahead of the small items.
+HEADER = 16
+
+
 def _segments(items: list[Item], direct_bytes: int) -> tuple[list[tuple[int, Item]], list[Item], int]:
-    """Split items into bucketed ones (with their byte offsets) and direct ones; returns bucket size."""
-    bucketed, direct, off = [], [], 0
+    """Split items into bucketed ones (with their byte offsets, after the header) and direct ones;
+    returns the bucket's size, header included."""
+    bucketed, direct, off = [], [], HEADER
     for name, view in items:
         nb = view.numel() * view.element_size()
         if nb >= direct_bytes:
@@ -144,36 +163,57 @@ def _bucket_view(bucket: torch.Tensor, off: int, view: torch.Tensor) -> torch.Te
 
 @dataclass
 class _Prepared:
-    """A peer's part of a round with its bucket layout and every bucket view made once, so that a
-    sync repeated with the same tensors (weights updated in place) only copies and sends."""
+    """A peer's part of a round with its bucket layout and every view made once, so that a sync
+    repeated with the same tensors (weights updated in place) only copies, sums and sends.
+
+    `*_flat` are the direct items as flat bytes (None: not contiguous, copied on every call) and
+    `*_words` those bytes as 64-bit words for the checksum (None: misaligned, summed from a copy).
+    """
 
     plan: _PeerPlan
     send_bucket: torch.Tensor | None = None
     pack: tuple[list[torch.Tensor], list[torch.Tensor]] = field(default_factory=lambda: ([], []))  # (bucket, source)
     send_direct: list[torch.Tensor] = field(default_factory=list)
+    send_flat: list[torch.Tensor | None] = field(default_factory=list)
+    send_words: list[Any] = field(default_factory=list)  # direct items, then the bucket's body
     recv_bucket: torch.Tensor | None = None
     unpack: tuple[list[torch.Tensor], list[torch.Tensor]] = field(default_factory=lambda: ([], []))  # (dest, bucket)
     recv_direct: list[torch.Tensor] = field(default_factory=list)
+    recv_flat: list[torch.Tensor | None] = field(default_factory=list)
+    recv_words: list[Any] = field(default_factory=list)
+
+
+def _flat_or_none(view: torch.Tensor) -> torch.Tensor | None:
+    return _flat(view) if view.is_contiguous() else None
+
+
+def _word_view(flat: torch.Tensor | None) -> Any:
+    """`flat`'s 64-bit words as a view, or None where that needs a copy (then summed per call)."""
+    if flat is None or flat.numel() % 8 or flat.data_ptr() % 8:
+        return None
+    return _words(flat)
 
 
 def prepare(p: _PeerPlan, direct_bytes: int, staging: Staging, device: torch.device | None) -> _Prepared:
     """Lay out `p`'s messages: small items in one bucket per direction (views into `staging`'s
-    buffer for this peer), the others direct."""
+    buffer for this peer, after the checksum header), the others direct."""
     out = _Prepared(p)
     if p.send:
         bucketed, direct, size = _segments(p.send, direct_bytes)
         out.send_direct = [v for _, v in direct]
-        if bucketed:
-            out.send_bucket = staging.get(p.peer, "send", size, device)
-            out.pack = ([_bucket_view(out.send_bucket, off, v) for off, (_, v) in bucketed],
-                        [v for _, (_, v) in bucketed])
+        out.send_bucket = staging.get(p.peer, "send", size, device)
+        out.pack = ([_bucket_view(out.send_bucket, off, v) for off, (_, v) in bucketed],
+                    [v for _, (_, v) in bucketed])
+        out.send_flat = [_flat_or_none(v) for v in out.send_direct]
+        out.send_words = [_word_view(f) for f in (*out.send_flat, out.send_bucket[HEADER:])]
     if p.recv:
         bucketed, direct, size = _segments(p.recv, direct_bytes)
         out.recv_direct = [v for _, v in direct]
-        if bucketed:
-            out.recv_bucket = staging.get(p.peer, "recv", size, device)
-            out.unpack = ([v for _, (_, v) in bucketed],
-                          [_bucket_view(out.recv_bucket, off, v) for off, (_, v) in bucketed])
+        out.recv_bucket = staging.get(p.peer, "recv", size, device)
+        out.unpack = ([v for _, (_, v) in bucketed],
+                      [_bucket_view(out.recv_bucket, off, v) for off, (_, v) in bucketed])
+        out.recv_flat = [_flat_or_none(v) for v in out.recv_direct]
+        out.recv_words = [_word_view(f) for f in (*out.recv_flat, out.recv_bucket[HEADER:])]
     return out
 
 
@@ -216,72 +256,114 @@ def exchange(peers: Sequence[_PeerPlan | _Prepared], *, deadline_s: float, round
     """Run one round: every peer's sends and receives, checked, within `deadline_s`.
 
     Both sides of a pair must list the same items (same order, sizes and dtypes) and pass `verify`
-    "off" or not (the sender's "full" or "sampled" travels with its checksum). Payload sends and
-    all receives are posted in one `batch_isend_irecv`; the sender's checksums are computed while
-    the payload is in flight and follow in a second batch. Raises `RoundTimeout` naming the
+    "off" or not (the sender's "full" or "sampled" travels in its bucket's header). The direct
+    sends and all receives are posted first; the sender's checksums are computed while those are
+    in flight, and the buckets (header + small items) follow. Raises `RoundTimeout` naming the
     stalled peers, `ChecksumError` naming the peer and its tensors. Peers may come `prepare`d
     (then `direct_bytes` and `staging` were applied when they were prepared).
     """
-    ops: list[dist.P2POp] = []
-    owners: list[_PeerPlan] = []
-    done: dict[int, Callable[[], None]] = {}  # index of a peer's last receive op -> verify + unpack
-    sent: list[tuple[_PeerPlan, int, list[torch.Tensor]]] = []
+    post = _Poster(group)
+    done: dict[int, Callable[[], None]] = {}  # index of a peer's last receive -> verify + unpack
+    buckets: list[tuple[_Prepared, int, list[torch.Tensor]]] = []  # (peer, bucket's tag, direct payloads)
     staging = staging or Staging()
     checked = verify_mode(verify) != "off"
     for pp in peers:
         q = pp if isinstance(pp, _Prepared) else prepare(pp, direct_bytes, staging, device)
         p = q.plan
         if p.send:
-            payloads = []
-            if q.send_bucket is not None:
-                torch._foreach_copy_(q.pack[0], q.pack[1])
-                payloads.append(q.send_bucket)
-            payloads += [_flat(v if v.is_contiguous() else v.contiguous()) for v in q.send_direct]
+            payloads = [f if f is not None else _flat(v.contiguous()) for f, v in zip(q.send_flat, q.send_direct)]
             for tag, buf in enumerate(payloads):
-                ops.append(dist.P2POp(dist.isend, buf, p.peer, group, tag))
-                owners.append(p)
-            sent.append((p, len(payloads), payloads))
+                post.send(buf, p, tag)
+            if checked or q.pack[0]:
+                buckets.append((q, len(payloads), payloads))
         if p.recv:
             unpack: list[Callable[[], None]] = []
             bufs = []
-            if q.recv_bucket is not None:
-                bufs.append(q.recv_bucket)
-                unpack.append(lambda q=q: torch._foreach_copy_(q.unpack[0], q.unpack[1]))
-            for view in q.recv_direct:
-                if view.is_contiguous():
-                    bufs.append(_flat(view))
-                else:
+            for f, view in zip(q.recv_flat, q.recv_direct):
+                if f is None:
                     tmp = torch.empty(view.shape, dtype=view.dtype, device=view.device)
-                    bufs.append(_flat(tmp))
+                    f = _flat(tmp)
                     unpack.append(lambda view=view, tmp=tmp: view.copy_(tmp))
+                bufs.append(f)
             for tag, buf in enumerate(bufs):  # tags count per direction, from 0 on both sides
-                ops.append(dist.P2POp(dist.irecv, buf, p.peer, group, tag))
-                owners.append(p)
-            expect = torch.zeros(2, dtype=torch.int64, device=device)  # (phase, checksum)
-            if checked:
-                ops.append(dist.P2POp(dist.irecv, expect, p.peer, group, len(bufs)))
-                owners.append(p)
-            done[len(ops) - 1] = (lambda p=p, expect=expect, bufs=bufs, unpack=unpack:
-                                  _finish(p, expect if checked else None, bufs, unpack, round_label))
-    if not ops and not sent:
+                post.recv(buf, p, tag)
+            if checked or q.unpack[0]:
+                post.recv(q.recv_bucket, p, len(bufs))
+            if q.unpack[0]:
+                unpack.append(lambda q=q: torch._foreach_copy_(q.unpack[0], q.unpack[1]))
+            verify_with = (q, bufs) if checked else None
+            done[len(post.ops) - 1] = (lambda p=p, v=verify_with, unpack=unpack:
+                                       _finish(p, v, unpack, round_label))
+    if not post.ops and not buckets:
         return
-    works = dist.batch_isend_irecv(ops) if ops else []
-    if checked and sent:
-        phase = next_phase(verify, round_label)
-        sums = [torch.tensor([phase, combine([checksum(b, phase) for b in payloads])], dtype=torch.int64,
-                             device=device) for _, _, payloads in sent]
-        sum_ops = [dist.P2POp(dist.isend, s, p.peer, group, tag) for s, (p, tag, _) in zip(sums, sent)]
-        works += dist.batch_isend_irecv(sum_ops)
-        owners += [p for p, _, _ in sent]
-    _wait(works, owners, deadline_s, round_label, group, done)
+    post.flush()
+    if buckets:
+        phase = next_phase(verify, round_label) if checked else FULL
+        for q, tag, payloads in buckets:
+            if q.pack[0]:
+                torch._foreach_copy_(q.pack[0], q.pack[1])
+            if checked:
+                s = combine(_sums((*payloads, q.send_bucket[HEADER:]), q.send_words, phase))
+                q.send_bucket[:HEADER].view(torch.int64).copy_(torch.tensor([phase, s]))
+            post.send(q.send_bucket, q.plan, tag)
+        post.flush()
+    _wait(post.works, post.owners, deadline_s, round_label, group, done)
 
 
-def _finish(p: _PeerPlan, expect: torch.Tensor | None, bufs: list[torch.Tensor],
+class _Poster:
+    """Posts a round's sends and receives, and keeps their works with the peer each belongs to.
+
+    On gloo every op goes straight to the process group's send / recv (there batch_isend_irecv
+    only loops over isend / irecv, adding argument checks per op: a round posts hundreds); other
+    backends get one batch_isend_irecv per `flush` (NCCL must group them).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        self.gloo = dist.get_backend(group) == "gloo"
+        self.ops: list[tuple[bool, torch.Tensor, int, int]] = []  # (send?, tensor, global peer, tag)
+        self.owners: list[_PeerPlan] = []
+        self.works: list[Any] = []
+        self._posted = 0
+
+    def send(self, buf: torch.Tensor, p: _PeerPlan, tag: int) -> None:
+        self.ops.append((True, buf, p.peer, tag))
+        self.owners.append(p)
+
+    def recv(self, buf: torch.Tensor, p: _PeerPlan, tag: int) -> None:
+        self.ops.append((False, buf, p.peer, tag))
+        self.owners.append(p)
+
+    def flush(self) -> None:
+        new = self.ops[self._posted:]
+        self._posted = len(self.ops)
+        if not new:
+            return
+        if self.gloo:
+            peer = (lambda g: g) if self.group is None else (lambda g: dist.get_group_rank(self.group, g))
+            self.works += [self.pg.send([t], peer(g), tag) if is_send else self.pg.recv([t], peer(g), tag)
+                           for is_send, t, g, tag in new]
+        else:
+            self.works += dist.batch_isend_irecv([dist.P2POp(dist.isend if is_send else dist.irecv, t, g,
+                                                             self.group, tag) for is_send, t, g, tag in new])
+
+
+def _sums(bufs: Sequence[torch.Tensor], words: Sequence[Any], phase: int) -> list[int]:
+    """The checksums of `bufs`, from their prepared word views where there are some."""
+    return [checksum(b, phase) if w is None else word_sum(w, b.numel(), phase) for b, w in zip(bufs, words)]
+
+
+def _finish(p: _PeerPlan, check: tuple[_Prepared, list[torch.Tensor]] | None,
             unpack: list[Callable[[], None]], round_label: str) -> None:
-    """A peer's receives are complete: check its checksum, then copy bucketed pieces into place."""
-    if expect is not None:
-        phase, want = expect.tolist()
-        got = combine([checksum(b, phase) for b in bufs]) if FULL <= phase < SAMPLE_EVERY else None
+    """A peer's receives are complete: check its checksum (`check`: the prepared peer and the
+    direct buffers received; the sender's (phase, sum) is the bucket's header), then copy
+    bucketed pieces into place."""
+    if check is not None:
+        q, bufs = check
+        phase, want = q.recv_bucket[:HEADER].view(torch.int64).tolist()
+        got = (combine(_sums((*bufs, q.recv_bucket[HEADER:]), q.recv_words, phase))
+               if FULL <= phase < SAMPLE_EVERY else None)
         if got != want:
             names = sorted({n for n, _ in p.recv})
             raise ChecksumError(

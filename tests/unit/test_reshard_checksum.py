@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe._reshard_runtime import (FULL, SAMPLE_EVERY, ChecksumError, _finish, _PeerPlan, _wrap, checksum,
-                                  next_phase, verify_mode)
+from moe._reshard_runtime import (FULL, HEADER, SAMPLE_EVERY, ChecksumError, Staging, _finish, _PeerPlan, _wrap,
+                                  checksum, next_phase, prepare, verify_mode)
 
 WORDS = 40_003  # not a multiple of SAMPLE_EVERY: the slices' integer bounds must still tile the message
 
@@ -65,20 +65,28 @@ def test_bad_verify_value_is_named() -> None:
         verify_mode(True)
 
 
+def _arrived(peer: _PeerPlan, phase: int, want: int):
+    """The receiver's side of `peer` after its messages arrived: the one item received direct, and
+    a bucket that holds only the header with the sender's (phase, checksum)."""
+    q = prepare(peer, 1, Staging(), None)
+    assert not q.unpack[0] and len(q.recv_direct) == 1
+    q.recv_bucket[:HEADER].view(torch.int64).copy_(torch.tensor([phase, want]))
+    return q, [q.recv_direct[0]]
+
+
 @pytest.mark.parametrize("phase", [FULL, 3])
 def test_receiver_raises_checksum_error_naming_peer_and_tensors(phase: int) -> None:
     buf = _message()
     peer = _PeerPlan(5, "trainer rank 1 (global rank 5)", recv=[("model.layers.0.mlp.gate.weight", buf)])
-    good = torch.tensor([phase, checksum(buf, phase)])
-    _finish(peer, good, [buf], [], "reshard round 0/2 on rollout rank 0")  # passes
-    bad = torch.tensor([phase, checksum(buf, phase) + 1])
+    label = "reshard round 0/2 on rollout rank 0"
+    _finish(peer, _arrived(peer, phase, checksum(buf, phase)), [], label)  # passes
     named = r"from trainer rank 1 \(global rank 5\).*model\.layers\.0\.mlp\.gate"
     with pytest.raises(ChecksumError, match=named):
-        _finish(peer, bad, [buf], [], "reshard round 0/2 on rollout rank 0")
+        _finish(peer, _arrived(peer, phase, checksum(buf, phase) + 1), [], label)
 
 
 def test_garbage_phase_from_the_wire_is_a_checksum_error() -> None:
     buf = _message()
     peer = _PeerPlan(2, "trainer rank 2", recv=[("w", buf)])
     with pytest.raises(ChecksumError, match="phase 99"):
-        _finish(peer, torch.tensor([99, checksum(buf)]), [buf], [], "round 0")
+        _finish(peer, _arrived(peer, 99, checksum(buf)), [], "round 0")

@@ -1,11 +1,14 @@
 """CPU benchmark of the resharding runtime: 8+ processes on gloo move a >= 200 MB MoE model.
 
-`python benchmarks/reshard_cpu.py [--procs 8] [--reps 5] [--results benchmarks/RESULTS.md]` starts
-`mpiexec -n PROCS` (half trainer ranks, half rollout ranks) on a Qwen3-MoE spec scaled to about
-294 MB of bf16 weights, trainer TP2 x EP2 x DP2 -> one rollout engine TP4 x EP4, and times, in
-alternating order per repetition:
-  * planned   -- `moe.runtime.reshard` (plan rounds, bucketed batch_isend_irecv), with its default
-                 checksums (a rotating 1/16 sample of every message), with checksums over every
+`python benchmarks/reshard_cpu.py [--procs 8] [--reps 5] [--shape S] [--results benchmarks/RESULTS.md]`
+starts `mpiexec -n PROCS` (half trainer ranks, half rollout ranks) on a Qwen3-MoE spec of a few
+hundred MB of bf16 weights, trainer TP2 x EP2 x DP2 -> one rollout engine TP4 x EP4. `--shape`
+picks the tensors (SHAPES): "small-tensors" (294 MB, 1 MiB expert tensors, the shape of every run
+before 2026-12-01) or "qwen3-30b-a3b" (512 MB with Qwen3-30B-A3B's own tensor shapes, 3 MiB expert
+tensors; the real models' experts are 3-28 MiB). Per-message costs weigh more with small tensors.
+It times, in alternating order per repetition:
+  * planned   -- `moe.runtime.reshard` (plan rounds, bucketed point-to-point), with its default
+                 checksums (a rotating 1/32 sample of every message), with checksums over every
                  byte (`verify="full"`), and without (`verify="off"`);
   * messages  -- the planned runtime's own messages (same rounds, same buffers) sent bare: no
                  packing, unpacking or checksums; separates transport cost from runtime work;
@@ -45,11 +48,23 @@ REPO = Path(__file__).resolve().parent.parent
 CHUNK_BYTES = 64 << 20
 
 
-def bench_spec():
-    """Qwen3-MoE shaped like the tiny preset, scaled to ~294 MB bf16 (16 experts, 4 layers)."""
+SHAPES = {
+    "small-tensors": "Qwen3-MoE shaped like the tiny preset scaled up: hidden 1024, 1 MiB experts, "
+                     "4 layers x 16 experts, vocab 16384 (294 MB)",
+    "qwen3-30b-a3b": "Qwen3-30B-A3B's own tensor shapes (hidden 2048, 32 / 4 heads, 3 MiB experts) "
+                     "with 2 layers x 16 experts and vocab 16384 (512 MB)",
+}
+
+
+def bench_spec(shape: str = "small-tensors"):
+    """The benchmark's model (SHAPES): Qwen3-MoE at a few hundred MB of bf16 weights, 16 experts."""
     from moe.specs import spec_from_config
     from moe.specs._types import HPCRL_CONFIG_DIR, load_config
 
+    if shape == "qwen3-30b-a3b":
+        cfg = load_config(REPO / "moe" / "configs" / "qwen3-30b-a3b.json")
+        cfg.update(num_hidden_layers=2, num_experts=16, vocab_size=16384, dtype="bfloat16")
+        return spec_from_config(cfg, "bench-qwen3-30b-a3b-2l")
     cfg = load_config(HPCRL_CONFIG_DIR / "tiny-qwen3-moe.json")
     cfg.update(hidden_size=1024, num_hidden_layers=4, num_experts=16, moe_intermediate_size=512,
                intermediate_size=2048, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
@@ -64,7 +79,7 @@ def _layouts(procs: int):
     return TrainerLayout(tp=2, ep=2, dp=half // 2), RolloutLayout(num_engines=1, tp=half, ep=half)
 
 
-def worker(reps: int, budget_bytes: int, colocated: bool = False) -> None:
+def worker(reps: int, budget_bytes: int, colocated: bool = False, shape: str = "small-tensors") -> None:
     """The MPI program: every rank runs every method `reps` times; rank 0 prints a JSON summary."""
     import numpy as np
     import torch
@@ -80,7 +95,7 @@ def worker(reps: int, budget_bytes: int, colocated: bool = False) -> None:
     comm = MPI.COMM_WORLD
     g = comm.Get_rank()
     init_torch_distributed(comm, "gloo", timeout_s=600)
-    spec = bench_spec()
+    spec = bench_spec(shape)
     src, dst = _layouts(comm.Get_size())
     T, R = src.world_size, dst.world_size
     assert T + R == comm.Get_size()
@@ -244,18 +259,21 @@ def main() -> None:
     ap.add_argument("--colocated", action="store_true",
                     help="plan with trainer and rollout ranks on the same nodes (true of this one host): "
                          "rollout ranks receive straight from trainer ranks, no relays")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small-tensors",
+                    help="the model's tensor shapes: " + "; ".join(f"{k}: {v}" for k, v in SHAPES.items()))
     ap.add_argument("--results", type=Path, default=None, help="append a section to this RESULTS.md")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args.reps, args.budget_mib << 20, args.colocated)
+        return worker(args.reps, args.budget_mib << 20, args.colocated, args.shape)
     if args.procs < 8 or args.procs % 4:
         raise SystemExit(f"--procs={args.procs} must be a multiple of 4 and >= 8 (TP2 x EP2 x DP trainer)")
     load_before = _load()
     mpiexec = Path(sys.executable).parent / "mpiexec"
     cmd = [str(mpiexec), "-n", str(args.procs), sys.executable, __file__, "--worker",
            "--reps", str(args.reps),
-           "--budget-mib", str(args.budget_mib), *(["--colocated"] if args.colocated else [])]
+           "--budget-mib", str(args.budget_mib), "--shape", args.shape,
+           *(["--colocated"] if args.colocated else [])]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, cwd=REPO)
@@ -288,10 +306,11 @@ def render(res: dict, args, load_before: str, load_after: str, wall_s: float) ->
                             cwd=REPO).stdout.strip()
     out = [f"### {now} (commit {commit}): `python benchmarks/reshard_cpu.py --procs {args.procs} "
            f"--reps {args.reps} --budget-mib {args.budget_mib}{' --colocated' if args.colocated else ''}"
+           f"{' --shape ' + args.shape if args.shape != 'small-tensors' else ''}"
            f"{' --results ' + str(args.results) if args.results else ''}`", "",
            f"Host: {platform.node()} ({os.cpu_count()} CPUs, shared), load average (1/5/15 min) "
            f"{load_before} before, {load_after} after; {args.procs} processes on gloo, one torch thread each; total "
-           f"{wall_s:.0f} s. Model: {res['model_bytes'] / 1e6:.0f} MB bf16 (Qwen3-MoE scaled, 16 experts); "
+           f"{wall_s:.0f} s. Model: {res['model_bytes'] / 1e6:.0f} MB bf16 ({SHAPES[args.shape]}); "
            f"trainer {res['trainer']} -> rollout {res['rollout']}; plan: {res['transfers']} transfers, "
            f"{res['rounds']} rounds at a {args.budget_mib} MiB budget, {res['relays']} relays"
            f"{' (colocated topology)' if args.colocated else ''}, {nb / 1e6:.0f} MB moved. "

@@ -7,7 +7,7 @@ on both sides. Items smaller than `direct_bytes` are packed into one flat uint8 
 (one copy); larger items travel as their own message straight from / into the tensor memory when
 the view is contiguous (no copy). The bucket starts with a 16-byte header that carries the sender's
 checksum of all the bytes it sends that peer in the round (`verify`: "sampled", the default, sums a
-rotating 1/16 of them; "full" every byte; "off" none, and a peer with no small items then gets no
+rotating 1/32 of them; "full" every byte; "off" none, and a peer with no small items then gets no
 bucket); the receiver recomputes it over what arrived and raises `ChecksumError` naming the peer
 and the tensors on a mismatch. The direct messages and every receive are posted first; the sender
 computes its checksums while they are in flight and sends each bucket last.
@@ -52,16 +52,18 @@ class RoundTimeout(ReshardError):
         self.peers = peers
 
 
-# Checksum modes. "sampled" sums one sixteenth of every message's words, a contiguous slice at a
+# Checksum modes. "sampled" sums one 32nd of every message's words, a contiguous slice at a
 # different position in each repetition of a round (the sender picks the phase and sends it along):
 # every round checks every message's length and catches a lost, truncated or misrouted message and
-# most garbage, and 16 repetitions of a round (16 weight syncs) have checked every byte of it once.
-# "full" sums every byte: on a CPU host that is two more memory passes over the payload (sender
-# and receiver), about half the cost of moving it (benchmarks/RESULTS.md); on GPUs it is cheap
-# next to the transfer. A contiguous slice, not strided blocks: on this VM every page touched costs
-# a page walk, so a slice is 1.5x cheaper than 4 KiB blocks spread over the message.
+# most garbage (what a routing or offset bug produces), and 32 repetitions of a round (32 weight
+# syncs) have checked every byte of it once. A 16th cost 5-10% of a sync's time on a CPU host;
+# a 32nd halves that (benchmarks/RESULTS.md, reshard_cpu, 2026-12-01). "full" sums every byte: on
+# a CPU host that is two more memory passes over the payload (sender and receiver), about half the
+# cost of moving it; on GPUs it is cheap next to the transfer. A contiguous slice, not strided
+# blocks: on this VM every page touched costs a page walk, so a slice is 1.5x cheaper than 4 KiB
+# blocks spread over the message.
 VERIFY_MODES = ("sampled", "full", "off")
-SAMPLE_EVERY = 16
+SAMPLE_EVERY = 32
 FULL = -1  # the phase that means every byte
 _phases: collections.defaultdict[str, itertools.count] = collections.defaultdict(itertools.count)
 
@@ -70,12 +72,12 @@ def verify_mode(verify: str) -> str:
     """`verify` checked: one of VERIFY_MODES, else a ValueError that names the valid values."""
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify={verify!r} must be one of {', '.join(map(repr, VERIFY_MODES))} "
-                         f"(the checksum of every round: a rotating 1/16 sample, every byte, or none)")
+                         f"(the checksum of every round: a rotating 1/{SAMPLE_EVERY} sample, every byte, or none)")
     return verify
 
 
 def next_phase(verify: str, round_label: str) -> int:
-    """The phase a sender uses for this repetition of a round: FULL, or the round's next sixteenth."""
+    """The phase a sender uses for this repetition of a round: FULL, or the round's next sample slice."""
     return FULL if verify == "full" else next(_phases[round_label]) % SAMPLE_EVERY
 
 
@@ -83,8 +85,8 @@ def checksum(buf: torch.Tensor, phase: int = FULL) -> int:
     """A cheap checksum of a tensor's bytes: the sum of its zero-padded 64-bit words, plus length.
 
     With `phase` FULL every word counts: catches flipped, lost and truncated bytes (not reordered
-    words). With phase k in [0, SAMPLE_EVERY) only the words [k * w // 16, (k + 1) * w // 16) of
-    the w words count (and the length). Independent of the buffer's alignment (a misaligned or
+    words). With phase k in [0, SAMPLE_EVERY) only the words [k * w // S, (k + 1) * w // S) of
+    the w words count (and the length), S = SAMPLE_EVERY. Independent of the buffer's alignment (a misaligned or
     odd-sized buffer is copied once); computed on the tensor's device. A native int64 sum runs at
     memory speed, unlike widening int32 words (20x slower on CPU).
     """

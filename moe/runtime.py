@@ -116,7 +116,7 @@ def reshard(plan: Plan, role: str, rank: int, shards: Shards | None = None, *, b
     get back their pieces as `plan.dst.shards(spec, rank)` lists them (into `out` if given).
     Every round must finish within `deadline_s` (RoundTimeout names the stalled peers); every
     peer's bytes are checksummed (ChecksumError names the peer and tensors): `verify` "sampled" (a
-    rotating 1/16 of the bytes each sync; every byte once in 16 syncs), "full" or "off", the
+    rotating 1/32 of the bytes each sync; every byte once in 32 syncs), "full" or "off", the
     same on/off on every rank (moe/_reshard_runtime.py).
     Pieces of at least `direct_bytes` travel as their own message (zero-copy when contiguous),
     smaller ones in one bucket per peer and round; pass the same `staging` to every call to reuse

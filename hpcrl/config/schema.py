@@ -136,8 +136,8 @@ class RolloutConfig:
     for the reference engine on CPU, broadcast otherwise (shard runs over gloo on CPU tensors)."""
     sync_checksum: str = "sampled"
     """sampled | full | off: the checksum of every point-to-point round of a weight sync (shard sync,
-    and the broadcast path's gather). sampled: every message's length and a sixteenth of its bytes,
-    a different sixteenth each sync (every byte once in 16 syncs); full: every byte (on CPU about
+    and the broadcast path's gather). sampled: every message's length and a 32nd of its bytes,
+    a different 32nd each sync (every byte once in 32 syncs); full: every byte (on CPU about
     half the cost of moving the bytes); off: none. The log-prob check runs every step regardless."""
 
 

@@ -31,7 +31,7 @@ def test_full_checksum_sees_every_byte() -> None:
 
 def test_sampled_phases_tile_the_message_and_each_sees_only_its_slice() -> None:
     """Phase k sums words [k * w // 16, (k + 1) * w // 16): a flip inside changes it, outside does not,
-    and the 16 phases together are exactly the full sum (every byte once in 16 syncs)."""
+    and the SAMPLE_EVERY phases together are exactly the full sum (every byte once per cycle)."""
     buf = _message()
     bounds = [k * WORDS // SAMPLE_EVERY for k in range(SAMPLE_EVERY + 1)]
     length_term = 8 * WORDS * 1_000_003

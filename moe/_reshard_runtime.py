@@ -72,7 +72,8 @@ def verify_mode(verify: str) -> str:
     """`verify` checked: one of VERIFY_MODES, else a ValueError that names the valid values."""
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify={verify!r} must be one of {', '.join(map(repr, VERIFY_MODES))} "
-                         f"(the checksum of every round: a rotating 1/{SAMPLE_EVERY} sample, every byte, or none)")
+                         f"(the checksum of every round: a rotating 1/{SAMPLE_EVERY} sample, every byte, "
+                         f"or none)")
     return verify
 
 
@@ -85,8 +86,8 @@ def checksum(buf: torch.Tensor, phase: int = FULL) -> int:
     """A cheap checksum of a tensor's bytes: the sum of its zero-padded 64-bit words, plus length.
 
     With `phase` FULL every word counts: catches flipped, lost and truncated bytes (not reordered
-    words). With phase k in [0, SAMPLE_EVERY) only the words [k * w // S, (k + 1) * w // S) of
-    the w words count (and the length), S = SAMPLE_EVERY. Independent of the buffer's alignment (a misaligned or
+    words). With phase k in [0, S), S = SAMPLE_EVERY, only the words [k * w // S, (k + 1) * w // S)
+    of the w words count (and the length). Independent of the buffer's alignment (a misaligned or
     odd-sized buffer is copied once); computed on the tensor's device. A native int64 sum runs at
     memory speed, unlike widening int32 words (20x slower on CPU).
     """
@@ -266,14 +267,15 @@ def exchange(peers: Sequence[_PeerPlan | _Prepared], *, deadline_s: float, round
     """
     post = _Poster(group)
     done: dict[int, Callable[[], None]] = {}  # index of a peer's last receive -> verify + unpack
-    buckets: list[tuple[_Prepared, int, list[torch.Tensor]]] = []  # (peer, bucket's tag, direct payloads)
+    buckets: list[tuple[_Prepared, int, list[torch.Tensor]]] = []  # (peer, bucket tag, direct payloads)
     staging = staging or Staging()
     checked = verify_mode(verify) != "off"
     for pp in peers:
         q = pp if isinstance(pp, _Prepared) else prepare(pp, direct_bytes, staging, device)
         p = q.plan
         if p.send:
-            payloads = [f if f is not None else _flat(v.contiguous()) for f, v in zip(q.send_flat, q.send_direct)]
+            payloads = [f if f is not None else _flat(v.contiguous())
+                        for f, v in zip(q.send_flat, q.send_direct)]
             for tag, buf in enumerate(payloads):
                 post.send(buf, p, tag)
             if checked or q.pack[0]:
@@ -322,7 +324,7 @@ class _Poster:
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
-        self.pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        self.pg = group if group is not None else dist.group.WORLD
         self.gloo = dist.get_backend(group) == "gloo"
         self.ops: list[tuple[bool, torch.Tensor, int, int]] = []  # (send?, tensor, global peer, tag)
         self.owners: list[_PeerPlan] = []

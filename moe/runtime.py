@@ -6,10 +6,11 @@ rollout rank j is global rank `base + plan.src.world_size + j` (`RankMap`; `base
 controller rank 0 or other ranks precede them; ranks outside the map may exist and stay idle).
 
   * `reshard(plan, role, rank, shards)` -- shard to shard: every rank walks the plan's rounds; in a
-    round it packs what it sends to each peer into one flat bucket (large boxes go as their own
-    message, zero-copy), posts all sends and receives in one `batch_isend_irecv`, checks each
-    peer's checksum and the round's deadline (moe/_reshard_runtime.py), then the next round. Relay
-    transfers (src_side "rollout") are sent from the copy the relaying rank received earlier.
+    round it packs what it sends to each peer into one flat bucket behind a checksum header (large
+    boxes go as their own message, zero-copy), posts the receives and direct sends, then the
+    buckets, checks each peer's checksum and the round's deadline (moe/_reshard_runtime.py), then
+    the next round. Relay transfers (src_side "rollout") are sent from the copy the relaying
+    rank received earlier.
   * `broadcast_sync(plan, role, rank, shards)` -- the SGLang-compatible path (SGLang 0.5.x only
     accepts `update_weights_from_distributed` broadcasts of full HF tensors): every tensor gets one
     trainer source, preferring ranks holding it whole and balancing bytes, so the sources own

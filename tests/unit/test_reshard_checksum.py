@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe._reshard_runtime import (FULL, HEADER, SAMPLE_EVERY, ChecksumError, Staging, _finish, _PeerPlan, _wrap,
-                                  checksum, next_phase, prepare, verify_mode)
+from moe._reshard_runtime import (FULL, HEADER, SAMPLE_EVERY, ChecksumError, Staging, _finish, _PeerPlan,
+                                  _wrap, checksum, next_phase, prepare, verify_mode)
 
 WORDS = 40_003  # not a multiple of SAMPLE_EVERY: the slices' integer bounds must still tile the message
 

@@ -21,8 +21,11 @@ It times, in alternating order per repetition:
                  benchmarks/broadcast_sync.py).
 `--colocated` plans for trainer and rollout ranks sharing nodes, which is what this one host is
 (no on-node relays, fewer rounds); the default plans for two nodes, as a cluster would have them.
-Each time is the slowest rank's (barrier, run, max over ranks); reported values are medians over
-repetitions; GB/s = plan bytes / time; CPU s = process time summed over ranks. Barrier and
+Every method runs once untimed first (before 2026-12-01 02:40 UTC only the planned runtime did, and
+all_to_all's first timed repetition took about twice its later ones). Each time is the slowest
+rank's (barrier, run, max over ranks); reported values are medians over repetitions, and the
+median of the per-repetition ratios is given too; GB/s = plan bytes / time; CPU s = process time
+summed over ranks. Barrier and
 reductions go over gloo, which blocks while it waits: MPICH busy-polls, so with MPI a rank that
 finished early took CPU from the ranks still working (8 ranks share 2 cores here), which slowed
 every method and most those whose ranks finish unevenly (results before 2026-11-30 18:50 UTC).
@@ -174,7 +177,9 @@ def worker(reps: int, budget_bytes: int, colocated: bool = False, shape: str = "
                "broadcast_sync": bsync}
     times: dict[str, list[float]] = {m: [] for m in methods}
     cpu: dict[str, list[float]] = {m: [] for m in methods}
-    planned()  # warm-up: connections, allocator
+    for m in methods.values():  # warm-up, every method once: connections, allocator, first-call costs
+        dist.barrier()
+        m()
     for rep in range(reps):
         order = list(methods) if rep % 2 == 0 else list(reversed(methods))
         for m in order:
@@ -326,7 +331,8 @@ def render(res: dict, args, load_before: str, load_after: str, wall_s: float) ->
     ratio_nv = med["all_to_all"] / med["planned_noverify"]
     ratio_full = med["all_to_all"] / med["planned_full"]
     out += ["", f"Planned GB/s / all_to_all GB/s: {ratio_a2a:.2f} with the default sampled checksums "
-            f"(goal >= 0.8; per rep: {' '.join(f'{x:.2f}' for x in per_rep)}), {ratio_full:.2f} with full "
+            f"(goal >= 0.8; per rep: {' '.join(f'{x:.2f}' for x in per_rep)}; their median "
+            f"{statistics.median(per_rep):.2f}), {ratio_full:.2f} with full "
             f"checksums, {ratio_nv:.2f} without. Planned vs gather+broadcast: "
             f"{ratio_gb:.1f}x faster (goal >= 3x). CPU seconds, all_to_all / planned: "
             f"{cpu['all_to_all'] / cpu['planned']:.2f} sampled, "

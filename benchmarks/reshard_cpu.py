@@ -51,6 +51,7 @@ REPO = Path(__file__).resolve().parent.parent
 CHUNK_BYTES = 64 << 20
 
 
+DEFAULT_SHAPE = "small-tensors"  # the shape of every run before --shape existed
 SHAPES = {
     "small-tensors": "Qwen3-MoE shaped like the tiny preset scaled up: hidden 1024, 1 MiB experts, "
                      "4 layers x 16 experts, vocab 16384 (294 MB)",
@@ -59,13 +60,13 @@ SHAPES = {
 }
 
 
-def bench_spec(shape: str = "small-tensors"):
+def bench_spec(shape: str = DEFAULT_SHAPE):
     """The benchmark's model (SHAPES): Qwen3-MoE at a few hundred MB of bf16 weights, 16 experts."""
     from moe.specs import spec_from_config
-    from moe.specs._types import HPCRL_CONFIG_DIR, load_config
+    from moe.specs._types import CONFIG_DIR, HPCRL_CONFIG_DIR, load_config
 
     if shape == "qwen3-30b-a3b":
-        cfg = load_config(REPO / "moe" / "configs" / "qwen3-30b-a3b.json")
+        cfg = load_config(CONFIG_DIR / "qwen3-30b-a3b.json")
         cfg.update(num_hidden_layers=2, num_experts=16, vocab_size=16384, dtype="bfloat16")
         return spec_from_config(cfg, "bench-qwen3-30b-a3b-2l")
     cfg = load_config(HPCRL_CONFIG_DIR / "tiny-qwen3-moe.json")
@@ -82,7 +83,7 @@ def _layouts(procs: int):
     return TrainerLayout(tp=2, ep=2, dp=half // 2), RolloutLayout(num_engines=1, tp=half, ep=half)
 
 
-def worker(reps: int, budget_bytes: int, colocated: bool = False, shape: str = "small-tensors") -> None:
+def worker(reps: int, budget_bytes: int, colocated: bool = False, shape: str = DEFAULT_SHAPE) -> None:
     """The MPI program: every rank runs every method `reps` times; rank 0 prints a JSON summary."""
     import numpy as np
     import torch
@@ -264,7 +265,7 @@ def main() -> None:
     ap.add_argument("--colocated", action="store_true",
                     help="plan with trainer and rollout ranks on the same nodes (true of this one host): "
                          "rollout ranks receive straight from trainer ranks, no relays")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="small-tensors",
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=DEFAULT_SHAPE,
                     help="the model's tensor shapes: " + "; ".join(f"{k}: {v}" for k, v in SHAPES.items()))
     ap.add_argument("--results", type=Path, default=None, help="append a section to this RESULTS.md")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -311,7 +312,7 @@ def render(res: dict, args, load_before: str, load_after: str, wall_s: float) ->
                             cwd=REPO).stdout.strip()
     out = [f"### {now} (commit {commit}): `python benchmarks/reshard_cpu.py --procs {args.procs} "
            f"--reps {args.reps} --budget-mib {args.budget_mib}{' --colocated' if args.colocated else ''}"
-           f"{' --shape ' + args.shape if args.shape != 'small-tensors' else ''}"
+           f"{' --shape ' + args.shape if args.shape != DEFAULT_SHAPE else ''}"
            f"{' --results ' + str(args.results) if args.results else ''}`", "",
            f"Host: {platform.node()} ({os.cpu_count()} CPUs, shared), load average (1/5/15 min) "
            f"{load_before} before, {load_after} after; {args.procs} processes on gloo, one torch thread each; total "

@@ -102,11 +102,16 @@ def _words(buf: torch.Tensor) -> np.ndarray | torch.Tensor:
     """
     b = buf.reshape(-1).view(torch.uint8)
     n = b.numel()
-    if n % 8 or b.data_ptr() % 8:
+    if not _word_aligned(b):
         padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=b.device)
         padded[:n] = b
         b = padded
     return b.detach().numpy().view(np.int64) if b.device.type == "cpu" else b.view(torch.int64)
+
+
+def _word_aligned(flat: torch.Tensor) -> bool:
+    """Whether flat bytes can be viewed as 64-bit words in place (8-byte start and length)."""
+    return flat.numel() % 8 == 0 and flat.data_ptr() % 8 == 0
 
 
 def word_sum(words: np.ndarray | torch.Tensor, nbytes: int, phase: int = FULL) -> int:
@@ -192,9 +197,7 @@ def _flat_or_none(view: torch.Tensor) -> torch.Tensor | None:
 
 def _word_view(flat: torch.Tensor | None) -> Any:
     """`flat`'s 64-bit words as a view, or None where that needs a copy (then summed per call)."""
-    if flat is None or flat.numel() % 8 or flat.data_ptr() % 8:
-        return None
-    return _words(flat)
+    return _words(flat) if flat is not None and _word_aligned(flat) else None
 
 
 def prepare(p: _PeerPlan, direct_bytes: int, staging: Staging, device: torch.device | None) -> _Prepared:

@@ -26,7 +26,8 @@ from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import JobConfig
 from hpcrl.config.validate import did_you_mean, validate
 
-PATH_FIELDS = ("model.config_path", "data.path", "checkpoint.dir", "logging.run_dir")
+PATH_FIELDS = ("model.path", "model.config_path", "data.path", "data.val_path", "checkpoint.dir",
+               "logging.run_dir")
 """Fields holding paths; relative values resolve against `JobConfig.base_dir` (the job file's dir)."""
 
 
@@ -62,6 +63,8 @@ def _describe(tp: Any) -> str:
         return "a string"
     if typing.get_origin(tp) is list:
         return f"a list of {_describe(typing.get_args(tp)[0]).removeprefix('a ')}s"
+    if typing.get_origin(tp) is dict:
+        return "a mapping of names to values"
     return str(tp)
 
 
@@ -103,6 +106,12 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     elif typing.get_origin(tp) is list:
         if isinstance(value, list):
             return [_coerce(args[0], item, f"{path}[{i}]") for i, item in enumerate(value)]
+    elif typing.get_origin(tp) is dict:
+        if isinstance(value, dict):
+            for key in value:
+                if not isinstance(key, str):
+                    raise ConfigError(path, value, f"key {key!r} is not a string; quote it in YAML")
+            return dict(value)
     else:
         raise AssertionError(f"schema field {path} has an unsupported type {tp}")
     raise ConfigError(path, value, f"expected {_describe(tp)}, got {type(value).__name__}")

@@ -9,14 +9,26 @@ the YAML path, the bad value and the valid choices.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
+    path: str | None = None
+    """A local HuggingFace model directory (config.json, *.safetensors with their index, tokenizer
+    files, optional generation_config.json); policy, reference model and engines start from its
+    weights. Wins over `config_path` and `preset`. Relative to the job file."""
     preset: str | None = "tiny-qwen3-moe"
-    """Built-in tiny model (see hpcrl/models/presets.py), used when `config_path` is null."""
+    """Built-in tiny model (see hpcrl/models/presets.py), used when `path` and `config_path` are null;
+    random init from `trainer.seed`."""
     config_path: str | None = None
-    """Path to a HuggingFace config.json (Qwen3-MoE, Mixtral); relative to the job file."""
+    """Path to a HuggingFace config.json (Qwen3-MoE, Mixtral) for a random-init model; relative to
+    the job file."""
+    random_init: str = "auto"
+    """How a model without weights (preset / config_path) is initialised: hf (transformers' own init
+    drawn on one rank; debug sizes only) | sharded (every rank draws only its slices from a
+    counter-based generator keyed by tensor name and element index) | auto (hf up to 1B parameters,
+    sharded above). Both are the same under every trainer layout."""
     dtype: str = "float32"
     """Parameter dtype: float32 | bfloat16 (bfloat16 needs a GPU)."""
 
@@ -30,7 +42,21 @@ class DataConfig:
     prompt_key: str = "prompt"
     """Column (JSON key) of the prompt text in `path`."""
     answer_key: str = "answer"
-    """Column (JSON key) of the reference answer in `path`, passed to the reward."""
+    """Column of the reference answer in `path`, passed to the reward; a dotted key reaches into
+    nested columns (verl's files: `reward_model.ground_truth`)."""
+    apply_chat_template: bool = True
+    """Render message-list prompts ([{role, content}, ...]) with the tokenizer's chat template
+    (add_generation_prompt). Message lists need it; false is for files of plain-string prompts
+    that must go to the tokenizer as they are."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the chat template, e.g. {enable_thinking: false} for Qwen3."""
+    max_prompt_tokens: int = 0
+    """Longest prompt in tokens (after the chat template); 0: only the model's context limits it."""
+    overlong_prompts: str = "error"
+    """error (validation names the file and row) | drop (rows over max_prompt_tokens are skipped;
+    the run prints how many)."""
+    val_path: str | None = None
+    """A held-out .jsonl/.parquet file in the same format as `path`, for evaluation (see `eval`)."""
     num_prompts_per_step: int = 8
     """Distinct prompts per step; each is sampled `algorithm.group_size` times."""
     seed: int = 0
@@ -145,6 +171,23 @@ class RolloutConfig:
 class RewardConfig:
     fn: str = "token_match"
     """Built-in reward name (see hpcrl/rewards/builtin.py) or `package.module:function`."""
+    num_workers: int = 2
+    """Worker processes (on the controller's node) that score completions."""
+    timeout_s: float = 10.0
+    """Deadline of one completion's score; a reward that raises or runs past it scores 0 and is
+    counted in reward/errors."""
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    interval_steps: int = 0
+    """Evaluate on `data.val_path` every N steps (and after the last step); 0 disables."""
+    num_samples: int = 1
+    """Completions per held-out prompt (the k of val/pass@k)."""
+    temperature: float = 0.0
+    """Sampling temperature of evaluation; 0 is greedy (then num_samples must be 1)."""
+    max_prompts: int = 0
+    """Held-out prompts per evaluation (the first N rows); 0: every row."""
 
 
 @dataclass(kw_only=True)
@@ -250,6 +293,7 @@ class JobConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)

@@ -33,6 +33,8 @@ from moe.hf_megatron import HFModelDims
 
 ALGORITHMS = ("grpo",)
 DTYPES = ("float32", "bfloat16")
+RANDOM_INITS = ("auto", "hf", "sharded")
+OVERLONG_PROMPTS = ("error", "drop")
 DEVICES = ("cpu", "cuda")
 DISPATCHERS = ("alltoall", "allgather")
 BACKENDS = ("reference", "sglang")
@@ -60,6 +62,15 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("data.prompt_key", bool, "a non-empty column name"),
     ("data.answer_key", bool, "a non-empty column name"),
     ("data.num_prompts_per_step", lambda v: v >= 1, ">= 1"),
+    ("data.max_prompt_tokens", lambda v: v >= 0, ">= 0 (0: only the model's context limits prompts)"),
+    ("model.path", lambda v: v is None or v != "", "a model directory, or null for preset/config_path"),
+    ("data.val_path", lambda v: v is None or v != "", "a .jsonl/.parquet file, or null"),
+    ("reward.num_workers", lambda v: v >= 1, ">= 1 (reward worker processes)"),
+    ("reward.timeout_s", lambda v: v > 0, "> 0 seconds"),
+    ("eval.interval_steps", lambda v: v >= 0, ">= 0 (0 disables evaluation)"),
+    ("eval.num_samples", lambda v: v >= 1, ">= 1"),
+    ("eval.temperature", lambda v: v >= 0, ">= 0 (0 is greedy)"),
+    ("eval.max_prompts", lambda v: v >= 0, ">= 0 (0: every row)"),
     ("data.seed", lambda v: 0 <= v < 2**63, ">= 0 (numpy seeds cannot be negative)"),
     ("algorithm.group_size", lambda v: v >= 2, ">= 2: advantages compare the completions of a group"),
     ("algorithm.clip_eps", lambda v: 0 < v < 1, "in (0, 1), e.g. 0.2"),
@@ -112,6 +123,8 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
 
 _CHOICES: list[tuple[str, tuple[str, ...]]] = [
     ("model.dtype", DTYPES),
+    ("model.random_init", RANDOM_INITS),
+    ("data.overlong_prompts", OVERLONG_PROMPTS),
     ("algorithm.name", ALGORITHMS),
     ("algorithm.kl_estimator", KL_ESTIMATORS),
     ("algorithm.loss_agg", LOSS_AGGS),

@@ -9,6 +9,7 @@ import re
 import textwrap
 import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -304,7 +305,7 @@ def test_schema_field_types_are_supported_by_the_loader():
             continue
         for f in dataclasses.fields(tp):
             hint = typing.get_type_hints(tp)[f.name]
-            assert hint in (int, float, bool, str, str | None, list[str]), f"{section.name}.{f.name}: {hint}"
+            assert hint in (int, float, bool, str, str | None, list[str], dict[str, Any]), f"{section.name}.{f.name}: {hint}"
 
 
 def test_sync_checksum_choices_are_the_runtimes_modes():
@@ -313,3 +314,12 @@ def test_sync_checksum_choices_are_the_runtimes_modes():
     from moe.runtime import VERIFY_MODES
 
     assert SYNC_CHECKSUMS == VERIFY_MODES
+
+
+def test_dict_fields_take_mappings_with_string_keys():
+    job = job_from_dict({"data": {"chat_template_kwargs": {"enable_thinking": False}}})
+    assert job.data.chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(ConfigError, match="data.chat_template_kwargs.*expected a mapping"):
+        job_from_dict({"data": {"chat_template_kwargs": ["enable_thinking"]}})
+    with pytest.raises(ConfigError, match="key 1 is not a string"):
+        job_from_dict({"data": {"chat_template_kwargs": {1: True}}})

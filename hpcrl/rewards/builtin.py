@@ -1,17 +1,21 @@
 """Built-in verifiable rewards. Every reward has the signature of `hpcrl.rewards.RewardFn`:
 
-    def reward(prompt: str, completion: str, answer: str) -> float     # in [0, 1]
+    def reward(prompt: str, completion: str, answer: str, extra: dict | None = None) -> float  # in [0, 1]
 """
 
 from __future__ import annotations
 
+from typing import Any
 
-def exact_match(prompt: str, completion: str, answer: str) -> float:
+from hpcrl.rewards.math_answer import math_answer
+
+
+def exact_match(prompt: str, completion: str, answer: str, extra: dict[str, Any] | None = None) -> float:
     """1.0 when the completion (surrounding whitespace ignored) equals the answer, else 0.0."""
     return float(completion.strip() == answer.strip())
 
 
-def token_match(prompt: str, completion: str, answer: str) -> float:
+def token_match(prompt: str, completion: str, answer: str, extra: dict[str, Any] | None = None) -> float:
     """Fraction of answer characters reproduced at the right position.
 
     Divided by max(len(answer), len(completion)), so extra characters cost as much as missing ones.
@@ -22,4 +26,4 @@ def token_match(prompt: str, completion: str, answer: str) -> float:
     return hits / max(len(answer), len(completion))
 
 
-BUILTIN_REWARDS = {"exact_match": exact_match, "token_match": token_match}
+BUILTIN_REWARDS = {"exact_match": exact_match, "math": math_answer, "token_match": token_match}

@@ -4,15 +4,46 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 from hpcrl.rewards.builtin import BUILTIN_REWARDS
 from hpcrl.rewards.protocol import RewardFn
 
-SIGNATURE = "def reward(prompt: str, completion: str, answer: str) -> float"
+SIGNATURE = ("def reward(prompt: str, completion: str, answer: str, extra: dict | None = None) -> float"
+             " (the form without `extra` is accepted too)")
+
+
+class _WithoutExtra:
+    """Adapts a three-argument reward to the four-argument protocol (drops `extra`)."""
+
+    def __init__(self, fn: Callable[[str, str, str], float]) -> None:
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", repr(fn))
+
+    def __call__(self, prompt: str, completion: str, answer: str, extra: dict[str, Any] | None = None) -> float:
+        return self.fn(prompt, completion, answer)
+
+
+def _takes_extra(fn: Callable[..., Any], spec: str, name: str) -> bool:
+    """True if `fn` accepts `extra=`, False if it only takes (prompt, completion, answer); ValueError
+    with the expected signature if it takes neither."""
+    sig = inspect.signature(fn)
+    try:
+        sig.bind("prompt", "completion", "answer", extra={})
+        return True
+    except TypeError:
+        pass
+    try:
+        sig.bind("prompt", "completion", "answer")
+        return False
+    except TypeError:
+        raise ValueError(f"reward.fn={spec!r}: {name}{sig} cannot be called as `{SIGNATURE}`") from None
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """Return the reward callable named by `spec`; ValueError with the fix when it cannot be used."""
+    """Return the reward callable named by `spec`, always callable with `extra` (a three-argument
+    function is wrapped once, here); ValueError with the fix when it cannot be used."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     builtins = ", ".join(sorted(BUILTIN_REWARDS))
@@ -28,9 +59,4 @@ def load_reward_fn(spec: str) -> RewardFn:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward.fn={spec!r}: module {module_name!r} has no function {attr!r}")
-    try:
-        inspect.signature(fn).bind("prompt", "completion", "answer")
-    except TypeError:
-        raise ValueError(f"reward.fn={spec!r}: {attr}{inspect.signature(fn)} cannot be called as "
-                         f"`{SIGNATURE}`") from None
-    return fn
+    return fn if _takes_extra(fn, spec, attr) else _WithoutExtra(fn)

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class RewardFn(Protocol):
     """A verifiable reward: score one completion of one prompt against its reference answer.
 
-    Called on the controller rank once per completion; must be deterministic, return a float
-    (conventionally in [0, 1]) and not raise for malformed completions (score them 0 instead).
+    `extra` holds the data row's other columns (everything but the prompt and the answer; {} for
+    the synthetic tasks), e.g. a test suite or a rubric. A function written without `extra`,
+    `def reward(prompt, completion, answer)`, is accepted too: the loader inspects the signature
+    once and calls it with three arguments.
+
+    Runs in a reward worker process on the controller's node (`reward.num_workers` of them), once
+    per completion, under the deadline `reward.timeout_s`. Must be deterministic and return a
+    finite float (conventionally in [0, 1]). A call that raises, returns a non-number or NaN, or
+    runs past its deadline scores 0 and is counted in the `reward/errors` metric; the run goes on.
+    Module-level state is per worker: a worker may be replaced (after a hang) at any time.
     """
 
-    def __call__(self, prompt: str, completion: str, answer: str) -> float: ...
+    def __call__(self, prompt: str, completion: str, answer: str,
+                 extra: dict[str, Any] | None = None) -> float: ...

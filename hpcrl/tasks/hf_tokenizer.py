@@ -1,0 +1,101 @@
+"""A HuggingFace tokenizer from the job's model directory, behind the controller's `Tokenizer` interface.
+
+`load_tokenizer(job)` returns `HFTokenizer` when `model.path` holds tokenizer files
+(tokenizer.json or tokenizer_config.json), else the built-in `CharTokenizer`. The directory is read
+with `AutoTokenizer.from_pretrained(dir, local_files_only=True)`: nothing is downloaded.
+
+- Prompt text rendered by the chat template already holds the template's special tokens (a BOS
+  included, when the template writes one), so it is encoded with `add_special_tokens=False`; plain
+  string prompts are encoded with the tokenizer's own specials (`add_special_tokens=True`), as
+  `tokenizer(prompt)` would.
+- `stop_token_ids`: generation_config.json's `eos_token_id` (an int or a list), then the tokenizer's
+  eos, without duplicates.
+- `vocab_size` is `len(tokenizer)` (added tokens included): the ids the model's embedding must hold.
+- `decode` skips special tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpcrl.tasks.tokenizer import CharTokenizer, Tokenizer, default_tokenizer
+
+if TYPE_CHECKING:
+    from hpcrl.config.schema import JobConfig
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def has_tokenizer(model_dir: Path) -> bool:
+    """True when `model_dir` holds a HF tokenizer (tokenizer.json or tokenizer_config.json)."""
+    return any((model_dir / f).is_file() for f in TOKENIZER_FILES)
+
+
+class HFTokenizer:
+    """A transformers tokenizer loaded from a local directory (see the module docstring)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.dir = model_dir
+        self.name = f"the tokenizer of model.path={str(model_dir)!r}"
+        self.tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        self.vocab_size: int = len(self.tok)
+        self.chat_template: bool = bool(getattr(self.tok, "chat_template", None))
+        self.stop_token_ids = _stop_ids(model_dir, self.tok.eos_token_id)
+
+    def encode_prompt(self, text: str, rendered: bool = False) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=not rendered))
+
+    def render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+        if not self.chat_template:
+            raise ValueError(f"{self.name} has no chat template (no chat_template in tokenizer_config.json "
+                             "nor chat_template.jinja)")
+        text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        assert isinstance(text, str), type(text)
+        return text
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tok.decode(list(ids), skip_special_tokens=True))
+
+    def unknown_chars(self, text: str) -> list[str]:
+        """Byte-level and sentencepiece-with-fallback tokenizers represent every character; one
+        with an unk token is checked by encoding."""
+        unk = self.tok.unk_token_id
+        if unk is None:
+            return []
+        return sorted({ch for ch in set(text) if unk in self.tok.encode(ch, add_special_tokens=False)})
+
+
+def _stop_ids(model_dir: Path, tokenizer_eos: int | None) -> list[int]:
+    ids: list[int] = []
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids += [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer_eos is not None:
+        ids.append(tokenizer_eos)
+    return list(dict.fromkeys(int(i) for i in ids))
+
+
+@lru_cache(maxsize=4)
+def _load_dir(model_dir: str) -> HFTokenizer:
+    return HFTokenizer(Path(model_dir))
+
+
+def load_tokenizer(job: JobConfig) -> Tokenizer:
+    """The job's tokenizer: `model.path`'s HF tokenizer when it has one, else the character tokenizer.
+
+    Cached per directory (validation and the controller load it once each process).
+    """
+    if job.model.path:
+        model_dir = Path(job.base_dir, job.model.path).resolve()
+        if has_tokenizer(model_dir):
+            return _load_dir(str(model_dir))
+    return default_tokenizer()
+
+
+__all__ = ["CharTokenizer", "HFTokenizer", "has_tokenizer", "load_tokenizer"]

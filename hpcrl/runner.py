@@ -45,7 +45,7 @@ def prepare_run_dir(job: JobConfig, run_dir: Path) -> None:
     resolved = to_dict(job)
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
     (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-    hf = load_hf_config(job.model.preset, job.model.config_path)
+    hf = load_hf_config(job.model.preset, job.model.config_path, job.model.path)
     (run_dir / "model_config.json").write_text(json.dumps(hf, indent=2))
     for stale in ("final.json", ".phase.json", ".ranks.json", ".failure.txt"):  # kept: metrics, checkpoints
         (run_dir / stale).unlink(missing_ok=True)

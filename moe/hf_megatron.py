@@ -85,7 +85,9 @@ class HFModelDims:
             if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
                 raise ValueError("config.json decoder_sparse_step != 1 or non-empty mlp_only_layers: "
                                  "dense MLP layers are not supported (every layer must be MoE)")
-            num_experts, ffn = int(cfg["num_experts"]), int(cfg["moe_intermediate_size"])
+            # transformers 5.x writes Qwen3-MoE's expert count as num_local_experts; hub files say num_experts
+            num_experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
+            ffn = int(cfg["moe_intermediate_size"])
             norm_topk = bool(cfg.get("norm_topk_prob", False))
         else:
             num_experts, ffn = int(cfg["num_local_experts"]), int(cfg["intermediate_size"])

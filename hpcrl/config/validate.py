@@ -27,7 +27,7 @@ from hpcrl.config.schema import JobConfig
 from hpcrl.models.presets import CONFIG_DIR, preset_names
 from hpcrl.rewards import load_reward_fn
 from hpcrl.rewards.builtin import BUILTIN_REWARDS
-from hpcrl.tasks import TASKS, default_tokenizer, read_examples
+from hpcrl.tasks import TASKS, ExampleFile, OverlongPrompt, Tokenizer, load_tokenizer, prompt_format
 from launch.slurm_spec import MPI_PLUGINS, SlurmComponent, SlurmJobSpec, parse_time_limit
 from moe.hf_megatron import HFModelDims
 
@@ -173,7 +173,23 @@ def read_model_config(job: JobConfig) -> tuple[str, Any, str, dict[str, Any]]:
     ConfigError when the file is missing, not JSON or not a JSON object. Does not parse the model.
     """
     m = job.model
-    if m.config_path is not None:
+    if m.path is not None:
+        key, value = "model.path", m.path
+        model_dir = Path(job.base_dir, m.path)
+        if not model_dir.is_dir():
+            raise ConfigError(key, value, "no such directory; give a local HuggingFace model directory "
+                                          "(config.json, *.safetensors, tokenizer files), relative to the "
+                                          "job file; nothing is downloaded")
+        file = model_dir / "config.json"
+        source = f"config.json {file}"
+        if not file.is_file():
+            raise ConfigError(key, value, "the directory has no config.json; give the directory of a "
+                                          "HuggingFace model (the one holding config.json and *.safetensors)")
+        try:
+            hf = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(key, value, f"{file} is not a JSON file ({exc})") from None
+    elif m.config_path is not None:
         key, value = "model.config_path", m.config_path
         file = Path(job.base_dir, m.config_path)
         source = f"config.json {file}"
@@ -213,11 +229,24 @@ def _read_model(job: JobConfig) -> ModelDims:
                                       f"{hf.get('model_type')!r})") from None
     except (ValueError, TypeError) as exc:
         raise ConfigError(key, value, f"{source}: {str(exc).removeprefix('config.json ')}") from None
+    if job.model.path is not None:
+        _check_weights(job, dims)
     return ModelDims(source=source, path=key, num_experts=dims.num_experts,
                      num_attention_heads=dims.num_heads, num_key_value_heads=dims.num_kv_heads,
                      num_hidden_layers=dims.num_layers, vocab_size=dims.vocab_size,
                      expert_ffn_size=dims.moe_ffn_size, max_position_embeddings=dims.max_position_embeddings,
                      tied_embeddings=dims.tied_embeddings)
+
+
+def _check_weights(job: JobConfig, dims: HFModelDims) -> None:
+    """model.path's safetensors match its config.json: every tensor there, none unexpected, every
+    shape right (reads the files' headers only)."""
+    from moe.hf_checkpoint import CheckpointFormatError, HFCheckpoint
+
+    try:
+        HFCheckpoint(Path(job.base_dir, job.model.path), dims).close()
+    except CheckpointFormatError as exc:
+        raise ConfigError("model.path", job.model.path, str(exc)) from None
 
 
 def _strip_prefix(message: str, path: str, value: Any) -> str:
@@ -229,21 +258,16 @@ def _strip_prefix(message: str, path: str, value: Any) -> str:
 
 
 def _check_data_and_reward(job: JobConfig) -> int | None:
-    """Checks data and reward; returns the prompt length in tokens for synthetic tasks, else None."""
+    """Checks data and reward; returns the prompt length in tokens for synthetic tasks, else None.
+
+    Data files (data.path, data.val_path) are checked on a sample of rows (`_check_data_file`)."""
     d = job.data
+    tok = _job_tokenizer(job)
     if d.path is not None:
         if d.path == "":
             raise ConfigError("data.path", d.path, "empty; give a .jsonl/.parquet file, or null to use "
                                                    "data.task")
-        file = Path(job.base_dir, d.path)
-        if not file.is_file():
-            raise ConfigError("data.path", d.path, "no such file; give a .jsonl or .parquet "
-                                                   "file (relative to the job file), or null to use "
-                                                   f"data.task ({', '.join(TASKS)})")
-        try:
-            read_examples(file, d.prompt_key, d.answer_key)
-        except (ValueError, OSError) as exc:
-            raise ConfigError("data.path", d.path, _strip_prefix(str(exc), "data.path", str(file))) from None
+        _check_data_file(job, "data.path", tok)
         prompt_len = None
     else:
         if d.task not in TASKS:
@@ -252,8 +276,9 @@ def _check_data_and_reward(job: JobConfig) -> int | None:
         task = TASKS[d.task]
         # Tasks draw prompts of fixed length; a few draws make that robust to future variants.
         rng = np.random.default_rng(0)
-        tok = default_tokenizer()
-        prompt_len = max(len(tok.encode(task.make(rng)[0])) for _ in range(16))
+        prompt_len = max(len(tok.encode_prompt(task.make(rng)[0])) for _ in range(16))
+    if d.val_path is not None:
+        _check_data_file(job, "data.val_path", tok)
     try:
         load_reward_fn(job.reward.fn)
     except ValueError as exc:
@@ -386,14 +411,18 @@ def _check_devices(job: JobConfig, m: ModelDims) -> None:
 
 
 def _check_context(job: JobConfig, m: ModelDims, prompt_len: int | None) -> None:
-    """Synthetic tasks: the tokenizer fits the embedding and prompt + completion fit the context."""
+    """The tokenizer fits the embedding; synthetic prompts + completion fit the context (file prompts
+    are checked against `prompt_limit` row by row in `_check_data_file`)."""
+    tok = _job_tokenizer(job)
+    if tok.vocab_size > m.vocab_size:
+        what = "data.task uses" if job.data.path is None else "the data's prompts go through"
+        fix = ("use the tokenizer that belongs to the model (its vocabulary must fit the embedding)"
+               if job.model.path else f"use a model with vocab_size >= {tok.vocab_size}")
+        raise ConfigError(m.path, _get(job, m.path),
+                          f"vocab_size={m.vocab_size} of {m.source} is smaller than the {tok.vocab_size} ids "
+                          f"of {tok.name}, which {what}; {fix}")
     if prompt_len is None:
         return
-    vocab = default_tokenizer().vocab_size
-    if vocab > m.vocab_size:
-        raise ConfigError(m.path, _get(job, m.path),
-                          f"vocab_size={m.vocab_size} of {m.source} is smaller than the {vocab} ids of the "
-                          f"character tokenizer that data.task uses; use a model with vocab_size >= {vocab}")
     limit = m.max_position_embeddings
     # SGLang (and the reference engine, which follows it) caps generation at
     # context_len - 2 - prompt_len tokens; refuse what would be cut silently.
@@ -408,7 +437,6 @@ def _check_context(job: JobConfig, m: ModelDims, prompt_len: int | None) -> None
                           f"max_new_tokens + 2 exceeds max_position_embeddings={limit} of {m.source}; "
                           f"use max_new_tokens <= {room} (the task's answers are "
                           f"{TASKS[job.data.task].answer_len} tokens)")
-
 
 # sbatch/srun options hpcrl writes itself (launch/slurm_spec.py) -> what to do instead, in job-file terms.
 _SLURM_OWNED_OPTIONS = {
@@ -548,3 +576,71 @@ def validate(job: JobConfig, purpose: str = "run") -> None:
     _check_parallel(job, dims)
     _check_context(job, dims, prompt_len)
     _check_slurm(job)
+
+
+NUM_CHECKED_ROWS = 64
+"""Validation checks the first NUM_CHECKED_ROWS rows of a data file and the first NUM_CHECKED_ROWS
+of the sampler's epoch-0 order (seeded by data.seed); the sampler checks every row it draws."""
+
+
+def prompt_limit(job: JobConfig) -> tuple[int, str]:
+    """(longest prompt in tokens a run accepts, what sets it, for messages): data.max_prompt_tokens
+    when set, else the model's context less rollout.max_new_tokens + 2 (SGLang caps generation at
+    context_len - 2 - prompt_len). Reads the model config; `validate` has checked it."""
+    _, _, source, hf = read_model_config(job)
+    context = HFModelDims.from_hf_config(hf).max_position_embeddings
+    new = job.rollout.max_new_tokens
+    room = context - 2 - new
+    cap = job.data.max_prompt_tokens
+    if cap and cap <= room:
+        return cap, f"data.max_prompt_tokens={cap}"
+    return room, (f"the {room} tokens left of max_position_embeddings={context} of {source} by "
+                  f"rollout.max_new_tokens={new} + 2")
+
+
+def _job_tokenizer(job: JobConfig) -> Tokenizer:
+    try:
+        return load_tokenizer(job)
+    except Exception as exc:  # transformers raises OSError/ValueError/... for broken tokenizer files
+        raise ConfigError("model.path", job.model.path, f"cannot load its tokenizer "
+                                                        f"({type(exc).__name__}: {exc}); fix or remove "
+                                                        "the tokenizer files") from None
+
+
+def _check_data_file(job: JobConfig, key: str, tok: Tokenizer) -> None:
+    """`key` (data.path / data.val_path) names a readable file whose sampled rows are good examples:
+    prompt type, answer key, chat template, alphabet, length (see hpcrl/tasks/examples.py)."""
+    value = _get(job, key)
+    file = Path(job.base_dir, value)
+    if not file.is_file():
+        other = f"data.task ({', '.join(TASKS)})" if key == "data.path" else "no evaluation"
+        raise ConfigError(key, value, f"no such file; give a .jsonl or .parquet file (relative to the job "
+                                      f"file), or null to use {other}")
+    limit, reason = prompt_limit(job)
+    cap = job.data.max_prompt_tokens
+    if cap and cap > limit:
+        raise ConfigError("data.max_prompt_tokens", cap,
+                          f"prompts of {cap} tokens leave no room for rollout.max_new_tokens: {reason}; "
+                          f"use max_prompt_tokens <= {limit} or fewer max_new_tokens")
+    if limit < 1:
+        raise ConfigError("rollout.max_new_tokens", job.rollout.max_new_tokens,
+                          f"no room is left for a prompt: {reason}; use fewer max_new_tokens")
+    try:
+        examples = ExampleFile(file, prompt_format(job, tok, limit, reason), key)
+        n = len(examples)
+        rows = sorted(set(range(min(n, NUM_CHECKED_ROWS))) | set(
+            np.random.default_rng([job.data.seed, 0]).permutation(n)[:NUM_CHECKED_ROWS].tolist()))
+        overlong = 0
+        for i in rows:
+            try:
+                examples[i]
+            except OverlongPrompt:
+                if job.data.overlong_prompts != "drop":
+                    raise
+                overlong += 1
+    except (ValueError, OSError) as exc:
+        raise ConfigError(key, value, _strip_prefix(str(exc), key, str(file))) from None
+    if overlong == len(rows):
+        raise ConfigError(key, value, f"every checked row ({len(rows)}) is over {reason}, so "
+                                      "data.overlong_prompts: drop would leave nothing; raise "
+                                      "data.max_prompt_tokens or shorten the prompts")

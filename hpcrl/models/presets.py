@@ -17,7 +17,11 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
 
 
-def load_hf_config(preset: str | None, config_path: str | None) -> dict:
-    """The HF config dict of a preset name or of a config.json path (path wins when given)."""
-    path = Path(config_path) if config_path else CONFIG_DIR / f"{preset}.json"
+def load_hf_config(preset: str | None, config_path: str | None, model_path: str | None = None) -> dict:
+    """The HF config dict of a model directory (`model.path`), a config.json path or a preset name,
+    in that order of precedence."""
+    if model_path:
+        path = Path(model_path) / "config.json"
+    else:
+        path = Path(config_path) if config_path else CONFIG_DIR / f"{preset}.json"
     return json.loads(path.read_text())

@@ -318,8 +318,12 @@ def _message(decoded) -> str:
 def launch_reference_server(model_config_path: str, device: str = "cpu", seed: int = 0,
                             log_path: str | None = None, *, host: str = "127.0.0.1", threads: int | None = 1,
                             dtype: str = "float32", startup_timeout_s: float = 180.0,
-                            extra_args: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
+                            extra_args: Sequence[str] = (), model_path: str | None = None
+                            ) -> tuple[subprocess.Popen, str]:
     """Start the reference server as a subprocess; return it and its URL once /health answers 200.
+
+    With `model_path` (a HF model directory) the engine loads its weights; otherwise it draws random
+    weights from `seed`.
 
     The server binds port 0 and reports the port the OS gave it through a file, so no other process
     can take the port between choosing and binding it, and the health check cannot reach another
@@ -332,7 +336,8 @@ def launch_reference_server(model_config_path: str, device: str = "cpu", seed: i
     os.unlink(port_file)  # the server creates it once it listens
     cmd = [sys.executable, "-m", "hpcrl.rollout.reference_server", "--model-config", str(model_config_path),
            "--host", host, "--port", "0", "--port-file", port_file, "--device", device, "--seed", str(seed),
-           "--dtype", dtype, *([] if threads is None else ["--threads", str(threads)]), *extra_args]
+           "--dtype", dtype, *([] if threads is None else ["--threads", str(threads)]),
+           *([] if model_path is None else ["--model-path", str(model_path)]), *extra_args]
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (handed to Popen)
     try:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,

@@ -182,6 +182,16 @@ class ReferenceModel:
                 torch._foreach_copy_([t for t, _ in todo], [x for _, x in todo])
         return len(todo)
 
+    def load_model_dir(self, model_dir: str) -> int:
+        """Load every weight of a HF model directory (per-expert or fused safetensors, one tensor at a
+        time); returns how many were loaded. CheckpointFormatError names a bad file or tensor."""
+        from moe.hf_checkpoint import HFCheckpoint
+        from moe.hf_megatron import HFModelDims
+
+        dims = HFModelDims.from_hf_config(self.config.to_dict())
+        with HFCheckpoint(model_dir, dims) as ckpt:
+            return sum(self.load_weights([(name, ckpt.read(name))]) for name in ckpt.expected)
+
     def get_weight(self, name: str) -> torch.Tensor:
         """A copy of one tensor under its HF checkpoint name (ValueError if unknown)."""
         if name not in self.slots:

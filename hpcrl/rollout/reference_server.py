@@ -2,7 +2,10 @@
 `ReferenceModel` (transformers, KV cache), for CPU machines where SGLang cannot run and for debugging.
 
     python -m hpcrl.rollout.reference_server --model-config config.json --host 127.0.0.1 --port 30000 \
-        [--device cpu] [--dtype float32] [--seed 0] [--tokenizer char|none] [--threads 1]
+        [--model-path DIR] [--device cpu] [--dtype float32] [--seed 0] [--tokenizer char|none] [--threads 1]
+
+With --model-path (a HF model directory, as SGLang's --model-path) the engine starts from its weights;
+without it from random weights drawn from --seed (SGLang's --load-format dummy).
 
 Routes (bodies and answers as SGLang's): POST /generate; GET /health, /health_generate, /model_info,
 /get_model_info, /server_info, /get_server_info, /get_weight_version; GET|POST /flush_cache,
@@ -577,6 +580,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="write the bound port here once listening (race-free with --port 0)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--model-path", default=None,
+                        help="HF model directory whose safetensors the engine starts from")
     parser.add_argument("--seed", type=int, default=0, help="initial weights and unseeded sampling")
     parser.add_argument("--tokenizer", default="char", choices=["char", "none"],
                         help="text <-> ids for 'text' inputs and the 'text' answer field")
@@ -587,6 +592,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     hf_config = json.loads(Path(args.model_config).read_text())
     engine = ReferenceModel(hf_config, device=args.device, dtype=getattr(torch, args.dtype), seed=args.seed)
+    if args.model_path:
+        engine.load_model_dir(args.model_path)
     # Warm-up (lazy imports, allocator) so the first real request is not slow; an explicit seed keeps
     # the engine's RNG for unseeded requests untouched.
     engine.generate([[0, 0], [0]], [{"max_new_tokens": 2, "temperature": 1.0, "sampling_seed": 0}] * 2)

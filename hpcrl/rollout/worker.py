@@ -3,8 +3,10 @@ sends prompts straight to the engine over SGLang's HTTP API (hpcrl/controller/gr
 answers one heartbeat per step, so a rollout rank that died is named even if its engine lives on.
 
 backend `reference`: hpcrl's reference engine (hpcrl.rollout.reference_server), CPU or GPU.
-backend `sglang`: a real SGLang 0.5.x server (`python -m sglang.launch_server`) started with dummy
-weights and no tokenizer; the trainer's initial weight sync loads the policy into it.
+backend `sglang`: a real SGLang 0.5.x server (`python -m sglang.launch_server`) started from
+`model.path`'s weights, or with dummy weights for a random-init model; no tokenizer (token ids in and
+out). The trainer's initial weight sync pushes the policy either way, and step 0's log-prob check
+verifies it.
 """
 
 from __future__ import annotations
@@ -21,15 +23,31 @@ from hpcrl.dist import free_port, routable_host
 from launch.procs import die_with_parent
 
 
+def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int) -> list[str]:
+    """SGLang's launch command: `--model-path` is the job's model directory (its real weights) or,
+    for a random-init model, a directory with only its config.json and `--load-format dummy` (the
+    trainer's initial sync pushes the weights). Token ids in and out: no tokenizer in the engine."""
+    if job.model.path:
+        model_dir, load = Path(job.model.path), []
+    else:
+        model_dir, load = run_dir / "engine_model", ["--load-format", "dummy"]
+        model_dir.mkdir(exist_ok=True)
+        (model_dir / "config.json").write_text((run_dir / "model_config.json").read_text())
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", host,
+            "--port", str(port), "--tp-size", str(job.rollout.tp_per_engine), *load,
+            "--skip-tokenizer-init", "--dtype", job.model.dtype, *job.rollout.server_args]
+
+
 def _launch_sglang(job: JobConfig, run_dir: Path, host: str, port: int, log_path: Path) -> subprocess.Popen:
-    """Start SGLang on the job's model config with dummy weights (the trainer pushes the real ones)."""
-    model_dir = run_dir / "engine_model"
-    model_dir.mkdir(exist_ok=True)
-    (model_dir / "config.json").write_text((run_dir / "model_config.json").read_text())
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", host,
-           "--port", str(port), "--tp-size", str(job.rollout.tp_per_engine), "--load-format", "dummy",
-           "--skip-tokenizer-init", "--dtype", job.model.dtype, *job.rollout.server_args]
+    """Start SGLang on the job's model (see `sglang_command`)."""
+    cmd = sglang_command(job, run_dir, host, port)
     return subprocess.Popen(cmd, stdout=log_path.open("a"), stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+
+
+def engine_init_seed(job: JobConfig) -> int:
+    """The seed of a random-init engine's own weights: not the trainer's, so that the engines start
+    from other weights than the policy and step 0's log-prob check tests the initial push."""
+    return job.trainer.seed + 1
 
 
 def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
@@ -46,9 +64,10 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         log_path = run_dir / "logs" / f"engine{engine_index}.log"
         if job.rollout.backend == "reference":
             state["proc"], url = launch_reference_server(
-                str(run_dir / "model_config.json"), job.resources.device, job.trainer.seed, str(log_path),
+                str(run_dir / "model_config.json"), job.resources.device, engine_init_seed(job), str(log_path),
                 host=host, dtype=job.model.dtype, threads=job.resources.cpus_per_rank,
-                startup_timeout_s=job.resources.startup_timeout_s, extra_args=job.rollout.server_args)
+                startup_timeout_s=job.resources.startup_timeout_s, extra_args=job.rollout.server_args,
+                model_path=job.model.path)
         else:
             port = free_port(host)  # SGLang takes an explicit port
             state["proc"] = _launch_sglang(job, run_dir, host, port, log_path)

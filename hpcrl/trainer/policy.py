@@ -24,7 +24,6 @@ with Megatron's model-parallel-aware grad-norm clipping (`grad_clip`, 0 disables
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping
 from functools import partial
@@ -37,21 +36,18 @@ from hpcrl.algorithms.grpo import KL_ESTIMATORS, LOSS_AGGS, GRPOLossConfig, aggr
 from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
 from hpcrl.trainer import megatron_compat
 from hpcrl.trainer.batch import TrainBatch
-from hpcrl.trainer.model import build_gpt_model, build_hf_model, check_layout, transformer_config
-from moe.hf_megatron import (HFModelDims, RankCoords, hf_fused_to_checkpoint, hf_to_megatron,
-                             local_params)
+from hpcrl.trainer.model import build_gpt_model, check_layout, transformer_config
+from moe.hf_megatron import HFModelDims, RankCoords, hf_to_megatron, local_params
 
 METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_frac")
 
 
 def hf_state_dict_sha256(sd: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over (name, dtype, shape, raw bytes) of every tensor, in sorted name order."""
-    h = hashlib.sha256()
-    for name in sorted(sd):
-        t = sd[name].detach().cpu().contiguous()
-        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    """The policy hash of full HF checkpoint-named tensors (`moe.digest.state_dict_digest`,
+    docs/policy_hash.md): what `MegatronPolicy.policy_sha256` gives for the same weights."""
+    from moe.digest import state_dict_digest
+
+    return state_dict_digest(sd)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -207,23 +203,36 @@ class MegatronPolicy:
         out = [] if model == "ref" else [("policy", self.gpt)]
         return out + ([("ref", self.ref)] if model != "policy" else [])
 
-    @torch.no_grad()
-    def init_from_seed(self, seed: int) -> None:
-        """Load the weights HF transformers draws for this config under `seed` (policy and ref).
+    def init_from_seed(self, seed: int, random_init: str = "auto") -> None:
+        """Random weights drawn from `seed` (policy and ref), the same under every layout.
 
-        Layout-independent: trainer rank 0 builds the full HF model on CPU (small models only)
-        and broadcasts its tensors; every rank takes its slices.
+        random_init (`model.random_init`): "hf" is transformers' own init, drawn by trainer rank 0
+        (debug sizes) and broadcast a tensor at a time; "sharded" has each rank draw only its own
+        slices (moe/sharded_init.py); "auto" picks hf up to 1B parameters, else sharded.
         """
-        sd: dict[str, torch.Tensor] = {}
-        if self.rank == 0:
-            hf = build_hf_model(self.hf_config, seed)
-            sd = hf_fused_to_checkpoint(hf.state_dict(), self.dims)
-        for name, shape in self.dims.hf_shapes().items():
-            t = sd[name].contiguous() if self.rank == 0 else torch.empty(shape, dtype=torch.float32)
-            t = t.to(self.device)
-            dist.broadcast(t, src=0)
-            sd[name] = t.cpu()
-        self.load_hf_state_dict(sd, model="both" if self.ref is not None else "policy")
+        from hpcrl.trainer import weight_init
+
+        mode = weight_init.resolve_random_init(random_init, self.dims)
+        modules = [m for _, m in self._models("both" if self.ref is not None else "policy")]
+        if mode == "hf":
+            weight_init.load_transformers_init(self, seed, modules)
+        elif mode == "sharded":
+            std = float(self.hf_config.get("initializer_range", 0.02))
+            weight_init.load(self, weight_init.sharded_source(seed, self.dims, std), modules)
+        else:
+            raise ValueError(f"random_init={random_init!r}; valid: 'auto', 'hf', 'sharded'")
+        self._loaded.update(policy=True, ref=True)
+
+    def load_hf_dir(self, model_dir: str) -> None:
+        """Load a HF model directory's weights into policy and ref, each rank reading only the
+        slices it holds (moe/hf_checkpoint.py). CheckpointFormatError names a bad file or tensor."""
+        from hpcrl.trainer import weight_init
+
+        source, ckpt = weight_init.hf_dir_source(model_dir, self.dims)
+        with ckpt:
+            weight_init.load(self, source, [m for _, m in self._models("both" if self.ref is not None
+                                                                          else "policy")])
+        self._loaded.update(policy=True, ref=True)
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor], model: str = "policy") -> None:
@@ -282,10 +291,36 @@ class MegatronPolicy:
                 offset += pc.hf_box.numel
         return out
 
+    @torch.no_grad()
     def policy_sha256(self) -> str | None:
-        """sha256 of `export_hf_state_dict()` (see `hf_state_dict_sha256`) on rank 0. Collective."""
-        sd = self.export_hf_state_dict()
-        return None if sd is None else hf_state_dict_sha256(sd)
+        """The layout-independent policy hash (moe/digest.py, docs/policy_hash.md) on rank 0; None
+        elsewhere. Collective, no gather: each rank digests, where they live, the HF regions it is
+        the first holder of (the export plan); one all-reduce of LANES int64 per tensor."""
+        from moe.digest import LANES, digest_box, dtype_name, policy_hash
+
+        shapes = self.dims.hf_shapes()
+        row = {name: k for k, name in enumerate(shapes)}
+        params = dict(self.gpt.named_parameters())
+        lanes = torch.zeros(len(shapes), LANES, dtype=torch.int64, device=self.device)
+        for n, pc in self._export_plan[self.rank]:
+            lanes[row[pc.hf_name]] += digest_box(pc.hf_name, params[n].detach()[pc.local_box.index],
+                                                 pc.hf_box, shapes[pc.hf_name])
+        if dist.get_world_size() > 1:
+            dist.all_reduce(lanes)  # int64 sums wrap: the uint64 lanes add mod 2^64
+        if self.rank != 0:
+            return None
+        dtype = dtype_name(next(iter(params.values())).dtype)
+        lanes = lanes.cpu()
+        return policy_hash((name, dtype, shape, lanes[row[name]]) for name, shape in shapes.items())
+
+    def export_hf_dir(self, out_dir: str, max_shard_bytes: int, source_dir: str | None = None) -> str | None:
+        """Write the policy as a HF model directory (sharded safetensors, index, config.json; the
+        tokenizer files of `source_dir` if given); see hpcrl/trainer/hf_export.py. Collective, no
+        gather: each rank writes the regions it is the first holder of. Returns out_dir on rank 0."""
+        from hpcrl.trainer.hf_export import export_hf_dir
+
+        return export_hf_dir(self.gpt, self.dims, self.hf_config, self._export_plan[self.rank], out_dir,
+                             max_shard_bytes, source_dir)
 
     # ------------------------------------------------------------------ compute
 

@@ -47,7 +47,10 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
                                job.resources.timeout_s)
         hf_config = json.loads((run_dir / "model_config.json").read_text())
         policy = MegatronPolicy(hf_config, job.trainer, job.algorithm, device=device)
-        policy.init_from_seed(job.trainer.seed)
+        if job.model.path:
+            policy.load_hf_dir(job.model.path)  # each rank reads only its slices
+        else:
+            policy.init_from_seed(job.trainer.seed, job.model.random_init)
         state["policy"] = policy
         return None
 

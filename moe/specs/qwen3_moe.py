@@ -19,10 +19,16 @@ from moe.specs._types import (CONFIG_DIR, HPCRL_CONFIG_DIR, LazySpecs, ModelDims
 FAMILY = "qwen3_moe"
 
 
+def num_experts(cfg: Mapping[str, Any]) -> int:
+    """The expert count: `num_experts` in hub config.json files, `num_local_experts` in the ones
+    transformers 5.x writes; 0 when neither is there."""
+    return int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
+
+
 def is_sparse_layer(cfg: Mapping[str, Any], layer: int) -> bool:
     """HF Qwen3-MoE rule: an MoE block unless listed in mlp_only_layers or off the sparse step."""
     step = int(cfg.get("decoder_sparse_step", 1))
-    return (layer not in cfg.get("mlp_only_layers", []) and int(cfg.get("num_experts", 0)) > 0
+    return (layer not in cfg.get("mlp_only_layers", []) and num_experts(cfg) > 0
             and (layer + 1) % step == 0)
 
 
@@ -37,7 +43,7 @@ def spec_from_config(cfg: Mapping[str, Any], flavor: str = "custom") -> MoESpec:
     heads = int(require(cfg, "num_attention_heads", FAMILY))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
-    experts = int(require(cfg, "num_experts", FAMILY))
+    experts = num_experts(cfg) or int(require(cfg, "num_experts", FAMILY))
     moe_ffn = int(require(cfg, "moe_intermediate_size", FAMILY))
     ffn = int(cfg.get("intermediate_size") or 0)
     tied = bool(cfg.get("tie_word_embeddings", False))

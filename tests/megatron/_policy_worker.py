@@ -1,6 +1,9 @@
 """mpiexec worker for tests/megatron/test_policy_layouts.py: one MegatronPolicy run in one layout.
 
-Usage: mpiexec -n N python _policy_worker.py --tp 1 --pp 1 --ep 1 --etp 1 --dispatcher alltoall OUT.pt
+Usage: mpiexec -n N python _policy_worker.py --tp 1 --pp 1 --ep 1 --etp 1 --dispatcher alltoall \
+           [--model-dir DIR] OUT.pt
+The weights come from the HF model directory DIR (each rank reading its slices) or, without it, from
+`init_from_seed(SEED)`; the test builds DIR from that same seed, so both give the same weights.
 Rank 0 saves a dict with the batch, log-probs, metrics, exported HF weights and hashes to OUT.pt.
 """
 
@@ -56,6 +59,7 @@ def main() -> None:
     for axis in ("tp", "pp", "ep", "etp"):
         ap.add_argument(f"--{axis}", type=int, default=1)
     ap.add_argument("--dispatcher", default="alltoall")
+    ap.add_argument("--model-dir", default=None)
     ap.add_argument("out")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -75,7 +79,10 @@ def main() -> None:
                             num_procs=dist.get_world_size(), micro_batch_size=MICRO_BATCH, seed=3)
     algorithm = AlgorithmConfig(lr=1e-2, kl_coef=0.05, grad_clip=0.5, aux_loss_coef=0.01, adam_eps=1e-6)
     policy = MegatronPolicy(load_hf_config("tiny-qwen3-moe", None), trainer, algorithm)
-    policy.init_from_seed(SEED)
+    if args.model_dir:
+        policy.load_hf_dir(args.model_dir)
+    else:
+        policy.init_from_seed(SEED)
     out_boxes = shard_boxes_match(policy, args)
     rank0 = dist.get_rank() == 0
     out: dict = {"sd0": policy.export_hf_state_dict(), "sha0": policy.policy_sha256(),

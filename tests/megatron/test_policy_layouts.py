@@ -1,6 +1,11 @@
 """MegatronPolicy under real mpiexec in five layouts: same weights -> same log-probs (= HF's), same
 GRPO step -> same loss, metrics and exported weights; export -> load -> export is bit-identical.
 
+Starting weights: TP1, EP2, TP2-EP2 and PP2 read a HF model directory written by `save_pretrained`
+(per-expert safetensors in several files; TP2-EP2 reads transformers' fused expert layout), each
+rank reading only its slices; TP2-ETP2 draws transformers' init from the seed. The directories hold that same seed's weights, so every layout must agree and
+match `AutoModelForCausalLM.from_pretrained(dir)`.
+
 Each layout is one `mpiexec` launch of `_policy_worker.py` (init from a seed, log-probs for policy
 and reference, two train steps with Adam, KL, grad clipping and micro-batching, weight round
 trip); the 1-rank run is the baseline the others must match.
@@ -22,21 +27,38 @@ WORKER = Path(__file__).with_name("_policy_worker.py")
 LAUNCH_TIMEOUT_S = 420  # a hang guard, generous: 4 ranks on 2 shared cores import for ~40 s
 pytestmark = [pytest.mark.megatron, pytest.mark.mpi, pytest.mark.timeout(900)]
 
-# name -> (ranks, worker flags)
+# name -> (ranks, worker flags, weights: "dir" | "fused-dir" | "seed")
 LAYOUTS = {
-    "tp1-ep1": (1, []),
-    "tp1-ep2-allgather": (2, ["--ep", "2", "--dispatcher", "allgather"]),
-    "tp2-ep2-etp1-alltoall": (4, ["--tp", "2", "--ep", "2", "--etp", "1", "--dispatcher", "alltoall"]),
-    "tp1-ep2-pp2": (4, ["--ep", "2", "--pp", "2"]),
+    "tp1-ep1": (1, [], "dir"),
+    "tp1-ep2-allgather": (2, ["--ep", "2", "--dispatcher", "allgather"], "dir"),
+    "tp2-ep2-etp1-alltoall": (4, ["--tp", "2", "--ep", "2", "--etp", "1", "--dispatcher", "alltoall"],
+                              "fused-dir"),
+    "tp1-ep2-pp2": (4, ["--ep", "2", "--pp", "2"], "dir"),
     # experts split over ETP (fc1 = [gate_r; up_r]); the alltoall dispatcher cannot do ETP on gloo
-    "tp2-etp2-allgather": (2, ["--tp", "2", "--etp", "2", "--dispatcher", "allgather"]),
+    "tp2-etp2-allgather": (2, ["--tp", "2", "--etp", "2", "--dispatcher", "allgather"], "seed"),
 }
 LOGP_TOL = 1e-5
 WEIGHT_TOL = 2e-5
 
 
-def launch(name: str, out: Path) -> dict:
-    ranks, flags = LAYOUTS[name]
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny preset's weights under the workers' seed as HF model directories, both layouts."""
+    from _policy_worker import SEED
+    from hf_fixtures import model_dir
+
+    from hpcrl.models.presets import load_hf_config
+
+    cfg = load_hf_config("tiny-qwen3-moe", None)
+    root = tmp_path_factory.mktemp("hf")
+    return {"dir": model_dir(root / "per-expert", config=cfg, seed=SEED, tokenizer=False),
+            "fused-dir": model_dir(root / "fused", config=cfg, seed=SEED, tokenizer=False, fused=True)}
+
+
+def launch(name: str, out: Path, model_dirs: dict[str, Path]) -> dict:
+    ranks, flags, weights = LAYOUTS[name]
+    if weights != "seed":
+        flags = [*flags, "--model-dir", str(model_dirs[weights])]
     cmd = [str(MPIEXEC), "-n", str(ranks), sys.executable, str(WORKER), *flags, str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -52,21 +74,26 @@ def launch(name: str, out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return launch("tp1-ep1", tmp_path_factory.mktemp("tp1-ep1") / "out.pt")
+def baseline(tmp_path_factory: pytest.TempPathFactory, model_dirs: dict[str, Path]) -> dict:
+    return launch("tp1-ep1", tmp_path_factory.mktemp("tp1-ep1") / "out.pt", model_dirs)
 
 
-def hf_logprobs(batch, temperature: float, sd: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+def hf_logprobs(batch, temperature: float, sd: dict[str, torch.Tensor] | None = None,
+                model_dir: Path | None = None) -> torch.Tensor:
     """Log-probs of the response tokens from HF transformers' Qwen3MoeForCausalLM (init weights,
-    or the checkpoint-named `sd`)."""
+    the checkpoint-named `sd`, or `from_pretrained(model_dir)`)."""
     from _policy_worker import SEED
+    from transformers import AutoModelForCausalLM
 
     from hpcrl.models.presets import load_hf_config
     from hpcrl.trainer.model import build_hf_model
     from moe.hf_megatron import HFModelDims, hf_checkpoint_to_fused
 
     cfg = load_hf_config("tiny-qwen3-moe", None)
-    model = build_hf_model(cfg, SEED)
+    if model_dir is not None:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    else:
+        model = build_hf_model(cfg, SEED)
     if sd is not None:
         model.load_state_dict(hf_checkpoint_to_fused(sd, HFModelDims.from_hf_config(cfg)))
     with torch.no_grad():
@@ -83,10 +110,11 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def test_baseline_matches_hf_and_round_trips(baseline: dict) -> None:
+def test_baseline_matches_hf_and_round_trips(baseline: dict, model_dirs: dict[str, Path]) -> None:
     from hpcrl.trainer.policy import hf_state_dict_sha256
 
     batch = baseline["batch"]
+    assert (baseline["logp"] - hf_logprobs(batch, 1.0, model_dir=model_dirs["dir"])).abs().max() < LOGP_TOL
     assert baseline["logp"].shape == (batch.batch_size, batch.response_width)
     assert baseline["logp"].dtype == torch.float32
     assert baseline["shard_boxes_match"]
@@ -116,9 +144,12 @@ def test_baseline_matches_hf_and_round_trips(baseline: dict) -> None:
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "tp1-ep1"])
-def test_layout_matches_baseline(name: str, baseline: dict, tmp_path: Path) -> None:
-    run = launch(name, tmp_path / "out.pt")
-    assert run["sha0"] == baseline["sha0"], "init_from_seed must be layout-independent, bit for bit"
+def test_layout_matches_baseline(name: str, baseline: dict, tmp_path: Path, model_dirs: dict[str, Path]) -> None:
+    run = launch(name, tmp_path / "out.pt", model_dirs)
+    assert run["sha0"] == baseline["sha0"], "weights from the seed or the HF dir must be layout-independent"
+    if LAYOUTS[name][2] != "seed":  # each rank read its slices of the directory: HF's own loader agrees
+        hf = hf_logprobs(run["batch"], 1.0, model_dir=model_dirs[LAYOUTS[name][2]])
+        assert (run["logp"] - hf).abs().max() < LOGP_TOL
     assert run["shard_boxes_match"], "moe.layouts.TrainerLayout disagrees with Megatron's shards (shard sync)"
     assert max_diff(run["sd0"], baseline["sd0"]) == 0.0
     assert (run["logp"] - baseline["logp"]).abs().max() < LOGP_TOL

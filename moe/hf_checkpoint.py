@@ -1,0 +1,197 @@
+"""A local HuggingFace model directory's weights, read by slices: what a trainer rank needs and no more.
+
+`HFCheckpoint(dir, dims)` reads only the safetensors headers (JSON at the front of each file) and
+checks them against the model's config: every tensor present, nothing unexpected, every shape
+right. `read(name, box)` then returns one global box of one tensor under its *checkpoint* name
+(`moe.hf_megatron.HFModelDims.hf_shapes()`), read with safetensors' `get_slice`, so a rank touches
+only the bytes of its own shards: at EP8 a rank reads 1/8 of the experts.
+
+Two on-disk expert layouts are accepted:
+  * per expert, what checkpoints on the hub hold and `save_pretrained` writes by default:
+    `model.layers.{i}.mlp.experts.{e}.gate_proj.weight` [I, H] (Mixtral: `block_sparse_moe.experts.{e}.w1`);
+  * fused, what transformers 5.x writes with `save_original_format=False`: per layer
+    `model.layers.{i}.mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first), `...experts.down_proj`
+    [E, H, I] and the router at `model.layers.{i}.mlp.gate.weight` for both families.
+A box of a per-expert name is then a box of the fused tensor at expert e (up rows offset by I).
+
+Errors are `CheckpointFormatError` (a ValueError) naming the directory, file, tensor, what was
+expected and found, and the fix. Shape legend: E experts, I expert FFN size, H hidden.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from moe.hf_megatron import HFModelDims, expert_names, router_name
+from moe.slices import Box
+
+if TYPE_CHECKING:
+    import torch
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Buffers some older checkpoints carry; transformers recomputes them and ignores the stored ones.
+_IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+class CheckpointFormatError(ValueError):
+    """A model directory that cannot be loaded; the message names the file or tensor and the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    """Where a tensor lives on disk: file, on-disk name, shape and safetensors dtype tag."""
+
+    file: Path
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def read_header(file: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file ({name: {dtype, shape, data_offsets}, __metadata__})."""
+    try:
+        with file.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > 100 << 20:
+                raise ValueError(f"header length {length}")
+            return json.loads(f.read(length))
+    except (OSError, ValueError, struct.error) as exc:
+        raise CheckpointFormatError(f"{file}: not a readable safetensors file ({exc}); re-download it") from None
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """On-disk tensor name -> file, from the index (sharded) or the single model.safetensors."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointFormatError(f"{index}: not a safetensors index with a 'weight_map' ({exc!r})") \
+                from None
+        files = {f: model_dir / f for f in sorted(set(weight_map.values()))}
+        missing = [f for f, p in files.items() if not p.is_file()]
+        if missing:
+            raise CheckpointFormatError(
+                f"{index} names {len(missing)} file(s) that are not in {model_dir}, e.g. {missing[0]!r}; "
+                "the download is incomplete: fetch the missing *.safetensors files")
+        return {name: files[f] for name, f in weight_map.items()}
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return {name: single for name in read_header(single) if name != "__metadata__"}
+    found = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    hint = (f"it has {found} but no {INDEX_FILE}; restore the index" if found else
+            "download the model's *.safetensors files, or use model.config_path for a random-init model")
+    raise CheckpointFormatError(f"{model_dir} has no weights ({SINGLE_FILE} or {INDEX_FILE}): {hint}")
+
+
+def has_weights(model_dir: Path) -> bool:
+    return (model_dir / INDEX_FILE).is_file() or (model_dir / SINGLE_FILE).is_file()
+
+
+class HFCheckpoint:
+    """The weights of a HF model directory, checked against `dims`, readable by global boxes."""
+
+    def __init__(self, model_dir: str | Path, dims: HFModelDims) -> None:
+        self.dir = Path(model_dir)
+        self.dims = dims
+        files = weight_files(self.dir)
+        stored: dict[str, StoredTensor] = {}
+        for file in sorted(set(files.values())):
+            for name, meta in read_header(file).items():
+                if name != "__metadata__" and files.get(name) == file:
+                    stored[name] = StoredTensor(file, name, tuple(meta["shape"]), meta["dtype"])
+        self.fused = any(n.endswith(".mlp.experts.gate_up_proj") for n in stored)
+        self.expected = dims.hf_shapes()
+        self._where = self._locate(stored)
+        self._handles: dict[Path, Any] = {}
+
+    # -- checking --------------------------------------------------------------------------------
+
+    def _fused_name(self, name: str) -> tuple[str, int, int] | None:
+        """(on-disk fused name, expert, row offset) of a per-expert checkpoint name, or None."""
+        m = _EXPERT.match(name)
+        if m is None:
+            return None
+        layer, expert, proj = int(m.group(1)), int(m.group(3)), m.group(4)
+        gate, up, down = (n.rsplit(".", 2)[-2] for n in expert_names(self.dims, layer, expert))
+        prefix = f"model.layers.{layer}.mlp.experts."
+        if proj == down:
+            return prefix + "down_proj", expert, 0
+        return prefix + "gate_up_proj", expert, 0 if proj == gate else self.dims.moe_ffn_size
+
+    def _locate(self, stored: dict[str, StoredTensor]) -> dict[str, tuple[StoredTensor, int | None, int]]:
+        """checkpoint name -> (stored tensor, expert index in a fused tensor or None, row offset);
+        raises CheckpointFormatError for a missing, unexpected or misshapen tensor."""
+        where: dict[str, tuple[StoredTensor, int | None, int]] = {}
+        used: set[str] = set()
+        E, I, H = self.dims.num_experts, self.dims.moe_ffn_size, self.dims.hidden_size
+        routers = {router_name(self.dims, i): f"model.layers.{i}.mlp.gate.weight"
+                   for i in range(self.dims.num_layers)}  # fused files keep the in-memory router name
+        for name, shape in self.expected.items():
+            fused = self._fused_name(name) if self.fused else None
+            disk = fused[0] if fused else (routers.get(name, name) if self.fused else name)
+            want = shape if fused is None else ((E, 2 * I, H) if disk.endswith("gate_up_proj") else (E, H, I))
+            st = stored.get(disk)
+            if st is None:
+                raise CheckpointFormatError(
+                    f"{self.dir}: tensor {disk!r} (shape {list(want)}) is missing from the checkpoint; is config.json ({self.dims.family}, "
+                    f"{self.dims.num_layers} layers, {E} experts) the one these weights were saved with?")
+            if st.shape != tuple(want):
+                raise CheckpointFormatError(
+                    f"{st.file.name}: tensor {disk!r} has shape {list(st.shape)}, but config.json gives "
+                    f"{list(want)}; the weights do not belong to this config.json (check hidden_size, "
+                    f"num_experts, moe_intermediate_size/intermediate_size, vocab_size, head_dim)")
+            if st.dtype not in _SAFETENSORS_DTYPES:
+                raise CheckpointFormatError(f"{st.file.name}: tensor {disk!r} has dtype {st.dtype}; only "
+                                            f"{sorted(_SAFETENSORS_DTYPES)} weights are supported")
+            where[name] = (st, None, 0) if fused is None else (st, fused[1], fused[2])
+            used.add(disk)
+        extra = sorted(n for n in stored if n not in used and not _IGNORED.match(n)
+                       and not (n == "lm_head.weight" and self.dims.tied_embeddings))
+        if extra:
+            st = stored[extra[0]]
+            raise CheckpointFormatError(
+                f"{st.file.name}: unexpected tensor {extra[0]!r} (shape {list(st.shape)}; {len(extra)} in all) "
+                f"that a {self.dims.family} model of this config.json does not have; the weights belong to "
+                "another architecture or config (e.g. shared experts or dense MLP layers are not supported)")
+        return where
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def dtype_of(self, name: str) -> str:
+        """The stored dtype of a checkpoint-named tensor, as a torch dtype name ("bfloat16", ...)."""
+        return _SAFETENSORS_DTYPES[self._where[name][0].dtype]
+
+    def read(self, name: str, box: Box | None = None) -> torch.Tensor:
+        """`hf[name][box]` (the whole tensor when box is None), in its stored dtype, reading only
+        that region's bytes. KeyError for a name the model does not have."""
+        st, expert, row0 = self._where[name]
+        box = box or Box.full(self.expected[name])
+        handle = self._handles.get(st.file)
+        if handle is None:
+            from safetensors import safe_open
+
+            handle = self._handles[st.file] = safe_open(str(st.file), framework="pt")
+        view = handle.get_slice(st.name)
+        if expert is None:
+            return view[box.index]
+        rows, cols = box.index
+        return view[expert: expert + 1, rows.start + row0: rows.stop + row0, cols][0]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> HFCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

@@ -1,0 +1,71 @@
+"""Body of a reward worker process (started by `hpcrl.rewards.pool.RewardPool`, spawn context).
+
+Protocol over one duplex pipe: the worker sends ("ready", pid) once the reward is loaded (or
+("failed", traceback) and exits); then for each chunk (start, items) it receives, it sends back
+(start, scores, errors) with errors [(index, message)]; None or a closed pipe ends it. Before each
+item it writes (started_at, index) into the shared `progress` array (started_at 0.0 = not scoring),
+which is how the pool finds the item that ran past its deadline without a message per item.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import signal
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+IDLE = 0.0
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGKILL this worker when the controller dies, even inside C code that holds the GIL
+    (closing the pipe only ends a worker that is reading it)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def serve(conn: Connection, spec: str, progress: Any, parent_pid: int) -> None:
+    """Load `spec` and score chunks until told to stop (see the module docstring)."""
+    _die_with_parent(parent_pid)
+    # Preemption notices and Ctrl-C are the controller's to handle; it stops workers itself.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        from hpcrl.rewards.loader import load_reward_fn
+
+        fn = load_reward_fn(spec)
+    except BaseException:
+        conn.send(("failed", traceback.format_exc(limit=-3)))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        start, items = msg
+        scores, errors = [], []
+        for k, (prompt, completion, answer, extra) in enumerate(items):
+            progress[1] = start + k
+            progress[0] = time.monotonic()
+            try:
+                score = float(fn(prompt, completion, answer, extra))
+                if not math.isfinite(score):
+                    raise ValueError(f"returned {score}")
+            except BaseException as exc:  # SystemExit too: a reward must not end the worker
+                score = 0.0
+                errors.append((start + k, f"{type(exc).__name__}: {exc}"))
+            progress[0] = IDLE
+            scores.append(score)
+        conn.send((start, scores, errors))

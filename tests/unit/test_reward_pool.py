@@ -1,0 +1,134 @@
+"""The reward pool: results identical to in-process scoring, in order; rewards that raise, hang (in
+Python or blocked in C), crash their worker or return garbage score 0, are counted, and never hold
+`score` past its deadline."""
+
+import math
+import os
+import select
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from hpcrl.rewards import load_reward_fn
+from hpcrl.rewards.pool import RewardPool, RewardPoolError, score_in_process
+
+TIMEOUT_S = 1.0
+
+
+def misbehaving(prompt, completion, answer, extra=None):
+    """A reward that does what the completion says; otherwise token_match plus extra's bonus."""
+    if completion == "raise":
+        raise ValueError("bad completion")
+    if completion == "loop":
+        while True:
+            pass
+    if completion == "pause":  # blocked in C
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGINT, signal.SIGALRM])
+        signal.pause()
+    if completion == "select":
+        select.select([], [], [])
+    if completion == "exit":
+        os._exit(3)
+    if completion == "nan":
+        return math.nan
+    if completion == "none":
+        return None
+    return load_reward_fn("token_match")(prompt, completion, answer) + (extra or {}).get("bonus", 0.0)
+
+
+def three_args(prompt, completion, answer):
+    return float(len(completion)) / 10
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RewardPool(f"{__name__}:misbehaving", num_workers=2, timeout_s=TIMEOUT_S) as p:
+        yield p
+
+
+def _items(completions, extra=None):
+    return [(c[:1], c, c[:1] * 4, dict(extra or {})) for c in completions]
+
+
+def _good(n):
+    return _items(["abcdefgh"[i % 8] * (1 + i % 5) for i in range(n)], {"bonus": 0.5})
+
+
+@pytest.mark.timeout(60)
+def test_results_match_in_process_scoring_in_order(pool):
+    for n in (0, 1, 7, 128, 301):
+        items = _good(n)
+        scores = pool.score(items)
+        assert scores.rewards.dtype == np.float32 and scores.num_errors == 0
+        assert np.array_equal(scores.rewards, score_in_process(misbehaving, items)), n
+    with RewardPool(f"{__name__}:three_args", num_workers=3, timeout_s=TIMEOUT_S) as p3:
+        items = _good(50)
+        assert np.array_equal(p3.score(items).rewards, score_in_process(load_reward_fn(f"{__name__}:three_args"),
+                                                                         items))
+
+
+@pytest.mark.timeout(60)
+def test_raising_and_garbage_rewards_score_zero_and_are_counted(pool):
+    items = _good(20)
+    for i, bad in ((3, "raise"), (11, "nan"), (12, "none")):
+        items[i] = _items([bad])[0]
+    scores = pool.score(items)
+    assert sorted(scores.errors) == [3, 11, 12] and scores.num_errors == 3
+    assert scores.errors[3] == "ValueError: bad completion"
+    assert "returned nan" in scores.errors[11] and "TypeError" in scores.errors[12]
+    good = [i for i in range(20) if i not in scores.errors]
+    assert np.array_equal(scores.rewards[good], score_in_process(misbehaving, [items[i] for i in good]))
+    assert (scores.rewards[[3, 11, 12]] == 0).all()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("hang", ["loop", "pause", "select", "exit"])
+def test_hung_or_crashing_reward_is_killed_within_the_deadline(pool, hang):
+    items = _good(40)
+    for i in (5, 30):
+        items[i] = _items([hang])[0]
+    t0 = time.monotonic()
+    scores = pool.score(items)
+    elapsed = time.monotonic() - t0
+    # Two bad items, two workers: each costs at most a deadline plus a worker restart (~0.2 s here).
+    assert elapsed < 2 * TIMEOUT_S + 10, elapsed
+    assert sorted(scores.errors) == [5, 30], scores.errors
+    why = "exited (code 3)" if hang == "exit" else f"timed out after {TIMEOUT_S:g} s"
+    assert all(why in msg for msg in scores.errors.values()), scores.errors
+    good = [i for i in range(40) if i not in (5, 30)]
+    assert np.array_equal(scores.rewards[good], score_in_process(misbehaving, [items[i] for i in good]))
+    # the pool recovered: the next call is clean and fast
+    t0 = time.monotonic()
+    assert pool.score(_good(64)).num_errors == 0 and time.monotonic() - t0 < 5
+
+
+@pytest.mark.timeout(90)
+def test_every_item_hanging_still_returns_within_the_bound():
+    n, workers, timeout_s = 6, 2, 0.5
+    with RewardPool(f"{__name__}:misbehaving", num_workers=workers, timeout_s=timeout_s) as p:
+        p.score(_good(2))  # workers up
+        t0 = time.monotonic()
+        scores = p.score(_items(["loop"] * n))
+        elapsed = time.monotonic() - t0
+    assert scores.num_errors == n and not scores.rewards.any()
+    # ceil(n / workers) deadlines back to back, plus a worker start per hang (generous on 2 busy cores)
+    assert elapsed < math.ceil(n / workers) * timeout_s + n * 3.0, elapsed
+
+
+@pytest.mark.timeout(60)
+def test_reward_that_cannot_load_in_a_worker_is_a_clear_error():
+    with pytest.raises(RewardPoolError, match="failed to load in a reward worker"):
+        with RewardPool("no_such_module_xyz:f", num_workers=1, timeout_s=1.0) as p:
+            p.score(_good(3))
+
+
+@pytest.mark.timeout(60)
+def test_close_stops_every_worker():
+    p = RewardPool("token_match", num_workers=2, timeout_s=1.0)
+    procs = [s.proc for s in p._slots]
+    p.score(_good(4))
+    p.close()
+    p.close()
+    assert all(not proc.is_alive() for proc in procs)

@@ -12,13 +12,14 @@ from pathlib import Path
 import numpy as np
 
 from hpcrl.config.schema import JobConfig
+from hpcrl.config.validate import prompt_limit
 from hpcrl.controller.checkpointing import Checkpointer, resume_mode_from_env
 from hpcrl.controller.comm import World
 from hpcrl.controller.groups import GenerateRequest, PolicyGroup, Rollout, RolloutGroup
 from hpcrl.controller.metrics import MetricsLogger
 from hpcrl.controller.phase_file import PhaseFile
 from hpcrl.rewards import load_reward_fn
-from hpcrl.tasks import default_tokenizer, make_sampler
+from hpcrl.tasks import build_sampler, load_tokenizer, prompt_format
 
 
 def sampling_seed(seed: int, step: int, index: int) -> int:
@@ -33,9 +34,11 @@ class Session:
         res = job.resources
         self.policy = PolicyGroup(world, res.timeout_s)
         self.rollouts = RolloutGroup(world, res.timeout_s)
-        self.tokenizer = default_tokenizer()
-        d = job.data
-        self.sampler = make_sampler(d.task, d.path, d.prompt_key, d.answer_key, d.num_prompts_per_step, d.seed)
+        self.tokenizer = load_tokenizer(job)
+        self.prompts = prompt_format(job, self.tokenizer, *prompt_limit(job))
+        self.sampler = build_sampler(job, self.prompts)
+        print(f"hpcrl: prompts from {job.data.path or 'data.task=' + str(job.data.task)}, tokenized by "
+              f"{self.tokenizer.name} (stop ids {self.tokenizer.stop_token_ids})", flush=True)
         self.reward_fn = load_reward_fn(job.reward.fn)
         self.checkpointer = Checkpointer(job, run_dir, self.policy, resume_mode_from_env())
         self.metrics: MetricsLogger | None = None
@@ -87,11 +90,17 @@ class Session:
 
     def _request(self, step: int) -> GenerateRequest:
         """Prompts and sampling parameters of `step`: a pure function of the job and the step."""
-        examples = [ex for ex in self.sampler.batch(step) for _ in range(self.job.algorithm.group_size)]
-        prompt_ids = [self.tokenizer.encode(ex.prompt) for ex in examples]
+        batch = self.sampler.batch(step)
+        dropped = self.sampler.dropped(step)
+        if dropped:
+            print(f"hpcrl: step {step}: skipped {len(dropped)} prompts over {self.prompts.limit_reason} "
+                  f"(data.overlong_prompts: drop; rows {', '.join(str(i + 1) for i in dropped[:10])}"
+                  f"{' ...' if len(dropped) > 10 else ''})", flush=True)
+        examples = [ex for ex in batch for _ in range(self.job.algorithm.group_size)]
+        prompt_ids = [list(ex.prompt_ids) for ex in examples]
         r = self.job.rollout
         params = [{"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens,
-                   "stop_token_ids": [self.tokenizer.eos_id], "ignore_eos": r.ignore_eos,
+                   "stop_token_ids": list(self.tokenizer.stop_token_ids), "ignore_eos": r.ignore_eos,
                    "sampling_seed": sampling_seed(self.job.trainer.seed, step, i)}
                   for i in range(len(examples))]
         return self.rollouts.prepare(examples, prompt_ids, params)

@@ -2,42 +2,85 @@
 
 `plan_report(spec, trainer, rollout, ...)` plans the trainer -> rollout weight sync at full scale
 (virtual ranks only, no processes) and returns a JSON-ready dict; `render_text(report)` formats
-it for a terminal. Times follow the model in `moe.network`: `estimate_s` for the plan,
-`lower_bound_s` for the NIC line-rate floor, `baseline_broadcast_s` for verl/slime's
-gather-then-broadcast. Memory: trainer params at the spec dtype, fp32 grads, Adam state (fp32
-master + m + v, sharded over replicas with the distributed optimizer); rollout weights only (no
-KV cache).
+it for a terminal. Memory: what each trainer rank allocates for `build` (moe.trainer_memory:
+params, fp32 DDP grads, Adam state, a frozen reference model), rollout weights only (no KV cache).
+Times follow the model in `moe.network`, one group per weight-sync route (`routes` in the report):
+  shard route      trainer shards straight to the engines along the plan (hpcrl's reference engine
+                   only): `estimate_s` and the NIC line-rate floor `lower_bound_s`;
+  broadcast route  full HF tensors over SGLang's update_weights_from_distributed (SGLang and the
+                   reference engine): hpcrl's multi-source broadcast `sglang_broadcast_s` (when
+                   `broadcast_bucket_bytes` is given) and verl/slime's `baseline_broadcast_s`.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
-from moe.layouts import RolloutLayout, TrainerLayout, bytes_per_rank, trainer_memory
-from moe.network import Topology, broadcast_baseline_seconds, estimate_seconds, lower_bound
+from moe.layouts import RolloutLayout, TrainerLayout, bytes_per_rank
+from moe.network import (Topology, broadcast_baseline_seconds, estimate_seconds, lower_bound,
+                         sglang_broadcast_seconds)
 from moe.plan import plan
 from moe.specs import MoESpec
+from moe.trainer_memory import TrainerBuild, megatron_build, trainer_memory
 
 DEFAULT_BUDGET_BYTES = 1 << 30
+
+ROUTE_WHAT = {
+    "shard": "trainer shards straight to the engines along the plan (rollout.weight_sync: shard)",
+    "broadcast": "full HF tensors over SGLang's update_weights_from_distributed (rollout.weight_sync: "
+                 "broadcast)",
+}
+
+
+def spec_dtype(spec: MoESpec) -> str:
+    """The dtype most of the spec's elements have (the parameter dtype of a trainer built from it)."""
+    numel: Counter[str] = Counter()
+    for t in spec.tensors:
+        numel[t.dtype] += t.numel
+    return numel.most_common(1)[0][0]
+
+
+def trainer_memory_summary(spec: MoESpec, trainer: TrainerLayout, build: TrainerBuild,
+                           gpu_memory_bytes: int | None = None) -> dict[str, Any]:
+    """Per-GPU trainer memory of `build` (each figure the max over GPUs), its build and `fits`."""
+    mem = trainer_memory(spec, trainer, build)
+    total = float(mem["total_bytes"].max())
+    return {
+        "build": {**asdict(build), "grad_dtype": "float32", "main_params": build.main_params,
+                  "description": build.describe()},
+        "params_bytes_per_gpu": float(mem["params_bytes"].max()),
+        "grads_bytes_per_gpu": float(mem["grads_bytes"].max()),
+        "optimizer_bytes_per_gpu": float(mem["optimizer_bytes"].max()),
+        "adam_state_bytes_per_gpu": float(mem["adam_state_bytes"].max()),
+        "main_params_bytes_per_gpu": float(mem["main_params_bytes"].max()),
+        "reference_bytes_per_gpu": float(mem["reference_bytes"].max()),
+        "total_bytes_per_gpu": total,
+        "distributed_optimizer": build.distributed_optimizer,
+        "fits": None if gpu_memory_bytes is None else total <= gpu_memory_bytes,
+    }
 
 
 def plan_report(spec: MoESpec, trainer: TrainerLayout, rollout: RolloutLayout, *,
                 topology: Topology | None = None, memory_budget_bytes: int = DEFAULT_BUDGET_BYTES,
-                gpu_memory_bytes: int | None = None, distributed_optimizer: bool = True) -> dict[str, Any]:
+                gpu_memory_bytes: int | None = None, build: TrainerBuild | None = None,
+                broadcast_bucket_bytes: int | None = None) -> dict[str, Any]:
     """Plan and summarise one weight sync. Raises ValueError for layouts that do not fit the spec.
 
     Keys include total_params, lower_bound_s, estimate_s, baseline_broadcast_s,
     max_recv_bytes_per_gpu and must_hold_bytes_per_gpu; `trainer`/`rollout` hold per-GPU memory and
-    whether it fits `gpu_memory_bytes` (None when not given).
+    whether it fits `gpu_memory_bytes` (None when not given); `routes` groups the times by route.
+    `build` defaults to `megatron_build` of the spec's dtype. With `broadcast_bucket_bytes`, also
+    `sglang_broadcast_s` and `sglang_broadcast_terms` (hpcrl's broadcast in buckets of that size).
     """
     topo = topology or Topology()
+    build = build or megatron_build(spec_dtype(spec))
     trainer.validate(spec)
     rollout.validate(spec)
     p = plan(trainer, rollout, spec, memory_budget_bytes, topo)
-    mem = trainer_memory(spec, trainer, distributed_optimizer)
     weights = bytes_per_rank(spec, rollout.placement(spec), rollout.world_size)
     lb = lower_bound(spec, trainer.placement(spec), rollout.placement(spec), trainer.world_size,
                      rollout.world_size, topo)
@@ -45,22 +88,14 @@ def plan_report(spec: MoESpec, trainer: TrainerLayout, rollout: RolloutLayout, *
     base = broadcast_baseline_seconds(spec, trainer, topo)
     sent, recv = p.sent_bytes(), p.received_bytes()
     nic = int(p.nbytes[~p.intra_node].sum())
-    trainer_total = float(mem["total_bytes"].max())
     must_hold = float(weights.max())
-    return {
+    out = {
         "model": spec.name,
         "total_params": spec.total_params,
         "total_bytes": spec.total_bytes,
         "params_by_kind": {str(k): v for k, v in spec.params_by_kind().items()},
-        "trainer": {
-            "layout": asdict(trainer), "world_size": trainer.world_size,
-            "params_bytes_per_gpu": float(mem["params_bytes"].max()),
-            "grads_bytes_per_gpu": float(mem["grads_bytes"].max()),
-            "optimizer_bytes_per_gpu": float(mem["optimizer_bytes"].max()),
-            "total_bytes_per_gpu": trainer_total,
-            "distributed_optimizer": distributed_optimizer,
-            "fits": None if gpu_memory_bytes is None else trainer_total <= gpu_memory_bytes,
-        },
+        "trainer": {"layout": asdict(trainer), "world_size": trainer.world_size,
+                    **trainer_memory_summary(spec, trainer, build, gpu_memory_bytes)},
         "rollout": {
             "layout": asdict(rollout), "world_size": rollout.world_size,
             "weights_bytes_per_gpu": must_hold,
@@ -85,6 +120,19 @@ def plan_report(spec: MoESpec, trainer: TrainerLayout, rollout: RolloutLayout, *
         "lower_bound_terms": {k: float(v) for k, v in lb.items()},
         "baseline_terms": base,
     }
+    routes: dict[str, dict[str, Any]] = {
+        "shard": {"what": ROUTE_WHAT["shard"], "engines": "hpcrl reference engine only",
+                  "estimate_s": est, "lower_bound_s": out["lower_bound_s"]},
+        "broadcast": {"what": ROUTE_WHAT["broadcast"], "engines": "SGLang and the hpcrl reference engine",
+                      "baseline_broadcast_s": out["baseline_broadcast_s"]},
+    }
+    if broadcast_bucket_bytes is not None:
+        sglang = sglang_broadcast_seconds(spec, trainer, topo, broadcast_bucket_bytes)
+        out["sglang_broadcast_s"] = sglang.pop("sglang_broadcast_s")
+        out["sglang_broadcast_terms"] = sglang
+        routes["broadcast"]["sglang_broadcast_s"] = out["sglang_broadcast_s"]
+    out["routes"] = routes
+    return out
 
 
 def _gib(x: float) -> str:
@@ -95,32 +143,68 @@ def _params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n:,}"
 
 
-def render_text(r: dict[str, Any]) -> str:
-    """A terminal summary of a `plan_report` dict."""
+def trainer_memory_line(t: dict[str, Any]) -> str:
+    """'params 6.99 GiB + grads 13.97 GiB + optimizer 32.15 GiB (...) = 53.11 GiB' of a memory summary."""
+    opt = f"optimizer {_gib(t['optimizer_bytes_per_gpu'])}"
+    if t["main_params_bytes_per_gpu"]:
+        opt += (f" (main params {_gib(t['main_params_bytes_per_gpu'])} + Adam m, v "
+                f"{_gib(t['adam_state_bytes_per_gpu'])})")
+    ref = f" + reference {_gib(t['reference_bytes_per_gpu'])}" if t["reference_bytes_per_gpu"] else ""
+    return (f"params {_gib(t['params_bytes_per_gpu'])} + grads {_gib(t['grads_bytes_per_gpu'])} + {opt}{ref} "
+            f"= {_gib(t['total_bytes_per_gpu'])}")
+
+
+def route_lines(r: dict[str, Any], first: str = "shard") -> list[str]:
+    """The weight-sync times of a report, one line per route, `first` ("shard" | "broadcast") first."""
+    shard = ("  shard          trainer shards straight to the engines (hpcrl's reference engine only): "
+             f"estimate {r['estimate_s']:.4g} s | line-rate lower bound {r['lower_bound_s']:.4g} s "
+             f"(estimate x{r['estimate_over_lower_bound']:.3f})")
+    hpcrl = ""
+    if "sglang_broadcast_s" in r:
+        sg = r["sglang_broadcast_terms"]
+        hpcrl = (f"hpcrl {r['sglang_broadcast_s']:.4g} s ({int(sg['num_sources'])} sources gather "
+                 f"{sg['gather_s']:.3g} s, then every rollout GPU receives the whole model "
+                 f"{sg['broadcast_s']:.4g} s) | ")
+    broadcast = ("  broadcast      SGLang's update_weights_from_distributed (SGLang and the reference engine): "
+                 f"{hpcrl}verl/slime broadcast baseline {r['baseline_broadcast_s']:.4g} s "
+                 f"(x{r['speedup_vs_baseline']:.1f} the shard estimate)")
+    return [shard, broadcast] if first == "shard" else [broadcast, shard]
+
+
+def render_text(r: dict[str, Any], first_route: str = "shard", weight_sync_note: str = "") -> str:
+    """A terminal summary of a `plan_report` dict; the route `first_route` is listed first.
+
+    Optional keys it shows when present: `trainer.other_build` (a `trainer_memory_summary` of another
+    build, on its own line) and `build.note` in either summary (appended to its line).
+    """
     t, ro, pl, net = r["trainer"], r["rollout"], r["plan"], r["network"]
 
     def fits(v: bool | None) -> str:
         return "" if v is None else ("  (fits)" if v else "  (DOES NOT FIT)")
+
+    def note(summary: dict[str, Any]) -> str:
+        return f"; {summary['build']['note']}" if summary["build"].get("note") else ""
 
     tl, rl = t["layout"], ro["layout"]
     lines = [
         f"model            {r['model']}: {_params(r['total_params'])} params, {_gib(r['total_bytes'])}",
         f"trainer          {t['world_size']} GPUs  tp={tl['tp']} pp={tl['pp']} ep={tl['ep']} etp={tl['etp']} "
         f"dp={tl['dp']} cp={tl['cp']}",
-        f"  per GPU        params {_gib(t['params_bytes_per_gpu'])} + grads {_gib(t['grads_bytes_per_gpu'])} "
-        f"+ optimizer {_gib(t['optimizer_bytes_per_gpu'])} = {_gib(t['total_bytes_per_gpu'])}{fits(t['fits'])}",
+        f"  build          {t['build']['description']}{note(t)}",
+        f"  per GPU        {trainer_memory_line(t)}{fits(t['fits'])}",
+        *([f"  {o['build']['param_dtype'] + ' build':<15}{trainer_memory_line(o)}{fits(o['fits'])}{note(o)}"]
+          if (o := t.get("other_build")) else []),
         f"rollout          {ro['world_size']} GPUs  {rl['num_engines']} engines x tp={rl['tp']} ep={rl['ep']} "
         f"dp_attention={rl['dp_attention']}",
         f"  per GPU        weights {_gib(ro['weights_bytes_per_gpu'])}{fits(ro['fits'])}",
         f"network          {net['gpus_per_node']} GPUs/node, {net['nics_per_node']} x {net['nic_gbit_per_s']:g} Gb/s "
         f"NICs/node, NVLink {net['nvlink_gbyte_per_s']:g} GB/s{', colocated' if net['colocated'] else ''}",
-        f"plan             {pl['num_transfers']:,} transfers in {pl['num_rounds']} rounds "
+        f"plan             shard route: {pl['num_transfers']:,} transfers in {pl['num_rounds']} rounds "
         f"(budget {_gib(pl['memory_budget_bytes'])}/GPU/round), planned in {pl['planning_s']:.2f} s "
         f"({pl['planning_cpu_s']:.2f} s CPU)",
         f"  bytes          NIC {pl['nic_bytes'] / 1e12:.2f} TB, NVLink {pl['nvlink_bytes'] / 1e12:.2f} TB; "
         f"per GPU recv max {_gib(r['max_recv_bytes_per_gpu'])}, send max {_gib(r['max_send_bytes_per_gpu'])}",
-        f"time             estimate {r['estimate_s']:.4g} s | line-rate lower bound {r['lower_bound_s']:.4g} s "
-        f"(estimate x{r['estimate_over_lower_bound']:.3f}) | broadcast baseline {r['baseline_broadcast_s']:.4g} s "
-        f"(x{r['speedup_vs_baseline']:.1f} the estimate)",
+        "weight sync      time per sync, by route" + (f"; {weight_sync_note}" if weight_sync_note else ""),
+        *route_lines(r, first_route),
     ]
     return "\n".join(lines)

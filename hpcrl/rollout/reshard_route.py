@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from hpcrl.models.job_model import spec_at_dtype  # noqa: F401  (the engine builds its spec here)
 from moe.layouts import RolloutLayout, TrainerLayout
 from moe.network import Topology
 from moe.plan import Plan, plan
-from moe.specs import MoESpec, spec_from_config
+from moe.specs import MoESpec
 
 ROUTE = "/hpcrl/update_weights_reshard"
 
@@ -69,13 +70,6 @@ def _cached_plan(request: PlanRequest, spec: MoESpec) -> Plan:
     request.trainer.validate(spec)
     request.rollout.validate(spec)
     return plan(request.trainer, request.rollout, spec, request.memory_budget_bytes, request.topology)
-
-
-def spec_at_dtype(cfg: dict[str, Any], dtype: str, flavor: str = "custom") -> MoESpec:
-    """The spec of a HF config.json dict with every tensor at `dtype`, the dtype the weights move in.
-    Trainer (`hpcrl plan`'s build_spec) and engine both build it here, so their fingerprints agree."""
-    clean = {k: v for k, v in cfg.items() if k != "dtype"}
-    return spec_from_config({**clean, "torch_dtype": dtype}, flavor=flavor)
 
 
 def spec_fingerprint(spec: MoESpec) -> str:

@@ -121,7 +121,7 @@ class BroadcastSync:
     def for_policy(cls, policy: Any, job: JobConfig, urls: list[str], timeout_s: float) -> BroadcastSync:
         """For a MegatronPolicy: its shards under HF names (views, refreshed per sync), the job's
         model spec, bucket size and engine TP; the routable address when the job spans hosts."""
-        from hpcrl.plan_cmd import build_spec
+        from hpcrl.models.job_model import build_spec
 
         local = LocalHFShards(dict(policy.gpt.named_parameters()), policy.dims, policy.coords,
                               getattr(torch, job.model.dtype))

@@ -87,7 +87,7 @@ class ShardSync:
     """
 
     def __init__(self, policy: Any, job: JobConfig, clients: list | None, timeout_s: float) -> None:
-        from hpcrl.plan_cmd import build_layouts, build_spec
+        from hpcrl.models.job_model import build_layouts, build_spec
 
         self.policy, self.job, self.clients, self.timeout_s = policy, job, clients, timeout_s
         self.rank, self.world = dist.get_rank(), dist.get_world_size()

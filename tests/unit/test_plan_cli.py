@@ -76,6 +76,25 @@ def test_json_report_has_the_required_keys_and_sane_values(json_report):
     # Each figure is the max over trainer GPUs (possibly of different GPUs), so the parts bound the total.
     parts = (t["params_bytes_per_gpu"], t["grads_bytes_per_gpu"], t["optimizer_bytes_per_gpu"])
     assert min(parts) > 0 and max(parts) < t["total_bytes_per_gpu"] <= sum(parts)
+    # model.dtype bfloat16: bf16 params, fp32 grads, fp32 main params + Adam m, v sharded over DP; no
+    # reference model (kl_coef 0). The float32 build, what hpcrl run builds today, is shown beside it.
+    assert t["build"]["param_dtype"] == "bfloat16" and t["build"]["distributed_optimizer"]
+    assert t["build"]["main_params"] and not t["build"]["built_by_run_today"]
+    assert t["reference_bytes_per_gpu"] == 0
+    assert t["grads_bytes_per_gpu"] == pytest.approx(2 * t["params_bytes_per_gpu"])
+    assert t["adam_state_bytes_per_gpu"] == pytest.approx(2 * t["main_params_bytes_per_gpu"])
+    assert t["optimizer_bytes_per_gpu"] == pytest.approx(t["adam_state_bytes_per_gpu"] + t["main_params_bytes_per_gpu"])
+    o = t["other_build"]
+    assert o["build"]["param_dtype"] == "float32" and o["build"]["built_by_run_today"]
+    assert not o["build"]["distributed_optimizer"] and o["main_params_bytes_per_gpu"] == 0
+    assert o["params_bytes_per_gpu"] == pytest.approx(2 * t["params_bytes_per_gpu"])
+    assert o["optimizer_bytes_per_gpu"] == pytest.approx(2 * o["grads_bytes_per_gpu"])  # m, v replicated
+    # The times, grouped by route: both examples use SGLang, which takes the broadcast route.
+    assert r["weight_sync"] == {"rollout_backend": "sglang", "weight_sync": "auto", "route": "broadcast"}
+    assert r["routes"]["shard"]["engines"] == "hpcrl reference engine only"
+    assert r["routes"]["shard"]["estimate_s"] == r["estimate_s"]
+    assert r["routes"]["broadcast"]["sglang_broadcast_s"] == r["sglang_broadcast_s"]
+    assert r["routes"]["broadcast"]["baseline_broadcast_s"] == r["baseline_broadcast_s"]
     # Every trainer GPU holds a piece; together they hold at least the whole model once.
     assert t["params_bytes_per_gpu"] * trainer_gpus >= r["total_bytes"]
     assert ro["weights_bytes_per_gpu"] * rollout_gpus >= r["total_bytes"]
@@ -102,10 +121,22 @@ def test_text_report(name):
     assert f"{published / 1e9:.0f}" in text.splitlines()[1]  # e.g. "671.03B params"
     for needle in (f"trainer          {trainer_gpus} GPUs", f"rollout          {rollout_gpus} GPUs",
                    "params ", "grads ", "optimizer ", "weights ", "(fits)", "line-rate lower bound",
-                   "broadcast baseline", "SGLang path",
-                   "send max", "mean", "receive max"):
+                   "broadcast baseline", "send max", "mean", "receive max",
+                   "  build          bfloat16 params, fp32 grads", "(distributed optimizer)",
+                   "the CUDA build as planned", "  float32 build  params ", "what hpcrl run builds",
+                   "this job's run takes the broadcast route (rollout.backend sglang"):
         assert needle in text, needle
     assert "DOES NOT FIT" not in text
+    # rollout.backend sglang: the route SGLang can take comes first, the shard figure is labelled
+    # as the reference engine's only.
+    lines = text.splitlines()
+    routes = [i for i, line in enumerate(lines) if line.startswith(("  broadcast      ", "  shard          "))]
+    broadcast, shard = (lines[i] for i in routes)
+    assert routes[1] == routes[0] + 1 and lines[routes[0] - 1].startswith("weight sync      ")
+    assert broadcast.startswith("  broadcast      SGLang's update_weights_from_distributed") and "hpcrl " in broadcast
+    assert "broadcast baseline" in broadcast
+    assert shard.startswith("  shard          trainer shards straight to the engines (hpcrl's reference engine "
+                            "only): estimate ") and "line-rate lower bound" in shard
 
 
 @pytest.mark.parametrize(("example", "override", "expected"), [

@@ -104,7 +104,8 @@ def plan_shards(tensors: Iterable[tuple[str, str, Sequence[int]]], max_shard_byt
     used = 0
     for name, dtype, shape in tensors:
         if dtype not in DTYPES:
-            raise ValueError(f"tensor {name!r}: dtype {dtype!r} has no safetensors type; known: {sorted(DTYPES)}")
+            raise ValueError(f"tensor {name!r}: dtype {dtype!r} has no safetensors type; "
+                             f"known: {sorted(DTYPES)}")
         nbytes = prod(shape) * DTYPES[dtype][1]
         if groups[-1] and used + nbytes > max_shard_bytes:
             groups.append([])
@@ -119,7 +120,8 @@ def plan_shards(tensors: Iterable[tuple[str, str, Sequence[int]]], max_shard_byt
         header: dict = {"__metadata__": meta}
         start = 0
         for name, dtype, shape, nbytes in group:
-            header[name] = {"dtype": DTYPES[dtype][0], "shape": list(shape), "data_offsets": [start, start + nbytes]}
+            header[name] = {"dtype": DTYPES[dtype][0], "shape": list(shape),
+                            "data_offsets": [start, start + nbytes]}
             start += nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
@@ -174,7 +176,8 @@ class ShardWriter:
             raise ValueError(f"write({name!r}): need a C-contiguous {box.shape} array of {size}-byte "
                              f"elements, got {bits.shape} x {bits.itemsize} bytes")
         if not Box.full(slot.shape).contains(box):
-            raise ValueError(f"write({name!r}): box {box} is not inside the tensor's shape {list(slot.shape)}")
+            raise ValueError(f"write({name!r}): box {box} is not inside the tensor's shape "
+                             f"{list(slot.shape)}")
         if box.numel == 0:
             return
         g = slot.shape

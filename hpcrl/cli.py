@@ -63,14 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the run directory")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest safetensors file, e.g. 5GB (10^9 bytes) or 500MiB (2^20); "
+                        "default 5GB as in transformers")
     return parser
 
 
 def _export(args: argparse.Namespace) -> int:
     from hpcrl.export import export_checkpoint
 
-    out = export_checkpoint(args.run_dir, args.step, args.out)
-    print(f"exported to {out} (model.safetensors, config.json)")
+    out = export_checkpoint(args.run_dir, args.step, args.out, args.max_shard_size)
+    print(f"exported to {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
     return 0
 
 

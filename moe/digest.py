@@ -150,5 +150,6 @@ def state_dict_digest(sd: Mapping[str, torch.Tensor]) -> str:
     entries = []
     for name, t in sd.items():
         shape = tuple(t.shape)
-        entries.append((name, dtype_name(t.dtype), shape, digest_box(name, t.detach(), Box.full(shape), shape)))
+        lanes = digest_box(name, t.detach(), Box.full(shape), shape)
+        entries.append((name, dtype_name(t.dtype), shape, lanes))
     return policy_hash(entries)

@@ -1,0 +1,63 @@
+"""O(shard) in numbers: on 4 trainer ranks at EP4 with the `small` preset (89% of its bytes are
+experts), loading the weights from a HF model directory, drawing the sharded random init and
+exporting add less than half the full fp32 model's bytes to each rank's peak RSS, beyond its own
+Megatron model. Before, every rank held a full copy (start-up) and rank 0 gathered it (export, hash).
+
+Each phase's peak is the kernel's RSS high-water mark, reset at the phase's start (hpcrl.memwatch);
+the figures are printed (pytest -s) and recorded in benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+WORKER = Path(__file__).with_name("_memory_worker.py")
+pytestmark = [pytest.mark.megatron, pytest.mark.mpi, pytest.mark.timeout(600)]
+LIMIT = 0.5
+
+
+def test_loading_and_exporting_stay_below_half_the_model_per_rank(tmp_path: Path) -> None:
+    from hf_fixtures import model_dir
+
+    from hpcrl.models.presets import load_hf_config
+    from moe.hf_megatron import HFModelDims
+
+    cfg = load_hf_config("small-qwen3-moe", None)
+    dims = HFModelDims.from_hf_config(cfg)
+    full_bytes = 4 * sum(int(__import__("math").prod(s)) for s in dims.hf_shapes().values())
+    source = model_dir(tmp_path / "small", config=cfg, seed=3, tokenizer=False, max_shard_size="20MB")
+    result = tmp_path / "result.json"
+    cmd = [str(MPIEXEC), "-n", "4", sys.executable, str(WORKER), str(source), str(tmp_path / "export"),
+           str(result)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=480)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"mpiexec timed out\n{log[-4000:]}")
+    assert proc.returncode == 0, log[-6000:]
+    out = json.loads(result.read_text())
+    # The weights arrived whole and in place: the trainer's hash is the directory's, and the export
+    # of the sharded init hashes to the trainer's hash of it.
+    assert out["loaded_sha"] == out["dir_sha"]
+    assert out["exported_sha"] == out["drawn_sha"] != out["loaded_sha"]
+    mib = 1 << 20
+    print(f"\nsmall preset, fp32 model {full_bytes / mib:.1f} MiB; per-rank peak RSS rise (MiB), "
+          f"limit {LIMIT} x model = {LIMIT * full_bytes / mib:.1f}:")
+    for rank, r in enumerate(out["ranks"]):
+        print(f"  rank {rank}: own Megatron params {r['own_param_bytes'] / mib:.1f}; "
+              + ", ".join(f"{k} {v / mib:.1f} ({v / full_bytes:.2f}x)" for k, v in r["rises"].items()))
+    for rank, r in enumerate(out["ranks"]):
+        for phase, rise in r["rises"].items():
+            assert rise < LIMIT * full_bytes, (rank, phase, rise / full_bytes)

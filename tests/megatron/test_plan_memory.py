@@ -1,0 +1,47 @@
+"""`hpcrl plan`'s trainer memory is what a real MegatronPolicy holds: for the tiny preset on one CPU
+rank, the plan's per-rank param, grad, optimizer and reference bytes equal the bytes of the policy's
+parameters, its DDP grad buffers, its Adam state after one step and its frozen reference model,
+with and without algorithm.kl_coef. One policy (with a reference model) serves both plans; the
+one-rank world is test_policy_single_rank's fixture."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pytest
+import torch
+from test_policy_single_rank import make_policy, qwen_config, random_batch, world1  # noqa: F401 (fixture)
+
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
+
+
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_plan_trainer_memory_equals_what_the_policy_holds(world1) -> None:  # noqa: F811
+    from hpcrl.config import job_from_dict
+    from hpcrl.plan_cmd import plan_job
+
+    policy = make_policy(qwen_config(), kl_coef=0.1)
+    policy.init_from_seed(0)
+    batch = random_batch(64, seed=5)
+    policy.train_step(batch, torch.linspace(-1, 1, 8), policy.compute_logprobs(batch),
+                      policy.compute_logprobs(batch, "ref"))
+    buffers = [*policy.ddp.buffers, *policy.ddp.expert_parallel_buffers]
+    assert all(b.param_data is None for b in buffers)  # fp32 params stay where they are (no DDP param buffer)
+    optimizers = getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])
+    # Adam's per-tensor `step` scalars (4 bytes each) are left out of the plan's model, and here.
+    states = [v for o in optimizers for st in o.optimizer.state.values() for k, v in st.items() if k != "step"]
+    assert {str(v.dtype) for v in states} == {"torch.float32"} and len(states) == 2 * len(list(policy.gpt.parameters()))
+    held = {"params": nbytes(policy.gpt.parameters()), "grads": nbytes(b.grad_data for b in buffers),
+            "optimizer": nbytes(states), "reference": nbytes(policy.ref.parameters())}
+    assert min(held.values()) > 0
+    for kl_coef in (0.0, 0.1):
+        job = job_from_dict({"model": {"preset": "tiny-qwen3-moe"}, "algorithm": {"kl_coef": kl_coef}})
+        t = plan_job(job)["trainer"]
+        assert t["build"]["param_dtype"] == "float32" and t["build"]["built_by_run_today"]
+        planned = {"params": t["params_bytes_per_gpu"], "grads": t["grads_bytes_per_gpu"],
+                   "optimizer": t["optimizer_bytes_per_gpu"], "reference": t["reference_bytes_per_gpu"]}
+        assert planned == {**held, "reference": held["reference"] if kl_coef > 0 else 0}, kl_coef
+        assert t["total_bytes_per_gpu"] == sum(planned.values())

@@ -4,8 +4,9 @@ preemption. The loop only calls `maybe_save(step)` after each step; `Session.pha
 
 Saving is collective on the trainer ranks (hpcrl/trainer/checkpoint_io.py writes HDF5 shards under
 HF names; the store in checkpoints/ commits atomically). The controller adds the metadata that
-makes a resume exact: step, resolved config, layouts, weight version, sampler position, counters
-and the metrics history (metrics.jsonl is rewritten from it on resume, so no step is logged twice).
+makes a resume exact: step, resolved config, layouts, weight version, sampler position, counters,
+the last evaluation and the metrics history (metrics.jsonl is rewritten from it on resume, so no
+step is logged twice).
 
 Resume modes (`hpcrl run` flags, passed as HPCRL_RESUME): "auto" (default: latest complete
 checkpoint of the run, if any), "none" (`--no-resume`), or a step number (`--resume-from STEP`).
@@ -48,6 +49,8 @@ class Checkpointer:
         self.saved_step: int | None = None
         self.completed_step = -1
         """Last step whose update and weight sync completed."""
+        self.eval_state: dict = {}
+        """{"last_step", "metrics"} of the last evaluation (hpcrl/controller/evaluation.py), or {}."""
 
     # ------------------------------------------------------------------ resume
 
@@ -79,6 +82,7 @@ class Checkpointer:
         (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
         self._start_step = step + 1
         self.saved_step = self.completed_step = step
+        self.eval_state = meta.get("eval", {})
         print(f"hpcrl: resumed from checkpoint step {step} ({self.dir})", flush=True)
         return self._start_step
 
@@ -98,6 +102,7 @@ class Checkpointer:
                 "weight_version": str(step),
                 "sampler": {"seed": job.data.seed, "next_step": step + 1},
                 "counters": {"steps_done": step + 1},
+                "eval": self.eval_state,
                 "metrics_history": [r for r in read_metrics(self.run_dir) if r["step"] <= step]
                 if (self.run_dir / "metrics.jsonl").exists() else []}
 

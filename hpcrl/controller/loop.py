@@ -3,7 +3,10 @@
     sampler --prompts--> RolloutGroup --(HTTP /generate)--> engines
                               | tokens + engine log-probs
                               v
-    reward_fn(prompt, completion, answer) --> rewards --> group advantages
+    RewardPool (reward_fn(prompt, completion, answer, extra) in worker processes, deadline)
+                              | rewards (a reward error scores 0, counted in reward/errors)
+                              v
+                         group advantages
                               |
     PolicyGroup.ref_logprobs (Megatron, frozen reference; only with a KL penalty)
                               |
@@ -11,6 +14,8 @@
                        per batch, so ratio = 1) --> sync check: trainer vs engine log-probs
                               |
     PolicyGroup.push_weights (Megatron shards -> HF tensors -> weight-update group -> engines)
+                              |
+    Evaluator (every eval.interval_steps: held-out prompts -> engines -> rewards -> val/*)
                               |
     MetricsLogger.log --> Checkpointer.maybe_save
 """
@@ -56,7 +61,7 @@ def run(s: Session) -> None:
             rollout = s.generate(step)
         s.phase(step, "reward")
         with t("reward"):
-            rewards = s.score(rollout)
+            rewards, reward_errors = s.score(step, rollout)
         advantages = group_advantages(torch.from_numpy(rewards), algo.group_size,
                                       algo.norm_adv_by_std).numpy()
         ref_BT = None
@@ -71,9 +76,11 @@ def run(s: Session) -> None:
         s.phase(step, "sync")
         with t("sync"):
             sync = s.policy.push_weights(step)
+        val = s.evaluate(step)
         s.metrics.log(step, {
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()),
+            "reward/errors": reward_errors,
             "rollout/tokens": rollout.num_tokens,
             "rollout/response_len": rollout.num_tokens / len(rollout.response_ids),
             **{f"train/{k}": v for k, v in train.metrics.items()},
@@ -82,6 +89,7 @@ def run(s: Session) -> None:
             "sync/logprob_max_abs_diff": sync_diff,
             **{f"timing/{k}_s": round(v, 6) for k, v in t.seconds.items()},
             "timing/step_s": round(time.perf_counter() - step_t0, 6),
+            **val,
         })
         s.checkpointer.maybe_save(step)
 

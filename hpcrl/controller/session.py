@@ -1,5 +1,5 @@
 """Everything the controller's loop talks to, built once on rank 0: worker groups, prompt
-sampler, tokenizer, reward function, metrics and checkpointer; plus start-up and shutdown.
+sampler, tokenizer, reward pool, evaluator, metrics and checkpointer; plus start-up and shutdown.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import json
 import os
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -15,11 +16,12 @@ from hpcrl.config.schema import JobConfig
 from hpcrl.config.validate import prompt_limit
 from hpcrl.controller.checkpointing import Checkpointer, resume_mode_from_env
 from hpcrl.controller.comm import World
+from hpcrl.controller.evaluation import Evaluator, read_val_examples
 from hpcrl.controller.groups import GenerateRequest, PolicyGroup, Rollout, RolloutGroup
 from hpcrl.controller.metrics import MetricsLogger
 from hpcrl.controller.phase_file import PhaseFile
-from hpcrl.rewards import load_reward_fn
-from hpcrl.tasks import build_sampler, load_tokenizer, prompt_format
+from hpcrl.rewards.pool import RewardPool, Scores
+from hpcrl.tasks import build_sampler, load_tokenizer, open_examples, prompt_format
 
 
 def sampling_seed(seed: int, step: int, index: int) -> int:
@@ -39,8 +41,9 @@ class Session:
         self.sampler = build_sampler(job, self.prompts)
         print(f"hpcrl: prompts from {job.data.path or 'data.task=' + str(job.data.task)}, tokenized by "
               f"{self.tokenizer.name} (stop ids {self.tokenizer.stop_token_ids})", flush=True)
-        self.reward_fn = load_reward_fn(job.reward.fn)
+        self.reward_pool = RewardPool(job.reward.fn, job.reward.num_workers, job.reward.timeout_s)
         self.checkpointer = Checkpointer(job, run_dir, self.policy, resume_mode_from_env())
+        self.evaluator = self._evaluator()
         self.metrics: MetricsLogger | None = None
         self.phase_file = PhaseFile(run_dir / ".phase.json")
         self._prepared: dict[int, GenerateRequest] = {}  # the next step's requests, built ahead
@@ -105,10 +108,47 @@ class Session:
                   for i in range(len(examples))]
         return self.rollouts.prepare(examples, prompt_ids, params)
 
-    def score(self, rollout: Rollout) -> np.ndarray:
+    def score(self, step: int, rollout: Rollout) -> tuple[np.ndarray, int]:
+        """The rollout's rewards (float32, in order) and how many scored 0 on a reward error; the
+        step's first error is printed, naming the reward."""
+        scores = self._score(rollout)
+        if scores.errors:
+            index, message = next(iter(scores.errors.items()))
+            print(f"hpcrl: step {step}: reward.fn={self.job.reward.fn!r} failed on {scores.num_errors} of "
+                  f"{len(scores.rewards)} completions (scored 0); first, completion {index}: {message}",
+                  flush=True)
+        return scores.rewards, scores.num_errors
+
+    def _score(self, rollout: Rollout) -> Scores:
         texts = [self.tokenizer.decode(ids) for ids in rollout.response_ids]
-        return np.array([float(self.reward_fn(ex.prompt, text, ex.answer))
-                         for ex, text in zip(rollout.examples, texts)], dtype=np.float32)
+        return self.reward_pool.score([(ex.prompt, text, ex.answer, ex.extra)
+                                       for ex, text in zip(rollout.examples, texts)])
+
+    def _evaluator(self) -> Evaluator:
+        """Evaluation on data.val_path (hpcrl/controller/evaluation.py); without it, never due."""
+        job, examples = self.job, []
+        if job.data.val_path and job.eval.interval_steps > 0:
+            if job.eval.temperature == 0 and job.eval.num_samples > 1:
+                raise ValueError(f"eval.num_samples={job.eval.num_samples} with eval.temperature=0: greedy "
+                                 "samples are all the same; set eval.temperature > 0 or num_samples: 1")
+            examples, skipped = read_val_examples(open_examples(job, self.prompts, "data.val_path"),
+                                                  job.eval.max_prompts, job.data.overlong_prompts == "drop")
+            print(f"hpcrl: evaluation every {job.eval.interval_steps} steps on {len(examples)} prompts of "
+                  f"{job.data.val_path}" + (f" ({skipped} overlong skipped)" if skipped else ""), flush=True)
+        elif job.data.val_path or job.eval.interval_steps > 0:
+            print("hpcrl: warning: no evaluation: it needs both data.val_path and eval.interval_steps > 0 "
+                  f"(data.val_path={job.data.val_path!r}, eval.interval_steps={job.eval.interval_steps})",
+                  flush=True)
+        return Evaluator(job, examples, self.rollouts, self.tokenizer.stop_token_ids, self._score)
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """Validation metrics after `step`'s weight sync, or {} when `step` is no evaluation step."""
+        if not self.evaluator.due(step):
+            return {}
+        self.phase(step, "eval")
+        metrics = self.evaluator.maybe_evaluate(step)
+        self.checkpointer.eval_state = {"last_step": step, "metrics": metrics}
+        return metrics
 
     def finish(self) -> str:
         """Hash the final policy, write RUN_DIR/final.json, stop the workers."""
@@ -124,5 +164,6 @@ class Session:
             self.metrics.close()
             self.metrics = None
         self.phase_file.close()
+        self.reward_pool.close()
         self.rollouts.shutdown()
         self.policy.shutdown()

@@ -21,7 +21,8 @@ class _WithoutExtra:
         self.fn = fn
         self.__name__ = getattr(fn, "__name__", repr(fn))
 
-    def __call__(self, prompt: str, completion: str, answer: str, extra: dict[str, Any] | None = None) -> float:
+    def __call__(self, prompt: str, completion: str, answer: str,
+                 extra: dict[str, Any] | None = None) -> float:
         return self.fn(prompt, completion, answer)
 
 

@@ -71,7 +71,8 @@ class _Slot:
 class RewardPool:
     """`num_workers` processes that each load the reward `spec` once (see the module docstring)."""
 
-    def __init__(self, spec: str, num_workers: int, timeout_s: float, startup_timeout_s: float = 120.0) -> None:
+    def __init__(self, spec: str, num_workers: int, timeout_s: float,
+                 startup_timeout_s: float = 120.0) -> None:
         assert num_workers >= 1 and timeout_s > 0, (num_workers, timeout_s)
         self.spec, self.timeout_s, self.startup_timeout_s = spec, timeout_s, startup_timeout_s
         self._ctx = mp.get_context("spawn")
@@ -165,7 +166,8 @@ class RewardPool:
             self._failed_starts += 1
             if self._failed_starts >= 3:
                 self.close()
-                raise RewardPoolError(f"reward workers for reward.fn={self.spec!r} die while starting ({why})")
+                raise RewardPoolError(f"reward workers for reward.fn={self.spec!r} die while starting "
+                                      f"({why})")
         self._slots[i] = self._spawn()
         if slot.chunk is None:
             return

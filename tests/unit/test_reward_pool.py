@@ -65,8 +65,8 @@ def test_results_match_in_process_scoring_in_order(pool):
         assert np.array_equal(scores.rewards, score_in_process(misbehaving, items)), n
     with RewardPool(f"{__name__}:three_args", num_workers=3, timeout_s=TIMEOUT_S) as p3:
         items = _good(50)
-        assert np.array_equal(p3.score(items).rewards, score_in_process(load_reward_fn(f"{__name__}:three_args"),
-                                                                         items))
+        reference = score_in_process(load_reward_fn(f"{__name__}:three_args"), items)
+        assert np.array_equal(p3.score(items).rewards, reference)
 
 
 @pytest.mark.timeout(60)

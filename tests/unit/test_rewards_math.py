@@ -6,7 +6,8 @@ from hpcrl.rewards import BUILTIN_REWARDS, load_reward_fn
 
 math_reward = BUILTIN_REWARDS["math"]
 
-GSM8K_REFERENCE = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether she sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
+GSM8K_REFERENCE = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+                   "Altogether she sold 48+24 = <<48+24=72>>72 clips.\n#### 72")
 
 
 @pytest.mark.parametrize("completion, answer, expected", [

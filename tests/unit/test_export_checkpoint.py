@@ -1,0 +1,61 @@
+"""hpcrl.export.export_checkpoint without a trainer: a checkpoint written by two "ranks" in row and
+column slices (block_bytes small, so several checksum blocks per slice) becomes HF-sharded
+safetensors equal to the tensors, hashing to their policy hash; the source's tokenizer files come
+along; an earlier export's extra files go."""
+
+import json
+
+import torch
+from safetensors.torch import load_file
+
+from checkpoints import CheckpointWriter
+from checkpoints.hf_safetensors import INDEX, dir_digest
+from hpcrl.export import export_checkpoint
+from moe.digest import state_dict_digest
+from moe.slices import Box
+
+
+def _checkpoint(ckpt_dir, sd: dict[str, torch.Tensor]) -> None:
+    """Rank 1 writes the second half of every tensor (columns of 2-D ones), rank 0 the first."""
+    writers = {r: CheckpointWriter(ckpt_dir, 5, rank=r, world_size=2, attempt_id="a", block_bytes=64)
+               for r in (1, 0)}
+    for r, w in writers.items():
+        for name, t in sd.items():
+            full = Box.full(tuple(t.shape))
+            box = full.split(t.dim() - 1, 2, r) if t.dim() else full
+            w.write(f"policy/{name}", t[box.index].contiguous(), box, tuple(t.shape))
+            w.write(f"adam/exp_avg/{name}", torch.zeros_like(t[box.index]), box, tuple(t.shape))
+        w.commit({"step": 5} if r == 0 else None)
+
+
+def test_export_checkpoint_sharded_with_tokenizer(tmp_path) -> None:
+    g = torch.Generator().manual_seed(0)
+    sd = {"lm_head.weight": torch.randn(16, 8, generator=g), "model.norm.weight": torch.randn(8, generator=g),
+          "model.embed_tokens.weight": torch.randn(16, 8, generator=g).to(torch.bfloat16)}
+    run = tmp_path / "run"
+    _checkpoint(run / "checkpoints", sd)
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "merges.txt"):
+        (src / f).write_text(f"{f} content")
+    (run / "config.json").write_text(json.dumps({"checkpoint": {"dir": None}, "model": {"path": str(src)}}))
+    (run / "model_config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model-00001-of-00009.safetensors").write_text("stale")
+    (out / "keep.txt").write_text("mine")
+    assert export_checkpoint(str(run), None, str(out), "600B") == out
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    index = json.loads((out / INDEX).read_text())
+    assert index["metadata"]["total_size"] == 16 * 8 * 4 + 8 * 4 + 16 * 8 * 2
+    back = {k: v for f in files for k, v in load_file(str(out / f)).items()}
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) and back[k].dtype == sd[k].dtype for k in sd)
+    assert dir_digest(out) == state_dict_digest(sd)
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "qwen3_moe"}
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "merges.txt", "keep.txt"):
+        assert (out / f).exists(), f
+    # Default size: one model.safetensors, no index; the earlier shards and index are gone.
+    export_checkpoint(str(run), 5, str(out))
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (out / INDEX).exists() and dir_digest(out) == state_dict_digest(sd)

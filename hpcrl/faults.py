@@ -1,5 +1,8 @@
 """Fault injection for tests.
 
+HPCRL_SYNC_FAULT="<skip|perturb>:<weight version>" skips or corrupts one weight push (every trainer
+rank), so that tests can show the per-step log-prob check catching a sync that went wrong.
+
 HPCRL_FAULT="<rank>:<op>:<exit|crash|hang>" makes MPI rank <rank> exit(0), raise, or hang when it
 receives the controller's command <op>. Generation requests go from the controller straight to the
 engines (no command to the rollout rank), so for op `generate` a rollout rank hands the action to
@@ -36,3 +39,22 @@ def inject(action: str | None, op: str) -> None:
         raise RuntimeError(f"HPCRL_FAULT injected crash in {op}")
     while True:  # hang
         time.sleep(1)
+
+
+SYNC_ACTIONS = ("skip", "perturb")
+
+
+def planned_sync(weight_version: str) -> str | None:
+    """The action HPCRL_SYNC_FAULT="<skip|perturb>:<weight version>" asks of the weight push of that
+    version ("-1" is the initial push; step s pushes version "s"), or None. skip: the trainer sends
+    nothing; perturb: the push carries one tensor scaled (the trainer's own weights are restored)."""
+    spec = os.environ.get("HPCRL_SYNC_FAULT", "")
+    if not spec:
+        return None
+    action, _, version = spec.partition(":")
+    if action not in SYNC_ACTIONS:
+        raise ValueError(f"HPCRL_SYNC_FAULT={spec!r}: the action must be one of {SYNC_ACTIONS}")
+    if version == weight_version:
+        print(f"HPCRL_SYNC_FAULT: {action} the weight push of version {version}", flush=True)
+        return action
+    return None

@@ -10,6 +10,7 @@ full HF tensors broadcast in buckets from several trainer sources in turns (hpcr
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 from hpcrl.config.schema import JobConfig, weight_sync_mode
@@ -26,6 +27,25 @@ def _preload_megatron() -> BaseException | None:
     except Exception as exc:  # noqa: BLE001 - reported through the controller by init
         return exc
     return None
+
+
+@contextmanager
+def _perturbed(policy):
+    """The final norm's weight scaled by 1.5 on every rank holding it, then restored bit for bit
+    (tests: a push that carries one wrong tensor)."""
+    import torch
+
+    params = [p for n, p in policy.gpt.named_parameters() if n == "decoder.final_layernorm.weight"]
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.mul_(1.5)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, old in zip(params, saved):
+                p.copy_(old)
 
 
 def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
@@ -102,7 +122,15 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         return {"metrics": out, "logprobs": logprobs}
 
     def sync(cmd):
+        from hpcrl import faults
+
         version = cmd.payload["weight_version"]
+        fault = faults.planned_sync(version)  # tests only
+        if fault == "skip":
+            return {"bytes": 0.0, "seconds": 0.0} if is_leader else None
+        if fault == "perturb":
+            with _perturbed(state["policy"]):
+                return state["weight_sync"].push(version)
         return state["weight_sync"].push(version)
 
     def save(cmd):

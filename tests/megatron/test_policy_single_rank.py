@@ -103,6 +103,32 @@ def test_megatron_matches_hf_on_arbitrary_weights(world1, family: str) -> None:
     assert all(torch.equal(exported[k], sd[k]) for k in sd)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_trainer_reads_a_model_directory_as_transformers_does(world1, tmp_path, family: str) -> None:
+    """Mixtral from transformers 5.x's fused expert files, Qwen3-MoE from per-expert files (with the
+    `num_local_experts` key transformers now writes): the trainer's log-probs equal
+    `from_pretrained(dir)`'s, and the policy hash is that of the directory's checkpoint-named tensors."""
+    import json
+
+    from hf_fixtures import model_dir
+    from transformers import AutoModelForCausalLM
+
+    from moe.digest import state_dict_digest
+    from moe.hf_checkpoint import HFCheckpoint
+    from moe.hf_megatron import HFModelDims
+
+    path = model_dir(tmp_path / family, family, seed=9, fused=family == "mixtral", tokenizer=False)
+    cfg = json.loads((path / "config.json").read_text())
+    policy = make_policy(cfg, kl_coef=0.1)
+    policy.load_hf_dir(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    batch = random_batch(cfg["vocab_size"], rows=6, seed=2)
+    assert (policy.compute_logprobs(batch) - hf_logprobs(model, batch)).abs().max() < 1e-5
+    assert torch.equal(policy.compute_logprobs(batch, "ref"), policy.compute_logprobs(batch))
+    with HFCheckpoint(path, HFModelDims.from_hf_config(cfg)) as ckpt:
+        assert policy.policy_sha256() == state_dict_digest({n: ckpt.read(n) for n in ckpt.expected})
+
+
 def test_micro_batches_give_the_same_step_as_one_batch(world1) -> None:
     """8 rows in one micro-batch vs 3 micro-batches of 3 (one dummy pad row): same update."""
     cfg = qwen_config()

@@ -594,8 +594,8 @@ def prompt_limit(job: JobConfig) -> tuple[int, str]:
     cap = job.data.max_prompt_tokens
     if cap and cap <= room:
         return cap, f"data.max_prompt_tokens={cap}"
-    return room, (f"the {room} tokens left of max_position_embeddings={context} of {source} by "
-                  f"rollout.max_new_tokens={new} + 2")
+    return room, (f"the model's context (max_position_embeddings={context} of {source} - "
+                  f"rollout.max_new_tokens={new} - 2 = {room} tokens)")
 
 
 def _job_tokenizer(job: JobConfig) -> Tokenizer:

@@ -3,8 +3,8 @@
     rows = open_rows(path, key="data.path")   # JsonlRows or ParquetRows
     len(rows); rows[i] -> dict; rows.where(i) -> "row 12 (line 14)"
 
-- jsonl: `JsonlRows` scans the file once in CHUNK_BYTES chunks and keeps a numpy int64 array of the
-  byte offsets of its non-empty lines (8 bytes per row); `rows[i]` seeks there and parses one line.
+- jsonl: `JsonlRows` scans the file once in CHUNK_BYTES chunks for '\n' and keeps a numpy int64 array
+  of the byte offsets of its non-empty lines (8 bytes per row); `rows[i]` seeks there and parses one line.
   Memory: the index plus one chunk; time: one pass over the bytes, no JSON parsing.
 - parquet: `ParquetRows` reads the footer only; `rows[i]` reads the row group holding row i (the last
   CACHED_GROUPS groups stay in memory as Arrow tables) and converts that one row to Python.
@@ -60,22 +60,32 @@ class JsonlRows:
 
 
 def _line_starts(path: Path) -> np.ndarray:
-    """int64 byte offsets of the non-empty lines of `path`, found chunk by chunk."""
-    parts: list[np.ndarray] = []
-    base = 0
-    prev = 10  # the byte before the file: a line starts at offset 0
+    """int64 byte offsets of the non-empty lines of `path` ("\n" and "\r\n" lines are empty)."""
+    parts = [np.zeros(1, np.int64)]  # a line starts at offset 0 and after every '\n'
+    size = 0
+    buf = bytearray(CHUNK_BYTES)
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            newlines = np.flatnonzero(np.frombuffer(buf, np.uint8, count=n) == 10).astype(np.int64)
+            newlines += size + 1
+            parts.append(newlines)
+            size += n
+    starts = np.concatenate(parts)
+    del parts
+    if starts[-1] == size:  # after the final '\n': no line
+        starts = starts[:-1]
+    if len(starts) == 0:
+        return starts
+    # Lines of 1 or 2 bytes are the only candidates for empty lines; there are few, so read them one by one.
+    lengths = np.diff(starts, append=size)
+    candidates = np.flatnonzero(lengths <= 2)
+    empty = []
     with path.open("rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            a = np.frombuffer(chunk, dtype=np.uint8)
-            # a line starts where the previous byte is '\n' and this one is neither '\n' nor '\r'
-            before = np.empty_like(a)
-            before[0] = prev
-            before[1:] = a[:-1]
-            starts = np.flatnonzero((before == 10) & (a != 10) & (a != 13))
-            parts.append(starts.astype(np.int64) + base)
-            base += len(a)
-            prev = int(a[-1])
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        for i in candidates.tolist():
+            f.seek(int(starts[i]))
+            if f.read(int(lengths[i])) in (b"\n", b"\r\n"):
+                empty.append(i)
+    return np.delete(starts, empty) if empty else starts
 
 
 def _line_number(path: Path, offset: int) -> int:

@@ -84,8 +84,8 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
     errors = {}
     if not t["fits"]:
         errors["trainer"] = (f"TrainerLayout needs {t['total_bytes_per_gpu'] / GIB:.1f} GiB per GPU "
-                             f"({trainer_memory_line(t)}) > gpu memory {gpu_bytes / GIB:.1f} GiB; increase pp, ep "
-                             f"or tp ({memory_hint(spec, trainer, build, gpu_bytes)})")
+                             f"({trainer_memory_line(t)}) > gpu memory {gpu_bytes / GIB:.1f} GiB; "
+                             f"increase pp, ep or tp ({memory_hint(spec, trainer, build, gpu_bytes)})")
     if not report["rollout"]["fits"]:
         try:
             rollout.validate(spec, gpu_memory_bytes=gpu_bytes)

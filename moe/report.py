@@ -165,8 +165,8 @@ def route_lines(r: dict[str, Any], first: str = "shard") -> list[str]:
         hpcrl = (f"hpcrl {r['sglang_broadcast_s']:.4g} s ({int(sg['num_sources'])} sources gather "
                  f"{sg['gather_s']:.3g} s, then every rollout GPU receives the whole model "
                  f"{sg['broadcast_s']:.4g} s) | ")
-    broadcast = ("  broadcast      SGLang's update_weights_from_distributed (SGLang and the reference engine): "
-                 f"{hpcrl}verl/slime broadcast baseline {r['baseline_broadcast_s']:.4g} s "
+    broadcast = ("  broadcast      SGLang's update_weights_from_distributed (SGLang and the reference "
+                 f"engine): {hpcrl}verl/slime broadcast baseline {r['baseline_broadcast_s']:.4g} s "
                  f"(x{r['speedup_vs_baseline']:.1f} the shard estimate)")
     return [shard, broadcast] if first == "shard" else [broadcast, shard]
 
@@ -194,11 +194,12 @@ def render_text(r: dict[str, Any], first_route: str = "shard", weight_sync_note:
         f"  per GPU        {trainer_memory_line(t)}{fits(t['fits'])}",
         *([f"  {o['build']['param_dtype'] + ' build':<15}{trainer_memory_line(o)}{fits(o['fits'])}{note(o)}"]
           if (o := t.get("other_build")) else []),
-        f"rollout          {ro['world_size']} GPUs  {rl['num_engines']} engines x tp={rl['tp']} ep={rl['ep']} "
-        f"dp_attention={rl['dp_attention']}",
+        f"rollout          {ro['world_size']} GPUs  {rl['num_engines']} engines x tp={rl['tp']} "
+        f"ep={rl['ep']} dp_attention={rl['dp_attention']}",
         f"  per GPU        weights {_gib(ro['weights_bytes_per_gpu'])}{fits(ro['fits'])}",
-        f"network          {net['gpus_per_node']} GPUs/node, {net['nics_per_node']} x {net['nic_gbit_per_s']:g} Gb/s "
-        f"NICs/node, NVLink {net['nvlink_gbyte_per_s']:g} GB/s{', colocated' if net['colocated'] else ''}",
+        f"network          {net['gpus_per_node']} GPUs/node, {net['nics_per_node']} x "
+        f"{net['nic_gbit_per_s']:g} Gb/s NICs/node, NVLink {net['nvlink_gbyte_per_s']:g} GB/s"
+        f"{', colocated' if net['colocated'] else ''}",
         f"plan             shard route: {pl['num_transfers']:,} transfers in {pl['num_rounds']} rounds "
         f"(budget {_gib(pl['memory_budget_bytes'])}/GPU/round), planned in {pl['planning_s']:.2f} s "
         f"({pl['planning_cpu_s']:.2f} s CPU)",

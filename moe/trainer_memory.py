@@ -20,6 +20,7 @@ buffers such as DeepSeek-V3's expert score bias, and allocator overhead.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -116,21 +117,25 @@ def trainer_memory(spec: MoESpec, layout: TrainerLayout, build: TrainerBuild) ->
 
 
 def memory_hint(spec: MoESpec, layout: TrainerLayout, build: TrainerBuild, budget_bytes: float) -> str:
-    """'fits with ep=32 or pp=32': the first larger ep (then pp) that fits `budget_bytes`, if any."""
+    """'fits with ep=32 dp=8 or pp=12': the first larger ep (with the dp Megatron then needs) and the
+    first larger pp that fit `budget_bytes`, if any."""
     d = spec.dims
+    num_experts = d.num_experts or 1
     tries = []
-    for axis, values in (("ep", [v for v in range(1, (d.num_experts or 1) + 1) if (d.num_experts or 1) % v == 0]),
+    for axis, values in (("ep", [v for v in range(layout.ep + 1, num_experts + 1) if num_experts % v == 0]),
                          ("pp", range(layout.pp + 1, 65))):
         for v in values:
-            if v <= getattr(layout, axis):
-                continue
+            change = {axis: v}
+            dense = layout.tp * layout.cp * layout.dp
+            if axis == "ep" and dense % (layout.etp * v):  # more data-parallel replicas for the wider EP axis
+                change["dp"] = layout.dp * layout.etp * v // math.gcd(dense, layout.etp * v)
             try:
-                cand = replace(layout, **{axis: v})
+                cand = replace(layout, **change)
                 cand.dims_check(spec)
                 cand.stage_layers(d.num_layers)
             except ValueError:
                 continue
             if trainer_memory(spec, cand, build)["total_bytes"].max() <= budget_bytes:
-                tries.append(f"{axis}={v}")
+                tries.append(" ".join(f"{k}={x}" for k, x in change.items()))
                 break
     return "fits with " + " or ".join(tries) if tries else "no single pp/ep increase fits"

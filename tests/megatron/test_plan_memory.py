@@ -32,8 +32,10 @@ def test_plan_trainer_memory_equals_what_the_policy_holds(world1) -> None:  # no
     assert all(b.param_data is None for b in buffers)  # fp32 params stay where they are (no DDP param buffer)
     optimizers = getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])
     # Adam's per-tensor `step` scalars (4 bytes each) are left out of the plan's model, and here.
-    states = [v for o in optimizers for st in o.optimizer.state.values() for k, v in st.items() if k != "step"]
-    assert {str(v.dtype) for v in states} == {"torch.float32"} and len(states) == 2 * len(list(policy.gpt.parameters()))
+    states = [v for o in optimizers for st in o.optimizer.state.values() for k, v in st.items()
+              if k != "step"]
+    assert {str(v.dtype) for v in states} == {"torch.float32"}
+    assert len(states) == 2 * len(list(policy.gpt.parameters()))  # exp_avg and exp_avg_sq of every param
     held = {"params": nbytes(policy.gpt.parameters()), "grads": nbytes(b.grad_data for b in buffers),
             "optimizer": nbytes(states), "reference": nbytes(policy.ref.parameters())}
     assert min(held.values()) > 0

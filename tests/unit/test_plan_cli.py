@@ -83,7 +83,8 @@ def test_json_report_has_the_required_keys_and_sane_values(json_report):
     assert t["reference_bytes_per_gpu"] == 0
     assert t["grads_bytes_per_gpu"] == pytest.approx(2 * t["params_bytes_per_gpu"])
     assert t["adam_state_bytes_per_gpu"] == pytest.approx(2 * t["main_params_bytes_per_gpu"])
-    assert t["optimizer_bytes_per_gpu"] == pytest.approx(t["adam_state_bytes_per_gpu"] + t["main_params_bytes_per_gpu"])
+    assert t["optimizer_bytes_per_gpu"] == pytest.approx(t["adam_state_bytes_per_gpu"]
+                                                         + t["main_params_bytes_per_gpu"])
     o = t["other_build"]
     assert o["build"]["param_dtype"] == "float32" and o["build"]["built_by_run_today"]
     assert not o["build"]["distributed_optimizer"] and o["main_params_bytes_per_gpu"] == 0
@@ -130,13 +131,15 @@ def test_text_report(name):
     # rollout.backend sglang: the route SGLang can take comes first, the shard figure is labelled
     # as the reference engine's only.
     lines = text.splitlines()
-    routes = [i for i, line in enumerate(lines) if line.startswith(("  broadcast      ", "  shard          "))]
+    labels = ("  broadcast      ", "  shard          ")
+    routes = [i for i, line in enumerate(lines) if line.startswith(labels)]
     broadcast, shard = (lines[i] for i in routes)
     assert routes[1] == routes[0] + 1 and lines[routes[0] - 1].startswith("weight sync      ")
-    assert broadcast.startswith("  broadcast      SGLang's update_weights_from_distributed") and "hpcrl " in broadcast
+    assert broadcast.startswith("  broadcast      SGLang's update_weights_from_distributed")
+    assert "hpcrl " in broadcast
     assert "broadcast baseline" in broadcast
-    assert shard.startswith("  shard          trainer shards straight to the engines (hpcrl's reference engine "
-                            "only): estimate ") and "line-rate lower bound" in shard
+    assert shard.startswith("  shard          trainer shards straight to the engines (hpcrl's reference "
+                            "engine only): estimate ") and "line-rate lower bound" in shard
 
 
 @pytest.mark.parametrize(("example", "override", "expected"), [
@@ -179,3 +182,93 @@ def test_plan_purpose_loads_deepseek_while_run_refuses_it():
         load_job(DEEPSEEK, ["trainer.first_stage_layers=0", "trainer.last_stage_layers=0", "rollout.ep=1",
                             "rollout.dp_attention=1"])
     assert exc.value.path == "model.config_path" and "deepseek" in str(exc.value).lower()
+
+
+TINY = REPO / "examples" / "tiny_moe_grpo.yaml"
+
+
+@pytest.mark.parametrize(("overrides", "first"), [([], "shard"), (["rollout.backend=sglang"], "broadcast"),
+                                                  (["resources.device=cuda"], "broadcast")])
+def test_the_route_the_run_takes_is_listed_first(overrides, first):
+    """The reference engine on CPU takes the shard route (auto); SGLang, or any engine on GPUs, takes
+    the broadcast route. Either way the shard line says it is the reference engine's only."""
+    from hpcrl.plan_cmd import plan_job, render
+
+    report = plan_job(load_job(TINY, overrides, purpose="plan"))
+    assert report["weight_sync"]["route"] == first
+    lines = render(report).splitlines()
+    heading = next(i for i, line in enumerate(lines) if line.startswith("weight sync      "))
+    assert f"this job's run takes the {first} route" in lines[heading]
+    assert lines[heading + 1].startswith(f"  {first:<15}")
+    second = lines[heading + 2]
+    assert second.startswith("  broadcast      " if first == "shard" else "  shard          ")
+    shard = next(line for line in lines if line.startswith("  shard          "))
+    assert "(hpcrl's reference engine only)" in shard
+
+
+def test_tiny_plan_counts_the_reference_model_when_kl_coef_is_set():
+    from hpcrl.plan_cmd import plan_job, render
+
+    without = plan_job(load_job(TINY, purpose="plan"))["trainer"]
+    report = plan_job(load_job(TINY, ["algorithm.kl_coef=0.05"], purpose="plan"))
+    t, n = report["trainer"], 82_816
+    assert (without["params_bytes_per_gpu"], without["reference_bytes_per_gpu"]) == (4 * n, 0)
+    assert (t["params_bytes_per_gpu"], t["grads_bytes_per_gpu"], t["optimizer_bytes_per_gpu"],
+            t["reference_bytes_per_gpu"]) == (4 * n, 4 * n, 8 * n, 4 * n)
+    assert t["total_bytes_per_gpu"] == without["total_bytes_per_gpu"] + 4 * n
+    assert t["build"]["reference_model"] and "frozen reference model" in t["build"]["description"]
+    assert "+ reference 0.32 MiB = 1.58 MiB  (fits)" in render(report)
+
+
+def test_trainer_that_does_not_fit_is_shown_then_fails():
+    from hpcrl.plan_cmd import plan_job, run_plan
+
+    overrides = ["algorithm.kl_coef=0.1", "network.gpu_memory_gb=36"]
+    report = plan_job(load_job(QWEN, overrides, purpose="plan"))
+    assert not report["trainer"]["fits"] and report["trainer"]["total_bytes_per_gpu"] > 36 * GIB
+    msg = report["memory_errors"]["trainer"]
+    assert "+ reference " in msg and "> gpu memory 36.0 GiB; increase pp, ep or tp (fits with " in msg
+    with pytest.raises(ConfigError) as exc:
+        run_plan(QWEN, overrides, as_json=False, out=open(os.devnull, "w"))
+    assert exc.value.path == "trainer" and "network.gpu_memory_gb=36" in exc.value.hint
+
+
+def _job_with_model_dir(tmp_path: Path, config: dict | None, name: str = "Tiny-MoE") -> Path:
+    if config is not None:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: from_dir\nmodel:\n  path: {name}\n")
+    return job
+
+
+def test_plan_reads_model_path_config_json(tmp_path):
+    from hpcrl.models.presets import load_hf_config
+    from hpcrl.plan_cmd import plan_job
+
+    config = {**load_hf_config("tiny-qwen3-moe", None), "num_hidden_layers": 3}
+    report = plan_job(load_job(_job_with_model_dir(tmp_path, config), purpose="plan"))
+    assert report["model"] == "qwen3_moe/Tiny-MoE"
+    assert report["total_params"] > 82_816  # the directory's 3 layers, not the preset's 2
+
+
+@pytest.mark.parametrize("what", ["no directory", "no config.json", "not JSON"])
+def test_model_path_problems_name_model_path(tmp_path, what):
+    from hpcrl.config import job_from_dict
+    from hpcrl.models.job_model import build_spec
+    from hpcrl.plan_cmd import plan_job
+
+    if what == "no config.json":
+        (tmp_path / "Tiny-MoE").mkdir()
+    elif what == "not JSON":
+        (tmp_path / "Tiny-MoE").mkdir()
+        (tmp_path / "Tiny-MoE" / "config.json").write_text("{not json")
+    job_file = _job_with_model_dir(tmp_path, None)
+    with pytest.raises(ConfigError) as exc:  # validation or the plan: either names model.path
+        plan_job(load_job(job_file, purpose="plan"))
+    assert exc.value.path == "model.path"
+    with pytest.raises(ConfigError) as exc:  # the plan's own reading, without validation
+        build_spec(job_from_dict({"model": {"path": "Tiny-MoE"}}, tmp_path))
+    assert exc.value.path == "model.path"
+    assert {"no directory": "no such directory", "no config.json": "no config.json",
+            "not JSON": "is not a JSON file"}[what] in exc.value.hint

@@ -26,10 +26,9 @@ def _result(run_dir: Path) -> tuple[list[tuple[int, float]], str]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("ref") / "run"
-    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, timeout_s=500)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+def uninterrupted(reference_run):
+    run_dir, args = reference_run  # tests/e2e/conftest.py: the session's shared uninterrupted run
+    assert args == ARGS, args
     return _result(run_dir)
 
 

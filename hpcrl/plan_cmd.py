@@ -1,13 +1,16 @@
 """`hpcrl plan job.yaml [--json]`: the full-scale weight-sync plan of a job, before any allocation.
 
 Reads the job file (purpose "plan": any model family of `moe.specs`, including DeepSeek-V3, and the
-full-scale layout keys), turns `trainer:` into a Megatron `TrainerLayout`, `rollout:` into an
-SGLang `RolloutLayout` and `network:` into a `Topology`, then asks `moe.report.plan_report` for
-per-GPU memory (trainer params, grads, optimizer; rollout weights), the bytes each rank sends and
-receives, and three times: the plan's estimate, the NIC line-rate lower bound and the
-gather-then-broadcast baseline of verl / slime. Virtual ranks only: no process starts, no GPU is
-needed. Layout problems become `ConfigError`s naming the job key to change and the nearest valid
-values; a layout that does not fit `network.gpu_memory_gb` is reported and then fails (exit 2).
+full-scale layout keys), builds the job's model spec, Megatron `TrainerLayout`, SGLang
+`RolloutLayout` and trainer build as `hpcrl run` builds them (hpcrl/models/job_model.py), turns
+`network:` into a `Topology`, then asks `moe.report.plan_report` for per-GPU memory (trainer params,
+grads, optimizer, reference model, for model.dtype's build and the other dtype's; rollout weights),
+the bytes each rank sends and receives, and the weight-sync times by route: the shard route's
+estimate and NIC line-rate lower bound (hpcrl's reference engine only), the broadcast route's
+hpcrl multi-source broadcast and verl / slime's gather-then-broadcast baseline (SGLang). The route
+the job's run takes is listed first. Virtual ranks only: no process starts, no GPU is needed.
+Layout problems become `ConfigError`s naming the job key to change and the nearest valid values; a
+layout that does not fit `network.gpu_memory_gb` is reported and then fails (exit 2).
 """
 
 from __future__ import annotations

@@ -15,10 +15,18 @@ REQUIRED_KEYS = ["step", "reward/mean", "timing/rollout_s", "timing/train_s", "t
                  "train/entropy"]
 
 
-@pytest.mark.timeout(900)
-def test_example_learns_from_random_init(tmp_path):
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def example_run(tmp_path_factory):
+    """The example run, once: (run dir, `hpcrl run`'s output, wall seconds). Its final checkpoint
+    also feeds the export round trip below."""
+    run_dir = tmp_path_factory.mktemp("example") / "run"
     out, wall = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), timeout_s=840)
+    return run_dir, out, wall
+
+
+@pytest.mark.timeout(900)
+def test_example_learns_from_random_init(example_run):
+    run_dir, out, wall = example_run
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(len(records))) and len(records) >= 10
@@ -36,6 +44,31 @@ def test_example_learns_from_random_init(tmp_path):
     assert json.loads((run_dir / "config.json").read_text())["algorithm"]["num_steps"] == len(records)
     assert (run_dir / "config.yaml").exists() and (run_dir / "model_config.json").exists()
     print(f"example: {len(records)} steps in {wall:.0f} s wall, reward {first5:.3f} -> {last5:.3f}")
+
+
+@pytest.mark.timeout(600)
+def test_export_then_post_train_from_it(example_run, tmp_path):
+    """The trained example -> `hpcrl export` -> a run with model.path = the export starts where the
+    first run ended: trainer and engines load the directory, step 0 already scores >= 0.9."""
+    run_dir, first, _ = example_run
+    assert first.returncode == 0
+    last5 = np.mean([json.loads(line)["reward/mean"]
+                     for line in (run_dir / "metrics.jsonl").read_text().splitlines()[-5:]])
+    exported = tmp_path / "hf"
+    out, _ = hpcrl("export", str(run_dir), "--out", str(exported), timeout_s=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    second = tmp_path / "second"
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(second), "--set", f"model.path={exported}",
+                   "--set", "algorithm.num_steps=2", "--set", "logging.progress=false", timeout_s=280)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    records = [json.loads(line) for line in (second / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["reward/mean"] >= 0.9, (last5, records[0]["reward/mean"])
+    assert records[0]["sync/logprob_max_abs_diff"] < 1e-4
+    from checkpoints.hf_safetensors import dir_digest
+
+    assert dir_digest(exported) == json.loads((run_dir / "final.json").read_text())["policy_sha256"]
+    print(f"export round trip: first run's last-5 reward {last5:.3f}, second run's step 0 "
+          f"{records[0]['reward/mean']:.3f}")
 
 
 def run_with_sync(run_dir, sync: str, args: list[str]) -> tuple[list[dict], dict]:

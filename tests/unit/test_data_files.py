@@ -123,10 +123,10 @@ def test_bad_rows_name_file_row_key_value_and_fix(tmp_path):
                                  "['prompt', 'reward_model']; set data.answer_key")
     assert _error(p, {"prompt": "ab", "answer": None}).startswith(head + "has null for 'answer'")
     assert _error(p, '["a", "b"]').startswith(head + "is a JSON list, not an object")
-    msg = _error(p, {"prompt": "abcdef", "answer": "1"}, PromptFormat(max_prompt_tokens=4,
-                                                                      limit_reason="data.max_prompt_tokens=4"))
-    assert msg == (head + "has a prompt ('prompt') of 7 tokens, over data.max_prompt_tokens=4; shorten it, "
-                          "raise data.max_prompt_tokens, or set data.overlong_prompts: drop to skip such rows")
+    fmt = PromptFormat(max_prompt_tokens=4, limit_reason="data.max_prompt_tokens=4")
+    assert _error(p, {"prompt": "abcdef", "answer": "1"}, fmt) == (
+        head + "has a prompt ('prompt') of 7 tokens, over data.max_prompt_tokens=4; shorten it, raise "
+        "data.max_prompt_tokens, or set data.overlong_prompts: drop to skip such rows")
     with pytest.raises(ValueError, match="unsupported file type '.csv'; use .jsonl or .parquet"):
         open_rows(tmp_path / "x.csv")
     (tmp_path / "empty.jsonl").write_text("\n\n")

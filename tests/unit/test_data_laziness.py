@@ -31,7 +31,8 @@ PROBE = textwrap.dedent("""
     from hpcrl.tasks import build_sampler, load_tokenizer, prompt_format
 
     data = SimpleNamespace(path=sys.argv[2], task=None, prompt_key="prompt",
-                           answer_key="reward_model.ground_truth", apply_chat_template=True, chat_template_kwargs={}, max_prompt_tokens=256,
+                           answer_key="reward_model.ground_truth", apply_chat_template=True,
+                           chat_template_kwargs={}, max_prompt_tokens=256,
                            overlong_prompts="error", num_prompts_per_step=8, seed=3, val_path=None)
     job = SimpleNamespace(base_dir=".", model=SimpleNamespace(path=sys.argv[1]), data=data)
     tokenizer = load_tokenizer(job)

@@ -1,0 +1,101 @@
+"""The model's own tokenizer (model.path) behind the controller's tokenizer interface: loading without
+a download, stop ids, chat-template rendering (with chat_template_kwargs), encoding without doubled
+special tokens, decoding for the reward. The tokenizer is the BPE one of tests/hf_fixtures.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hf_fixtures import train_tokenizer
+from hpcrl.config import job_from_dict
+from hpcrl.tasks import CharTokenizer, ExampleFile, HFTokenizer, PromptFormat, load_tokenizer, prompt_format
+
+pytestmark = pytest.mark.timeout(120)
+
+QUESTION = [{"role": "user", "content": "What is 2+3?"}]
+RENDERED = "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("model")
+    train_tokenizer(d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    return d
+
+
+def job(model_dir: Path | None, **data) -> object:
+    return job_from_dict({"model": {"path": str(model_dir)} if model_dir else {}, "data": data})
+
+
+def test_load_tokenizer_picks_the_model_tokenizer_or_the_character_one(tok_dir, tmp_path):
+    tok = load_tokenizer(job(tok_dir))
+    assert isinstance(tok, HFTokenizer) and tok.chat_template
+    assert tok.vocab_size == 320  # len(tokenizer): trained vocabulary incl. the 3 special tokens
+    # generation_config.json's eos list, then the tokenizer's eos (<|im_end|> = 2), without duplicates
+    assert tok.stop_token_ids == [0, 2]
+    (tmp_path / "config.json").write_text("{}")  # a model directory without tokenizer files
+    assert isinstance(load_tokenizer(job(tmp_path)), CharTokenizer)
+    assert isinstance(load_tokenizer(job(None)), CharTokenizer)
+
+
+def test_stop_ids_from_an_int_eos_and_without_generation_config(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    train_tokenizer(a)
+    train_tokenizer(b)
+    (a / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
+    assert HFTokenizer(a).stop_token_ids == [1, 2]
+    assert HFTokenizer(b).stop_token_ids == [2]
+
+
+def test_chat_template_rendering_kwargs_and_no_doubled_specials(tok_dir):
+    tok = load_tokenizer(job(tok_dir))
+    assert tok.render(QUESTION, {}) == RENDERED
+    thinking_off = tok.render(QUESTION, {"enable_thinking": False})
+    assert thinking_off == RENDERED + "<think>\n\n</think>\n\n"
+    ids = tok.encode_prompt(RENDERED, rendered=True)
+    assert ids == tok.tok.encode(RENDERED, add_special_tokens=False)
+    im_start = tok.tok.convert_tokens_to_ids("<|im_start|>")
+    assert ids[0] == im_start and ids.count(im_start) == 2  # each special once, nothing prepended
+    # decoding for the reward drops the special tokens
+    assert tok.decode(ids) == "user\nWhat is 2+3?\nassistant\n"
+    assert tok.decode(tok.encode_prompt("The answer is 5.") + [2]) == "The answer is 5."
+
+
+def _file(tmp_path: Path, rows: list[dict]) -> Path:
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_message_and_string_prompts_through_the_job_format(tok_dir, tmp_path):
+    rows = [{"prompt": QUESTION, "answer": "5"}, {"prompt": "What is 2+3?", "answer": "5"}]
+    path = _file(tmp_path, rows)
+    j = job(tok_dir, path=str(path), chat_template_kwargs={"enable_thinking": False})
+    tok = load_tokenizer(j)
+    file = ExampleFile(path, prompt_format(j, tok))
+    messages, string = file[0], file[1]
+    assert messages.prompt == RENDERED + "<think>\n\n</think>\n\n" and messages.raw_prompt == QUESTION
+    # a string prompt becomes one user message when the template is applied
+    assert (string.prompt, string.prompt_ids) == (messages.prompt, messages.prompt_ids)
+    assert messages.prompt_ids == tuple(tok.encode_prompt(messages.prompt, rendered=True))
+    plain = ExampleFile(path, PromptFormat(tok, apply_chat_template=False))
+    assert plain[1].prompt == "What is 2+3?" and plain[1].prompt_ids == tuple(tok.tok.encode("What is 2+3?"))
+    with pytest.raises(ValueError, match="row 1 has a message-list prompt .* apply_chat_template is false"):
+        plain[0]
+
+
+def test_a_tokenizer_without_a_chat_template(tmp_path):
+    d = tmp_path / "model"
+    train_tokenizer(d, chat_template=None)
+    tok = load_tokenizer(job(d))
+    assert isinstance(tok, HFTokenizer) and not tok.chat_template
+    path = _file(tmp_path, [{"prompt": "What is 2+3?", "answer": "5"}, {"prompt": QUESTION, "answer": "5"}])
+    file = ExampleFile(path, PromptFormat(tok))
+    assert file[0].prompt == "What is 2+3?"  # strings go to the tokenizer as they are
+    with pytest.raises(ValueError, match=r"row 2 has a message-list prompt \('prompt'\) but the tokenizer of "
+                                         r"model.path=.* has no chat template; set model.path"):
+        file[1]

@@ -84,7 +84,7 @@ def test_message_and_string_prompts_through_the_job_format(tok_dir, tmp_path):
     assert messages.prompt_ids == tuple(tok.encode_prompt(messages.prompt, rendered=True))
     plain = ExampleFile(path, PromptFormat(tok, apply_chat_template=False))
     assert plain[1].prompt == "What is 2+3?" and plain[1].prompt_ids == tuple(tok.tok.encode("What is 2+3?"))
-    with pytest.raises(ValueError, match="row 1 has a message-list prompt .* but data.apply_chat_template is false"):
+    with pytest.raises(ValueError, match="row 1 has a message-list prompt .* but data.apply_chat_template"):
         plain[0]
 
 

@@ -1,7 +1,10 @@
 """Per-step metrics: RUN_DIR/metrics.jsonl, TensorBoard event files and a progress bar.
 
 One JSON object per step, flushed at once (a crash loses nothing already logged). Keys use the
-`group/name` convention (`reward/mean`, `timing/train_s`, `sync/bytes`, ...).
+`group/name` convention: `reward/mean`, `reward/std`, `reward/errors` (completions whose reward
+raised or timed out, scored 0), `rollout/*`, `train/*`, `sync/*`, `timing/*_s`; at evaluation steps
+also `val/reward_mean`, `val/pass@k`, `val/reward_errors`, `val/response_len` and `timing/eval_s`
+(hpcrl/controller/evaluation.py). TensorBoard gets every numeric key as a scalar at its step.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class MetricsLogger:
 
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         self._bar = None
+        self._val = ""  # the last evaluation's val/reward_mean, shown until the next one
         if progress:
             from tqdm import tqdm
 
@@ -41,8 +45,13 @@ class MetricsLogger:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, step)
         if self._bar is not None:
-            self._bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
-                                  step_s=f"{metrics.get('timing/step_s', float('nan')):.2f}", refresh=False)
+            postfix = {"reward": f"{metrics.get('reward/mean', float('nan')):.3f}",
+                       "step_s": f"{metrics.get('timing/step_s', float('nan')):.2f}"}
+            if "val/reward_mean" in metrics:
+                self._val = f"{metrics['val/reward_mean']:.3f}"
+            if self._val:
+                postfix["val"] = self._val
+            self._bar.set_postfix(postfix, refresh=False)
             self._bar.update(1)
 
     def close(self) -> None:

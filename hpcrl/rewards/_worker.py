@@ -1,6 +1,7 @@
 """Body of a reward worker process (started by `hpcrl.rewards.pool.RewardPool`, spawn context).
 
-Protocol over one duplex pipe: the worker sends ("ready", pid) once the reward is loaded (or
+Protocol over one duplex pipe: the worker sends ("ready", pid) once the reward is loaded and its
+optional `warm_up()` has run (or
 ("failed", traceback) and exits); then for each chunk (start, items) it receives, it sends back
 (start, scores, errors) with errors [(index, message)]; None or a closed pipe ends it. Before each
 item it writes (started_at, index) into the shared `progress` array (started_at 0.0 = not scoring),
@@ -43,6 +44,9 @@ def serve(conn: Connection, spec: str, progress: Any, parent_pid: int) -> None:
         from hpcrl.rewards.loader import load_reward_fn
 
         fn = load_reward_fn(spec)
+        warm_up = getattr(fn, "warm_up", None)
+        if callable(warm_up):
+            warm_up()
     except BaseException:
         conn.send(("failed", traceback.format_exc(limit=-3)))
         return

@@ -20,6 +20,8 @@ class _WithoutExtra:
     def __init__(self, fn: Callable[[str, str, str], float]) -> None:
         self.fn = fn
         self.__name__ = getattr(fn, "__name__", repr(fn))
+        if callable(getattr(fn, "warm_up", None)):
+            self.warm_up = fn.warm_up
 
     def __call__(self, prompt: str, completion: str, answer: str,
                  extra: dict[str, Any] | None = None) -> float:

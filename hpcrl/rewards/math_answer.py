@@ -61,3 +61,11 @@ def math_answer(prompt: str, completion: str, answer: str, extra: dict[str, Any]
         return 0.0
     gold = _final_answer(answer, bare_ok=True)
     return float(bool(gold) and verify(gold, predicted, timeout_seconds=_limit_s()))
+
+
+def _warm_up() -> None:
+    """Import math-verify (and SymPy, ~0.5 s) before the first deadline starts, not inside it."""
+    import math_verify  # noqa: F401
+
+
+math_answer.warm_up = _warm_up  # type: ignore[attr-defined]

@@ -18,6 +18,10 @@ class RewardFn(Protocol):
     finite float (conventionally in [0, 1]). A call that raises, returns a non-number or NaN, or
     runs past its deadline scores 0 and is counted in the `reward/errors` metric; the run goes on.
     Module-level state is per worker: a worker may be replaced (after a hang) at any time.
+
+    Optional: a `warm_up` attribute, a callable without arguments that each worker calls once after
+    loading the reward, before any deadline (heavy imports, loading a verifier); if it raises, the
+    run stops with its traceback.
     """
 
     def __call__(self, prompt: str, completion: str, answer: str,

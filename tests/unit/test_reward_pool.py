@@ -132,3 +132,21 @@ def test_close_stops_every_worker():
     p.close()
     p.close()
     assert all(not proc.is_alive() for proc in procs)
+
+
+WARMED = []
+
+
+def warmed(prompt, completion, answer, extra=None):
+    return float(len(WARMED))
+
+
+warmed.warm_up = lambda: WARMED.append(1)
+
+
+@pytest.mark.timeout(60)
+def test_warm_up_runs_once_per_worker_before_scoring():
+    with RewardPool(f"{__name__}:warmed", num_workers=2, timeout_s=TIMEOUT_S) as p:
+        assert (p.score(_good(8)).rewards == 1.0).all()
+    with RewardPool("math", num_workers=1, timeout_s=0.5) as p:  # math-verify imported before the deadline
+        assert p.score([("p", "#### 0.5", "\\frac{1}{2}", {})]).rewards.tolist() == [1.0]

@@ -15,6 +15,7 @@ ValueError starting "{key}={path!r}: " (key: data.path or data.val_path) and say
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,12 @@ class JsonlRows:
 
     def __init__(self, path: Path, key: str) -> None:
         self.path, self.key = path, key
-        self.offsets = _line_starts(path)
-        self._file = path.open("rb")
+        self.offsets, self.size = _line_starts(path)
+        self._fd = os.open(path, os.O_RDONLY)  # read with pread: no shared file position (threads, forks)
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -43,8 +48,9 @@ class JsonlRows:
         return f"row {i + 1}" if line == i + 1 else f"row {i + 1} (line {line})"
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        self._file.seek(int(self.offsets[i]))
-        line = self._file.readline()
+        start = int(self.offsets[i])
+        end = int(self.offsets[i + 1]) if i + 1 < len(self.offsets) else self.size
+        line = os.pread(self._fd, end - start, start)  # the line and any empty lines after it
         try:
             row = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -59,8 +65,9 @@ class JsonlRows:
         return row
 
 
-def _line_starts(path: Path) -> np.ndarray:
-    """int64 byte offsets of the non-empty lines of `path` ("\n" and "\r\n" lines are empty)."""
+def _line_starts(path: Path) -> tuple[np.ndarray, int]:
+    """(int64 byte offsets of the non-empty lines of `path`, its size in bytes); "\n" and "\r\n"
+    lines are empty."""
     parts = [np.zeros(1, np.int64)]  # a line starts at offset 0 and after every '\n'
     size = 0
     buf = bytearray(CHUNK_BYTES)
@@ -75,7 +82,7 @@ def _line_starts(path: Path) -> np.ndarray:
     if starts[-1] == size:  # after the final '\n': no line
         starts = starts[:-1]
     if len(starts) == 0:
-        return starts
+        return starts, size
     # Lines of 1 or 2 bytes are the only candidates for empty lines; there are few, so read them one by one.
     lengths = np.diff(starts, append=size)
     candidates = np.flatnonzero(lengths <= 2)
@@ -85,7 +92,7 @@ def _line_starts(path: Path) -> np.ndarray:
             f.seek(int(starts[i]))
             if f.read(int(lengths[i])) in (b"\n", b"\r\n"):
                 empty.append(i)
-    return np.delete(starts, empty) if empty else starts
+    return (np.delete(starts, empty) if empty else starts), size
 
 
 def _line_number(path: Path, offset: int) -> int:

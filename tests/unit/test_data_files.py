@@ -82,8 +82,9 @@ def test_jsonl_index_skips_empty_lines_and_names_lines(tmp_path, monkeypatch):
     path.write_bytes(text)
     for chunk in (1, 2, 3, 5, 1 << 20):
         monkeypatch.setattr(files, "CHUNK_BYTES", chunk)
-        starts = _line_starts(path)
-        assert starts.dtype == np.int64 and starts.tolist() == [0, 12, 23], chunk
+        starts, size = _line_starts(path)
+        assert starts.dtype == np.int64 and starts.tolist() == [0, 12, 23] and size == len(text), chunk
+    assert [r for r in open_rows(path)] == [{"a": 1}, {"b": 2}, {"c": 3}]
 
 
 def test_parquet_reads_row_groups_on_demand(tmp_path):

@@ -96,7 +96,7 @@ class Session:
         batch = self.sampler.batch(step)
         dropped = self.sampler.dropped(step)
         if dropped:
-            print(f"hpcrl: step {step}: skipped {len(dropped)} prompts over {self.prompts.limit_reason} "
+            print(f"hpcrl: step {step}: skipped {len(dropped)} prompt(s) over {self.prompts.limit_reason} "
                   f"(data.overlong_prompts: drop; rows {', '.join(str(i + 1) for i in dropped[:10])}"
                   f"{' ...' if len(dropped) > 10 else ''})", flush=True)
         examples = [ex for ex in batch for _ in range(self.job.algorithm.group_size)]

@@ -86,7 +86,8 @@ class HFModelDims:
                 raise ValueError("config.json decoder_sparse_step != 1 or non-empty mlp_only_layers: "
                                  "dense MLP layers are not supported (every layer must be MoE)")
             # transformers 5.x writes Qwen3-MoE's expert count as num_local_experts; hub files say num_experts
-            num_experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
+            num_experts = int(cfg["num_local_experts"] if "num_experts" not in cfg and "num_local_experts" in cfg
+                              else cfg["num_experts"])
             ffn = int(cfg["moe_intermediate_size"])
             norm_topk = bool(cfg.get("norm_topk_prob", False))
         else:

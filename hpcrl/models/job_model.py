@@ -48,30 +48,10 @@ def spec_at_dtype(cfg: dict[str, Any], dtype: str, flavor: str = "custom") -> Mo
 
 
 def model_config(job: JobConfig) -> tuple[str, Any, str, dict[str, Any]]:
-    """(job key, its value, how messages name the model, the config.json dict) of the job's model.
-
-    `model.path` (a local HF model directory) wins: its config.json is read; a missing directory or
-    config.json, or one that is not a JSON object, is a ConfigError on model.path. Otherwise
-    `hpcrl.config.validate.read_model_config` reads model.config_path or model.preset.
-    """
-    path = job.model.path
-    if path is None:
-        return read_model_config(job)
-    directory = Path(job.base_dir, path)
-    file = directory / "config.json"
-    if not directory.is_dir():
-        raise ConfigError("model.path", path, "no such directory; give a local HuggingFace model directory "
-                                              "(config.json, *.safetensors), relative to the job file")
-    if not file.is_file():
-        raise ConfigError("model.path", path, f"has no config.json ({file} is missing); give the directory "
-                                              "of a HuggingFace model (save_pretrained output)")
-    try:
-        hf = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError("model.path", path, f"{file} is not a JSON file ({exc})") from None
-    if not isinstance(hf, dict):
-        raise ConfigError("model.path", path, f"{file} must be a JSON object (a HuggingFace config.json)")
-    return "model.path", path, f"config.json {file}", hf
+    """(job key, its value, how messages name the model, the config.json dict) of the job's model:
+    `hpcrl.config.validate.read_model_config` (model.path's config.json, else model.config_path or
+    model.preset; a missing directory or file is a ConfigError on that key)."""
+    return read_model_config(job)
 
 
 def build_spec(job: JobConfig) -> MoESpec:

@@ -159,7 +159,8 @@ class Session:
         return digest
 
     def stop_workers(self) -> None:
-        """Close the metrics and let every worker exit cleanly (engines stopped)."""
+        """Close the metrics, stop the reward workers and let every worker exit cleanly (engines
+        stopped)."""
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None

@@ -59,3 +59,22 @@ def test_export_checkpoint_sharded_with_tokenizer(tmp_path) -> None:
     export_checkpoint(str(run), 5, str(out))
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
     assert not (out / INDEX).exists() and dir_digest(out) == state_dict_digest(sd)
+
+
+def test_export_memory_is_a_block_not_the_model(tmp_path) -> None:
+    """128 MB of weights export with a peak RSS rise of about one 16 MiB checksum block."""
+    from hpcrl.memwatch import peak_rss
+
+    MB = 1 << 20
+    run = tmp_path / "run"
+    w = CheckpointWriter(run / "checkpoints", 1, attempt_id="a")
+    for k in range(4):
+        w.write(f"policy/w{k}", torch.full((2048, 4096), float(k)))  # 32 MiB each
+    w.commit({})
+    del w
+    (run / "config.json").write_text(json.dumps({"checkpoint": {"dir": None}, "model": {"path": None}}))
+    (run / "model_config.json").write_text("{}")
+    with peak_rss() as m:
+        export_checkpoint(str(run), 1, str(tmp_path / "out"), "40MB")
+    assert len(list((tmp_path / "out").glob("*.safetensors"))) == 4
+    assert m.rise_bytes < 40 * MB, f"export's peak RSS rose {m.rise_bytes / MB:.0f} MiB for 128 MiB of weights"

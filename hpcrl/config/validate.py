@@ -249,6 +249,18 @@ def _check_weights(job: JobConfig, dims: HFModelDims) -> None:
         raise ConfigError("model.path", job.model.path, str(exc)) from None
 
 
+def _check_eval(job: JobConfig) -> None:
+    """Evaluation needs held-out prompts, and several samples per prompt need sampling."""
+    ev = job.eval
+    if ev.interval_steps > 0 and not job.data.val_path:
+        raise ConfigError("eval.interval_steps", ev.interval_steps, "evaluation needs held-out prompts: "
+                                                                   "set data.val_path, or eval.interval_steps: 0")
+    if ev.num_samples > 1 and ev.temperature == 0:
+        raise ConfigError("eval.num_samples", ev.num_samples, "greedy samples (eval.temperature: 0) are all "
+                                                             "the same: set eval.temperature > 0 (e.g. 1.0) "
+                                                             "or eval.num_samples: 1")
+
+
 def _strip_prefix(message: str, path: str, value: Any) -> str:
     """Drop a leading "path='value': " that lower layers (rewards, tasks) already put in messages."""
     for prefix in (f"{path}={value!r}: ", f"{path}={value!r} ", f"{path}={str(value)!r}: "):
@@ -575,6 +587,7 @@ def validate(job: JobConfig, purpose: str = "run") -> None:
     _check_devices(job, dims)
     _check_parallel(job, dims)
     _check_context(job, dims, prompt_len)
+    _check_eval(job)
     _check_slurm(job)
 
 

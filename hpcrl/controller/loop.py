@@ -81,6 +81,7 @@ def run(s: Session) -> None:
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()),
             "reward/errors": reward_errors,
+            "data/dropped_prompts": len(s.sampler.dropped(step)),
             "rollout/tokens": rollout.num_tokens,
             "rollout/response_len": rollout.num_tokens / len(rollout.response_ids),
             **{f"train/{k}": v for k, v in train.metrics.items()},

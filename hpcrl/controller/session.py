@@ -127,18 +127,14 @@ class Session:
     def _evaluator(self) -> Evaluator:
         """Evaluation on data.val_path (hpcrl/controller/evaluation.py); without it, never due."""
         job, examples = self.job, []
-        if job.data.val_path and job.eval.interval_steps > 0:
-            if job.eval.temperature == 0 and job.eval.num_samples > 1:
-                raise ValueError(f"eval.num_samples={job.eval.num_samples} with eval.temperature=0: greedy "
-                                 "samples are all the same; set eval.temperature > 0 or num_samples: 1")
+        if job.data.val_path and job.eval.interval_steps > 0:  # validate() checked the combination
             examples, skipped = read_val_examples(open_examples(job, self.prompts, "data.val_path"),
                                                   job.eval.max_prompts, job.data.overlong_prompts == "drop")
             print(f"hpcrl: evaluation every {job.eval.interval_steps} steps on {len(examples)} prompts of "
                   f"{job.data.val_path}" + (f" ({skipped} overlong skipped)" if skipped else ""), flush=True)
-        elif job.data.val_path or job.eval.interval_steps > 0:
-            print("hpcrl: warning: no evaluation: it needs both data.val_path and eval.interval_steps > 0 "
-                  f"(data.val_path={job.data.val_path!r}, eval.interval_steps={job.eval.interval_steps})",
-                  flush=True)
+        elif job.data.val_path:
+            print(f"hpcrl: warning: data.val_path={job.data.val_path!r} is not evaluated: set "
+                  "eval.interval_steps > 0", flush=True)
         return Evaluator(job, examples, self.rollouts, self.tokenizer.stop_token_ids, self._score)
 
     def evaluate(self, step: int) -> dict[str, Any]:

@@ -323,3 +323,18 @@ def test_dict_fields_take_mappings_with_string_keys():
         job_from_dict({"data": {"chat_template_kwargs": ["enable_thinking"]}})
     with pytest.raises(ConfigError, match="key 1 is not a string"):
         job_from_dict({"data": {"chat_template_kwargs": {1: True}}})
+
+
+def test_eval_needs_val_path_and_sampling_for_several_samples(tmp_path):
+    from hpcrl.config.validate import validate
+
+    job = job_from_dict({"eval": {"interval_steps": 5}})
+    with pytest.raises(ConfigError, match=r"eval.interval_steps=5: evaluation needs held-out prompts"):
+        validate(job)
+    val = tmp_path / "val.jsonl"
+    val.write_text('{"prompt": "a", "answer": "aaaa"}\n')
+    job = job_from_dict({"data": {"val_path": str(val)}, "eval": {"interval_steps": 5, "num_samples": 4}})
+    with pytest.raises(ConfigError, match=r"eval.num_samples=4: greedy samples"):
+        validate(job)
+    job.eval.temperature = 1.0
+    validate(job)

@@ -96,7 +96,8 @@ def main() -> None:
             "files": sorted(p.name for p in d.iterdir()),
             "index": json.loads((d / "model.safetensors.index.json").read_text()),
             "maxdiff": (hf_lp - trainer).abs()[batch.response_mask_BT()].max().item(),
-            "weights_equal": list(loaded) == list(full) and all(torch.equal(loaded[k], full[k]) for k in full),
+            "weights_equal": list(loaded) == list(full)
+            and all(torch.equal(loaded[k], full[k]) for k in full),
             "digest": dir_digest(d), "loaded_digest": state_dict_digest(loaded),
             "tokenizer_eos": AutoTokenizer.from_pretrained(str(d)).eos_token,
         }

@@ -53,13 +53,14 @@ def test_export_matches_trainer(tmp_path):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hpcrl.cli", "export", *args], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "hpcrl.cli", "export", *args], capture_output=True,
+                          text=True, timeout=120)
 
 
 def test_export_bad_arguments(tmp_path):
     out = _cli(str(tmp_path), "--out", str(tmp_path / "o"))
-    assert out.returncode == 2 and "not an hpcrl run directory" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "not an hpcrl run directory" in out.stderr
+    assert "Traceback" not in out.stderr
     out = _cli(str(tmp_path), "--out", str(tmp_path / "o"), "--max-shard-size", "lots")
     assert out.returncode == 2 and "--max-shard-size" in out.stderr and "5GB" in out.stderr
     assert "Traceback" not in out.stderr

@@ -50,7 +50,8 @@ def test_export_checkpoint_sharded_with_tokenizer(tmp_path) -> None:
     index = json.loads((out / INDEX).read_text())
     assert index["metadata"]["total_size"] == 16 * 8 * 4 + 8 * 4 + 16 * 8 * 2
     back = {k: v for f in files for k, v in load_file(str(out / f)).items()}
-    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) and back[k].dtype == sd[k].dtype for k in sd)
+    assert set(back) == set(sd)
+    assert all(torch.equal(back[k], sd[k]) and back[k].dtype == sd[k].dtype for k in sd)
     assert dir_digest(out) == state_dict_digest(sd)
     assert json.loads((out / "config.json").read_text()) == {"model_type": "qwen3_moe"}
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "merges.txt", "keep.txt"):
@@ -77,4 +78,4 @@ def test_export_memory_is_a_block_not_the_model(tmp_path) -> None:
     with peak_rss() as m:
         export_checkpoint(str(run), 1, str(tmp_path / "out"), "40MB")
     assert len(list((tmp_path / "out").glob("*.safetensors"))) == 4
-    assert m.rise_bytes < 40 * MB, f"export's peak RSS rose {m.rise_bytes / MB:.0f} MiB for 128 MiB of weights"
+    assert m.rise_bytes < 40 * MB, f"peak RSS rose {m.rise_bytes / MB:.0f} MiB for 128 MiB of weights"

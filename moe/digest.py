@@ -18,9 +18,9 @@ all arithmetic mod 2^64 on unsigned 64-bit words, `>>` a logical shift):
 Each element's term depends on its position and its bits jointly (the mixed bits are 64-bit
 pseudo-random, so two (position, bits) pairs give the same term only by a 2^-64 chance), so
 changing, swapping or moving elements changes a lane except with probability about 2^-64 per lane.
-Three mixes per element (one for the bits, one per lane), in place on preallocated chunks: about
-40 M elements/s on one CPU core, far more on a GPU. Torch only (int64 tensors on
-the data's device; numbers wrap like uint64), no hpcrl import.
+Three mixes per element (one for the bits, one per lane), in place on chunks: about 36 M elements/s
+on one CPU core, far more on a GPU. Torch only (int64 tensors on the data's device, whose arithmetic
+wraps like uint64's), no hpcrl import.
 """
 
 from __future__ import annotations

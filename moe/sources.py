@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moe.fused import fused_groups
 from moe.layouts import TensorPlacement
 from moe.specs import MoESpec
 
@@ -44,35 +45,46 @@ def assign_sources(spec: MoESpec, placement: list[TensorPlacement], bucket_bytes
     tensors are ordered by falling item size (then spec order) so every offset stays a multiple of
     its tensor's item size and views in place. `max_sources`: only that many ranks, evenly spread
     over the rank range (rank 0 first), may be sources; a tensor none of them holds is gathered by
-    the least loaded of them.
+    the least loaded of them. Tensors SGLang fuses on load (`moe.fused`) share one source and one
+    bucket (a group larger than `bucket_bytes` is a bucket of its own).
     """
     world = 1 + max(r for pl in placement for _, ranks in pl for r in ranks)
     allowed = None
     if max_sources is not None and max_sources < world:
         allowed = sorted({i * world // max(1, max_sources) for i in range(max(1, max_sources))})
     load = [0] * world
-    per_src: list[list[int]] = [[] for _ in range(world)]
-    for ti, (t, pl) in enumerate(zip(spec.tensors, placement)):
-        whole = [ranks for box, ranks in pl if box.shape == t.shape]
-        cands = sorted(whole[0]) if whole else sorted({r for _, ranks in pl for r in ranks})
+    per_src: list[list[list[int]]] = [[] for _ in range(world)]  # units: tensors that travel together
+    fused = {g[0]: g for g in fused_groups([t.name for t in spec.tensors])}
+    follower = {ti for g in fused.values() for ti in g[1:]}
+    for ti in range(len(spec.tensors)):
+        if ti in follower:
+            continue  # placed with its group's first tensor
+        unit = fused.get(ti, [ti])
+        wholes = [{r for box, ranks in placement[u] if box.shape == spec.tensors[u].shape for r in ranks}
+                  for u in unit]
+        whole = set.intersection(*wholes)
+        cands = sorted(whole or {r for u in unit for _, ranks in placement[u] for r in ranks})
         if allowed is not None:
             cands = [r for r in cands if r in allowed] or allowed
         s = min(cands, key=lambda r: (load[r], r))
-        load[s] += t.nbytes
-        per_src[s].append(ti)
+        load[s] += sum(spec.tensors[u].nbytes for u in unit)
+        per_src[s].append(unit)
     out: list[list[Bucket]] = []
     align = 1 if packed else ALIGN
-    for s, tids in enumerate(per_src):
+    for s, units in enumerate(per_src):
         if packed:
-            tids.sort(key=lambda ti: (-spec.tensors[ti].itemsize, ti))
+            for unit in units:
+                unit.sort(key=lambda ti: (-spec.tensors[ti].itemsize, ti))
+            units.sort(key=lambda u: (-spec.tensors[u[0]].itemsize, u[0]))
         buckets: list[Bucket] = []
-        for ti in tids:
-            nb = -(-spec.tensors[ti].nbytes // align) * align
-            if not buckets or (buckets[-1].nbytes and buckets[-1].nbytes + nb > bucket_bytes):
+        for unit in units:
+            sizes = [-(-spec.tensors[ti].nbytes // align) * align for ti in unit]
+            if not buckets or (buckets[-1].nbytes and buckets[-1].nbytes + sum(sizes) > bucket_bytes):
                 buckets.append(Bucket(s))
             b = buckets[-1]
-            b.tensors.append(ti)
-            b.offsets.append(b.nbytes)
-            b.nbytes += nb
+            for ti, nb in zip(unit, sizes):
+                b.tensors.append(ti)
+                b.offsets.append(b.nbytes)
+                b.nbytes += nb
         out.append(buckets)
     return out

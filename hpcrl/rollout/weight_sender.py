@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from hpcrl.dist import free_port
 from hpcrl.rollout.client import EngineClient, EngineError
+from moe.fused import fused_groups
 
 __all__ = ["WeightSender", "dtype_name", "flatten_bucket", "init_custom_process_group", "parse_dtype",
            "unflatten_bucket"]
@@ -287,13 +288,22 @@ def call_failures(calls: list, clients: list, engine_ids: list[int], timeout_s: 
 
 
 def _buckets(named_tensors, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    buckets, current, size = [], [], 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
+    """Consecutive tensors cut into buckets of at most `bucket_bytes` (a larger tensor alone); tensors
+    SGLang fuses on load (moe.fused) travel together in the bucket of the group's first one."""
+    groups = {g[0]: g for g in fused_groups([n for n, _ in named_tensors])}
+    follower = {i for g in groups.values() for i in g[1:]}
+    buckets: list[list[tuple[str, torch.Tensor]]] = []
+    current: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for i in range(len(named_tensors)):
+        if i in follower:
+            continue
+        unit = [named_tensors[j] for j in groups.get(i, [i])]
+        nbytes = sum(t.numel() * t.element_size() for _, t in unit)
         if current and size + nbytes > bucket_bytes:
             buckets.append(current)
             current, size = [], 0
-        current.append((name, tensor))
+        current.extend(unit)
         size += nbytes
     if current:
         buckets.append(current)

@@ -175,6 +175,9 @@ class SlurmJobSpec:
     # still exiting killed, and srun then returns 143 instead of the requeue code (measured). A crashed
     # rank is handled by the controller's deadlines and MPI Abort instead.
     extra_srun_options: tuple[str, ...] = field(default=("--kill-on-bad-exit=0",))
+    # Run once after the step's final exit (not after a requeue) with its exit code appended; hpcrl
+    # writes the run's outcome into submitit's job folder with it (launch/result.py). '' runs nothing.
+    finish_command: str = ""
 
     def __post_init__(self) -> None:
         for name in ("components", "env_setup", "extra_srun_options"):
@@ -201,6 +204,8 @@ class SlurmJobSpec:
             if not getattr(self, name).startswith("/"):
                 _fail(name, getattr(self, name), "must be an absolute path (sbatch resolves relative paths "
                       "against the submit directory); pass Path(...).resolve()")
+        if not isinstance(self.finish_command, str) or "\n" in self.finish_command:
+            _fail("finish_command", self.finish_command, "must be one command line (or '' for none)")
         _check_lines("env_setup", self.env_setup)
         if self.mpi not in MPI_PLUGINS:
             _fail("mpi", self.mpi, f"choose one of {', '.join(MPI_PLUGINS)} (pmi2 works with PyPI mpich)")

@@ -24,18 +24,19 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
 
+from launch.slurm_executor import HetJob, HetJobExecutor
 from launch.slurm_query import (SUBMISSION_FILE, PartitionInfo, SlurmError, cluster_partitions, job_state,
-                                require_tool, slurm_cmd)
+                                require_tool)
 from launch.slurm_spec import SlurmComponent, SlurmJobSpec, format_time_limit, parse_time_limit, render
 
 SCRIPT_NAME = "job.sbatch"
 LOG_DIR_NAME = "logs"
-SBATCH_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,14 @@ def worker_command(job: Any, run_dir: Path) -> str:
     # -P: do not put the working directory on sys.path; the step runs in the run dir, whose
     # `checkpoints/` folder would otherwise shadow the `checkpoints` package on a requeued attempt.
     return f"{shlex.quote(python)} -u -P -m hpcrl.worker_main {shlex.quote(str(run_dir))}"
+
+
+def finish_command(job: Any, run_dir: Path) -> str:
+    """The batch script's last command before it exits (the template appends the step's exit code):
+    write the run's outcome as submitit's result file in RUN_DIR/logs (launch/result.py)."""
+    python = job.slurm.python or sys.executable
+    q = shlex.quote
+    return f'{q(python)} -P -m launch.result {q(str(run_dir))} {q(str(run_dir / LOG_DIR_NAME))} "${{SLURM_JOB_ID}}"'
 
 
 def _component(key: str, nodes: int, tasks: int, what: str, gpus: int, cpus: int, mem_gb: int | None,
@@ -121,7 +130,8 @@ def job_spec(job: Any, run_dir: Path, partition: str, resume: str = "auto"
             time_limit_min=parse_time_limit(s.time, "slurm.time"), components=components,
             command=worker_command(job, run_dir), run_dir=str(run_dir), log_dir=str(run_dir / LOG_DIR_NAME),
             env_setup=(*resume_lines(resume), *s.env_setup), mpi=s.mpi, signal_delay_s=s.signal_delay_s,
-            extra_srun_options=("--kill-on-bad-exit=0", *s.extra_srun_options))
+            extra_srun_options=("--kill-on-bad-exit=0", *s.extra_srun_options),
+            finish_command=finish_command(job, run_dir))
     except ValueError as exc:  # validate() checks the slurm section first; this names any leftover
         raise SlurmError("slurm", "section", str(exc)) from None
     assert _world_size(spec) == job.world_size, (_world_size(spec), job.world_size)
@@ -250,8 +260,10 @@ def _world_size(spec: SlurmJobSpec) -> int:
     return total
 
 
-def submit(plan: SubmitPlan) -> dict:
-    """Write RUN_DIR/job.sbatch, `sbatch --parsable` it, write RUN_DIR/slurm.json; return that record.
+def submit_run(plan: SubmitPlan, after: Sequence[Any] = ()) -> tuple[HetJob, dict]:
+    """Submit `plan` through `HetJobExecutor` (job folder RUN_DIR/logs) once every job in `after`
+    (HetJobs or job ids) has completed (afterok); write RUN_DIR/job.sbatch (the script, as `hpcrl
+    render` prints it) and RUN_DIR/slurm.json; return the submitit job and that record.
 
     The run dir must exist (hpcrl.runner.prepare_run_dir). SlurmError when sbatch rejects the job.
     """
@@ -259,31 +271,34 @@ def submit(plan: SubmitPlan) -> dict:
     script = run_dir / SCRIPT_NAME
     script.write_text(plan.script)
     Path(plan.spec.log_dir).mkdir(parents=True, exist_ok=True)  # Slurm does not create it
-    args = ["sbatch", "--parsable", str(script)]
-    proc = slurm_cmd(args, timeout_s=SBATCH_TIMEOUT_S, check=False)
-    if proc.returncode != 0:
-        err = proc.stderr.strip() or proc.stdout.strip() or f"exit code {proc.returncode}"
-        raise SlurmError("sbatch", str(script), f"Slurm rejected the job: {err}")
-    job_id = proc.stdout.strip().splitlines()[-1].split(";")[0]
+    executor = HetJobExecutor(plan.spec.log_dir, python=None)
+    job = executor.submit_plan(plan, after=after)
     previous = []
     old = run_dir / SUBMISSION_FILE
     if old.is_file():
         old_rec = json.loads(old.read_text())
         previous = [*old_rec.get("previous_job_ids", []), old_rec.get("job_id")]
     record = {
-        "job_id": job_id,
+        "job_id": job.job_id,
         "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "script": str(script),
-        "sbatch": args,
+        "sbatch": [*executor.last_sbatch[:-1], str(job.paths.submission_file)],
+        "submitit_folder": str(job.paths.folder),
         "log_dir": plan.spec.log_dir,
         "partition": plan.spec.partition,
         "template": plan.spec.template_name,
         "world_size": _world_size(plan.spec),
         "components": [{"nodes": c.nodes, "ntasks_per_node": c.ntasks_per_node, "ranks": role}
                        for c, role in zip(plan.spec.components, plan.roles)],
+        "dependency": [j if isinstance(j, str) else j.job_id for j in after],
         "previous_job_ids": previous,
     }
     tmp = run_dir / f"{SUBMISSION_FILE}.tmp"
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, run_dir / SUBMISSION_FILE)
-    return record
+    return job, record
+
+
+def submit(plan: SubmitPlan) -> dict:
+    """`submit_run(plan)`'s record (what `hpcrl submit` prints from)."""
+    return submit_run(plan)[1]

@@ -56,6 +56,7 @@ def full_hetjob_spec() -> SlurmJobSpec:
         signal_delay_s=300,
         requeue_exit_code=3,
         extra_srun_options=("--kill-on-bad-exit=0", "--cpu-bind=none"),
+        finish_command="python -P -m launch.result /scratch/runs/qwen3 /scratch/runs/qwen3/logs \"${SLURM_JOB_ID}\"",
     )
 
 

@@ -1,0 +1,131 @@
+"""The outcome of an hpcrl run, written where submitit's job folder expects it.
+
+submitit's `Job.result()` waits for `<folder>/<job_id>_<task>_result.pkl`, a cloudpickled
+`("success", value)` or `("error", text)`, and raises `FailedJobError(text)` for the second. hpcrl
+does not run submitit's per-task `_submit` entry point (one MPI world, rank 0 the controller), so
+the batch script writes this file itself once the step has ended for good (not after a requeue):
+`python -P -m launch.result RUN_DIR FOLDER JOB_ID RC`. Only task 0 gets a result, because the
+run has one outcome, so a plain `submitit.SlurmJob(folder, job_id).result()` from any process
+returns it. The value is `run_summary(run_dir)`; a failed run's text names the failed rank and the
+phase from RUN_DIR/.failure.txt and .phase.json. This module reads run-dir files only (no hpcrl).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from submitit.core import utils as submitit_utils
+
+FINAL_FILE = "final.json"
+
+
+def result_path(folder: Path, job_id: str) -> Path:
+    """Where submitit's `Job(folder, job_id).result()` looks for the outcome (task 0)."""
+    return submitit_utils.JobPaths(folder, job_id=job_id, task_id=0).result_pickle
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _last_metrics(run_dir: Path) -> dict[str, Any] | None:
+    last = None
+    path = run_dir / "metrics.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                last = json.loads(line)
+            except ValueError:
+                continue  # a line cut short
+    return last
+
+
+def run_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The finished run's summary, or None when RUN_DIR/final.json is missing (it did not finish).
+
+    Keys: `policy_sha256`, `num_steps` (from final.json), `last_step` (the last step in
+    metrics.jsonl, or None), `metrics` (that step's metrics row, or {}) and `run_dir`.
+    """
+    final = _read_json(run_dir / FINAL_FILE)
+    if not isinstance(final, dict):
+        return None
+    last = _last_metrics(run_dir) or {}
+    return {"policy_sha256": final.get("policy_sha256"), "num_steps": final.get("num_steps"),
+            "last_step": last.get("step"), "metrics": last, "run_dir": str(run_dir)}
+
+
+def failure_text(run_dir: Path, rc: int) -> str:
+    """Why the run did not finish: the controller's report (which names the failed rank), the
+    phase and step it was in, the step's exit code and where the logs are."""
+    lines = []
+    failure = run_dir / ".failure.txt"
+    if failure.is_file():
+        lines.append(failure.read_text().strip())
+    else:
+        lines.append(f"hpcrl run failed: the step exited with code {rc} and the controller left no report "
+                     "(a rank or the launcher died before it could write RUN_DIR/.failure.txt)")
+    phase = _read_json(run_dir / ".phase.json")
+    if isinstance(phase, dict):
+        lines.append(f"controller phase: '{phase.get('phase', '?')}' of step {phase.get('step', '?')}")
+    if rc == 0:
+        lines.append(f"the step exited with code 0 but {run_dir / FINAL_FILE} is missing")
+    else:
+        lines.append(f"step exit code: {rc}")
+    lines.append(f"logs: {run_dir / 'logs'} (hpcrl logs {run_dir})")
+    return "\n".join(lines)
+
+
+def outcome(run_dir: Path, rc: int) -> tuple[str, Any]:
+    """submitit's (outcome, value): ("success", run_summary) or ("error", failure_text)."""
+    summary = run_summary(run_dir) if rc == 0 else None
+    if summary is not None:
+        return "success", summary
+    return "error", failure_text(run_dir, rc)
+
+
+class RunOutcome:
+    """The callable submitit pickles as a run's submission (`Job.submission().function`): calling
+    it returns the run's summary or raises RuntimeError with `failure_text`. The job never runs it;
+    it records which run dir the job belongs to."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+
+    def __call__(self) -> dict[str, Any]:
+        kind, value = outcome(Path(self.run_dir), 0)
+        if kind != "success":
+            raise RuntimeError(value)
+        return value
+
+    def __repr__(self) -> str:
+        return f"RunOutcome({self.run_dir!r})"
+
+
+def write_result(folder: Path, job_id: str, run_dir: Path, rc: int) -> Path:
+    """Write `outcome(run_dir, rc)` atomically as the job's result pickle; return its path."""
+    path = result_path(folder, job_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with submitit_utils.temporary_save_path(path) as tmp:
+        submitit_utils.cloudpickle_dump(outcome(run_dir, rc), tmp)
+    return path
+
+
+def main(argv: list[str]) -> int:
+    """`python -m launch.result RUN_DIR FOLDER JOB_ID RC` (the batch script's last step)."""
+    if len(argv) != 4:
+        print("usage: python -m launch.result RUN_DIR FOLDER JOB_ID RC", file=sys.stderr)
+        return 2
+    run_dir, folder, job_id, rc = Path(argv[0]), Path(argv[1]), argv[2], int(argv[3])
+    path = write_result(folder, job_id, run_dir, rc)
+    print(f"[hpcrl-batch] wrote the job's result: {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

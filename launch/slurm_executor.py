@@ -1,0 +1,177 @@
+"""submitit's Slurm executor and job, extended to hpcrl's heterogeneous job.
+
+`HetJobExecutor` is a `submitit.SlurmExecutor` whose submission file is hpcrl's rendered sbatch
+script (`SubmitPlan.script`, byte for byte what `hpcrl render` prints): submitit still pickles the
+submission, runs sbatch, parses the job id, fills the job folder (`<id>_submission.sh`,
+`<id>_submitted.pkl`) and returns the `Job`. The job folder is the run's log dir (RUN_DIR/logs).
+What differs from a plain submitit job, and why:
+
+* The step runs `hpcrl.worker_main` on every rank (one MPI world over both components), not
+  submitit's per-task `_submit`, so submitit's USR2 checkpoint/requeue handler is never installed:
+  preemption has one path, hpcrl's (batch script forwards USR1/TERM -> controller saves -> step
+  exits 3 -> `scontrol requeue`). The pickled callable (`launch.result.RunOutcome`) only reads the
+  run dir's outcome; it documents the run and is never run by the job.
+* The batch script writes task 0's `<id>_0_result.pkl` after the step's final exit
+  (launch/result.py) and links `<id>_0_log.out` to the current attempt's step log, so a plain
+  `submitit.SlurmJob(folder, job_id)` from any process gets `result()` and `stdout()`.
+* `HetJob.watcher` reads state from `scontrol`/`squeue`, then `sacct` (launch.slurm_query.job_state):
+  right on clusters without accounting, and it reports requeues (`HetJob.restarts`).
+* Hetjobs cannot be Slurm arrays: a batch of plans is submitted as separate jobs, and a job can wait
+  for others (`after=[job, ...]`, sbatch `--dependency=afterok:...`, given on sbatch's command
+  line so the script stays what `hpcrl render` prints).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from submitit.core import utils as submitit_utils
+from submitit.slurm.slurm import SlurmExecutor, SlurmInfoWatcher, SlurmJob
+
+from launch.result import RunOutcome
+from launch.slurm_query import SlurmError, cancel_job, job_state, require_tool
+
+SBATCH_TIMEOUT_S = 60
+# Not final for Job.done(): the job is still queued, running or on its way to a requeue (hpcrl jobs
+# always have --requeue, so PREEMPTED is followed by PENDING).
+TRANSIENT_STATES = frozenset({"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "COMPLETING",
+                              "CONFIGURING", "PREEMPTED", "RESIZING", "SUSPENDED", "STAGE_OUT", "SIGNALING",
+                              "STOPPED", "READY", "UNKNOWN"})
+
+
+class ScontrolWatcher(SlurmInfoWatcher):
+    """submitit's shared state watcher, fed by `scontrol show job` (then sacct) instead of sacct only.
+
+    Per job it records `State`, `Restarts`, `Reason`, `ExitCode` and `NodeList` (component node
+    lists joined by ','); a job Slurm no longer knows keeps its last recorded info ("UNKNOWN" if none).
+    """
+
+    def _make_command(self) -> list[str] | None:
+        return None  # update() asks scontrol per job instead of one sacct call
+
+    def update(self) -> None:
+        to_check = self._registered - self._finished
+        self._num_calls += 1
+        for job_id in to_check:
+            try:
+                state = job_state(job_id)
+            except SlurmError:
+                continue  # the controller did not answer: keep the last info, ask again later
+            if state is not None:
+                self._info_dict[job_id] = {
+                    "State": state.state, "Restarts": str(state.restarts), "Reason": state.reason,
+                    "ExitCode": state.exit_code, "NodeList": ",".join(n for _, n in state.components)}
+        self._last_status_check = time.time()
+        for job_id in to_check:
+            if self.is_done(job_id, mode="cache"):
+                self._finished.add(job_id)
+
+    def is_done(self, job_id: str, mode: str = "standard") -> bool:
+        return self.get_state(job_id, mode=mode).upper() not in TRANSIENT_STATES
+
+
+class HetJob(SlurmJob[dict[str, Any]]):
+    """A submitted hpcrl run as a submitit job; `HetJob(RUN_DIR/logs, job_id)` re-attaches to it.
+
+    `result()` waits and returns `launch.result.run_summary` (policy_sha256, last_step, ...) or
+    raises submitit's `FailedJobError` whose text names the failed rank and phase; a job that ended
+    without a result (cancelled, killed) raises `UncompletedJobError`. `stdout()` is the current
+    attempt's step log, `stderr()` the batch script's log (signals, requeues, exit codes).
+    """
+
+    watcher = ScontrolWatcher(delay_s=30)
+
+    @property
+    def run_dir(self) -> Path:
+        """The run dir: the parent of the job folder (hpcrl's log dir is RUN_DIR/logs)."""
+        return self.paths.folder.parent
+
+    @property
+    def restarts(self) -> int:
+        """How often Slurm requeued the job so far (SLURM_RESTART_COUNT of the current attempt)."""
+        return int(self.get_info(mode="standard").get("Restarts", "0"))
+
+    def stderr(self) -> str | None:
+        parts = [p.read_text(errors="replace") for p in
+                 (self.paths.folder / f"slurm-{self.job_id}.out", self.paths.folder / f"slurm-{self.job_id}.err")
+                 if p.is_file()]
+        return "".join(parts) if parts else None
+
+    def cancel(self, check: bool = True) -> None:
+        """scancel every component and wait until Slurm reports the job ended (every rank gone)."""
+        try:
+            cancel_job(self.job_id)
+        except SlurmError:
+            if check:
+                raise
+        self.watcher.update()
+
+
+class HetJobExecutor(SlurmExecutor):
+    """Submits `launch.slurm_submit.SubmitPlan`s; the job folder is the plan's log dir.
+
+    `submit_plan(plan, after=...)` is the entry point; `submit(fn)` is not (a run is not a pickled
+    function). Parameters come from the plan, so `update_parameters` has nothing to set.
+    """
+
+    job_class = HetJob
+
+    def __init__(self, folder: str | Path, python: str | None = None) -> None:
+        require_tool("sbatch")
+        super().__init__(folder, max_num_timeout=0, python=python)
+        self._plan: Any = None
+        self._after: tuple[str, ...] = ()
+        self.last_sbatch: list[str] = []  # the last sbatch command line (the file is then renamed)
+
+    @classmethod
+    def affinity(cls) -> int:
+        return 2  # sbatch is checked in __init__ with hpcrl's message; srun runs inside the job only
+
+    def submit_plan(self, plan: Any, after: Sequence[SlurmJob[Any] | str] = ()) -> HetJob:
+        """sbatch `plan.script` (its log dir must be this executor's folder); start only after every
+        job of `after` completed successfully. SlurmError when sbatch rejects the job."""
+        if Path(plan.spec.log_dir) != self.folder:
+            raise ValueError(f"plan log dir {plan.spec.log_dir} is not this executor's folder {self.folder}")
+        self._plan, self._after = plan, tuple(j if isinstance(j, str) else j.job_id for j in after)
+        try:
+            # submitit prints sbatch's stderr itself on failure; hpcrl reports it once, in its words
+            with contextlib.redirect_stderr(io.StringIO()):
+                job = self.submit(RunOutcome(str(plan.run_dir)))
+        except submitit_utils.FailedJobError as exc:
+            err = str(exc).strip().splitlines()
+            raise SlurmError("sbatch", str(plan.run_dir / "job.sbatch"),
+                             f"Slurm rejected the job: {err[-1] if err else 'no output'}") from None
+        finally:
+            self._plan, self._after = None, ()
+        assert isinstance(job, HetJob)
+        return job
+
+    def _internal_process_submissions(self, delayed_submissions: list[Any]) -> list[Any]:
+        assert self._plan is not None, "use HetJobExecutor.submit_plan(plan)"
+        assert len(delayed_submissions) == 1, "a hetjob cannot be a Slurm array; submit plans one by one"
+        return super()._internal_process_submissions(delayed_submissions)
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        return str(self._plan.script)
+
+    def _num_tasks(self) -> int:
+        return 1  # one outcome per run: rank 0's, written by the batch script
+
+    def _make_submission_command(self, submission_file_path: Path) -> list[str]:
+        dependency = [f"--dependency=afterok:{':'.join(self._after)}"] if self._after else []
+        self.last_sbatch = ["sbatch", "--parsable", *dependency, str(submission_file_path)]
+        return ["timeout", str(SBATCH_TIMEOUT_S), *self.last_sbatch]
+
+    @staticmethod
+    def _get_job_id_from_submission_command(string: bytes | str) -> str:
+        text = string.decode() if isinstance(string, bytes) else string
+        lines = text.strip().splitlines()
+        job_id = lines[-1].split(";")[0].strip() if lines else ""
+        if not job_id.isdigit():
+            raise submitit_utils.FailedSubmissionError(f"could not read a job id from sbatch's output {text!r}")
+        return job_id

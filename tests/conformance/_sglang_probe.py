@@ -1,0 +1,101 @@
+"""Subprocess side of the conformance tests (run as a script; prints or writes JSON).
+
+    python _sglang_probe.py parse-args ROOT ARG...         SGLang's server-argument parser on ARGs
+    python _sglang_probe.py engine ROOT PLAN INIT RANK WORLD OUT    one engine TP rank, SGLang's code
+    python _sglang_probe.py trainer PLAN INIT WORLD OUT SEED        rank 0, hpcrl's code
+
+PLAN is a JSON list of buckets, each a list of [name, dtype, shape]. The trainer (hpcrl's
+`init_custom_process_group`, `flatten_bucket`) fills the tensors from SEED and broadcasts every
+bucket from rank 0; an engine rank joins with SGLang's `init_custom_process_group` (utils/common.py)
+and receives each bucket the way SGLang's weight updater does (`FlattenedTensorBucket.empty`,
+broadcast src=0, `reconstruct_tensors`). Both write {name: sha256 of the tensor's bytes} to OUT.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+GROUP = "weight_update_group"
+TIMEOUT_S = 120
+
+
+def _digest(tensor) -> str:
+    import torch
+
+    return hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def parse_args(root: str, argv: list[str]) -> None:
+    import argparse
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _sglang_import import install
+
+    install(Path(root))
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    try:
+        args = parser.parse_args(argv)
+    except (argparse.ArgumentError, SystemExit) as exc:
+        print(json.dumps({"error": str(exc)}))
+        return
+    print(json.dumps({k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list))
+                      or v is None}))
+
+
+def engine(root: str, plan_file: str, init: str, rank: int, world: int, out: str) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _sglang_import import install
+
+    install(Path(root))
+    import torch
+
+    from sglang.srt.utils.common import init_custom_process_group
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    group = init_custom_process_group(backend="gloo", init_method=init, world_size=world, rank=rank,
+                                      group_name=GROUP, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    digests = {}
+    for bucket in json.loads(Path(plan_file).read_text()):
+        names, dtypes, shapes = zip(*bucket)
+        recv = FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu")
+        torch.distributed.broadcast(recv.get_flattened_tensor(), src=0, group=group)
+        digests.update({name: _digest(t) for name, t in recv.reconstruct_tensors()})
+    Path(out).write_text(json.dumps({"torch": torch.__version__, "digests": digests}))
+
+
+def trainer(plan_file: str, init: str, world: int, out: str, seed: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hpcrl.rollout.weight_sender import flatten_bucket, init_custom_process_group, parse_dtype
+
+    group = init_custom_process_group("gloo", init, world, 0, GROUP, timeout_s=TIMEOUT_S)
+    gen = torch.Generator().manual_seed(seed)
+    digests = {}
+    for bucket in json.loads(Path(plan_file).read_text()):
+        tensors = []
+        for name, dtype, shape in bucket:
+            t = torch.randn(shape, generator=gen).to(parse_dtype(dtype))
+            digests[name] = _digest(t)
+            tensors.append(t)
+        dist.broadcast(flatten_bucket(tensors), src=0, group=group)
+    Path(out).write_text(json.dumps({"torch": torch.__version__, "digests": digests}))
+
+
+if __name__ == "__main__":
+    cmd, *rest = sys.argv[1:]
+    if cmd == "parse-args":
+        parse_args(rest[0], rest[1:])
+    elif cmd == "engine":
+        engine(rest[0], rest[1], rest[2], int(rest[3]), int(rest[4]), rest[5])
+    elif cmd == "trainer":
+        trainer(rest[0], rest[1], int(rest[2]), rest[3], int(rest[4]))
+    else:
+        raise SystemExit(f"unknown command {cmd!r}")

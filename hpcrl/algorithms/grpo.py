@@ -12,7 +12,11 @@ Per response token t of completion i, with ratio rho = exp(logp - logp_old):
     k1 = logp - logp_ref;  k2 = (logp - logp_ref)^2 / 2;  k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1
 
 Aggregation over tokens (mask = response tokens): token-mean (all tokens of the batch equal),
-seq-mean-token-mean (each sequence equal), seq-mean-token-sum (each sequence's token sum).
+seq-mean-token-mean (each sequence equal), seq-mean-token-sum (each sequence's token sum),
+seq-mean-token-sum-norm (Dr. GRPO: token sum over a constant, `loss_agg_norm`); see
+`hpcrl.algorithms.aggregation`. The advantages, KL estimators and aggregation live in their own
+modules (`advantages`, `kl`, `aggregation`) and are re-exported here under their historical names;
+`policy_loss.ppo_clip_loss` is the general (decoupled / dual clip) form of the loss below.
 Simplifications: one policy update per rollout batch (so rho = 1 on the forward pass, the clip only
 shapes the gradient through later micro-batches' identical weights); the std uses the unbiased
 estimator like TRL and verl.
@@ -25,55 +29,29 @@ from dataclasses import dataclass
 import torch
 
 from hpcrl.algorithms import KL_ESTIMATORS, LOSS_AGGS
+from hpcrl.algorithms.advantages import group_advantages
+from hpcrl.algorithms.aggregation import aggregate
+from hpcrl.algorithms.kl import kl_estimate
 
-
-def group_advantages(rewards_N: torch.Tensor, group_size: int, norm_by_std: bool = True,
-                     eps: float = 1e-6) -> torch.Tensor:
-    """Advantages of N = num_groups * group_size rewards laid out group after group."""
-    r_GS = rewards_N.reshape(-1, group_size).to(torch.float64)
-    centred_GS = r_GS - r_GS.mean(dim=1, keepdim=True)
-    if norm_by_std:
-        std_G1 = r_GS.std(dim=1, keepdim=True) if group_size > 1 else torch.ones_like(r_GS[:, :1])
-        centred_GS = centred_GS / (std_G1 + eps)
-    return centred_GS.reshape(-1).to(rewards_N.dtype)
-
-
-def kl_estimate(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi."""
-    log_ratio = logp_BT - ref_logp_BT
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio.square()
-    if estimator == "k3":
-        neg = -log_ratio
-        return torch.exp(neg) - neg - 1.0
-    raise ValueError(f"kl_estimator={estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
-
-
-def aggregate(values_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str,
-              num_tokens: float | None = None, num_seqs: float | None = None) -> torch.Tensor:
-    """Reduce per-token values to a scalar. `num_tokens`/`num_seqs` are the *global* batch counts, so
-    micro-batch losses add up to the full-batch loss under gradient accumulation."""
-    mask = mask_BT.to(values_BT.dtype)
-    if mode == "token-mean":
-        denom = num_tokens if num_tokens is not None else mask.sum().clamp(min=1.0)
-        return (values_BT * mask).sum() / denom
-    seqs = num_seqs if num_seqs is not None else values_BT.shape[0]
-    if mode == "seq-mean-token-mean":
-        per_seq = (values_BT * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
-        return per_seq.sum() / seqs
-    if mode == "seq-mean-token-sum":
-        return (values_BT * mask).sum() / seqs
-    raise ValueError(f"loss_agg={mode!r}; valid: {', '.join(LOSS_AGGS)}")
+__all__ = ["KL_ESTIMATORS", "LOSS_AGGS", "GRPOLossConfig", "aggregate", "group_advantages", "grpo_loss",
+           "kl_estimate"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class GRPOLossConfig:
+    """The constants of `grpo_loss`; `loss_agg_norm` is the divisor of `seq-mean-token-sum-norm`."""
+
     clip_eps: float = 0.2
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     loss_agg: str = "token-mean"
+    loss_agg_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        needs_norm = self.loss_agg == "seq-mean-token-sum-norm"
+        if needs_norm and (self.loss_agg_norm is None or self.loss_agg_norm <= 0):
+            raise ValueError("loss_agg='seq-mean-token-sum-norm' needs loss_agg_norm > 0 (e.g. the maximum "
+                             f"response length), got loss_agg_norm={self.loss_agg_norm!r}")
 
 
 def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor | None,
@@ -89,12 +67,12 @@ def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, ref_logp_BT: tor
     ratio_BT = torch.exp(logp_BT - old_logp_BT)
     clipped_BT = ratio_BT.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps)
     pg_BT = -torch.minimum(ratio_BT * adv_B1, clipped_BT * adv_B1)
-    pg = aggregate(pg_BT, mask_BT, cfg.loss_agg, num_tokens, num_seqs)
+    pg = aggregate(pg_BT, mask_BT, cfg.loss_agg, num_tokens, num_seqs, cfg.loss_agg_norm)
     loss = pg
     kl = torch.zeros((), dtype=logp_BT.dtype)
     if ref_logp_BT is not None and cfg.kl_coef != 0.0:
         kl = aggregate(kl_estimate(logp_BT, ref_logp_BT, cfg.kl_estimator), mask_BT, cfg.loss_agg,
-                       num_tokens, num_seqs)
+                       num_tokens, num_seqs, cfg.loss_agg_norm)
         loss = loss + cfg.kl_coef * kl
     clip_frac = aggregate(((ratio_BT - clipped_BT).abs() > 0).to(logp_BT.dtype), mask_BT, "token-mean",
                           num_tokens)

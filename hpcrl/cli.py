@@ -131,19 +131,13 @@ def _render(args: argparse.Namespace) -> int:
 
 def _submit(args: argparse.Namespace) -> int:
     from hpcrl.config import load_job
-    from hpcrl.runner import check_resume, prepare_run_dir, resolve_run_dir
-    from launch.slurm_submit import plan_submission, submit
+    from hpcrl.jobs import plan_slurm, start_slurm
+    from hpcrl.runner import resolve_run_dir
 
     job = load_job(args.job, args.overrides)
     run_dir = resolve_run_dir(job, args.run_dir)
-    resume = _resume_mode(args)
-    with _slurm_errors():
-        plan = plan_submission(job, run_dir, resume=resume)
-        check_resume(job, run_dir, resume)
-        for warning in plan.warnings:
-            print(f"hpcrl submit: warning: {warning}", file=sys.stderr)
-        prepare_run_dir(job, run_dir)
-        record = submit(plan)
+    plan = plan_slurm(job, run_dir, _resume_mode(args))
+    _, record = start_slurm(job, plan)  # through launch.slurm_executor.HetJobExecutor (submitit)
     layout = " | ".join(f"component {i}: {_nodes(c['nodes'])}, {c['ranks']}"
                         for i, c in enumerate(record["components"]))
     print(f"submitted job {record['job_id']} ({job.name}: {record['world_size']} ranks; {layout}) "

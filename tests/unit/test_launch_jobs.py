@@ -1,0 +1,175 @@
+"""The submitit side of launch/ without a cluster: result files, the hetjob executor against fake
+Slurm tools (sbatch, scontrol, squeue on PATH), the local job handle, and hpcrl.jobs' checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import submitit
+from submitit.core.utils import FailedJobError
+
+from hpcrl.config import ConfigError, load_job
+from hpcrl.jobs import Executor, Submission, attach
+from launch.local_job import LocalRunExecutor
+from launch.result import RunOutcome, result_path, write_result
+from launch.slurm_executor import HetJob, HetJobExecutor
+from launch.slurm_query import SlurmError
+from launch.slurm_submit import plan_submission
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
+
+
+def finished_run(run_dir: Path) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "final.json").write_text(json.dumps({"policy_sha256": "ab" * 32, "num_steps": 2}))
+    (run_dir / "metrics.jsonl").write_text('{"step": 0, "reward/mean": 0.1}\n{"step": 1, "reward/mean": 0.2}\n')
+    return run_dir
+
+
+def test_plain_submitit_job_reads_the_run_summary(tmp_path: Path) -> None:
+    run_dir = finished_run(tmp_path / "run")
+    write_result(run_dir / "logs", "77", run_dir, 0)
+    summary = submitit.SlurmJob(run_dir / "logs", "77").result()
+    assert summary["policy_sha256"] == "ab" * 32 and summary["last_step"] == 1 and summary["num_steps"] == 2
+    assert summary["metrics"]["reward/mean"] == 0.2 and summary["run_dir"] == str(run_dir)
+    assert RunOutcome(str(run_dir))() == summary
+
+
+def test_failed_run_raises_naming_the_rank_and_phase(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".failure.txt").write_text("hpcrl run failed: rank 2 (rollout, host n2) exited during phase "
+                                          "'generate' of step 3\n")
+    (run_dir / ".phase.json").write_text(json.dumps({"step": 3, "phase": "generate"}))
+    write_result(run_dir / "logs", "78", run_dir, 1)
+    with pytest.raises(FailedJobError) as err:
+        submitit.SlurmJob(run_dir / "logs", "78").result()
+    text = str(err.value)
+    assert "rank 2 (rollout, host n2) exited during phase 'generate' of step 3" in text
+    assert "controller phase: 'generate' of step 3" in text and "step exit code: 1" in text
+    # exit 0 without final.json, or no report at all, is a failure too, said so
+    write_result(run_dir / "logs", "79", tmp_path, 0)
+    with pytest.raises(FailedJobError, match="final.json is missing"):
+        submitit.SlurmJob(run_dir / "logs", "79").result()
+
+
+FAKE_SBATCH = """#!/bin/bash
+# records its arguments and the script; rejects jobs named 'reject'
+echo "$@" > "{out}/sbatch.args"
+cp "${{@: -1}}" "{out}/sbatch.script"
+if grep -q 'job-name=reject' "${{@: -1}}"; then echo "sbatch: error: invalid partition" >&2; exit 1; fi
+echo "4242"
+"""
+FAKE_SCONTROL = """#!/bin/bash
+echo "JobId=$4 JobName=x JobState={state} Reason=None Restarts=1 ExitCode=0:0 RunTime=00:00:05 TimeLimit=00:10:00 \
+Partition=debug NodeList=n1 HetJobId=$4 HetJobOffset=0"
+echo "JobId=$(( $4 + 1 )) JobName=x JobState={state} Reason=None Restarts=1 ExitCode=0:0 Partition=debug \
+NodeList=n2 HetJobId=$4 HetJobOffset=1"
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+
+    def install(state: str = "PENDING") -> Path:
+        for name, text in (("sbatch", FAKE_SBATCH), ("scontrol", FAKE_SCONTROL),
+                           ("squeue", "#!/bin/bash\necho 9:59\n")):
+            path = bin_dir / name
+            path.write_text(text.format(out=tmp_path, state=state))
+            path.chmod(path.stat().st_mode | stat.S_IEXEC)
+        return tmp_path
+
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return install
+
+
+def plan_for(tmp_path: Path, *overrides: str):
+    job = load_job(EXAMPLE, ["slurm.partition=debug", "resources.rollout_nodes=1", *overrides])
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    return plan_submission(job, run_dir, check=False)
+
+
+def test_hetjob_executor_submits_the_rendered_script_and_watches_scontrol(tmp_path, fake_slurm) -> None:
+    out = fake_slurm("PENDING")
+    plan = plan_for(tmp_path)
+    job = HetJobExecutor(plan.spec.log_dir).submit_plan(plan, after=["11", "12"])
+    assert isinstance(job, HetJob) and isinstance(job, submitit.SlurmJob) and job.job_id == "4242"
+    assert (out / "sbatch.script").read_text() == plan.script  # what `hpcrl render` prints
+    assert (out / "sbatch.args").read_text().split()[:2] == ["--parsable", "--dependency=afterok:11:12"]
+    assert job.paths.submission_file.read_text() == plan.script
+    assert job.submission().function.run_dir == str(plan.run_dir)  # the pickled RunOutcome
+    assert job.num_tasks == 1 and job.run_dir == plan.run_dir
+    assert job.state == "PENDING" and job.restarts == 1 and not job.done(force_check=True)
+    info = job.get_info()
+    assert info["NodeList"] == "n1,n2" and info["Reason"] == "None"
+
+
+def test_hetjob_state_from_another_process_and_final_states(tmp_path, fake_slurm) -> None:
+    fake_slurm("COMPLETED")
+    again = HetJob(tmp_path / "logs", "5151")  # attach by folder and id, as from another process
+    assert again.state == "COMPLETED" and again.done(force_check=True)
+
+
+def test_rejected_job_reports_sbatch_error_once(tmp_path, fake_slurm, capsys) -> None:
+    fake_slurm()
+    plan = plan_for(tmp_path, "name=reject")
+    with pytest.raises(SlurmError, match="Slurm rejected the job: sbatch: error: invalid partition"):
+        HetJobExecutor(plan.spec.log_dir).submit_plan(plan)
+    assert capsys.readouterr().err == ""
+
+
+def test_executor_folder_must_be_the_plan_log_dir(tmp_path, fake_slurm) -> None:
+    fake_slurm()
+    plan = plan_for(tmp_path)
+    with pytest.raises(ValueError, match="is not this executor's folder"):
+        HetJobExecutor(tmp_path / "elsewhere").submit_plan(plan)
+
+
+@pytest.mark.timeout(60)
+def test_local_job_has_the_same_handle_shape(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    write = (f"import json, pathlib; p = pathlib.Path({str(run_dir)!r}); p.mkdir(exist_ok=True); "
+             "(p / 'final.json').write_text(json.dumps({'policy_sha256': 'cd', 'num_steps': 1})); print('hello')")
+    job = LocalRunExecutor(run_dir / "logs").submit_command([sys.executable, "-c", write], run_dir)
+    assert job.result()["policy_sha256"] == "cd" and job.state == "COMPLETED" and job.done()
+    assert job.stdout() == "hello\n" and job.paths.result_pickle == result_path(run_dir / "logs", job.job_id)
+    failing = LocalRunExecutor(run_dir / "logs").submit_command([sys.executable, "-c", "raise SystemExit(4)"],
+                                                                tmp_path / "other")
+    with pytest.raises(FailedJobError, match="step exit code: 4"):
+        failing.result()
+    assert failing.state == "FAILED"
+    sleeper = LocalRunExecutor(run_dir / "logs").submit_command(["sleep", "60"], tmp_path / "other")
+    assert sleeper.state == "RUNNING"
+    sleeper.cancel()
+    assert sleeper.state == "CANCELLED" and sleeper.done()
+
+
+def test_jobs_api_checks_before_starting_anything(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="kind='pbs': choose one of slurm, local"):
+        Executor(kind="pbs")
+    ex = Executor(kind="local")
+    with pytest.raises(ConfigError, match="every job of a batch needs its own run dir"):
+        ex.submit_batch([Submission(EXAMPLE, run_dir=tmp_path / "a"), Submission(EXAMPLE, run_dir=tmp_path / "a")])
+    with pytest.raises(ConfigError, match="dependencies need Slurm"):
+        ex.submit(EXAMPLE, run_dir=tmp_path / "b", after=["12"])
+    # the same message as `hpcrl submit --set algorithm.num_steps=0`
+    with pytest.raises(ConfigError) as err:
+        ex.submit(EXAMPLE, ["algorithm.num_steps=0"], run_dir=tmp_path / "c")
+    with pytest.raises(ConfigError) as want:
+        load_job(EXAMPLE, ["algorithm.num_steps=0"])
+    assert str(err.value) == str(want.value)
+    config = load_job(EXAMPLE)
+    with pytest.raises(ConfigError, match="algorithm.num_steps"):
+        ex.submit(config, ["algorithm.num_steps=0"], run_dir=tmp_path / "d")
+    assert not any((tmp_path / d).exists() for d in "abcd")
+    with pytest.raises(ConfigError, match="holds no slurm.json or local_job.json"):
+        attach(tmp_path)

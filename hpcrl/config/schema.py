@@ -149,6 +149,11 @@ class RolloutConfig:
     """Keep generating past <eos> up to max_new_tokens (SGLang's `ignore_eos`; fixed-length benchmarks)."""
     server_args: list[str] = field(default_factory=list)
     """Extra command-line arguments passed unchanged to the engine server (e.g. sglang flags)."""
+    python: str | None = None
+    """Python interpreter of the SGLang engines (backend sglang): one with SGLang 0.5.x and its own
+    torch (docs/sglang_install.md); null means the interpreter of the rollout rank."""
+    env_setup: list[str] = field(default_factory=list)
+    """Shell lines run (bash) before each SGLang engine starts, unchanged: module loads, venv activation."""
     logprob_tolerance: float = 1e-4
     """Max |engine log-prob - trainer log-prob| after a weight sync; larger stops the run."""
     bucket_mb: int = 64
@@ -213,6 +218,9 @@ class ResourcesConfig:
     """Nodes of the rollout component (Slurm); 0 colocates rollout with the trainer."""
     gpus_per_node: int = 0
     """GPUs per node requested from Slurm (device cuda); 0 with device cpu."""
+    share_gpus: bool = False
+    """Let ranks of a node share GPUs when it has fewer than they need (one per trainer rank,
+    rollout.tp_per_engine per engine); false refuses such layouts (hpcrl/rollout/placement.py)."""
     cpus_per_rank: int = 1
     """CPU cores per rank (Slurm --cpus-per-task)."""
     timeout_s: float = 300.0

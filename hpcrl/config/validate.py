@@ -589,6 +589,7 @@ def validate(job: JobConfig, purpose: str = "run") -> None:
     _check_context(job, dims, prompt_len)
     _check_eval(job)
     _check_slurm(job)
+    check_rollout_layout(job)
 
 
 NUM_CHECKED_ROWS = 64
@@ -657,3 +658,66 @@ def _check_data_file(job: JobConfig, key: str, tok: Tokenizer) -> None:
         raise ConfigError(key, value, f"every checked row ({len(rows)}) is over {reason}, so "
                                       "data.overlong_prompts: drop would leave nothing; raise "
                                       "data.max_prompt_tokens or shorten the prompts")
+
+
+SGLANG_OWNED_FLAGS = ("--model-path", "--host", "--port", "--tp-size", "--tp", "--base-gpu-id", "--dtype",
+                      "--skip-tokenizer-init", "--load-format")
+"""SGLang flags hpcrl writes itself (hpcrl/rollout/worker.py sglang_command)."""
+
+
+def check_rollout_layout(job: JobConfig) -> None:
+    """Where and how the engines run. With device cuda and resources.gpus_per_node set, every node's
+    ranks fit its GPUs as `hpcrl submit` places them (hpcrl/rollout/placement.py; a run checks again
+    at start against the GPUs it sees). `rollout.env_setup` lines are single lines. For backend
+    sglang: `rollout.server_args` leaves the flags hpcrl writes alone, and `rollout.python`, when it
+    is a path and no env_setup runs first, exists here and imports sglang."""
+    from hpcrl.rollout.placement import PlacementError, node_plan, slurm_node_roles
+
+    r, res = job.rollout, job.resources
+    if res.device == "cuda" and res.gpus_per_node > 0:
+        for i, (key, ranks) in enumerate(slurm_node_roles(job)):
+            try:
+                node_plan(ranks, r.tp_per_engine, res.gpus_per_node, res.share_gpus,
+                          where=f"node {i} ({key}, resources.gpus_per_node={res.gpus_per_node})")
+            except PlacementError as exc:
+                bad = ("rollout.tp_per_engine" if "an engine runs on one node" in str(exc)
+                       else "resources.gpus_per_node")
+                raise ConfigError(bad, _get(job, bad), str(exc)) from None
+    for i, line in enumerate(r.env_setup):
+        if "\n" in line or "\r" in line:
+            raise ConfigError(f"rollout.env_setup[{i}]", line, "must be one line; give one shell line per "
+                                                               "list item")
+    if r.backend != "sglang":
+        return
+    for i, arg in enumerate(r.server_args):
+        flag = arg.split("=", 1)[0]
+        if flag in SGLANG_OWNED_FLAGS:
+            raise ConfigError(f"rollout.server_args[{i}]", arg,
+                              f"hpcrl sets {flag} itself (from model.path, rollout.tp_per_engine, "
+                              "model.dtype and the GPU placement); remove it from server_args")
+    if r.python is not None:
+        _check_engine_python(r.python, bool(r.env_setup))
+
+
+def _check_engine_python(python: str, has_env_setup: bool) -> None:
+    """rollout.python: non-empty; a path (no env_setup) must exist here and import sglang."""
+    import os
+    import subprocess
+
+    if not python.strip():
+        raise ConfigError("rollout.python", python, "must be an interpreter path or name, or null for the "
+                                                    "rollout rank's own")
+    if has_env_setup or "/" not in python:
+        return  # resolved on the engine's node, after env_setup
+    if not (Path(python).is_file() and os.access(python, os.X_OK)):
+        raise ConfigError("rollout.python", python, "no such interpreter (or not executable); give the "
+                                                    "python of the SGLang environment "
+                                                    "(docs/sglang_install.md)")
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"
+    try:
+        out = subprocess.run([python, "-c", probe], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ConfigError("rollout.python", python, f"cannot run it ({exc})") from None
+    if out.returncode:
+        raise ConfigError("rollout.python", python, "this interpreter cannot import sglang; install SGLang "
+                                                    "0.5.x into its environment (docs/sglang_install.md)")

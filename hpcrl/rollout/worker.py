@@ -20,28 +20,45 @@ from pathlib import Path
 from hpcrl import faults
 from hpcrl.config.schema import JobConfig
 from hpcrl.dist import free_port, routable_host
+from hpcrl.rollout.placement import rank_gpus, sglang_gpu_args
 from launch.procs import die_with_parent
 
 
-def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int) -> list[str]:
+def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
+                   gpus: tuple[int, ...] = ()) -> list[str]:
     """SGLang's launch command: `--model-path` is the job's model directory (its real weights) or,
     for a random-init model, a directory with only its config.json and `--load-format dummy` (the
-    trainer's initial sync pushes the weights). Token ids in and out: no tokenizer in the engine."""
+    trainer's initial sync pushes the weights). Token ids in and out: no tokenizer in the engine.
+    `gpus` (hpcrl.rollout.placement.rank_gpus) become `--base-gpu-id`. The interpreter is
+    `rollout.python` (else this one); with `rollout.env_setup` the command runs in bash after those
+    lines (`bash -c '<lines>; exec "$@"' hpcrl-engine python ...`)."""
     if job.model.path:
         model_dir, load = Path(job.model.path), []
     else:
         model_dir, load = run_dir / "engine_model", ["--load-format", "dummy"]
         model_dir.mkdir(exist_ok=True)
         (model_dir / "config.json").write_text((run_dir / "model_config.json").read_text())
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", host,
-            "--port", str(port), "--tp-size", str(job.rollout.tp_per_engine), *load,
-            "--skip-tokenizer-init", "--dtype", job.model.dtype, *job.rollout.server_args]
+    python = job.rollout.python or sys.executable
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", host,
+           "--port", str(port), "--tp-size", str(job.rollout.tp_per_engine), *sglang_gpu_args(gpus), *load,
+           "--skip-tokenizer-init", "--dtype", job.model.dtype, *job.rollout.server_args]
+    if job.rollout.env_setup:
+        script = "\n".join([*job.rollout.env_setup, 'exec "$@"'])
+        cmd = ["bash", "-c", script, "hpcrl-engine", *cmd]
+    return cmd
 
 
-def _launch_sglang(job: JobConfig, run_dir: Path, host: str, port: int, log_path: Path) -> subprocess.Popen:
+def _launch_sglang(job: JobConfig, run_dir: Path, host: str, port: int, log_path: Path,
+                   gpus: tuple[int, ...] = ()) -> subprocess.Popen:
     """Start SGLang on the job's model (see `sglang_command`)."""
-    cmd = sglang_command(job, run_dir, host, port)
-    return subprocess.Popen(cmd, stdout=log_path.open("a"), stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+    cmd = sglang_command(job, run_dir, host, port, gpus)
+    return subprocess.Popen(cmd, stdout=log_path.open("a"), stderr=subprocess.STDOUT,
+                            preexec_fn=die_with_parent)
+
+
+def reference_device(job: JobConfig, gpus: tuple[int, ...]) -> str:
+    """The reference engine's --device: cpu, or cuda:N on its GPU (hpcrl.rollout.placement)."""
+    return f"cuda:{gpus[0]}" if job.resources.device == "cuda" else "cpu"
 
 
 def engine_init_seed(job: JobConfig) -> int:
@@ -62,15 +79,17 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
             os.environ["HPCRL_ENGINE_FAULT"] = fault
         host = routable_host() if job.resources.nodes + job.resources.rollout_nodes > 1 else "127.0.0.1"
         log_path = run_dir / "logs" / f"engine{engine_index}.log"
+        gpus = rank_gpus(world, job) if job.resources.device == "cuda" else ()
         if job.rollout.backend == "reference":
             state["proc"], url = launch_reference_server(
-                str(run_dir / "model_config.json"), job.resources.device, engine_init_seed(job), str(log_path),
+                str(run_dir / "model_config.json"), reference_device(job, gpus), engine_init_seed(job),
+                str(log_path),
                 host=host, dtype=job.model.dtype, threads=job.resources.cpus_per_rank,
                 startup_timeout_s=job.resources.startup_timeout_s, extra_args=job.rollout.server_args,
                 model_path=job.model.path)
         else:
             port = free_port(host)  # SGLang takes an explicit port
-            state["proc"] = _launch_sglang(job, run_dir, host, port, log_path)
+            state["proc"] = _launch_sglang(job, run_dir, host, port, log_path, gpus)
             url = f"http://{host}:{port}"
         client = EngineClient(url, timeout_s=job.resources.timeout_s)
         client.wait_healthy(job.resources.startup_timeout_s)

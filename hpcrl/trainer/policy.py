@@ -92,11 +92,12 @@ class MegatronPolicy:
     """A Megatron GPTModel (MoE) policy, plus a frozen reference copy when `kl_coef > 0`.
 
     Construct on every trainer rank (collective). Weights start at Megatron's random init, not
-    HF's: call `init_from_seed` or `load_hf_state_dict` before computing anything.
+    HF's: call `init_from_seed` or `load_hf_state_dict` before computing anything. `gpu` is this
+    rank's CUDA device (hpcrl.rollout.placement) with device cuda; None: rank % visible GPUs.
     """
 
     def __init__(self, hf_config: dict, trainer: TrainerConfig, algorithm: AlgorithmConfig,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", gpu: int | None = None) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}; valid: 'cpu', 'cuda'")
         if not dist.is_initialized():
@@ -119,7 +120,8 @@ class MegatronPolicy:
         check_layout(hf_config, tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=trainer.dispatcher, device=device)
         megatron_compat.apply()
         if device == "cuda":
-            torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+            # gpu: this rank's GPU from hpcrl.rollout.placement; else one per rank, round robin
+            torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count() if gpu is None else gpu)
         self.device = torch.device(device)
         self.hf_config = dict(hf_config)
         self.trainer, self.algorithm = trainer, algorithm

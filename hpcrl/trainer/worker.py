@@ -63,10 +63,16 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
             raise import_error
         torch.set_num_threads(job.resources.cpus_per_rank)
         device = job.resources.device
+        gpu = None
+        if device == "cuda":  # before NCCL starts: its communicators bind to the current device
+            from hpcrl.rollout.placement import rank_gpus
+
+            gpu = rank_gpus(world, job)[0]
+            torch.cuda.set_device(gpu)
         init_torch_distributed(world.role_comm, "nccl" if device == "cuda" else "gloo",
                                job.resources.timeout_s)
         hf_config = json.loads((run_dir / "model_config.json").read_text())
-        policy = MegatronPolicy(hf_config, job.trainer, job.algorithm, device=device)
+        policy = MegatronPolicy(hf_config, job.trainer, job.algorithm, device=device, gpu=gpu)
         if job.model.path:
             policy.load_hf_dir(job.model.path)  # each rank reads only its slices
         else:

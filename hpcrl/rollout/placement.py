@@ -1,0 +1,138 @@
+"""GPU placement: which GPUs of its node each rank's process uses (resources.device: cuda).
+
+Per node, the ranks that run there take GPUs in world-rank order: the controller none, a trainer
+rank one, a rollout rank `rollout.tp_per_engine` consecutive ones (its engine's TP ranks). Indices
+are into the GPUs the process sees (CUDA_VISIBLE_DEVICES order, which Slurm sets per step from the
+job's `--gpus-per-node`), and every process keeps seeing the whole node so that NCCL between
+trainer and engine GPUs of one node can use NVLink. The engine is pointed at its first GPU:
+SGLang with `--base-gpu-id` (its TP ranks take base, base+1, ...), the reference engine with
+`--device cuda:N`; a trainer rank calls `torch.cuda.set_device`.
+
+A node whose ranks need more GPUs than it has is an error naming the job keys, unless
+`resources.share_gpus` is true (then GPUs are dealt round robin, an engine's block kept contiguous).
+Under a per-task GPU binding (the step run with `--gpus-per-task`, so Slurm sets
+SLURM_GPUS_PER_TASK and each task sees only its own GPUs) a rank uses the GPUs it sees, from 0.
+
+    gpus = rank_gpus(world, job)                   # in the rank's process
+    sglang_gpu_args(gpus) -> ["--base-gpu-id", "2"]
+    node_plan([(0, "controller"), (1, "trainer"), (2, "rollout")], tp_per_engine=2, num_gpus=4)
+        -> {0: (), 1: (0,), 2: (1, 2)}
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["PlacementError", "gpus_needed", "node_plan", "rank_gpus", "sglang_gpu_args", "slurm_node_roles",
+           "visible_gpu_count"]
+
+FIX = ("use fewer trainer.num_procs / rollout.num_engines / rollout.tp_per_engine per node, more "
+       "resources.nodes / resources.rollout_nodes, or set resources.share_gpus: true to let ranks share GPUs")
+
+
+class PlacementError(ValueError):
+    """The ranks of a node do not fit its GPUs; the message names the keys to change."""
+
+
+def gpus_needed(role: str, tp_per_engine: int) -> int:
+    """GPUs one rank of `role` uses: controller 0, trainer 1, rollout `tp_per_engine`."""
+    return {"controller": 0, "trainer": 1, "rollout": tp_per_engine}[role]
+
+
+def node_plan(ranks: Sequence[tuple[int, str]], tp_per_engine: int, num_gpus: int, share: bool = False,
+              where: str = "this node") -> dict[int, tuple[int, ...]]:
+    """GPU indices of every rank of one node, `ranks` being (world rank, role) of the ranks there.
+
+    Without `share`, GPUs are given out in world-rank order and no two ranks get the same GPU;
+    raises PlacementError if the node has fewer than the ranks need. With `share`, they are dealt
+    round robin (an engine's block restarts at GPU 0 rather than wrap); an engine still needs
+    `tp_per_engine <= num_gpus` distinct GPUs.
+    """
+    ordered = sorted(ranks)
+    need = sum(gpus_needed(role, tp_per_engine) for _, role in ordered)
+    if need and num_gpus < 1:
+        raise PlacementError(f"{where} has no GPU but its ranks need {need} (resources.device: cuda); run "
+                             "where GPUs are visible (CUDA_VISIBLE_DEVICES), or use resources.device: cpu")
+    if need > num_gpus and not share:
+        roles = ", ".join(f"rank {r} ({role}: {gpus_needed(role, tp_per_engine)})" for r, role in ordered)
+        raise PlacementError(f"{where} has {num_gpus} GPU(s) but its ranks need {need} (one per trainer "
+                             f"rank, rollout.tp_per_engine={tp_per_engine} per engine): {roles}; {FIX}")
+    if tp_per_engine > num_gpus and any(role == "rollout" for _, role in ordered):
+        raise PlacementError(f"rollout.tp_per_engine={tp_per_engine} is more than the {num_gpus} GPU(s) of "
+                             f"{where}; an engine runs on one node: use tp_per_engine <= {num_gpus}")
+    out: dict[int, tuple[int, ...]] = {}
+    cursor = 0
+    for rank, role in ordered:
+        n = gpus_needed(role, tp_per_engine)
+        if n and cursor + n > num_gpus:
+            cursor = 0  # only reached with share: start over at GPU 0
+        out[rank] = tuple(range(cursor, cursor + n))
+        cursor = (cursor + n) % num_gpus if num_gpus else 0
+    return out
+
+
+def visible_gpu_count(env: Mapping[str, str] | None = None) -> int:
+    """GPUs this process sees: the entries of CUDA_VISIBLE_DEVICES when set, else what torch counts."""
+    env = os.environ if env is None else env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def rank_gpus(world: Any, job: Any, env: Mapping[str, str] | None = None,
+              num_visible: int | None = None) -> tuple[int, ...]:
+    """This rank's GPU indices (into the GPUs it sees). `world` is an hpcrl.controller.comm.World
+    (its rank table names every rank's role and host), `job` the JobConfig. Raises PlacementError
+    when this rank's node cannot hold its ranks' GPUs."""
+    env = os.environ if env is None else env
+    tp, share = job.rollout.tp_per_engine, job.resources.share_gpus
+    num_visible = visible_gpu_count(env) if num_visible is None else num_visible
+    me = world.ranks[world.rank]
+    need = gpus_needed(me.role, tp)
+    if env.get("SLURM_GPUS_PER_TASK"):
+        if need > num_visible:
+            raise PlacementError(f"rank {me.rank} ({me.role}) on {me.host} needs {need} GPU(s) but its "
+                                 f"task sees {num_visible} (srun --gpus-per-task="
+                                 f"{env['SLURM_GPUS_PER_TASK']}); give each task at least {need}")
+        return tuple(range(need))
+    mates = [(r.rank, r.role) for r in world.ranks if r.host == me.host]
+    return node_plan(mates, tp, num_visible, share, where=f"node {me.host}")[me.rank]
+
+
+def sglang_gpu_args(gpus: Sequence[int]) -> list[str]:
+    """SGLang's flags for an engine on `gpus` (consecutive, from `rank_gpus`): its TP ranks take
+    GPUs base, base+1, ... (server_args base_gpu_id, gpu_id_step 1). Empty on CPU (no GPUs)."""
+    if not gpus:
+        return []
+    if list(gpus) != list(range(gpus[0], gpus[0] + len(gpus))):
+        raise ValueError(f"an engine's GPUs must be consecutive, got {list(gpus)}")
+    return ["--base-gpu-id", str(gpus[0])]
+
+
+def slurm_node_roles(job: Any) -> list[tuple[str, list[tuple[int, str]]]]:
+    """Where `hpcrl submit` puts the ranks, per node: (YAML key of the node's component, [(world rank,
+    role)]). Component 0 holds the controller and trainer ranks (and the rollout ranks when
+    resources.rollout_nodes is 0), component 1 the rollout ranks; each component's ranks fill its
+    nodes in order, at most ceil(ranks / nodes) per node (launch/slurm_submit.py's block layout)."""
+    res, num_trainer, num_engines = job.resources, job.trainer.num_procs, job.rollout.num_engines
+    roles = ["controller"] + ["trainer"] * num_trainer + ["rollout"] * num_engines
+    if res.rollout_nodes > 0:
+        components = [("resources.nodes", res.nodes, list(range(1 + num_trainer))),
+                      ("resources.rollout_nodes", res.rollout_nodes,
+                       list(range(1 + num_trainer, len(roles))))]
+    else:
+        components = [("resources.nodes", res.nodes, list(range(len(roles))))]
+    out = []
+    for key, nodes, ranks in components:
+        per_node = math.ceil(len(ranks) / nodes)
+        for n in range(nodes):
+            chunk = ranks[n * per_node:(n + 1) * per_node]
+            if chunk:
+                out.append((key, [(r, roles[r]) for r in chunk]))
+    return out

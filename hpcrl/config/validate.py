@@ -660,9 +660,10 @@ def _check_data_file(job: JobConfig, key: str, tok: Tokenizer) -> None:
                                       "data.max_prompt_tokens or shorten the prompts")
 
 
-SGLANG_OWNED_FLAGS = ("--model-path", "--host", "--port", "--tp-size", "--tp", "--base-gpu-id", "--dtype",
-                      "--skip-tokenizer-init", "--load-format")
-"""SGLang flags hpcrl writes itself (hpcrl/rollout/worker.py sglang_command)."""
+SGLANG_OWNED_FLAGS = ("--model-path", "--model", "--host", "--port", "--tp-size", "--tensor-parallel-size",
+                      "--base-gpu-id", "--dtype", "--skip-tokenizer-init", "--load-format")
+"""SGLang 0.5.23's spellings (aliases included) of the settings hpcrl writes itself (hpcrl/rollout/worker.py
+sglang_command); tests/conformance/test_launch_args.py checks them against SGLang's parser."""
 
 
 def check_rollout_layout(job: JobConfig) -> None:

@@ -1,6 +1,6 @@
 """Subprocess side of the conformance tests (run as a script; prints or writes JSON).
 
-    python _sglang_probe.py parse-args ROOT ARG...         SGLang's server-argument parser on ARGs
+    python _sglang_probe.py parse-args ROOT ARGV_JSON      SGLang's server-argument parser on each argv
     python _sglang_probe.py engine ROOT PLAN INIT RANK WORLD OUT    one engine TP rank, SGLang's code
     python _sglang_probe.py trainer PLAN INIT WORLD OUT SEED        rank 0, hpcrl's code
 
@@ -29,7 +29,9 @@ def _digest(tensor) -> str:
     return hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def parse_args(root: str, argv: list[str]) -> None:
+def parse_args(root: str, argv_file: str) -> None:
+    """Prints {"options": {option string: dest} of SGLang's parser, "results": per argv of the JSON list
+    in `argv_file`, the parsed namespace (JSON-able values) or {"error": message}}."""
     import argparse
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -40,13 +42,17 @@ def parse_args(root: str, argv: list[str]) -> None:
 
     parser = argparse.ArgumentParser(exit_on_error=False)
     ServerArgs.add_cli_args(parser)
-    try:
-        args = parser.parse_args(argv)
-    except (argparse.ArgumentError, SystemExit) as exc:
-        print(json.dumps({"error": str(exc)}))
-        return
-    print(json.dumps({k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list))
-                      or v is None}))
+    results = []
+    for argv in json.loads(Path(argv_file).read_text()):
+        try:
+            args = parser.parse_args(argv)
+        except (argparse.ArgumentError, SystemExit) as exc:
+            results.append({"error": str(exc)})
+            continue
+        results.append({k: v for k, v in vars(args).items()
+                        if v is None or isinstance(v, (str, int, float, bool, list))})
+    options = {o: a.dest for a in parser._actions for o in a.option_strings}
+    print(json.dumps({"options": options, "results": results}))
 
 
 def engine(root: str, plan_file: str, init: str, rank: int, world: int, out: str) -> None:
@@ -92,7 +98,7 @@ def trainer(plan_file: str, init: str, world: int, out: str, seed: int) -> None:
 if __name__ == "__main__":
     cmd, *rest = sys.argv[1:]
     if cmd == "parse-args":
-        parse_args(rest[0], rest[1:])
+        parse_args(rest[0], rest[1])
     elif cmd == "engine":
         engine(rest[0], rest[1], rest[2], int(rest[3]), int(rest[4]), rest[5])
     elif cmd == "trainer":

@@ -1,10 +1,10 @@
 """SGLang's own code for the conformance tests: the pinned wheel, downloaded once and cached.
 
-`wheel_root()` returns a directory holding the wheel's Python sources (`src/sglang/...`) and msgspec
-(`site/msgspec`, the one third-party module SGLang's request schema needs), fetched with `pip download --no-deps`
-(never installed) and unpacked under `$HPCRL_SGLANG_CACHE` or `~/.cache/hpcrl/sglang-<version>`.
-Under CI (env CI=true) a wheel that cannot be fetched is a test failure; elsewhere the tests skip
-and say why. `load_file(root, relpath, name)` imports one module of the wheel by path (no package
+`wheel_root()` returns a directory holding the wheel's Python sources (`src/sglang/...`) and
+msgspec (`site/msgspec`, the one third-party module SGLang's request schema needs), fetched with
+`pip download --no-deps` (never installed) and unpacked under `$HPCRL_SGLANG_CACHE` or
+`~/.cache/hpcrl/sglang-<version>`. Under CI (env CI=true) a wheel that cannot be fetched is a test
+failure; elsewhere the tests skip and say why. `load_file(root, relpath, name)` imports one module of the wheel by path (no package
 `__init__` runs), for modules that need only torch/msgspec such as the tensor bucket.
 """
 

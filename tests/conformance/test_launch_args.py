@@ -1,0 +1,90 @@
+"""hpcrl's SGLang launch command (hpcrl/rollout/worker.py `sglang_command`) parsed by SGLang 0.5.23's
+own server-argument parser (server_args.py `ServerArgs.add_cli_args`, imported from the wheel in a
+subprocess with SGLang's missing dependencies stubbed): every flag exists, every value parses to what
+hpcrl means, GPU placement reaches `base_gpu_id`, and the flags validation reserves are real ones."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcrl.config import JobConfig
+from hpcrl.config.validate import SGLANG_OWNED_FLAGS
+from hpcrl.rollout.worker import sglang_command
+
+PROBE = Path(__file__).parent / "_sglang_probe.py"
+
+
+def _job(dtype: str, tp: int, model_path: str | None = None, server_args=(), env_setup=()) -> JobConfig:
+    job = JobConfig()
+    job.model.dtype, job.model.path = dtype, model_path
+    job.rollout.backend, job.rollout.tp_per_engine = "sglang", tp
+    job.rollout.server_args, job.rollout.env_setup = list(server_args), list(env_setup)
+    job.rollout.python = "/opt/sglang/bin/python" if env_setup else None
+    job.resources.device = "cuda"
+    return job
+
+
+# (job, the engine's GPUs from hpcrl.rollout.placement, expected parsed values)
+CASES = [
+    (_job("bfloat16", 2), (4, 5),
+     {"tp_size": 2, "base_gpu_id": 4, "load_format": "dummy", "dtype": "bfloat16"}),
+    (_job("float32", 1, model_path="/models/qwen3"), (0,),
+     {"tp_size": 1, "base_gpu_id": 0, "model_path": "/models/qwen3", "dtype": "float32"}),
+    (_job("bfloat16", 4, server_args=["--mem-fraction-static", "0.7"], env_setup=["module load cuda"]),
+     (0, 1, 2, 3), {"tp_size": 4, "base_gpu_id": 0, "mem_fraction_static": 0.7}),
+]
+
+
+def _sglang_argv(cmd: list[str]) -> list[str]:
+    """The server arguments of a launch command (after `-m sglang.launch_server`, through bash -c)."""
+    i = cmd.index("sglang.launch_server")
+    assert cmd[i - 1] == "-m"
+    return cmd[i + 1:]
+
+
+@pytest.fixture(scope="module")
+def parsed(sglang_root, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    (run_dir / "model_config.json").write_text("{}")
+    argvs = [_sglang_argv(sglang_command(job, run_dir, "10.0.0.7", 31234, gpus)) for job, gpus, _ in CASES]
+    argvs.append(["--model-path", "/m", "--no-such-flag", "1"])  # the parser does refuse unknown flags
+    argv_file = run_dir / "argv.json"
+    argv_file.write_text(json.dumps(argvs))
+    out = subprocess.run([sys.executable, str(PROBE), "parse-args", str(sglang_root), str(argv_file)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1]), run_dir
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_sglang_parses_hpcrl_launch_command(parsed, case):
+    report, run_dir = parsed
+    got = report["results"][case]
+    assert "error" not in got, got
+    _, _, want = CASES[case]
+    assert got["host"] == "10.0.0.7" and got["port"] == 31234 and got["skip_tokenizer_init"] is True
+    if "model_path" not in want:
+        assert got["model_path"] == str(run_dir / "engine_model")
+    for key, value in want.items():
+        assert got[key] == value, (key, got[key], value)
+
+
+def test_unknown_flag_is_refused(parsed):
+    assert "error" in parsed[0]["results"][-1]
+
+
+def test_reserved_flags_are_sglangs_spellings(parsed):
+    """validate.SGLANG_OWNED_FLAGS (refused in rollout.server_args) are SGLang flags, and they hold
+    every spelling (aliases included) of every setting hpcrl's launch command writes."""
+    options = parsed[0]["options"]
+    missing = set(SGLANG_OWNED_FLAGS) - set(options)
+    assert not missing, f"not SGLang 0.5.23 flags: {sorted(missing)}"
+    hpcrl_dests = {options[a] for a in _sglang_argv(sglang_command(CASES[0][0], parsed[1], "h", 1, (0, 1)))
+                   if a.startswith("--")}
+    spellings = {o for o, dest in options.items() if dest in hpcrl_dests}
+    assert spellings <= set(SGLANG_OWNED_FLAGS), sorted(spellings - set(SGLANG_OWNED_FLAGS))

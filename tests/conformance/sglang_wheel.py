@@ -4,8 +4,9 @@
 msgspec (`site/msgspec`, the one third-party module SGLang's request schema needs), fetched with
 `pip download --no-deps` (never installed) and unpacked under `$HPCRL_SGLANG_CACHE` or
 `~/.cache/hpcrl/sglang-<version>`. Under CI (env CI=true) a wheel that cannot be fetched is a test
-failure; elsewhere the tests skip and say why. `load_file(root, relpath, name)` imports one module of the wheel by path (no package
-`__init__` runs), for modules that need only torch/msgspec such as the tensor bucket.
+failure; elsewhere the tests skip and say why. `load_file(root, relpath, name)` imports one module
+of the wheel by path (no package `__init__` runs), for modules that need only torch/msgspec such as
+the tensor bucket.
 """
 
 from __future__ import annotations

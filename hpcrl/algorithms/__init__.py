@@ -10,7 +10,7 @@ has them all on one page):
     kl                  k1/k2/k3 KL estimators; the adaptive KL coefficient
     policy_loss         PPO's clipped loss with decoupled (DAPO clip-higher) and dual clip
     gspo                GSPO's sequence-level ratio and clip (token stop-gradient form)
-    value_loss          the critic's clipped value loss; explained variance
+    value               the critic's clipped value loss; explained variance
     rollout_correction  TIS weights, MIS masks and engine/trainer mismatch metrics
     dapo                overlong reward shaping; dynamic-sampling filter and fill
     sft                 the SFT negative log-likelihood; entropy from logits
@@ -39,7 +39,7 @@ _LAZY = {
     "kl_estimate": "kl", "adaptive_kl_coef": "kl",
     "ppo_clip_loss": "policy_loss",
     "gspo_loss": "gspo", "sequence_log_ratio": "gspo",
-    "value_loss": "value_loss", "explained_variance": "value_loss",
+    "value_loss": "value", "explained_variance": "value",
     "tis_weights": "rollout_correction", "mis_mask": "rollout_correction",
     "sequence_is_log_ratio": "rollout_correction", "mismatch_metrics": "rollout_correction",
     "overlong_penalty": "dapo", "groups_with_signal": "dapo", "fill_groups": "dapo", "FillResult": "dapo",

@@ -38,6 +38,9 @@ def gspo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_BT: torch.Te
     """Per-token GSPO-token loss -min(s_it A, clip(s_it) A) and per-token metrics (`clip_frac`: the
     token's sequence was clipped; `seq_ratio`: s_i on each token). Aggregate with
     `seq-mean-token-mean` for GSPO proper. Only `logp_BT` carries the gradient."""
+    if adv_BT.dim() != 2:
+        raise ValueError(f"advantages must be [B, T] or [B, 1] (pass adv_B[:, None]), "
+                         f"got shape {tuple(adv_BT.shape)}")
     adv_BT = adv_BT.to(logp_BT.dtype)
     log_s_B = sequence_log_ratio(logp_BT, old_logp_BT, mask_BT).detach()
     log_s_BT = (log_s_B.unsqueeze(1) + logp_BT - logp_BT.detach()).clamp(max=LOG_RATIO_MAX)

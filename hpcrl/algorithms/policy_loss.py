@@ -41,6 +41,9 @@ def ppo_clip_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_BT: torc
     eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 (dual-clip lower bound on the ratio), got {clip_ratio_c}")
+    if adv_BT.dim() != 2:
+        raise ValueError(f"advantages must be [B, T] or [B, 1] (pass adv_B[:, None]), "
+                         f"got shape {tuple(adv_BT.shape)}")
     adv_BT = adv_BT.to(logp_BT.dtype)
     log_ratio_BT = (logp_BT - old_logp_BT).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio_BT = torch.exp(log_ratio_BT)

@@ -71,6 +71,14 @@ def test_dual_clip_bounds_negative_advantage_tokens_with_exploded_ratios():
         _ppo([1.0], [1.0], clip_ratio_c=0.5)
 
 
+def test_one_dimensional_advantages_are_refused_not_broadcast_along_t():
+    logp = torch.zeros(2, 2)
+    with pytest.raises(ValueError, match=r"adv_B\[:, None\]"):
+        ppo_clip_loss(logp, logp, torch.ones(2))
+    with pytest.raises(ValueError, match=r"adv_B\[:, None\]"):
+        gspo_loss(logp, logp, torch.ones(2), torch.ones(2, 2))
+
+
 def test_gspo_sequence_ratio_and_sequence_clip():
     old = torch.zeros(2, 3)
     logp = torch.tensor([[0.1, 0.3, 5.0], [0.05, -0.01, 0.02]], requires_grad=True)

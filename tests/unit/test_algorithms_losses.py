@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hpcrl.algorithms import (GRPOLossConfig, adaptive_kl_coef, aggregate, entropy_from_logits,
+from hpcrl.algorithms import (GRPOLossConfig, adaptive_kl_coef, aggregate, entropy_from_logits, kl_estimate,
                               explained_variance, grpo_loss, gspo_loss, nll_loss, ppo_clip_loss,
                               sequence_log_ratio, value_loss)
 
@@ -147,3 +147,18 @@ def test_sft_nll_and_entropy():
     assert nll_loss(torch.tensor([[math.log(0.5)]])).item() == pytest.approx(math.log(2.0))
     ent = entropy_from_logits(torch.tensor([[[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]]]))
     assert ent[0].tolist() == pytest.approx([math.log(4.0), 0.0], abs=1e-6)
+
+
+def test_grpo_loss_is_the_composition_of_the_pieces():
+    torch.manual_seed(1)
+    old = -torch.rand(3, 4)
+    logp = old + 0.3 * torch.randn(3, 4)
+    ref = old + 0.1 * torch.randn(3, 4)
+    adv = torch.tensor([1.0, -0.5, 0.25])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    cfg = GRPOLossConfig(clip_eps=0.2, kl_coef=0.05, kl_estimator="k3", loss_agg="seq-mean-token-mean")
+    loss, _ = grpo_loss(logp, old, ref, adv, mask, cfg, num_tokens=7, num_seqs=3)
+    pg_BT, _ = ppo_clip_loss(logp, old, adv[:, None], clip_eps_low=0.2)
+    composed = aggregate(pg_BT, mask, "seq-mean-token-mean", 7, 3) + 0.05 * aggregate(
+        kl_estimate(logp, ref, "k3"), mask, "seq-mean-token-mean", 7, 3)
+    assert torch.equal(loss, composed)

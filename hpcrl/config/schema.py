@@ -76,7 +76,10 @@ class AlgorithmConfig:
     kl_estimator: str = "k3"
     """k1 | k2 | k3 (Schulman's estimators; k3 is the low-variance one GRPO uses)."""
     loss_agg: str = "token-mean"
-    """token-mean | seq-mean-token-mean | seq-mean-token-sum."""
+    """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (Dr. GRPO: each
+    sequence's token sum divided by the constant `loss_agg_norm`)."""
+    loss_agg_norm: float = 0.0
+    """The constant of seq-mean-token-sum-norm; 0 means rollout.max_new_tokens (Dr. GRPO's choice)."""
     norm_adv_by_std: bool = True
     """Divide group-centred rewards by the group's std (GRPO); false gives Dr. GRPO's advantages."""
     lr: float = 1e-3

@@ -75,6 +75,7 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("algorithm.group_size", lambda v: v >= 2, ">= 2: advantages compare the completions of a group"),
     ("algorithm.clip_eps", lambda v: 0 < v < 1, "in (0, 1), e.g. 0.2"),
     ("algorithm.kl_coef", lambda v: v >= 0, ">= 0 (0 disables the KL penalty)"),
+    ("algorithm.loss_agg_norm", lambda v: v >= 0, ">= 0 (0 means rollout.max_new_tokens)"),
     ("algorithm.lr", lambda v: v > 0, "> 0, e.g. 1e-6 for large models, 1e-3 for the tiny preset"),
     ("algorithm.weight_decay", lambda v: v >= 0, ">= 0"),
     ("algorithm.adam_beta1", lambda v: 0 <= v < 1, "in [0, 1), e.g. 0.9"),

@@ -158,7 +158,8 @@ class MegatronPolicy:
             self.ref = build_gpt_model(self.hf_config, transformer_config(self.hf_config, **layout))
             self.ref.requires_grad_(False)
         self.loss_cfg = GRPOLossConfig(clip_eps=algorithm.clip_eps, kl_coef=algorithm.kl_coef,
-                                       kl_estimator=algorithm.kl_estimator, loss_agg=algorithm.loss_agg)
+                                       kl_estimator=algorithm.kl_estimator, loss_agg=algorithm.loss_agg,
+                                       loss_agg_norm=algorithm.loss_agg_norm or None)
         self._loaded = {"policy": False, "ref": self.ref is None}
 
     def _build_policy(self, layout: dict) -> None:
@@ -525,7 +526,10 @@ class MegatronPolicy:
                 local += d["metrics"].detach().cpu()
         aux = torch.zeros(1, dtype=torch.float32)
         tracker = get_moe_layer_wise_logging_tracker()
-        if "load_balancing_loss" in tracker:
+        # The tracker is process-global: a key left by another policy in this process says nothing
+        # about this one, whose aux loss exists only with a coefficient.
+        has_aux = self.algorithm.aux_loss_coef > 0 and "load_balancing_loss" in tracker
+        if has_aux:
             if dist.get_world_size() > 1:  # every group has one rank otherwise: all identities
                 reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
             values = tracker["load_balancing_loss"]["values"]
@@ -539,6 +543,6 @@ class MegatronPolicy:
         out["logprobs_BT"] = logprobs_BT
         if grad_norm is not None:
             out["grad_norm"] = float(grad_norm)
-        if "load_balancing_loss" in tracker:
+        if has_aux:
             out["aux_loss"] = float(aux[0])
         return out

@@ -9,6 +9,7 @@ full HF tensors broadcast in buckets from several trainer sources in turns (hpcr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,7 +73,10 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         init_torch_distributed(world.role_comm, "nccl" if device == "cuda" else "gloo",
                                job.resources.timeout_s)
         hf_config = json.loads((run_dir / "model_config.json").read_text())
-        policy = MegatronPolicy(hf_config, job.trainer, job.algorithm, device=device, gpu=gpu)
+        # Dr. GRPO's constant defaults to the generation budget (algorithm.loss_agg_norm: 0)
+        algorithm = dataclasses.replace(job.algorithm,
+                                        loss_agg_norm=job.algorithm.loss_agg_norm or job.rollout.max_new_tokens)
+        policy = MegatronPolicy(hf_config, job.trainer, algorithm, device=device, gpu=gpu)
         if job.model.path:
             policy.load_hf_dir(job.model.path)  # each rank reads only its slices
         else:

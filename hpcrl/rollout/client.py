@@ -61,7 +61,7 @@ class EngineClient:
 
     def _connection(self, fresh: bool = False) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
-        if conn is None or fresh:
+        if conn is None or fresh or conn.sock is None:  # sock None: the server closed it (HTTP/1.0)
             if conn is not None:
                 conn.close()
             conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
@@ -188,8 +188,10 @@ class EngineClient:
                 raise
             return self.request("GET", old_route)
 
-    def pause_generation(self) -> dict:
-        return self.request("POST", "/pause_generation", {})
+    def pause_generation(self, mode: str | None = None) -> dict:
+        """Pause generation; SGLang's `mode`: "abort" (the server's default: requests in flight answer
+        with finish_reason abort), "retract" or "in_place" (they finish after continue_generation)."""
+        return self.request("POST", "/pause_generation", {} if mode is None else {"mode": mode})
 
     def continue_generation(self) -> dict:
         return self.request("POST", "/continue_generation", {})

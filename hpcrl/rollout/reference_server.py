@@ -19,12 +19,17 @@ failures answer {"error": {"message"}} with 400 (bad request) or 500 (engine fau
 Concurrency: /generate requests are queued; the first waiting request's own handler thread runs
 everything queued at once as one batch (results do not depend on batch composition, see engine.py),
 so many small concurrent requests cost about as much as one batched request, and a lone request
-runs on its own thread with no hand-off to another one. Generation, weight loads and memory release/resume are
-serialised by one lock. Differences from SGLang, by design: a weight update whose metadata parses
-always receives its broadcast before it is judged, so a refused update never leaves the trainer's
-broadcast hanging; updates outside begin/end_weight_update are refused (SGLang 0.5.23 rule);
-streaming, input-token log-probs and top log-probs are refused with 400; pause_generation lets the
-running batch finish instead of aborting it; on CPU, releasing memory only changes state.
+runs on its own thread with no hand-off to another one. Generation, weight loads and memory
+release/resume are serialised by one lock.
+
+Refusals as SGLang 0.5.23's: a weight update outside a begin/end_weight_update session, for an
+unknown group, or while the weights are released is refused BEFORE its broadcast is received (the
+sender must read the HTTP answer, not wait for the broadcast: hpcrl.rollout.weight_sender); a second
+/begin_weight_update is HTTP 400; /pause_generation defaults to mode "abort" (queued and running
+requests answer 200 with finish_reason abort). A load that fails after the receive (an unknown
+tensor name) changes no weight; SGLang skips unknown names silently, the reference engine refuses
+them. Differences by design: streaming, input-token log-probs and top log-probs are refused with
+400; on CPU, releasing memory only changes state.
 """
 
 from __future__ import annotations
@@ -63,13 +68,15 @@ class _Fail(Exception):
 
 
 class _Job:
-    __slots__ = ("prompts", "params", "done", "outputs", "error")
+    __slots__ = ("prompts", "params", "done", "outputs", "error", "epoch", "aborted")
 
     def __init__(self, prompts, params) -> None:
         self.prompts, self.params = prompts, params
         self.done = threading.Event()
         self.outputs: list[dict] | None = None
         self.error: _Fail | None = None
+        self.epoch = 0  # the server's abort epoch when queued: an abort after it answers this job
+        self.aborted: str | None = None  # SGLang's abort message, when aborted
 
 
 class ReferenceServer:
@@ -94,6 +101,7 @@ class ReferenceServer:
         self.queued: list[_Job] = []  # requests waiting for the next batch
         self.batching = threading.Condition()  # guards `queued` and `running`
         self.running = False  # a handler thread is running a batch
+        self.abort_epoch = 0  # bumped by /pause_generation in abort mode (guarded by `batching`)
         post = {"generate": self.generate, "pause_generation": self.pause_generation,
                 "continue_generation": self.continue_generation, "flush_cache": self.flush_cache,
                 "get_weights_by_name": self.get_weights_by_name}
@@ -146,6 +154,9 @@ class ReferenceServer:
         self._run_queued(job)
         if job.error is not None:
             raise job.error
+        if job.aborted is not None:  # SGLang answers an aborted request with 200 and finish_reason abort
+            job.outputs = [{"output_ids": [], "output_logprobs": [],
+                            "finish_reason": {"type": "abort", "message": job.aborted}}] * n
         latency = time.perf_counter() - start
         with_text = bool(req.get("return_text_in_logprobs"))
         base = uuid.uuid4().hex[:20]  # ids unique like SGLang's uuid4 hex, 12 hex digits per answer
@@ -193,6 +204,7 @@ class ReferenceServer:
         takes everything queued (its own job included) and runs it as one batch; requests that
         arrive meanwhile wait for it, then one of their threads runs the next batch."""
         with self.batching:
+            job.epoch = self.abort_epoch
             self.queued.append(job)
             while self.running and not job.done.is_set():
                 self.batching.wait()
@@ -200,12 +212,22 @@ class ReferenceServer:
                 return
             self.running, jobs, self.queued = True, self.queued, []
         try:
-            self.unpaused.wait()
+            while not self.unpaused.wait(0.05):  # paused: until continue, or an abort of these jobs
+                if all(j.epoch < self.abort_epoch for j in jobs):
+                    break
             with self.model_lock:
-                self._run_batch(jobs)
+                with self.batching:  # aborted while this thread waited for the pause to end
+                    for j in jobs:
+                        if j.epoch < self.abort_epoch:
+                            j.aborted = "Abort in waiting queue"
+                jobs_to_run = [j for j in jobs if j.aborted is None]
+                if jobs_to_run:
+                    self._run_batch(jobs_to_run)
         finally:
             with self.batching:
                 for j in jobs:
+                    if j.aborted is None and j.epoch < self.abort_epoch:
+                        j.aborted = "Aborted"  # aborted while it ran (SGLang's FINISH_ABORT message)
                     j.done.set()
                 self.running = False
                 self.batching.notify_all()
@@ -258,7 +280,23 @@ class ReferenceServer:
         return {"weight_version": self.weight_version}
 
     def pause_generation(self, req: dict) -> dict:
+        """SGLang's modes: "abort" (default) answers every request queued or running now with
+        finish_reason abort and returns once none runs; "retract" and "in_place" keep them, to finish
+        after /continue_generation. Requests that arrive while paused wait for /continue_generation."""
+        mode = req.get("mode") or "abort"
+        if mode not in ("abort", "retract", "in_place"):
+            raise _Fail(f"mode {mode!r} must be one of 'abort', 'retract', 'in_place'")
         self.unpaused.clear()
+        if mode == "abort":
+            with self.batching:
+                self.abort_epoch += 1
+                for j in self.queued:
+                    j.aborted = "Abort in waiting queue"
+                    j.done.set()
+                self.queued = []
+                self.batching.notify_all()
+            with self.model_lock:
+                pass  # a batch that was running has ended; its requests answer as aborted
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     def continue_generation(self, req: dict) -> dict:
@@ -303,16 +341,17 @@ class ReferenceServer:
             raise _Fail(f"selector {selector!r}: the reference engine has no draft model; "
                         f"use 'all' or 'target'")
         with self.model_lock:
-            was_open, self.session_open = self.session_open, True
-        return {"success": True, "message": "Weight update session was already open." if was_open
-                else "Weight update session opened."}
+            if self.session_open:  # SGLang 0.5.23: HTTP 400
+                raise _Fail("a weight-update session is already open; call end_weight_update() first")
+            self.session_open = True
+        return {"success": True, "message": "Success"}
 
     def end_weight_update(self, req: dict) -> dict:
         with self.model_lock:
             if not self.session_open:
-                raise _Fail("No weight update session is open; call /begin_weight_update first.")
+                raise _Fail("no weight-update session is open; call begin_weight_update() first")
             self.session_open = False
-        return {"success": True, "message": "Weight update session closed."}
+        return {"success": True, "message": "Success"}
 
     def update_weights_from_distributed(self, req: dict) -> dict:
         names = _field(req, "names", list)
@@ -331,17 +370,19 @@ class ReferenceServer:
             raise _Fail(f"load_format {load_format!r} is not supported; use null (per tensor) or "
                         f"'flattened_bucket'")
         group_name = req.get("group_name") or "weight_update_group"
-        group = self.groups.get(group_name)
-        if group is None:
-            raise _Fail(f"Group {group_name} not in {sorted(self.groups)}. Please call "
-                        f"`init_weights_update_group` first.")
         with self.model_lock:
-            tensors = self._receive(group, dtypes, shapes, load_format)
+            # Refusals come before the receive, as in SGLang: the sender's broadcast then has no
+            # receiver here, and the client reads this answer to stop waiting for it.
             if not self.session_open:
-                raise _Fail("update_weights_from_distributed is only accepted between /begin_weight_update "
-                            "and /end_weight_update (SGLang 0.5.23); the tensors were received and dropped")
+                raise _Fail("update_weights_from_distributed must run between begin_weight_update() and "
+                            "end_weight_update()")
+            group = self.groups.get(group_name)
+            if group is None:
+                raise _Fail(f"Failed to receive weights: Group {group_name} not in {sorted(self.groups)}. "
+                            f"Please call `init_weights_update_group` first.")
             if "weights" in self.released:
                 raise _Fail("weights are released; call /resume_memory_occupation with tag 'weights' first")
+            tensors = self._receive(group, dtypes, shapes, load_format)
             try:
                 self.engine.load_weights(zip(names, tensors))
             except ValueError as exc:

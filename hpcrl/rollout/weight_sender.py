@@ -13,7 +13,10 @@ and verl drive it):
      trainer POSTs `update_weights_from_distributed` {names, dtypes, shapes, group_name, load_format,
      flush_cache, weight_version} to every engine while it broadcasts the tensors from rank 0, then
      `end_weight_update`. Names are HF checkpoint names (hf_names), dtypes torch names without
-     "torch." ("bfloat16"), shapes lists of ints.
+     "torch." ("bfloat16"), shapes lists of ints. An engine refuses a bad update (no session, unknown
+     group, bad metadata) BEFORE posting its receive, so rank 0 watches the HTTP answers while it
+     broadcasts and gives up at the first refusal or at its deadline (`WeightSender._broadcast`); a
+     failed push ends every engine's session.
   3. Wire format: per tensor, one broadcast per tensor in `names` order (load_format None); or with
      load_format "flattened_bucket" one uint8 broadcast of every tensor's bytes concatenated in `names`
      order with no padding (SGLang's FlattenedTensorBucket: `tensor.flatten().view(torch.uint8)`,
@@ -26,7 +29,7 @@ import datetime
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 import torch.distributed as dist
@@ -183,9 +186,11 @@ class WeightSender:
              weight_version: str | None = None) -> int:
         """Send every tensor to every engine; returns the bytes broadcast (one copy).
 
-        Tensors are cut into buckets of at most `bucket_bytes` (a larger tensor travels alone). Raises
-        RuntimeError naming the engine when one refuses a bucket; the broadcast itself is always
-        completed so the group stays usable.
+        Tensors are cut into buckets of at most `bucket_bytes` (a larger tensor travels alone; tensors
+        SGLang fuses on load travel together). Raises RuntimeError naming the engine when one refuses
+        a bucket: a refusal after the receive leaves the group usable, one before it (SGLang's
+        session, group and request checks) drops the group (`_broadcast`). A failed push always
+        ends the engines' weight-update sessions.
         """
         if self.group is None:
             raise RuntimeError("WeightSender.push before connect()")
@@ -195,19 +200,21 @@ class WeightSender:
             raise ValueError("push() got no tensors")
         device = self._device()
         buckets = _buckets(named_tensors, bucket_bytes)
-        self._on_all("begin_weight_update")
         try:
+            self._on_all("begin_weight_update")
             total = sum(self._send_bucket(k, len(buckets), bucket, device, flattened, weight_version)
                         for k, bucket in enumerate(buckets))
         except BaseException:
-            for c in self.clients:  # best effort: do not leave sessions open on the engines that took it
-                try:
-                    c.end_weight_update()
-                except (EngineError, OSError):
-                    pass
+            self.end_sessions()
             raise
         self._on_all("end_weight_update")
         return total
+
+    def end_sessions(self) -> list[str]:
+        """Best effort after a failed push: /end_weight_update on every engine at once (an engine
+        whose session is not open refuses, harmlessly). Returns the failures, for messages."""
+        calls = [self._pool.submit(c.end_weight_update) for c in self.clients]
+        return call_failures(calls, self.clients, self.engine_ids, min(self.timeout_s, 30.0))
 
     def _send_bucket(self, k: int, num_buckets: int, bucket, device, flattened: bool,
                      weight_version: str | None) -> int:
@@ -220,9 +227,7 @@ class WeightSender:
                            weight_version, what)
         else:
             calls = self._announce(names, dtypes, shapes, k == num_buckets - 1, None, weight_version)
-            works = [dist.broadcast(t, group=self.group, group_src=0, async_op=True) for t in tensors]
-            for work in works:
-                work.wait()
+            self._broadcast(tensors, calls, f"update_weights_from_distributed ({what})")
             self._check(calls, f"update_weights_from_distributed ({what})")
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -231,13 +236,58 @@ class WeightSender:
         """One flattened bucket (uint8, tensors back to back in `names` order) into every engine.
 
         The caller opens and closes the engines' weight-update session (begin/end_weight_update).
-        Raises RuntimeError naming the engines that refused it, after the broadcast completed.
+        Raises RuntimeError naming the engines that refused it: at once for a refusal before the
+        receive (`_broadcast`), else after the broadcast completed.
         """
         if self.group is None:
-            raise RuntimeError("WeightSender.send_flat before connect()")
+            raise RuntimeError(f"WeightSender.send_flat: weight-update group {self.group_name!r} is not "
+                               f"connected (never, or dropped after a failed broadcast): connect() first")
         calls = self._announce(names, dtypes, shapes, flush_cache, "flattened_bucket", weight_version)
-        dist.broadcast(flat, group=self.group, group_src=0)
+        self._broadcast([flat], calls, f"update_weights_from_distributed ({what})")
         self._check(calls, f"update_weights_from_distributed ({what})")
+
+    def _broadcast(self, tensors: Sequence[torch.Tensor], calls: list, what: str) -> None:
+        """Broadcast `tensors` from rank 0 while watching the engines' HTTP answers (`calls`).
+
+        SGLang refuses a bad update before it posts its receive, so the broadcast would wait for that
+        engine until the group's timeout. Here an answer that fails before the broadcast completes
+        ends the wait at once, and a broadcast not complete within `timeout_s` ends it at that
+        deadline; either way the group is dropped (`abandon`: the unfinished broadcast cannot be
+        taken back) and RuntimeError names each engine that answered and SGLang's message.
+        """
+        works = [dist.broadcast(t, group=self.group, group_src=0, async_op=True) for t in tensors]
+        sent: Future = Future()
+        torch.futures.collect_all([w.get_future() for w in works]).add_done_callback(
+            lambda f: sent.set_result(None))
+        end = time.monotonic() + self.timeout_s
+        pending = {sent, *calls}
+        while not sent.done():
+            left = end - time.monotonic()
+            finished, pending = wait(pending, timeout=max(left, 0.0), return_when=FIRST_COMPLETED)
+            if any(f is not sent and f.exception() is not None for f in finished) or left <= 0:
+                break
+        if sent.done():
+            return
+        errors = [f"engine {e} ({c.base_url}): "
+                  + (str(f.exception()) if f.done() and f.exception() is not None else
+                     "answered success before the broadcast ended" if f.done() else "no answer")
+                  for f, c, e in zip(calls, self.clients, self.engine_ids)]
+        why = "refused before receiving" if any(f.done() for f in calls) else \
+            f"not received within {self.timeout_s:.0f} s"
+        self.abandon()
+        raise RuntimeError(f"{what} {why}; broadcast abandoned and weight-update group {self.group_name!r} "
+                           f"dropped: " + "; ".join(errors))
+
+    def abandon(self) -> None:
+        """Drop a group whose broadcast cannot finish: destroyed here at once (the pending broadcast
+        with it) and, best effort within a few seconds, on the engines, so that `connect()` can form
+        it again. An engine still inside its receive does not answer and keeps its half."""
+        if self.group is None:
+            return
+        group, self.group = self.group, None
+        dist.destroy_process_group(group)
+        calls = [self._pool.submit(c.destroy_weights_update_group, self.group_name) for c in self.clients]
+        wait(calls, timeout=min(self.timeout_s, 10.0))
 
     def _announce(self, names, dtypes, shapes, flush_cache: bool, load_format: str | None,
                   weight_version: str | None) -> list:

@@ -19,8 +19,8 @@ on trainer rank 0 and broadcast it from there; rank 0's link then carries everyt
      When a block has several engines (S < E), a barrier of the trainer ranks ends each turn, so
      such a block hears from exactly one source per turn and no two broadcasts can wait on each
      other's engines. A block of one engine (S >= E) may hear from several sources in a turn, one
-     after another; each of those transfers needs only its source and that engine, so no barrier. Every engine receives every
-     tensor exactly once.
+     after another; each of those transfers needs only its source and that engine, so no barrier.
+     Every engine receives every tensor exactly once.
 
     trainer ranks           turn 0            turn 1          (S = 2 sources, E = 4 engines, P = 2)
     src 0: gather  --bcast--> engines 0, 2 --bcast--> engines 1, 3
@@ -29,7 +29,9 @@ on trainer rank 0 and broadcast it from there; rank 0's link then carries everyt
 With S >= E all engines receive at once; with S < E each broadcast reaches E / S engines, so no
 link carries more than its share. With one trainer rank this is rank 0 broadcasting to all engines.
 Trainer rank 0 opens the engines' weight-update session before the first turn and closes it after
-the last. Connecting takes the same turns.
+the last, also when the push fails. Connecting takes the same turns. An engine that refuses an update
+(SGLang refuses before it receives) fails the push at once on its source, which drops that group;
+`connect()` again re-forms it.
 """
 
 from __future__ import annotations
@@ -137,18 +139,24 @@ class BroadcastSync:
         ts = [self.spec.tensors[i] for i in bucket.tensors]
         return [t.name for t in ts], [t.dtype for t in ts], [list(t.shape) for t in ts]
 
+    def _connected(self) -> bool:
+        return len(self.senders) == len(self.blocks) and all(
+            x.group is not None for x in self.senders.values())
+
     def connect(self) -> None:
-        """Form every (source, block) weight-update group, in the push's turn order."""
+        """Form every (source, block) weight-update group, in the push's turn order. Called again
+        after a failed push, forms only the groups that push dropped (collective either way)."""
         for k in range(len(self.blocks)):
             error = None
             if self.position is not None:
                 j = turn_block(self.position, k, len(self.blocks))
-                sender = WeightSender([self.clients[e] for e in self.blocks[j]], backend="gloo",
-                                      master_address=self.host, tp_per_engine=self.tp,
-                                      group_name=f"hpcrl_bcast_src{self.rank}_blk{j}",
-                                      timeout_s=self.timeout_s, engine_ids=self.blocks[j])
+                sender = self.senders.get(j) or WeightSender(
+                    [self.clients[e] for e in self.blocks[j]], backend="gloo", master_address=self.host,
+                    tp_per_engine=self.tp, group_name=f"hpcrl_bcast_src{self.rank}_blk{j}",
+                    timeout_s=self.timeout_s, engine_ids=self.blocks[j])
                 try:
-                    sender.connect()
+                    if sender.group is None:
+                        sender.connect()
                     self.senders[j] = sender
                 except Exception as exc:  # noqa: BLE001 - every rank's failure is reported together
                     error = str(exc)
@@ -160,18 +168,20 @@ class BroadcastSync:
 
     def push(self, weight_version: str) -> dict[str, float] | None:
         """Move the current weights into every engine; {"bytes", "seconds"} on rank 0, else None."""
-        if self.position is not None and len(self.senders) != len(self.blocks):
-            raise RuntimeError("BroadcastSync.push before connect()")
+        if self.position is not None and not self._connected():
+            raise RuntimeError("BroadcastSync.push before connect() (or after a failed push dropped a "
+                               "weight-update group: connect() again)")
         t0 = time.perf_counter()
         opening = self._on_engines("begin_weight_update")  # rank 0's HTTP overlaps the gather
-        self._bufs = gather_buckets(self.spec, self.placement, self.buckets, self.rank, self.shards(),
-                                    deadline_s=self.timeout_s, verify=self.verify, into=self._bufs,
-                                    staging=self._staging)
-        # also the start line: no source sends before every engine's session is open
-        self._agree(opening.result(), "begin_weight_update")
         try:
+            self._bufs = gather_buckets(self.spec, self.placement, self.buckets, self.rank, self.shards(),
+                                        deadline_s=self.timeout_s, verify=self.verify, into=self._bufs,
+                                        staging=self._staging)
+            # also the start line: no source sends before every engine's session is open
+            self._agree(opening.result(), "begin_weight_update")
             self._turns(weight_version)
-        except RuntimeError:
+        except BaseException:
+            opening.result()  # the begin calls have ended before the ends are sent
             self._on_engines("end_weight_update").result()  # best effort: leave no session open
             raise
         closing = self._on_engines("end_weight_update").result()

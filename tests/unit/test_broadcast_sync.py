@@ -1,7 +1,7 @@
 """The multi-source broadcast sync (hpcrl/trainer/broadcast_sync.py): its turn schedule, and two
 real trainer processes (gloo, TP 2: every source gathers pieces from the other) pushing into three
 real reference servers over SGLang's weight-update protocol -- bit-exact, and a refused update
-named on every trainer rank without breaking the next sync."""
+named on every trainer rank, and the next sync after connect() re-forms the groups it dropped."""
 
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ def global_tensors(spec, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _trainer(rank: int, port: int, urls: list[str], out_dir: str) -> None:
-    """One trainer rank: connect, push v1, a push engine 1 refuses (v2), then v3 after it resumes."""
+    """One trainer rank: connect, push v1, a push engine 1 refuses (v2), then v3 after it resumes
+    and the dropped groups are connected again."""
     import torch.distributed as dist
 
     from hpcrl.trainer.broadcast_sync import BroadcastSync
@@ -111,7 +112,10 @@ def _trainer(rank: int, port: int, urls: list[str], out_dir: str) -> None:
         report["v2"] = str(exc)
     if rank == 0:
         engine1.resume_memory_occupation(["weights"])
+        report["sessions_open"] = [EngineClient(u, timeout_s=60).server_info()["internal_states"][0]
+                                   ["weight_update_session"] for u in urls]
     dist.barrier()
+    sync.connect()  # re-forms the groups the refusal dropped (SGLang refuses before receiving)
     hold(2)
     report["v3"] = sync.push("v3")
     with open(os.path.join(out_dir, f"trainer{rank}.json"), "w") as f:
@@ -163,6 +167,8 @@ def test_two_sources_three_engines_bit_exact_and_a_refusal_is_named(engines, tmp
     assert reports[0]["v2"] == reports[1]["v2"] and reports[0]["v2"] is not None
     assert f"engine 1 ({engines[1]})" in reports[0]["v2"] and "weights are released" in reports[0]["v2"]
     assert "broadcast weight sync failed in turn" in reports[0]["v2"]
+    assert "refused before receiving" in reports[0]["v2"]
+    assert reports[0]["sessions_open"] == [False] * NUM_ENGINES  # the failed push closed every session
 
     want = global_tensors(spec, 2)  # v3, pushed after the refused v2: every engine holds it exactly
     for url in engines:

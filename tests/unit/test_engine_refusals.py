@@ -1,0 +1,166 @@
+"""SGLang's error semantics against the reference engine (a real subprocess over HTTP + gloo): an
+update refused before its receive fails the push at once (not at the group timeout), naming the
+engine and SGLang's message, closes the session and drops the group, which connect() re-forms; an
+engine that neither receives nor answers fails the push at the sender's deadline;
+/pause_generation aborts what is in flight by default and holds new requests until continue."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from hpcrl.models.presets import CONFIG_DIR, load_hf_config
+from hpcrl.rollout.client import EngineClient, launch_reference_server
+from hpcrl.rollout.engine import ReferenceModel
+from hpcrl.rollout.hf_names import checkpoint_state_dict
+from hpcrl.rollout.weight_sender import WeightSender
+
+pytestmark = pytest.mark.timeout(300)
+
+CONFIG_PATH = CONFIG_DIR / "tiny-qwen3-moe.json"
+HF_CONFIG = load_hf_config("tiny-qwen3-moe", None)
+PROMPTS = [[1, 5, 6, 7, 8], [1, 20, 21], [1, 30, 31, 32, 33, 34, 35]]
+GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    proc, url = launch_reference_server(str(CONFIG_PATH), "cpu", 0, str(log), threads=1)
+    client = EngineClient(url, timeout_s=60)
+    try:
+        yield client
+    finally:
+        client.close()
+        torch.set_num_threads(prev)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _greedy(client: EngineClient) -> list[dict]:
+    return client.generate(PROMPTS, [GREEDY] * 3, return_logprob=True)
+
+
+def test_refusal_before_receive_fails_the_push_at_once_and_closes_the_session(server):
+    client = server
+    sender = WeightSender([client], backend="gloo", timeout_s=120, engine_ids=[3])
+    sender.connect()
+    local = ReferenceModel(HF_CONFIG, seed=11)
+    named = list(checkpoint_state_dict(local.model).items())
+    before = _greedy(client)
+    client.release_memory_occupation(["weights"])
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as info:
+            sender.push(named, bucket_bytes=1 << 20, weight_version="refused")
+        assert time.monotonic() - t0 < 10, "the sender waited for a broadcast nobody receives"
+        message = str(info.value)
+        assert f"engine 3 ({client.base_url}): " in message and "refused before receiving" in message
+        assert "weights are released" in message and "(bucket 1/" in message
+        state = client.server_info()["internal_states"][0]
+        assert state["weight_update_session"] is False  # the failed push closed its session
+        assert state["weight_update_groups"] == [] and sender.group is None  # dropped on both sides
+    finally:
+        client.resume_memory_occupation()
+    after = _greedy(client)
+    assert [a["output_ids"] for a in after] == [b["output_ids"] for b in before]  # nothing changed
+    assert after[0]["meta_info"]["weight_version"] == before[0]["meta_info"]["weight_version"]
+
+    sender.connect()  # the dropped group forms again and the next push lands bit-exact
+    try:
+        sender.push(named, bucket_bytes=1 << 20, weight_version="ok")
+        expected = local.generate(PROMPTS, [GREEDY] * 3)
+        got = _greedy(client)
+        assert [g["output_ids"] for g in got] == [e["output_ids"] for e in expected]
+        assert got[0]["meta_info"]["weight_version"] == "ok"
+    finally:
+        sender.close()
+
+
+_SILENT_ENGINE = textwrap.dedent("""
+    import json, sys, time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from hpcrl.rollout.weight_sender import init_custom_process_group
+    groups = []
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a): pass
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+            if self.path == "/update_weights_from_distributed":
+                time.sleep(3600)  # neither receives nor answers
+            if self.path == "/init_weights_update_group":
+                groups.append(init_custom_process_group(
+                    "gloo", f"tcp://{req['master_address']}:{req['master_port']}", req["world_size"],
+                    req["rank_offset"], req["group_name"], 60))
+            body = json.dumps({"success": True, "message": "Success"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    httpd.daemon_threads = True
+    print(httpd.server_address[1], flush=True)
+    httpd.serve_forever()
+""")
+
+
+def test_an_engine_that_never_answers_fails_the_push_at_the_deadline():
+    proc = subprocess.Popen([sys.executable, "-c", _SILENT_ENGINE], stdout=subprocess.PIPE, text=True)
+    try:
+        client = EngineClient(f"http://127.0.0.1:{proc.stdout.readline().strip()}", timeout_s=30)
+        sender = WeightSender([client], backend="gloo", timeout_s=3)
+        sender.connect()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"not received within 3 s; broadcast abandoned .* "
+                                               r"engine 0 \(http://127.0.0.1:\d+\): no answer"):
+            sender.push([("model.norm.weight", torch.ones(64))], bucket_bytes=1 << 20)
+        assert time.monotonic() - t0 < 3 + 15  # the deadline, the best-effort session ends, no more
+        assert sender.group is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_pause_aborts_what_is_in_flight_by_default_and_holds_new_requests(server):
+    client = server
+    answers: dict[str, dict] = {}
+
+    def generate(key: str, prompt: list[int]) -> threading.Thread:
+        worker = threading.Thread(target=lambda: answers.setdefault(key, client.generate(prompt, GREEDY)))
+        worker.start()
+        return worker
+
+    client.pause_generation(mode="in_place")  # requests now wait inside the server
+    running = generate("taken", PROMPTS[0])  # takes the next batch, waits for the pause to end
+    time.sleep(0.5)
+    queued = generate("queued", PROMPTS[1])  # waits behind it
+    time.sleep(0.5)
+    client.pause_generation()  # SGLang's default mode "abort"
+    running.join(30)
+    queued.join(30)
+    for key in ("taken", "queued"):
+        assert answers[key]["output_ids"] == []
+        assert answers[key]["meta_info"]["finish_reason"] == {"type": "abort",
+                                                              "message": "Abort in waiting queue"}
+    later = generate("later", PROMPTS[2])  # arrived while paused: held, not aborted
+    later.join(1.0)
+    assert later.is_alive()
+    client.continue_generation()
+    later.join(60)
+    assert len(answers["later"]["output_ids"]) == 12
+    with pytest.raises(Exception, match="mode 'drop' must be one of"):
+        client.pause_generation(mode="drop")

@@ -45,7 +45,8 @@ def _function(tree: ast.Module, cls: str | None, name: str) -> ast.FunctionDef:
 
 def _assigned(fn: ast.FunctionDef, var: str) -> ast.expr:
     for node in ast.walk(fn):
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == var for t in node.targets):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == var
+                                                for t in node.targets):
             return node.value
     raise AssertionError(f"{var} is not assigned in {fn.name}")
 
@@ -76,7 +77,8 @@ class Rules:
         self.experts = _expert_mapping_fn(root)(**kw, num_experts=num_experts)
         fn_source = ast.get_source_segment(source, fn)
         # DeepSeek: q_a_proj and kv_a_proj_with_mqa are cached and loaded together into this parameter
-        self.fused = {"q_a_proj", "kv_a_proj_with_mqa"} if "fused_qkv_a_proj_with_mqa" in fn_source else set()
+        fuses = "fused_qkv_a_proj_with_mqa" in fn_source
+        self.fused = {"q_a_proj", "kv_a_proj_with_mqa"} if fuses else set()
         self.skip_experts_in_stacked = '"mlp.experts' in fn_source
         self.attrs = set()
         for f in model_files:
@@ -105,7 +107,8 @@ class Rules:
         parts = param.split(".")
         leaf = parts[-1]
         ok_leaf = leaf in LEAVES or leaf in self.attrs or parts[-2:-1] == ["experts"] and leaf.startswith("w")
-        return [p for p in parts[:-1] if not p.isdigit() and p not in self.attrs] + ([] if ok_leaf else [leaf])
+        unknown = [p for p in parts[:-1] if not p.isdigit() and p not in self.attrs]
+        return unknown + ([] if ok_leaf else [leaf])
 
 
 @pytest.mark.parametrize(("family", "flavor"), [(f, fl) for f in sorted(FAMILIES) for fl in FAMILIES[f]])
@@ -136,8 +139,9 @@ def test_a_misnamed_tensor_is_caught(sglang_root, family, wrong):
 
 
 def test_expert_mapping_is_sglangs(sglang_root):
-    """The expert rule maps per-expert HF names to the fused FusedMoE parameters with SGLang's shard ids."""
+    """Per-expert HF names map to FusedMoE's fused parameters, with SGLang's shard ids."""
     rules = Rules(sglang_root, "qwen3_moe", 4)
     assert rules.map("model.layers.1.mlp.experts.3.up_proj.weight") == "model.layers.1.mlp.experts.w13_weight"
-    assert rules.map("model.layers.1.mlp.experts.3.down_proj.weight") == "model.layers.1.mlp.experts.w2_weight"
+    down = rules.map("model.layers.1.mlp.experts.3.down_proj.weight")
+    assert down == "model.layers.1.mlp.experts.w2_weight"
     assert ("experts.w13_", "experts.3.gate_proj.", 3, "w1") in rules.experts

@@ -108,8 +108,8 @@ def run_local_background(job: JobConfig, run_dir: Path, resume: str = "auto") ->
     argv = [sys.executable, "-m", "hpcrl.cli", "run", str(job_file), "--run-dir", str(run_dir),
             *_resume_flags(resume)]
     handle = LocalRunExecutor(run_dir / "logs").submit_command(argv, run_dir)
-    (run_dir / LOCAL_RECORD).write_text(json.dumps({"job_id": handle.job_id, "folder": str(handle.paths.folder),
-                                                    "argv": argv}, indent=2) + "\n")
+    record = {"job_id": handle.job_id, "folder": str(handle.paths.folder), "argv": argv}
+    (run_dir / LOCAL_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return handle
 
 
@@ -157,7 +157,8 @@ def attach(run_dir: str | os.PathLike[str]) -> Any:
         from launch.slurm_executor import HetJob
 
         record = json.loads(slurm_record.read_text())
-        return HetJob(record.get("submitit_folder", record.get("log_dir", str(path / "logs"))), record["job_id"])
+        folder = record.get("submitit_folder", record.get("log_dir", str(path / "logs")))
+        return HetJob(folder, record["job_id"])
     local_record = path / LOCAL_RECORD
     if local_record.is_file():
         from launch.local_job import LocalRunJob

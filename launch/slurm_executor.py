@@ -97,9 +97,9 @@ class HetJob(SlurmJob[dict[str, Any]]):
         return int(self.get_info(mode="standard").get("Restarts", "0"))
 
     def stderr(self) -> str | None:
+        folder = self.paths.folder
         parts = [p.read_text(errors="replace") for p in
-                 (self.paths.folder / f"slurm-{self.job_id}.out", self.paths.folder / f"slurm-{self.job_id}.err")
-                 if p.is_file()]
+                 (folder / f"slurm-{self.job_id}.out", folder / f"slurm-{self.job_id}.err") if p.is_file()]
         return "".join(parts) if parts else None
 
     def cancel(self, check: bool = True) -> None:
@@ -173,5 +173,5 @@ class HetJobExecutor(SlurmExecutor):
         lines = text.strip().splitlines()
         job_id = lines[-1].split(";")[0].strip() if lines else ""
         if not job_id.isdigit():
-            raise submitit_utils.FailedSubmissionError(f"could not read a job id from sbatch's output {text!r}")
+            raise submitit_utils.FailedSubmissionError(f"no job id in sbatch's output {text!r}")
         return job_id

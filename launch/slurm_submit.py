@@ -69,7 +69,8 @@ def finish_command(job: Any, run_dir: Path) -> str:
     write the run's outcome as submitit's result file in RUN_DIR/logs (launch/result.py)."""
     python = job.slurm.python or sys.executable
     q = shlex.quote
-    return f'{q(python)} -P -m launch.result {q(str(run_dir))} {q(str(run_dir / LOG_DIR_NAME))} "${{SLURM_JOB_ID}}"'
+    folder = run_dir / LOG_DIR_NAME
+    return f'{q(python)} -P -m launch.result {q(str(run_dir))} {q(str(folder))} "${{SLURM_JOB_ID}}"'
 
 
 def _component(key: str, nodes: int, tasks: int, what: str, gpus: int, cpus: int, mem_gb: int | None,

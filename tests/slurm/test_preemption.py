@@ -2,24 +2,26 @@
 of a running `hpcrl submit` job -> Slurm's USR1 reaches the batch script -> the MPI world ->
 the controller saves a checkpoint and exits with the requeue code -> the job is requeued and its
 next attempt resumes from the checkpoint -> it completes with the same per-step rewards and the
-same final policy_sha256 as an uninterrupted `hpcrl run` of the same job."""
+same final policy_sha256 as an uninterrupted `hpcrl run` of the same job. Both runs are driven
+through the Python API (hpcrl.jobs): the Slurm job is a submitit job whose state shows the requeue
+and whose result, also read by plain submitit from another process, is the run's summary."""
 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from hpcrl.jobs import Executor
+
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
-ARGS = ["--set", "algorithm.num_steps=16", "--set", "checkpoint.interval_steps=5", "--set", "logging.progress=false",
-        "--set", "logging.tensorboard=false"]
+ARGS = ["algorithm.num_steps=16", "checkpoint.interval_steps=5", "logging.progress=false",
+        "logging.tensorboard=false"]
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -27,39 +29,66 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def _attach_from_another_process(run_dir: Path) -> dict:
+    """A fresh Python re-attaches: plain submitit reads the result, hpcrl.jobs.attach the state."""
+    code = ("import json, sys, submitit; from hpcrl.jobs import attach; job = attach(sys.argv[1]); "
+            "plain = submitit.SlurmJob(job.paths.folder, job.job_id).result(); "
+            "print(json.dumps({'state': job.state, 'restarts': job.restarts, "
+            "'sha': plain['policy_sha256'], 'last_step': plain['last_step']}))")
+    out = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
 @pytest.mark.timeout(900)
 def test_preempted_job_checkpoints_requeues_resumes_and_matches(slurm, job_dir: Path) -> None:
+    # Both runs go through the Python API (hpcrl.jobs): the local one is `hpcrl run` in the background,
+    # the Slurm one a hetjob submitted by launch.slurm_executor.HetJobExecutor (submitit).
     local_dir, run_dir = job_dir / "local", job_dir / "slurm"
-    local = subprocess.run([sys.executable, "-m", "hpcrl.cli", "run", str(EXAMPLE), *ARGS, "--run-dir",
-                            str(local_dir)], capture_output=True, text=True, timeout=400, cwd=REPO)
-    assert local.returncode == 0, local.stdout[-2000:] + local.stderr[-2000:]
+    local = Executor(kind="local").submit(EXAMPLE, ARGS, run_dir=local_dir)
+    want_summary = local.result()
+    assert local.state == "COMPLETED"
 
-    sub = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(EXAMPLE), *ARGS, "--set",
-                          "resources.rollout_nodes=1", "--run-dir", str(run_dir)], capture_output=True, text=True,
-                         timeout=120, cwd=REPO)
-    assert sub.returncode == 0, sub.stderr
-    job_id = re.search(r"^submitted job (\d+) ", sub.stdout, re.MULTILINE).group(1)
+    job = Executor(kind="slurm").submit(EXAMPLE, [*ARGS, "resources.rollout_nodes=1"], run_dir=run_dir)
+    job_id = job.job_id
     slurm.job_ids.append(job_id)
+    submitted = (run_dir / "logs" / f"{job_id}_submission.sh").read_text()  # submitit's job folder
+    assert submitted == (run_dir / "job.sbatch").read_text()
     slurm.wait_until("3 steps of the low-priority job", lambda: len(_metrics(run_dir)) >= 3, 400, job_id)
     nodes = len(slurm.nodes("high"))
     # --exclusive: whole nodes, so it cannot squeeze into the CPUs the running job leaves free
     blocker = slurm.submit(None, "-p", "high", "-N", str(nodes), "--exclusive", "--job-name", "hpcrl-preemptor",
                            "-o", str(job_dir / "preemptor-%j.out"), "--wrap", "sleep 5")
-    slurm.wait_final(blocker, timeout_s=300)
-    ended = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
-    # PREEMPTED/REQUEUED are passing states here: the job must come back and finish.
-    final = slurm.wait_until(f"job {job_id} to finish after its requeue",
-                             lambda: next((r for r in slurm.job(job_id)[:1] if r["JobState"] in ended), None),
-                             500, job_id)
+    seen: list[tuple[str, int]] = []
+
+    def finished() -> bool:
+        job.watcher.update()  # what job.state shows, refreshed now
+        seen.append((job.state, job.restarts))
+        return job.done()
+
+    # PREEMPTED/REQUEUED/PENDING are passing states here: the job must come back and finish.
+    slurm.wait_until(f"job {job_id} to finish after its requeue", finished, 700, job_id)
+    summary = job.result()
     logs = sorted((run_dir / "logs").glob(f"{job_id}-attempt*.log"))
     text = "\n".join(p.read_text() for p in logs)
-    assert final["JobState"] == "COMPLETED", f"{final}\n{text[-4000:]}"
-    assert int(final.get("Restarts", "0")) >= 1, final
+    assert job.state == "COMPLETED", f"{seen}\n{text[-4000:]}"
+    assert slurm.state(blocker) == "COMPLETED"
+    # Job.state reported the requeue: a queued state with a restart, then the second attempt running
+    assert job.restarts >= 1 and any(s != "RUNNING" and r >= 1 for s, r in seen), seen
+    assert ("RUNNING", 1) in seen or ("COMPLETED", 1) in seen, seen
     assert len(logs) >= 2, logs
     assert "preempted" in logs[0].read_text(), logs[0].read_text()[-3000:]
     assert "resumed from checkpoint step" in logs[-1].read_text(), logs[-1].read_text()[-3000:]
+    assert "resumed from checkpoint step" in (job.stdout() or "")  # the current attempt's step log
+    assert "scontrol requeue" in (job.stderr() or "")  # the batch script's log
     got = [(m["step"], m["reward/mean"]) for m in _metrics(run_dir)]
     want = [(m["step"], m["reward/mean"]) for m in _metrics(local_dir)]
     assert got == want
+    assert summary["policy_sha256"] == want_summary["policy_sha256"]
+    assert summary["last_step"] == want_summary["last_step"] == 15
     digest = json.loads((local_dir / "final.json").read_text())["policy_sha256"]
     assert json.loads((run_dir / "final.json").read_text())["policy_sha256"] == digest
+    assert summary["policy_sha256"] == digest
+    other = _attach_from_another_process(run_dir)
+    assert other == {"state": "COMPLETED", "restarts": job.restarts, "sha": digest, "last_step": 15}

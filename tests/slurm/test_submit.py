@@ -22,9 +22,11 @@ import uuid
 from pathlib import Path
 
 import pytest
+import submitit
 
 from hpcrl.cli import main
 from hpcrl.config import load_job
+from hpcrl.jobs import attach
 from launch.procs import process_gone
 from launch.slurm_query import cluster_partitions, parse_records
 from launch.slurm_spec import render
@@ -136,6 +138,14 @@ def test_submitted_hetjob_matches_hpcrl_run_and_spans_both_components(slurm, job
     assert f"{job_id} COMPLETED, exit code 0:0" in done and f"step {STEPS}/{STEPS} done" in done, done
     assert f"finished  policy sha256 {digest}" in done
 
+    # the job is a submitit job: plain submitit re-attached by folder and id gets the run's summary,
+    # hpcrl.jobs.attach the same state; stdout() is the attempt's step log
+    summary = submitit.SlurmJob(run_dir / "logs", job_id).result()
+    assert summary["policy_sha256"] == digest and summary["last_step"] == STEPS - 1
+    job = attach(run_dir)
+    assert (job.job_id, job.state, job.restarts, job.done()) == (job_id, "COMPLETED", 0, True)
+    assert f"policy sha256: {digest}" in job.stdout() and "step exited with code 0" in job.stderr()
+
 
 @pytest.mark.timeout(300)
 def test_cancel_ends_the_job_and_every_rank(slurm, job_dir: Path) -> None:
@@ -167,6 +177,9 @@ def test_cancel_ends_the_job_and_every_rank(slurm, job_dir: Path) -> None:
     time.sleep(3)  # a requeue (which cancel must not cause) would show by now
     assert slurm.state(job_id) == "CANCELLED"
     assert slurm_out("squeue", "-h", "-j", job_id).strip() == ""
+    job = attach(run_dir)  # the submitit view of the same job
+    assert job.state == "CANCELLED" and job.done(force_check=True)
+    assert not job.paths.result_pickle.exists()  # cancelled: no outcome, result() raises UncompletedJobError
     again = hpcrl("cancel", job_id, timeout=60)  # RUN may also be the job id
     assert again.returncode == 0
     assert again.stdout.strip() == f"job {job_id} already ended (CANCELLED); nothing to cancel"

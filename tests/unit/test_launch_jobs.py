@@ -28,7 +28,8 @@ EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
 def finished_run(run_dir: Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "final.json").write_text(json.dumps({"policy_sha256": "ab" * 32, "num_steps": 2}))
-    (run_dir / "metrics.jsonl").write_text('{"step": 0, "reward/mean": 0.1}\n{"step": 1, "reward/mean": 0.2}\n')
+    rows = [{"step": 0, "reward/mean": 0.1}, {"step": 1, "reward/mean": 0.2}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run_dir
 
 
@@ -67,8 +68,8 @@ if grep -q 'job-name=reject' "${{@: -1}}"; then echo "sbatch: error: invalid par
 echo "4242"
 """
 FAKE_SCONTROL = """#!/bin/bash
-echo "JobId=$4 JobName=x JobState={state} Reason=None Restarts=1 ExitCode=0:0 RunTime=00:00:05 TimeLimit=00:10:00 \
-Partition=debug NodeList=n1 HetJobId=$4 HetJobOffset=0"
+echo "JobId=$4 JobName=x JobState={state} Reason=None Restarts=1 ExitCode=0:0 RunTime=00:00:05 \
+TimeLimit=00:10:00 Partition=debug NodeList=n1 HetJobId=$4 HetJobOffset=0"
 echo "JobId=$(( $4 + 1 )) JobName=x JobState={state} Reason=None Restarts=1 ExitCode=0:0 Partition=debug \
 NodeList=n2 HetJobId=$4 HetJobOffset=1"
 """
@@ -138,7 +139,8 @@ def test_executor_folder_must_be_the_plan_log_dir(tmp_path, fake_slurm) -> None:
 def test_local_job_has_the_same_handle_shape(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     write = (f"import json, pathlib; p = pathlib.Path({str(run_dir)!r}); p.mkdir(exist_ok=True); "
-             "(p / 'final.json').write_text(json.dumps({'policy_sha256': 'cd', 'num_steps': 1})); print('hello')")
+             "(p / 'final.json').write_text(json.dumps({'policy_sha256': 'cd', 'num_steps': 1})); "
+             "print('hello')")
     job = LocalRunExecutor(run_dir / "logs").submit_command([sys.executable, "-c", write], run_dir)
     assert job.result()["policy_sha256"] == "cd" and job.state == "COMPLETED" and job.done()
     assert job.stdout() == "hello\n" and job.paths.result_pickle == result_path(run_dir / "logs", job.job_id)
@@ -158,7 +160,7 @@ def test_jobs_api_checks_before_starting_anything(tmp_path: Path) -> None:
         Executor(kind="pbs")
     ex = Executor(kind="local")
     with pytest.raises(ConfigError, match="every job of a batch needs its own run dir"):
-        ex.submit_batch([Submission(EXAMPLE, run_dir=tmp_path / "a"), Submission(EXAMPLE, run_dir=tmp_path / "a")])
+        ex.submit_batch([Submission(EXAMPLE, run_dir=tmp_path / "a")] * 2)
     with pytest.raises(ConfigError, match="dependencies need Slurm"):
         ex.submit(EXAMPLE, run_dir=tmp_path / "b", after=["12"])
     # the same message as `hpcrl submit --set algorithm.num_steps=0`

@@ -1,5 +1,6 @@
 """GPU path: the tiny example on CUDA (Megatron + reference engine on the GPU, NCCL data plane
-for the trainer) with one setting changed: `--set resources.device=cuda`. Skips on CPU machines."""
+for the trainer) with `--set resources.device=cuda` (and resources.share_gpus on a one-GPU machine,
+where trainer rank and engine share GPU 0). Skips on CPU machines."""
 
 import json
 import sys
@@ -20,7 +21,9 @@ pytestmark = [
 @pytest.mark.timeout(900)
 def test_example_on_cuda(tmp_path):
     run_dir = tmp_path / "gpu"
+    share = torch.cuda.device_count() < 2  # one trainer rank + one engine: a GPU each, else they share
     out, wall = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), "--set", "resources.device=cuda",
+                      "--set", f"resources.share_gpus={str(share).lower()}",
                       "--set", "logging.progress=false", timeout_s=840)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

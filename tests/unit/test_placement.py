@@ -141,14 +141,16 @@ BAD = [
      "node 0 (resources.nodes, resources.gpus_per_node=8) has 8 GPU(s) but its ranks need 12"),
     # 12 engine GPUs on 2 x 6: enough in total, but 2 engines of TP 4 land on each node
     ("rollout-nodes", "rollout: {backend: sglang, num_engines: 3, tp_per_engine: 4}\n"
-                      "resources: {device: cuda, rollout_nodes: 2, gpus_per_node: 6}", "resources.gpus_per_node",
+                      "resources: {device: cuda, rollout_nodes: 2, gpus_per_node: 6}",
+     "resources.gpus_per_node",
      "node 1 (resources.rollout_nodes, resources.gpus_per_node=6) has 6 GPU(s) but its ranks need 8"),
     ("engine-wider-than-node", "rollout: {backend: sglang, num_engines: 1, tp_per_engine: 4}\n"
                                "resources: {device: cuda, nodes: 1, rollout_nodes: 2, gpus_per_node: 2, "
                                "share_gpus: true}", "rollout.tp_per_engine", "an engine runs on one node"),
     ("owned-flag", "rollout: {backend: sglang, server_args: [--base-gpu-id=2]}\nresources: {device: cuda}",
      "rollout.server_args[0]", "hpcrl sets --base-gpu-id itself"),
-    ("missing-python", "rollout: {backend: sglang, python: /nonexistent/bin/python}\nresources: {device: cuda}",
+    ("missing-python",
+     "rollout: {backend: sglang, python: /nonexistent/bin/python}\nresources: {device: cuda}",
      "rollout.python", "no such interpreter"),
     ("python-without-sglang", f"rollout: {{backend: sglang, python: {sys.executable}}}\n"
                               "resources: {device: cuda}", "rollout.python", "cannot import sglang"),

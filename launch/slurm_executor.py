@@ -48,7 +48,9 @@ class ScontrolWatcher(SlurmInfoWatcher):
     """submitit's shared state watcher, fed by `scontrol show job` (then sacct) instead of sacct only.
 
     Per job it records `State`, `Restarts`, `Reason`, `ExitCode` and `NodeList` (component node
-    lists joined by ','); a job Slurm no longer knows keeps its last recorded info ("UNKNOWN" if none).
+    lists joined by ','). A job Slurm no longer knows keeps its last recorded info; with none (a new
+    process asking after MinJobAge, no accounting) its state is GONE, which counts as done, so
+    `result()` raises instead of waiting forever for a job that ended without a result.
     """
 
     def _make_command(self) -> list[str] | None:
@@ -62,7 +64,9 @@ class ScontrolWatcher(SlurmInfoWatcher):
                 state = job_state(job_id)
             except SlurmError:
                 continue  # the controller did not answer: keep the last info, ask again later
-            if state is not None:
+            if state is None:
+                self._info_dict.setdefault(job_id, {"State": "GONE", "Reason": "no longer known to Slurm"})
+            else:
                 self._info_dict[job_id] = {
                     "State": state.state, "Restarts": str(state.restarts), "Reason": state.reason,
                     "ExitCode": state.exit_code, "NodeList": ",".join(n for _, n in state.components)}

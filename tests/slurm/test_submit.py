@@ -26,7 +26,7 @@ import submitit
 
 from hpcrl.cli import main
 from hpcrl.config import load_job
-from hpcrl.jobs import attach
+from hpcrl.jobs import Executor, attach
 from launch.procs import process_gone
 from launch.slurm_query import cluster_partitions, parse_records
 from launch.slurm_spec import render
@@ -150,7 +150,17 @@ def test_submitted_hetjob_matches_hpcrl_run_and_spans_both_components(slurm, job
 @pytest.mark.timeout(300)
 def test_cancel_ends_the_job_and_every_rank(slurm, job_dir: Path) -> None:
     run_dir = job_dir / "run"
-    job_id, _ = submit(slurm, "--set", "algorithm.num_steps=500", *QUIET, "--run-dir", str(run_dir))
+    # Submitted through the Python API, to start after another job (afterok); the CLI handles it the same
+    blocker = slurm.submit(None, "-o", "/dev/null", "--job-name", "hpcrl-first", "--wrap", "sleep 5")
+    quiet = [o for o in QUIET if o != "--set"]
+    job = Executor(kind="slurm").submit(EXAMPLE, ["algorithm.num_steps=500", *quiet], run_dir=run_dir,
+                                        after=[blocker])
+    job_id = job.job_id
+    slurm.job_ids.append(job_id)
+    waiting = slurm.job(job_id)[0]
+    assert waiting["Dependency"].startswith(f"afterok:{blocker}"), waiting
+    assert (waiting["JobState"], waiting["Reason"]) == ("PENDING", "Dependency") and job.state == "PENDING"
+    assert json.loads((run_dir / "slurm.json").read_text())["dependency"] == [blocker]
     ranks = slurm.wait_until("the ranks to start", lambda: json.loads((run_dir / ".ranks.json").read_text())
                              if (run_dir / ".ranks.json").exists() else None, 240, job_id)
     assert [r["role"] for r in ranks] == ["controller", "trainer", "rollout"]

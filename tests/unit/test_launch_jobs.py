@@ -120,6 +120,17 @@ def test_hetjob_state_from_another_process_and_final_states(tmp_path, fake_slurm
     assert again.state == "COMPLETED" and again.done(force_check=True)
 
 
+def test_job_slurm_forgot_is_done_not_pending_forever(tmp_path, fake_slurm) -> None:
+    fake_slurm()
+    bin_dir = tmp_path / "bin"
+    for name, text in (("scontrol", "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1"),
+                       ("sacct", "exit 1")):  # no accounting
+        (bin_dir / name).write_text(f"#!/bin/bash\n{text}\n")
+        (bin_dir / name).chmod(0o755)
+    job = HetJob(tmp_path / "logs", "6161")
+    assert job.state == "GONE" and job.done(force_check=True)
+
+
 def test_rejected_job_reports_sbatch_error_once(tmp_path, fake_slurm, capsys) -> None:
     fake_slurm()
     plan = plan_for(tmp_path, "name=reject")
@@ -175,3 +186,12 @@ def test_jobs_api_checks_before_starting_anything(tmp_path: Path) -> None:
     assert not any((tmp_path / d).exists() for d in "abcd")
     with pytest.raises(ConfigError, match="holds no slurm.json or local_job.json"):
         attach(tmp_path)
+
+
+def test_slurm_batch_submits_nothing_when_one_entry_is_bad(tmp_path: Path, fake_slurm) -> None:
+    out = fake_slurm()
+    good = Submission(EXAMPLE, ["slurm.partition=debug"], run_dir=tmp_path / "a")
+    bad = Submission(EXAMPLE, ["algorithm.num_steps=0"], run_dir=tmp_path / "b")
+    with pytest.raises(ConfigError, match="algorithm.num_steps"):
+        Executor(kind="slurm").submit_batch([good, bad])
+    assert not (out / "sbatch.args").exists() and not (tmp_path / "a").exists()

@@ -662,9 +662,11 @@ def _check_data_file(job: JobConfig, key: str, tok: Tokenizer) -> None:
 
 
 SGLANG_OWNED_FLAGS = ("--model-path", "--model", "--host", "--port", "--tp-size", "--tensor-parallel-size",
-                      "--base-gpu-id", "--dtype", "--skip-tokenizer-init", "--load-format")
+                      "--base-gpu-id", "--dtype", "--skip-tokenizer-init", "--load-format", "--config",
+                      "--api-key", "--admin-api-key", "--enable-deterministic-inference")
 """SGLang 0.5.23's spellings (aliases included) of the settings hpcrl writes itself (hpcrl/rollout/worker.py
-sglang_command); tests/conformance/test_launch_args.py checks them against SGLang's parser."""
+sglang_command; the keys through its --config file); tests/conformance/test_launch_args.py checks them
+against SGLang's parser."""
 
 
 def check_rollout_layout(job: JobConfig) -> None:
@@ -696,7 +698,8 @@ def check_rollout_layout(job: JobConfig) -> None:
         if flag in SGLANG_OWNED_FLAGS:
             raise ConfigError(f"rollout.server_args[{i}]", arg,
                               f"hpcrl sets {flag} itself (from model.path, rollout.tp_per_engine, "
-                              "model.dtype and the GPU placement); remove it from server_args")
+                              "model.dtype, the GPU placement and the job's engine keys); remove it from "
+                              "server_args")
     if r.python is not None:
         _check_engine_python(r.python, bool(r.env_setup))
 

@@ -98,6 +98,7 @@ class LocalRunExecutor:
         proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         job = LocalRunJob(self.folder, f"local{proc.pid}")
+        job.paths.result_pickle.unlink(missing_ok=True)  # an earlier run's, under a reused pid
         job._process = proc  # type: ignore[attr-defined]
         return job
 

@@ -153,6 +153,9 @@ class HetJobExecutor(SlurmExecutor):
         finally:
             self._plan, self._after = None, ()
         assert isinstance(job, HetJob)
+        # Job ids restart at 1 when a cluster's state is wiped: a reused run dir may hold an older job's
+        # result under this id, which result() would return at once.
+        job.paths.result_pickle.unlink(missing_ok=True)
         return job
 
     def _internal_process_submissions(self, delayed_submissions: list[Any]) -> list[Any]:

@@ -102,6 +102,8 @@ def plan_for(tmp_path: Path, *overrides: str):
 def test_hetjob_executor_submits_the_rendered_script_and_watches_scontrol(tmp_path, fake_slurm) -> None:
     out = fake_slurm("PENDING")
     plan = plan_for(tmp_path)
+    stale = result_path(Path(plan.spec.log_dir), "4242")  # an older job with the same id, before a wipe
+    write_result(stale.parent, "4242", finished_run(tmp_path / "old"), 0)
     job = HetJobExecutor(plan.spec.log_dir).submit_plan(plan, after=["11", "12"])
     assert isinstance(job, HetJob) and isinstance(job, submitit.SlurmJob) and job.job_id == "4242"
     assert (out / "sbatch.script").read_text() == plan.script  # what `hpcrl render` prints
@@ -110,6 +112,7 @@ def test_hetjob_executor_submits_the_rendered_script_and_watches_scontrol(tmp_pa
     assert job.submission().function.run_dir == str(plan.run_dir)  # the pickled RunOutcome
     assert job.num_tasks == 1 and job.run_dir == plan.run_dir
     assert job.state == "PENDING" and job.restarts == 1 and not job.done(force_check=True)
+    assert not stale.exists()
     info = job.get_info()
     assert info["NodeList"] == "n1,n2" and info["Reason"] == "None"
 

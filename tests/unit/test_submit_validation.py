@@ -180,7 +180,7 @@ def test_more_memory_than_a_node_has():
 def test_too_few_nodes_with_enough_gpus():
     # 1 node with 4 GPUs, 3 with none: a 2-node GPU job does not fit although the maxima do
     parts = cluster(partition(nodes=3, gpus=0, extra=(NodeInfo("g1", 4, 4, 4000, "IDLE"),)))
-    err = reject(job_with("resources.device=cuda", "resources.gpus_per_node=1", "resources.nodes=2",
+    err = reject(job_with("resources.device=cuda", "resources.gpus_per_node=2", "resources.nodes=2",
                           "trainer.num_procs=2"), parts)
     assert err.path == "resources.nodes" and "only 1 nodes" in err.hint
 

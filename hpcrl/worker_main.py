@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     import json
 
     job = job_from_dict(json.loads((run_dir / "config.json").read_text()), base_dir=str(run_dir))
+    from hpcrl.rollout.engine_auth import job_keys, set_process_keys
+
+    set_process_keys(job_keys(run_dir))  # this rank's engine clients send the job's engine keys
     world = join_world_within(job.trainer.num_procs, job.resources.startup_timeout_s)
     if world.role != "controller":
         _redirect_output(run_dir, world.rank, world.role)

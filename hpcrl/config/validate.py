@@ -700,8 +700,36 @@ def check_rollout_layout(job: JobConfig) -> None:
                               f"hpcrl sets {flag} itself (from model.path, rollout.tp_per_engine, "
                               "model.dtype, the GPU placement and the job's engine keys); remove it from "
                               "server_args")
+    check_sglang_determinism(job)
     if r.python is not None:
         _check_engine_python(r.python, bool(r.env_setup))
+
+
+SGLANG_DETERMINISTIC_ATTENTION = ("ascend", "fa3", "fa4", "flashinfer", "intel_xpu", "triton")
+"""SGLang 0.5.23's DETERMINISTIC_ATTENTION_BACKEND_CHOICES (sglang/srt/arg_groups/choices.py)."""
+
+
+def check_sglang_determinism(job: JobConfig) -> None:
+    """hpcrl starts SGLang with --enable-deterministic-inference, without which SGLang ignores each
+    request's sampling_seed (sampling_batch_info.py). In that mode SGLang samples with its pytorch
+    backend, which serves temperature and top_p with a seed (layers/sampler.py), and needs a
+    batch-invariant attention backend. Refuses rollout.server_args it cannot serve: another
+    --sampling-backend (SGLang would replace it with pytorch, with a warning only) and an
+    --attention-backend outside SGLANG_DETERMINISTIC_ATTENTION."""
+    args = job.rollout.server_args
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        if flag == "--sampling-backend" and value != "pytorch":
+            raise ConfigError(f"rollout.server_args[{i}]", arg,
+                              "hpcrl runs SGLang with --enable-deterministic-inference (seeded, reproducible "
+                              "sampling), which samples with the pytorch backend; remove --sampling-backend")
+        if flag == "--attention-backend" and value not in SGLANG_DETERMINISTIC_ATTENTION:
+            raise ConfigError(f"rollout.server_args[{i}]", arg,
+                              "SGLang's deterministic inference (which hpcrl enables for seeded sampling) "
+                              f"needs one of {', '.join(SGLANG_DETERMINISTIC_ATTENTION)}; use one of "
+                              "those or leave --attention-backend out (SGLang then picks one)")
 
 
 def _check_engine_python(python: str, has_env_setup: bool) -> None:

@@ -2,7 +2,9 @@
 
 `EngineClient` keeps one keep-alive `http.client` connection per calling thread (so one client may be
 used from several threads), sends each request in a single write with TCP_NODELAY (no Nagle/delayed
-ACK stalls), and has one method per route with SGLang's argument names. A failed call raises
+ACK stalls), and has one method per route with SGLang's argument names. With engine keys (the
+job's, hpcrl/rollout/engine_auth.py; by default those set for the process) every request carries
+SGLang's `Authorization: Bearer` header of its route's level. A failed call raises
 `EngineError` naming the URL, the route, the HTTP status and the server's message. `start` writes a
 request and returns a `PendingResponse` to read later on the same thread (the shard sync keeps its
 request in flight while the trainer rank sends, without a thread hand-off). Servers older
@@ -28,11 +30,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from hpcrl.rollout.engine_auth import ADMIN_ROUTES, EngineKeys, process_keys
 from launch.procs import die_with_parent
 
-__all__ = ["EngineClient", "EngineError", "PendingResponse", "launch_reference_server"]
+__all__ = ["EngineClient", "EngineError", "PendingResponse", "launch_reference_server", "open_private_log"]
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
+_PROCESS = object()  # EngineClient(keys=...) default: the process's keys (engine_auth.set_process_keys)
 
 
 class EngineError(RuntimeError):
@@ -47,7 +51,8 @@ class EngineError(RuntimeError):
 class EngineClient:
     """One generation engine at `base_url` (http://host:port), SGLang's HTTP API."""
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 600.0, keys: EngineKeys | None | object = _PROCESS
+                 ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname or not parts.port:
             raise ValueError(f"base_url {base_url!r} must look like http://host:port")
@@ -56,6 +61,19 @@ class EngineClient:
         self.timeout_s = timeout_s
         self._local = threading.local()
         self.has_session_routes: bool | None = None  # learnt on the first begin_weight_update
+        self.keys = process_keys() if keys is _PROCESS else keys
+        assert self.keys is None or isinstance(self.keys, EngineKeys), keys
+        self._headers: dict[tuple[str, bool], dict[str, str]] = {}  # (route, has body) -> headers
+
+    def headers(self, route: str, has_body: bool) -> dict[str, str]:
+        """The request headers for `route`: JSON content type with a body, the route's key if any."""
+        out = self._headers.get((route, has_body))
+        if out is None:
+            out = dict(_JSON_HEADERS) if has_body else {}
+            if self.keys is not None:
+                out["Authorization"] = self.keys.header(route)
+            self._headers[(route, has_body)] = out
+        return out
 
     # -- transport -------------------------------------------------------------------------------
 
@@ -82,7 +100,7 @@ class EngineClient:
         try:
             conn = self._connection(fresh=self._dropped())
             conn.sock.settimeout(self.timeout_s if timeout_s is None else timeout_s)
-            conn.request(method, route, body=body, headers=_JSON_HEADERS if body is not None else {})
+            conn.request(method, route, body=body, headers=self.headers(route, body is not None))
         except (OSError, http.client.HTTPException) as exc:
             self._drop()
             raise EngineError(self.base_url, route, None, f"{type(exc).__name__}: {exc}") from exc
@@ -98,6 +116,12 @@ class EngineClient:
 
     def _answer(self, route: str, status: int, data: bytes, content_type: str):
         decoded = _decode(data, content_type)
+        if status in (401, 403):
+            raise EngineError(self.base_url, route, status,
+                              f"{_message(decoded)}: the engine wants the job's "
+                              f"{'admin ' if route in ADMIN_ROUTES else ''}key (RUN_DIR/engine_keys.yaml, "
+                              f"hpcrl/rollout/engine_auth.py); this client sends "
+                              f"{'a key' if self.keys is not None else 'none'}")
         if status >= 400:
             raise EngineError(self.base_url, route, status, _message(decoded))
         if isinstance(decoded, dict) and decoded.get("success") is False:
@@ -107,7 +131,7 @@ class EngineClient:
     def request(self, method: str, route: str, payload=None, timeout_s: float | None = None):
         """One call; returns the decoded JSON (or text, or None for an empty body); EngineError on failure."""
         body = None if payload is None else json.dumps(payload).encode()
-        headers = _JSON_HEADERS if body is not None else {}
+        headers = self.headers(route, body is not None)
         for attempt in (0, 1):
             reused = getattr(self._local, "conn", None) is not None
             try:
@@ -310,6 +334,8 @@ def _message(decoded) -> str:
     if isinstance(decoded, dict):
         if isinstance(decoded.get("error"), dict) and "message" in decoded["error"]:
             return str(decoded["error"]["message"])
+        if isinstance(decoded.get("error"), str):
+            return decoded["error"]
         if "message" in decoded:
             return str(decoded["message"])
         if "detail" in decoded:
@@ -320,12 +346,14 @@ def _message(decoded) -> str:
 def launch_reference_server(model_config_path: str, device: str = "cpu", seed: int = 0,
                             log_path: str | None = None, *, host: str = "127.0.0.1", threads: int | None = 1,
                             dtype: str = "float32", startup_timeout_s: float = 180.0,
-                            extra_args: Sequence[str] = (), model_path: str | None = None
-                            ) -> tuple[subprocess.Popen, str]:
+                            extra_args: Sequence[str] = (), model_path: str | None = None,
+                            config_path: str | None = None) -> tuple[subprocess.Popen, str]:
     """Start the reference server as a subprocess; return it and its URL once /health answers 200.
 
     With `model_path` (a HF model directory) the engine loads its weights; otherwise it draws random
-    weights from `seed`.
+    weights from `seed`. `config_path`: a YAML file of server options (SGLang's --config), such as the
+    job's engine keys (engine_auth.job_keys), which then stay off the command line. The log file is
+    created user-only (0600): servers print their settings.
 
     The server binds port 0 and reports the port the OS gave it through a file, so no other process
     can take the port between choosing and binding it, and the health check cannot reach another
@@ -339,8 +367,9 @@ def launch_reference_server(model_config_path: str, device: str = "cpu", seed: i
     cmd = [sys.executable, "-m", "hpcrl.rollout.reference_server", "--model-config", str(model_config_path),
            "--host", host, "--port", "0", "--port-file", port_file, "--device", device, "--seed", str(seed),
            "--dtype", dtype, *([] if threads is None else ["--threads", str(threads)]),
-           *([] if model_path is None else ["--model-path", str(model_path)]), *extra_args]
-    log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (handed to Popen)
+           *([] if model_path is None else ["--model-path", str(model_path)]),
+           *([] if config_path is None else ["--config", str(config_path)]), *extra_args]
+    log = open_private_log(log_path) if log_path else subprocess.DEVNULL
     try:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_parent)
@@ -372,6 +401,14 @@ def launch_reference_server(model_config_path: str, device: str = "cpu", seed: i
     tail = _tail(log_path) if log_path else "(no log_path given)"
     raise RuntimeError(f"reference server on {host} {why}; command: {' '.join(cmd)}\n"
                        f"log tail:\n{tail}")
+
+
+def open_private_log(path: str | Path):
+    """Open `path` for appending in binary mode, created user-only (0600): an engine's log holds its
+    settings, SGLang's its API keys among them."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)  # also a log left by an earlier attempt of the run
+    return os.fdopen(fd, "ab")
 
 
 def _tail(path: str, num_bytes: int = 4000) -> str:

@@ -3,6 +3,7 @@
 
     python -m hpcrl.rollout.reference_server --model-config config.json --host 127.0.0.1 --port 30000 \
         [--model-path DIR] [--device cpu] [--dtype float32] [--seed 0] [--tokenizer char|none] [--threads 1]
+        [--config engine_keys.yaml] [--api-key KEY] [--admin-api-key KEY]
 
 With --model-path (a HF model directory, as SGLang's --model-path) the engine starts from its weights;
 without it from random weights drawn from --seed (SGLang's --load-format dummy).
@@ -15,6 +16,11 @@ Routes (bodies and answers as SGLang's): POST /generate; GET /health, /health_ge
 /continue_generation; and hpcrl's extension POST /hpcrl/update_weights_reshard (shard-to-shard sync,
 hpcrl/rollout/reshard_route.py). Weight routes answer {"success", "message"} with HTTP 200 or 400; other
 failures answer {"error": {"message"}} with 400 (bad request) or 500 (engine fault).
+
+Keys as SGLang's (hpcrl/rollout/engine_auth.py): with --api-key / --admin-api-key, given on the
+command line or, to keep them off it, in a YAML file read by --config (SGLang's: its keys are the
+long options without dashes, placed before the command line's), requests without the right Bearer
+token are refused with 401 before anything runs; /health stays open.
 
 Concurrency: /generate requests are queued; the first waiting request's own handler thread runs
 everything queued at once as one batch (results do not depend on batch composition, see engine.py),
@@ -52,6 +58,7 @@ import torch.distributed as dist
 
 from hpcrl import faults
 from hpcrl.rollout.engine import ReferenceModel
+from hpcrl.rollout.engine_auth import decide_request_auth, route_level
 from hpcrl.rollout.reshard_route import ROUTE, PlanRequest, spec_at_dtype, spec_fingerprint
 from hpcrl.rollout.weight_sender import init_custom_process_group, parse_dtype, unflatten_bucket
 
@@ -124,6 +131,16 @@ class ReferenceServer:
         self.routes |= {("GET", f"/{k}"): v for k, v in get.items()}
         self.routes[("PUT", "/generate")] = self.generate
         self.weight_routes = {f"/{k}" for k in weight}
+        self.api_key = getattr(args, "api_key", None)
+        self.admin_api_key = getattr(args, "admin_api_key", None)
+        self.auth = bool(self.api_key or self.admin_api_key)  # no keys: no check at all
+
+    def refuse(self, method: str, path: str, authorization: str | None) -> int | None:
+        """The HTTP status refusing this request under SGLang's key rules, or None to serve it."""
+        allowed, status = decide_request_auth(method=method, path=path, authorization_header=authorization,
+                                              api_key=self.api_key, admin_api_key=self.admin_api_key,
+                                              auth_level=route_level(path))
+        return None if allowed else status
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -565,6 +582,11 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
+        if app.auth:
+            status = app.refuse(method, path, self.headers.get("Authorization"))
+            if status is not None:
+                self._send(status, {"error": "Unauthorized" if status == 401 else "Forbidden"})
+                return
         handler = app.routes.get((method, path))
         weight_route = path in app.weight_routes
         try:
@@ -606,6 +628,29 @@ def _error_body(message: str, weight_route: bool) -> dict:
     return {"success": False, "message": message} if weight_route else {"error": {"message": message}}
 
 
+def _with_config(argv: list[str]) -> list[str]:
+    """SGLang's --config merge: the YAML file's options ({"api-key": K} -> --api-key K, true ->
+    the bare flag) go before the command line's, whose own values therefore win."""
+    if "--config" not in argv:
+        return argv
+    import yaml
+
+    i = argv.index("--config")
+    if i + 1 >= len(argv):
+        raise SystemExit("--config needs a YAML file")
+    data = yaml.safe_load(Path(argv[i + 1]).read_text()) or {}
+    if not isinstance(data, dict):
+        raise SystemExit(f"--config {argv[i + 1]}: must hold a mapping of options")
+    merged: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            merged.append(flag)
+        elif value is not False and value is not None:
+            merged += [flag, str(value)]
+    return merged + argv[:i] + argv[i + 2:]
+
+
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -628,7 +673,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="text <-> ids for 'text' inputs and the 'text' answer field")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--dist-timeout-s", type=float, default=600.0, help="weight-update group timeout")
-    args = parser.parse_args(argv)
+    parser.add_argument("--api-key", default=None, help="Bearer key of ordinary routes (SGLang's)")
+    parser.add_argument("--admin-api-key", default=None, help="Bearer key of weight/memory routes (SGLang's)")
+    parser.add_argument("--config", default=None, help="YAML file of options, read as SGLang's --config")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(_with_config(argv))
     if args.threads:
         torch.set_num_threads(args.threads)
     hf_config = json.loads(Path(args.model_config).read_text())

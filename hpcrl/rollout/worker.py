@@ -7,6 +7,10 @@ backend `sglang`: a real SGLang 0.5.x server (`python -m sglang.launch_server`) 
 `model.path`'s weights, or with dummy weights for a random-init model; no tokenizer (token ids in and
 out). The trainer's initial weight sync pushes the policy either way, and step 0's log-prob check
 verifies it.
+
+Either engine is protected by the job's keys (hpcrl/rollout/engine_auth.py: RUN_DIR/engine_keys.yaml,
+0600, given with --config so no key is on a command line); engine logs are user-only. SGLang runs
+with --enable-deterministic-inference, without which it ignores `sampling_seed` (docs/sglang.md).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 from hpcrl import faults
 from hpcrl.config.schema import JobConfig
 from hpcrl.dist import free_port, routable_host
+from hpcrl.rollout.engine_auth import job_keys, keys_path
 from hpcrl.rollout.placement import rank_gpus, sglang_gpu_args
 from launch.procs import die_with_parent
 
@@ -31,7 +36,9 @@ def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
     trainer's initial sync pushes the weights). Token ids in and out: no tokenizer in the engine.
     `gpus` (hpcrl.rollout.placement.rank_gpus) become `--base-gpu-id`. The interpreter is
     `rollout.python` (else this one); with `rollout.env_setup` the command runs in bash after those
-    lines (`bash -c '<lines>; exec "$@"' hpcrl-engine python ...`)."""
+    lines (`bash -c '<lines>; exec "$@"' hpcrl-engine python ...`). `--config` is the job's key file
+    (engine_auth.keys_path: --api-key/--admin-api-key off the command line);
+    `--enable-deterministic-inference` makes SGLang honour each request's `sampling_seed`."""
     if job.model.path:
         model_dir, load = Path(job.model.path), []
     else:
@@ -41,7 +48,8 @@ def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
     python = job.rollout.python or sys.executable
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", host,
            "--port", str(port), "--tp-size", str(job.rollout.tp_per_engine), *sglang_gpu_args(gpus), *load,
-           "--skip-tokenizer-init", "--dtype", job.model.dtype, *job.rollout.server_args]
+           "--skip-tokenizer-init", "--dtype", job.model.dtype, "--config", str(keys_path(run_dir)),
+           "--enable-deterministic-inference", *job.rollout.server_args]
     if job.rollout.env_setup:
         script = "\n".join([*job.rollout.env_setup, 'exec "$@"'])
         cmd = ["bash", "-c", script, "hpcrl-engine", *cmd]
@@ -51,9 +59,11 @@ def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
 def _launch_sglang(job: JobConfig, run_dir: Path, host: str, port: int, log_path: Path,
                    gpus: tuple[int, ...] = ()) -> subprocess.Popen:
     """Start SGLang on the job's model (see `sglang_command`)."""
+    from hpcrl.rollout.client import open_private_log
+
     cmd = sglang_command(job, run_dir, host, port, gpus)
-    return subprocess.Popen(cmd, stdout=log_path.open("a"), stderr=subprocess.STDOUT,
-                            preexec_fn=die_with_parent)
+    with open_private_log(log_path) as log:  # SGLang logs its server args, the keys among them
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
 
 
 def reference_device(job: JobConfig, gpus: tuple[int, ...]) -> str:
@@ -80,13 +90,14 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         host = routable_host() if job.resources.nodes + job.resources.rollout_nodes > 1 else "127.0.0.1"
         log_path = run_dir / "logs" / f"engine{engine_index}.log"
         gpus = rank_gpus(world, job) if job.resources.device == "cuda" else ()
+        job_keys(run_dir)  # the key file the engine reads (made at start-up by hpcrl.worker_main)
         if job.rollout.backend == "reference":
             state["proc"], url = launch_reference_server(
                 str(run_dir / "model_config.json"), reference_device(job, gpus), engine_init_seed(job),
                 str(log_path),
                 host=host, dtype=job.model.dtype, threads=job.resources.cpus_per_rank,
                 startup_timeout_s=job.resources.startup_timeout_s, extra_args=job.rollout.server_args,
-                model_path=job.model.path)
+                model_path=job.model.path, config_path=str(keys_path(run_dir)))
         else:
             port = free_port(host)  # SGLang takes an explicit port
             state["proc"] = _launch_sglang(job, run_dir, host, port, log_path, gpus)

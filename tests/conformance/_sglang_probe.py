@@ -31,7 +31,8 @@ def _digest(tensor) -> str:
 
 def parse_args(root: str, argv_file: str) -> None:
     """Prints {"options": {option string: dest} of SGLang's parser, "results": per argv of the JSON list
-    in `argv_file`, the parsed namespace (JSON-able values) or {"error": message}}."""
+    in `argv_file`, the parsed namespace (JSON-able values) or {"error": message}}. An argv with
+    `--config FILE` is first merged with the file as prepare_server_args does (ConfigArgumentMerger)."""
     import argparse
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -45,8 +46,12 @@ def parse_args(root: str, argv_file: str) -> None:
     results = []
     for argv in json.loads(Path(argv_file).read_text()):
         try:
+            if "--config" in argv:  # server_args.prepare_server_args, before it parses
+                from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+                argv = ConfigArgumentMerger(parser).merge_config_with_args(argv)
             args = parser.parse_args(argv)
-        except (argparse.ArgumentError, SystemExit) as exc:
+        except (argparse.ArgumentError, SystemExit, ValueError) as exc:
             results.append({"error": str(exc)})
             continue
         results.append({k: v for k, v in vars(args).items()

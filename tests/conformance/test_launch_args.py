@@ -17,6 +17,7 @@ from hpcrl.config.validate import SGLANG_OWNED_FLAGS
 from hpcrl.rollout.worker import sglang_command
 
 PROBE = Path(__file__).parent / "_sglang_probe.py"
+API_KEY, ADMIN_KEY = "test-api-key", "test-admin-key"
 
 
 def _job(dtype: str, tp: int, model_path: str | None = None, server_args=(), env_setup=()) -> JobConfig:
@@ -52,6 +53,11 @@ def parsed(sglang_root, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     (run_dir / "model_config.json").write_text("{}")
     argvs = [_sglang_argv(sglang_command(job, run_dir, "10.0.0.7", 31234, gpus)) for job, gpus, _ in CASES]
+    for argv in argvs:  # the engine key file hpcrl writes at start-up (hpcrl/rollout/engine_auth.py)
+        if "--config" in argv:
+            keys = Path(argv[argv.index("--config") + 1])
+            if not keys.exists():
+                keys.write_text(f"api-key: {API_KEY}\nadmin-api-key: {ADMIN_KEY}\n")
     argvs.append(["--model-path", "/m", "--no-such-flag", "1"])  # the parser does refuse unknown flags
     argv_file = run_dir / "argv.json"
     argv_file.write_text(json.dumps(argvs))
@@ -72,6 +78,8 @@ def test_sglang_parses_hpcrl_launch_command(parsed, case):
         assert got["model_path"] == str(run_dir / "engine_model")
     for key, value in want.items():
         assert got[key] == value, (key, got[key], value)
+    if got.get("config"):  # the keys reach SGLang through its --config file, not the command line
+        assert (got["api_key"], got["admin_api_key"]) == (API_KEY, ADMIN_KEY)
 
 
 def test_unknown_flag_is_refused(parsed):

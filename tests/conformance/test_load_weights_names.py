@@ -145,3 +145,40 @@ def test_expert_mapping_is_sglangs(sglang_root):
     down = rules.map("model.layers.1.mlp.experts.3.down_proj.weight")
     assert down == "model.layers.1.mlp.experts.w2_weight"
     assert ("experts.w13_", "experts.3.gate_proj.", 3, "w1") in rules.experts
+
+
+def _call_local_dicts(fn: ast.FunctionDef) -> set[str]:
+    """Names a load function binds to a dict (`x = {}`, `x = {} if c else None`, `x: Dict = {}`):
+    state that outlives one weight, i.e. pieces waiting for a partner in the same call."""
+    out = set()
+    for node in ast.walk(fn):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            values = [node.value] + ([node.value.body, node.value.orelse] if isinstance(node.value, ast.IfExp)
+                                     else [])
+            if any(isinstance(v, ast.Dict) or isinstance(v, ast.Call) and getattr(v.func, "id", "") == "dict"
+                   for v in values):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                out |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return out - {"params_dict", "kw"}
+
+
+def test_fused_groups_match_sglang(sglang_root):
+    """moe/fused.py (what hpcrl keeps in one bucket) lists what SGLang's loaders fuse within one call:
+    Qwen3-MoE and Mixtral keep no pieces across weights; DeepSeek-V3 caches exactly q_a_proj and
+    kv_a_proj_with_mqa (cached_a_proj) and the V3.2 indexer pieces."""
+    from moe.fused import FUSED_INFIXES
+
+    for family, (file, cls, name, _) in SOURCES.items():
+        source = (sglang_root / "src" / file).read_text()
+        fn = _function(ast.parse(source), cls, name)
+        held = _call_local_dicts(fn)
+        if family != "deepseek_v3":
+            assert not held, f"{family}'s load_weights now holds pieces across weights in {held}"
+            continue
+        assert held == {"cached_a_proj", "pending_indexer_wk"}, held
+        tested = {c.value for node in ast.walk(fn) if isinstance(node, ast.Compare)
+                  and any(isinstance(op, ast.In) for op in node.ops)
+                  for c in [node.left] if isinstance(c, ast.Constant) and "a_proj" in str(c.value)}
+        assert tested == {"q_a_proj", "kv_a_proj_with_mqa"}, tested
+        ours = {infix.strip(".").rsplit(".", 1)[-1] for infix in FUSED_INFIXES[0]}
+        assert ours == tested

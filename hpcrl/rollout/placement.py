@@ -21,7 +21,6 @@ SLURM_GPUS_PER_TASK and each task sees only its own GPUs) a rank uses the GPUs i
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -118,8 +117,10 @@ def sglang_gpu_args(gpus: Sequence[int]) -> list[str]:
 def slurm_node_roles(job: Any) -> list[tuple[str, list[tuple[int, str]]]]:
     """Where `hpcrl submit` puts the ranks, per node: (YAML key of the node's component, [(world rank,
     role)]). Component 0 holds the controller and trainer ranks (and the rollout ranks when
-    resources.rollout_nodes is 0), component 1 the rollout ranks; each component's ranks fill its
-    nodes in order, at most ceil(ranks / nodes) per node (launch/slurm_submit.py's block layout)."""
+    resources.rollout_nodes is 0), component 1 the rollout ranks; each component's ranks are spread
+    evenly over its nodes in order, the first (ranks % nodes) nodes taking one more (Slurm's block
+    layout under launch/slurm_submit.py's --ntasks-per-node=ceil plus --ntasks: 9 on 2 nodes 5 + 4,
+    7 on 3 nodes 3 + 2 + 2). A run places by the rank table it actually gets, whatever Slurm did."""
     res, num_trainer, num_engines = job.resources, job.trainer.num_procs, job.rollout.num_engines
     roles = ["controller"] + ["trainer"] * num_trainer + ["rollout"] * num_engines
     if res.rollout_nodes > 0:
@@ -130,9 +131,11 @@ def slurm_node_roles(job: Any) -> list[tuple[str, list[tuple[int, str]]]]:
         components = [("resources.nodes", res.nodes, list(range(len(roles))))]
     out = []
     for key, nodes, ranks in components:
-        per_node = math.ceil(len(ranks) / nodes)
+        base, extra = divmod(len(ranks), nodes)
+        start = 0
         for n in range(nodes):
-            chunk = ranks[n * per_node:(n + 1) * per_node]
-            if chunk:
-                out.append((key, [(r, roles[r]) for r in chunk]))
+            size = base + (n < extra)
+            if size:
+                out.append((key, [(r, roles[r]) for r in ranks[start:start + size]]))
+            start += size
     return out

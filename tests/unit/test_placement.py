@@ -175,3 +175,14 @@ def test_hpcrl_validate_exits_2_naming_the_key(tmp_path):
                          text=True, timeout=120)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "resources.gpus_per_node" in out.stderr + out.stdout
+
+
+def test_slurm_node_roles_spread_evenly():
+    """As launch/slurm_submit.py asks Slurm: 7 ranks on 3 nodes are 3 + 2 + 2, 9 on 2 are 5 + 4."""
+    job = _job(trainer={"num_procs": 4}, rollout={"num_engines": 2}, resources={"nodes": 3})
+    assert [len(ranks) for _, ranks in slurm_node_roles(job)] == [3, 2, 2]
+    job = _job(trainer={"num_procs": 8}, rollout={"num_engines": 3},
+               resources={"nodes": 2, "rollout_nodes": 2})
+    assert [(k, len(r)) for k, r in slurm_node_roles(job)] == [("resources.nodes", 5), ("resources.nodes", 4),
+                                                              ("resources.rollout_nodes", 2),
+                                                              ("resources.rollout_nodes", 1)]

@@ -1,6 +1,7 @@
 """hpcrl.memwatch: the peak RSS of a phase is the kernel's high-water mark after a reset, so a brief
 allocation inside the phase shows, and one made before the phase (then freed) does not."""
 
+import mmap
 import time
 
 import numpy as np
@@ -12,8 +13,11 @@ MB = 1 << 20
 
 
 def _touch(nbytes: int) -> None:
-    a = np.ones(nbytes // 8)  # np.ones writes every page: all of it becomes resident
-    del a
+    """Make `nbytes` of fresh pages resident, then free them. An anonymous mmap of its own: a heap
+    allocation could reuse pages an earlier test left resident (glibc raises its mmap threshold
+    after large frees), and then the RSS would not rise at all."""
+    with mmap.mmap(-1, nbytes) as m:
+        np.frombuffer(m, dtype=np.uint8)[::mmap.PAGESIZE] = 1  # one write per page
 
 
 def test_peak_rises_by_what_the_phase_allocates() -> None:

@@ -19,6 +19,9 @@ EXIT_FAILURE = 1
 def _report(run_dir: Path, message: str) -> None:
     """Leave the failure in RUN_DIR/.failure.txt. Under `hpcrl run` the launcher prints it: output
     forwarded by Hydra can be lost when MPI_Abort follows at once. Elsewhere (Slurm) print it."""
+    from hpcrl.rollout.engine_watch import dead_engines_first
+
+    message = dead_engines_first(run_dir, message)  # an engine that died is the cause: named first
     (run_dir / ".failure.txt").write_text(message + "\n")
     if os.environ.get("HPCRL_LAUNCHER") != "mpiexec":
         print(f"\n{message}", file=sys.stderr, flush=True)

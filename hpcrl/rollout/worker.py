@@ -11,6 +11,8 @@ verifies it.
 Either engine is protected by the job's keys (hpcrl/rollout/engine_auth.py: RUN_DIR/engine_keys.yaml,
 0600, given with --config so no key is on a command line); engine logs are user-only. SGLang runs
 with --enable-deterministic-inference, without which it ignores `sampling_seed` (docs/sglang.md).
+The rank records its engine in RUN_DIR/logs/engine<i>.json and, if the engine dies unasked, how it
+died (hpcrl/rollout/engine_watch.py): the controller's failure report names that engine first.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from hpcrl import faults
 from hpcrl.config.schema import JobConfig
 from hpcrl.dist import free_port, routable_host
 from hpcrl.rollout.engine_auth import job_keys, keys_path
+from hpcrl.rollout.engine_watch import EngineRecord
 from hpcrl.rollout.placement import rank_gpus, sglang_gpu_args
 from launch.procs import die_with_parent
 
@@ -105,9 +108,20 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         client = EngineClient(url, timeout_s=job.resources.timeout_s)
         client.wait_healthy(job.resources.startup_timeout_s)
         state["client"] = client
+        state["record"] = EngineRecord(run_dir, engine_index, world.rank, world.ranks[world.rank].host,
+                                       state["proc"], url)
         return url
 
+    def heartbeat(cmd):
+        record = state.get("record")
+        death = record.death() if record is not None else None
+        if death is not None:
+            raise RuntimeError(death)
+        return None
+
     def shutdown(cmd):
+        if state.get("record") is not None:
+            state["record"].stop()  # an exit from here on is asked for, not a death
         proc = state.get("proc")
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -118,4 +132,4 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
                 proc.wait()
         return None
 
-    return {"init": init, "heartbeat": lambda cmd: None, "shutdown": shutdown}
+    return {"init": init, "heartbeat": heartbeat, "shutdown": shutdown}

@@ -24,6 +24,9 @@ ARGS = ["algorithm.num_steps=16", "checkpoint.interval_steps=5", "logging.progre
         "logging.tensorboard=false"]
 
 
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
 def _metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -62,11 +65,19 @@ def test_preempted_job_checkpoints_requeues_resumes_and_matches(slurm, job_dir: 
                            "-o", str(job_dir / "preemptor-%j.out"), "--wrap", "sleep 5")
     seen: list[tuple[str, int]] = []
 
-    def finished() -> bool:
+    def watch() -> None:
         job.watcher.update()  # what job.state shows, refreshed now
         seen.append((job.state, job.restarts))
+
+    def preemptor_done() -> bool:
+        watch()
+        return slurm.state(blocker) in ENDED
+
+    def finished() -> bool:
+        watch()
         return job.done()
 
+    slurm.wait_until("the preemptor to run and end", preemptor_done, 300, blocker)
     # PREEMPTED/REQUEUED/PENDING are passing states here: the job must come back and finish.
     slurm.wait_until(f"job {job_id} to finish after its requeue", finished, 700, job_id)
     summary = job.result()

@@ -100,10 +100,16 @@ def _rank_gone(record: dict) -> bool:
 
 
 def _records(run_dir: Path) -> list[dict]:
+    """This attempt's records: files older than this process (an earlier attempt of a requeued or
+    resumed run, whose engines are long gone) are left out."""
+    import psutil
+
+    started = psutil.Process().create_time() - 1.0
     out = []
     for p in sorted((run_dir / "logs").glob("engine*.json")):
         try:
-            out.append(json.loads(p.read_text()))
+            if p.stat().st_mtime >= started:
+                out.append(json.loads(p.read_text()))
         except (OSError, ValueError):
             continue
     return sorted(out, key=lambda r: r.get("engine", 0))

@@ -83,3 +83,12 @@ def test_an_engine_gone_with_its_rank_is_not_waited_for(tmp_path):
     assert dead_engines_first(tmp_path, "hpcrl run failed: rank 2 exited", wait_s=30) == \
         "hpcrl run failed: rank 2 exited"
     assert time.monotonic() - t0 < 5
+
+
+def test_records_of_an_earlier_attempt_are_ignored(tmp_path):
+    proc, _ = _engine(tmp_path)
+    os.kill(proc.pid, signal.SIGKILL)
+    _wait_exit(tmp_path)
+    old = time.time() - 3600
+    os.utime(record_path(tmp_path, 0), (old, old))  # written before this (controller) process began
+    assert dead_engines_first(tmp_path, "hpcrl run failed: x", wait_s=0) == "hpcrl run failed: x"

@@ -134,8 +134,8 @@ def dead_engines_first(run_dir: str | Path, message: str, wait_s: float = 5.0) -
         time.sleep(0.1)
         records = _records(run_dir)
         silent = [e for e in silent if not any(r["engine"] == e and "exit" in r for r in records)]
-    dead = [describe(r) for r in records if "exit" in r]
-    if not dead:
+    dead = [d for d in (describe(r) for r in records if "exit" in r) if d not in message]
+    if not dead:  # none, or the message is already a death (a rollout rank's heartbeat reports it)
         return message
     head, _, rest = message.partition(": ")
     return (f"{head}: " if rest else "") + "; ".join(dead) + f"\n  then: {_gist(rest or head)}"

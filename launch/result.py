@@ -20,6 +20,7 @@ from typing import Any
 from submitit.core import utils as submitit_utils
 
 FINAL_FILE = "final.json"
+REQUEUE_EXIT_CODE = 3  # the controller's "checkpoint saved, requeue me" (SlurmJobSpec.requeue_exit_code)
 
 
 def result_path(folder: Path, job_id: str) -> Path:
@@ -67,6 +68,9 @@ def failure_text(run_dir: Path, rc: int) -> str:
     failure = run_dir / ".failure.txt"
     if failure.is_file():
         lines.append(failure.read_text().strip())
+    elif rc == REQUEUE_EXIT_CODE:
+        lines.append(f"hpcrl run was interrupted (preempted or cancelled) and not requeued: the controller "
+                     f"saved a checkpoint and exited with {rc}; submit the job again to resume from it")
     else:
         lines.append(f"hpcrl run failed: the step exited with code {rc} and the controller left no report "
                      "(a rank or the launcher died before it could write RUN_DIR/.failure.txt)")
@@ -77,7 +81,7 @@ def failure_text(run_dir: Path, rc: int) -> str:
         lines.append(f"the step exited with code 0 but {run_dir / FINAL_FILE} is missing")
     else:
         lines.append(f"step exit code: {rc}")
-    lines.append(f"logs: {run_dir / 'logs'} (hpcrl logs {run_dir})")
+    lines.append(f"logs: {run_dir / 'logs'}")
     return "\n".join(lines)
 
 

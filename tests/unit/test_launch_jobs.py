@@ -58,6 +58,9 @@ def test_failed_run_raises_naming_the_rank_and_phase(tmp_path: Path) -> None:
     write_result(run_dir / "logs", "79", tmp_path, 0)
     with pytest.raises(FailedJobError, match="final.json is missing"):
         submitit.SlurmJob(run_dir / "logs", "79").result()
+    write_result(run_dir / "logs", "80", tmp_path, 3)  # interrupted, checkpoint saved, not requeued
+    with pytest.raises(FailedJobError, match="interrupted .preempted or cancelled. and not requeued"):
+        submitit.SlurmJob(run_dir / "logs", "80").result()
 
 
 FAKE_SBATCH = """#!/bin/bash

@@ -147,9 +147,14 @@ class HetJobExecutor(SlurmExecutor):
             with contextlib.redirect_stderr(io.StringIO()):
                 job = self.submit(RunOutcome(str(plan.run_dir)))
         except submitit_utils.FailedJobError as exc:
-            err = str(exc).strip().splitlines()
+            err = str(exc).strip()
+            code = getattr(exc.__cause__, "returncode", None)
+            if code == 124 and not err:  # killed by `timeout`
+                raise SlurmError("sbatch", " ".join(self.last_sbatch),
+                                 f"no answer within {SBATCH_TIMEOUT_S} s; is the Slurm controller up "
+                                 "(`scontrol ping`)?") from None
             raise SlurmError("sbatch", str(plan.run_dir / "job.sbatch"),
-                             f"Slurm rejected the job: {err[-1] if err else 'no output'}") from None
+                             f"Slurm rejected the job: {err or f'exit code {code}'}") from None
         finally:
             self._plan, self._after = None, ()
         assert isinstance(job, HetJob)

@@ -145,6 +145,14 @@ def test_rejected_job_reports_sbatch_error_once(tmp_path, fake_slurm, capsys) ->
     assert capsys.readouterr().err == ""
 
 
+def test_silent_sbatch_is_reported_as_a_timeout(tmp_path, fake_slurm, monkeypatch) -> None:
+    fake_slurm()
+    (tmp_path / "bin" / "sbatch").write_text("#!/bin/bash\nexit 124\n")  # what `timeout` returns
+    plan = plan_for(tmp_path)
+    with pytest.raises(SlurmError, match="no answer within 60 s; is the Slurm controller up"):
+        HetJobExecutor(plan.spec.log_dir).submit_plan(plan)
+
+
 def test_executor_folder_must_be_the_plan_log_dir(tmp_path, fake_slurm) -> None:
     fake_slurm()
     plan = plan_for(tmp_path)

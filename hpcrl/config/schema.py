@@ -66,11 +66,15 @@ class DataConfig:
 @dataclass(kw_only=True)
 class AlgorithmConfig:
     name: str = "grpo"
-    """RL algorithm: grpo (with `norm_adv_by_std: false` it is Dr. GRPO)."""
+    """RL algorithm: grpo | dr_grpo | rloo | reinforce_pp | gspo (hpcrl/dataflows/), or the import
+    path of a module defining `step(rl, step)` over hpcrl/controller/api.py."""
     group_size: int = 8
     """Completions sampled per prompt; advantages are normalised within a group."""
     clip_eps: float = 0.2
     """PPO ratio clip: ratio is clipped to [1 - clip_eps, 1 + clip_eps]."""
+    clip_eps_high: float = 0.0
+    """Upper clip of the `ppo` and `gspo` losses: [1 - clip_eps, 1 + clip_eps_high] (DAPO's
+    clip-higher, e.g. 0.28); 0 means clip_eps."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference (initial) policy; 0 disables the reference pass."""
     kl_estimator: str = "k3"

@@ -31,7 +31,7 @@ from hpcrl.tasks import TASKS, ExampleFile, OverlongPrompt, Tokenizer, load_toke
 from launch.slurm_spec import MPI_PLUGINS, SlurmComponent, SlurmJobSpec, parse_time_limit
 from moe.hf_megatron import HFModelDims
 
-ALGORITHMS = ("grpo",)
+ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo")  # hpcrl.controller.api.BUILTIN_ALGORITHMS
 DTYPES = ("float32", "bfloat16")
 RANDOM_INITS = ("auto", "hf", "sharded")
 OVERLONG_PROMPTS = ("error", "drop")
@@ -74,6 +74,7 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("data.seed", lambda v: 0 <= v < 2**63, ">= 0 (numpy seeds cannot be negative)"),
     ("algorithm.group_size", lambda v: v >= 2, ">= 2: advantages compare the completions of a group"),
     ("algorithm.clip_eps", lambda v: 0 < v < 1, "in (0, 1), e.g. 0.2"),
+    ("algorithm.clip_eps_high", lambda v: v >= 0, ">= 0 (0 means algorithm.clip_eps), e.g. 0.28"),
     ("algorithm.kl_coef", lambda v: v >= 0, ">= 0 (0 disables the KL penalty)"),
     ("algorithm.loss_agg_norm", lambda v: v >= 0, ">= 0 (0 means rollout.max_new_tokens)"),
     ("algorithm.lr", lambda v: v > 0, "> 0, e.g. 1e-6 for large models, 1e-3 for the tiny preset"),
@@ -126,7 +127,6 @@ _CHOICES: list[tuple[str, tuple[str, ...]]] = [
     ("model.dtype", DTYPES),
     ("model.random_init", RANDOM_INITS),
     ("data.overlong_prompts", OVERLONG_PROMPTS),
-    ("algorithm.name", ALGORITHMS),
     ("algorithm.kl_estimator", KL_ESTIMATORS),
     ("algorithm.loss_agg", LOSS_AGGS),
     ("trainer.dispatcher", DISPATCHERS),
@@ -248,6 +248,25 @@ def _check_weights(job: JobConfig, dims: HFModelDims) -> None:
         HFCheckpoint(Path(job.base_dir, job.model.path), dims).close()
     except CheckpointFormatError as exc:
         raise ConfigError("model.path", job.model.path, str(exc)) from None
+
+
+def _check_algorithm(job: JobConfig) -> None:
+    """algorithm.name: a built-in, or the import path of a module with a `step` function (imported
+    here, as reward.fn is); and no key the algorithm would silently ignore."""
+    a = job.algorithm
+    if a.name not in ALGORITHMS:
+        from hpcrl.controller.api import load_algorithm
+
+        try:
+            load_algorithm(a.name)
+        except ValueError as exc:
+            raise ConfigError("algorithm.name", a.name, f"{exc}{did_you_mean(a.name, ALGORITHMS)}") from None
+    if a.name == "gspo" and a.kl_coef > 0:
+        raise ConfigError("algorithm.kl_coef", a.kl_coef, "gspo's loss has no KL term; set it to 0 (or use "
+                                                         "grpo / reinforce_pp for a KL penalty)")
+    if a.name in ("rloo", "reinforce_pp", "dr_grpo") and not a.norm_adv_by_std:
+        raise ConfigError("algorithm.norm_adv_by_std", a.norm_adv_by_std,
+                          f"{a.name} computes its own advantages and ignores it; remove the key")
 
 
 def _check_eval(job: JobConfig) -> None:
@@ -589,6 +608,7 @@ def validate(job: JobConfig, purpose: str = "run") -> None:
     _check_parallel(job, dims)
     _check_context(job, dims, prompt_len)
     _check_eval(job)
+    _check_algorithm(job)
     _check_slurm(job)
     check_rollout_layout(job)
 

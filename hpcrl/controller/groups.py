@@ -37,6 +37,20 @@ class Rollout:
     def token_batch(self) -> dict:
         return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids}
 
+    def response_mask_BT(self) -> np.ndarray:
+        """Bool [B, T]: True on response tokens (T = the longest response, at least 1: the trainer's
+        [B, T] alignment, hpcrl/trainer/batch.py)."""
+        lens_B = np.fromiter(map(len, self.response_ids), dtype=np.int64, count=len(self.response_ids))
+        return np.arange(max(1, int(lens_B.max(initial=0))))[None, :] < lens_B[:, None]
+
+    def engine_logprobs_BT(self) -> np.ndarray:
+        """Float32 [B, T] log-probs the engines gave the sampled tokens (the behaviour policy), 0 on padding."""
+        mask_BT = self.response_mask_BT()
+        out_BT = np.zeros(mask_BT.shape, dtype=np.float32)
+        out_BT[mask_BT] = np.fromiter((x for row in self.engine_logprobs for x in row), dtype=np.float32,
+                                      count=int(mask_BT.sum()))
+        return out_BT
+
 
 @dataclass
 class TrainResult:
@@ -119,12 +133,14 @@ class PolicyGroup:
         return self._async("ref_logprobs", step, {**rollout.token_batch(), "temperature": temperature}).wait()
 
     def train(self, step: int, rollout: Rollout, advantages: np.ndarray, ref_BT: np.ndarray | None,
-              temperature: float) -> TrainResult:
-        """One on-policy optimizer step (the engines sampled with the current weights). The trainer
-        learns that a sync follows (`sync_version`), so it can prepare the engines for it while it
-        trains."""
+              temperature: float, loss: str = "grpo", tensors: dict[str, np.ndarray] | None = None
+              ) -> TrainResult:
+        """One on-policy optimizer step of `loss` (the engines sampled with the current weights). The
+        trainer learns that a sync follows (`sync_version`), so it can prepare the engines for it while
+        it trains."""
         payload = {**rollout.token_batch(), "advantages": advantages, "ref_logprobs": ref_BT,
-                   "temperature": temperature, "sync_version": str(step)}
+                   "temperature": temperature, "sync_version": str(step), "loss": loss,
+                   "tensors": tensors or {}}
         train = self._async("train", step, payload)
         self._queued_sync = (step, self._send("sync", step, {"weight_version": str(step)}))
         out = train.wait()

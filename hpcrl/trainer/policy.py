@@ -10,7 +10,8 @@ collectively with the same arguments; results come back on trainer rank 0 (None 
         -> Megatron DDP grad reduce + finalize_model_grads -> Adam step
     results (log-probs, metrics, HF weights) -> trainer rank 0
 
-Loss scaling: each micro-batch's loss is `grpo_loss` with the *global* token and sequence counts,
+Loss scaling: each micro-batch's loss (the algorithm's, hpcrl/algorithms/losses.py; GRPO's by
+default) uses the *global* token and sequence counts,
 so the sum over all micro-batches of all DP ranks is the full-batch loss. The schedule divides a
 micro-batch loss by the number of micro-batches M and DDP averages over the D DP ranks, so the
 policy hands Megatron `loss * M * D`; the MoE aux loss then gets Megatron's usual weight (mean
@@ -32,14 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcrl.algorithms.grpo import KL_ESTIMATORS, LOSS_AGGS, GRPOLossConfig, aggregate, grpo_loss
+from hpcrl.algorithms.grpo import KL_ESTIMATORS, LOSS_AGGS, GRPOLossConfig, aggregate
 from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
 from hpcrl.trainer import megatron_compat
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.model import build_gpt_model, check_layout, transformer_config
 from moe.hf_megatron import HFModelDims, RankCoords, hf_to_megatron, local_params
 
-METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_frac")
 
 
 def hf_state_dict_sha256(sd: Mapping[str, torch.Tensor]) -> str:
@@ -161,6 +161,7 @@ class MegatronPolicy:
                                        kl_estimator=algorithm.kl_estimator, loss_agg=algorithm.loss_agg,
                                        loss_agg_norm=algorithm.loss_agg_norm or None)
         self._loaded = {"policy": False, "ref": self.ref is None}
+        self._losses: dict[str, Any] = {}
 
     def _build_policy(self, layout: dict) -> None:
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
@@ -451,33 +452,55 @@ class MegatronPolicy:
         full = self._to_rank0(out_BT)
         return None if full is None else full[: batch.batch_size]
 
-    def _train_loss(self, temperature: float, num_tokens: int, num_seqs: int, scale: int,
+    def _policy_loss(self, spec: str):  # -> PolicyLoss
+        """The loss named `spec`, resolved once per name (hpcrl/algorithms/losses.py)."""
+        from hpcrl.algorithms.losses import resolve_loss
+
+        if spec not in self._losses:
+            self._losses[spec] = resolve_loss(spec)
+        return self._losses[spec]
+
+    def _train_loss(self, policy_loss: Any, temperature: float, num_tokens: int, num_seqs: int, scale: int,
                     mbd: dict[str, torch.Tensor], logits_BLv: torch.Tensor
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        from hpcrl.algorithms.losses import LossBatch
+
         logp_BT, entropy_BT = _logp_and_entropy(logits_BLv, mbd["pos_BT"], mbd["tgt_BT"], temperature)
         mask_BT = mbd["mask_BT"]
         # On-policy (no old log-probs given): the weights that sampled the batch are the ones
         # being trained, so the old log-probs are this forward's, detached (ratio = 1).
         old_BT = mbd["old_BT"] if "old_BT" in mbd else logp_BT.detach()
-        loss, m = grpo_loss(logp_BT, old_BT, mbd.get("ref_BT"), mbd["adv_B"], mask_BT,
-                            self.loss_cfg, num_tokens=num_tokens, num_seqs=num_seqs)
+        tensors = {k[2:]: v for k, v in mbd.items() if k.startswith("t:")}
+        loss, m = policy_loss.fn(LossBatch(logp_BT, old_BT, mbd.get("ref_BT"), mask_BT, num_tokens, num_seqs,
+                                           tensors), self.algorithm)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError(f"loss {policy_loss.name!r} returned {type(loss).__name__} of shape "
+                             f"{tuple(getattr(loss, 'shape', ()))}; it must return a scalar tensor")
+        missing = [k for k in policy_loss.metrics if k not in m]
+        if missing:
+            raise ValueError(f"loss {policy_loss.name!r} declared metrics {missing} but did not return them")
         entropy = aggregate(entropy_BT, mask_BT, "token-mean", num_tokens)
-        metrics = torch.stack([loss.detach(), m["pg_loss"], m["kl"].to(loss.device), entropy,
-                               m["clip_frac"]]).float()
+        metrics = torch.stack([loss.detach(), entropy,
+                               *(m[k].detach().to(loss.device) for k in policy_loss.metrics)]).float()
         return loss * scale, {"metrics": metrics, "logp_BT": torch.where(mask_BT, logp_BT.detach(), 0.0)}
 
     def train_step(self, batch: TrainBatch | None, advantages_B: torch.Tensor | None,
                    old_logp_BT: torch.Tensor | None = None, ref_logp_BT: torch.Tensor | None = None,
-                   temperature: float = 1.0, on_policy: bool = False) -> dict[str, Any] | None:
-        """One optimizer step of the GRPO loss over the whole batch; metrics on rank 0.
+                   temperature: float = 1.0, on_policy: bool = False, loss: str = "grpo",
+                   tensors: dict[str, torch.Tensor | None] | None = None) -> dict[str, Any] | None:
+        """One optimizer step of `loss` over the whole batch; metrics on rank 0.
+
+        `loss` is a built-in policy loss or `package.module:function` (hpcrl/algorithms/losses.py);
+        it receives `advantages_B` (or token-level [B, T] advantages) as tensors["advantages"], and
+        every other named [B] or [B, T] tensor of `tensors` as it is.
 
         `old_logp_BT` / `ref_logp_BT` follow the [B, T] alignment of hpcrl/trainer/batch.py;
         `ref_logp_BT` is required when algorithm.kl_coef > 0. With `on_policy=True` no old
         log-probs are passed: the batch was sampled with the current weights, so this step's own
         forward gives them (one forward pass fewer; what TRL and verl do for one update per batch).
         Every rank passes the same inputs, or None on ranks other than 0 (then rank 0's are
-        broadcast). Returns loss, pg_loss, kl, entropy, clip_frac (means over response tokens per
-        algorithm.loss_agg), grad_norm (before clipping), aux_loss (Megatron's load-balancing loss
+        broadcast). Returns loss, entropy and the loss's declared metrics (grpo: pg_loss, kl,
+        clip_frac; means over response tokens per algorithm.loss_agg), grad_norm (before clipping), aux_loss (Megatron's load-balancing loss
         without its coefficient, mean over layers and micro-batches) and `logprobs_BT` (this step's
         forward, before the update; 0 on padding) on rank 0; None elsewhere.
         """
@@ -488,25 +511,26 @@ class MegatronPolicy:
         self._require_loaded("policy")
         if temperature <= 0:
             raise ValueError(f"temperature={temperature}; must be > 0")
-        batch, t = self._share(batch, {"adv_B": advantages_B, "old_BT": old_logp_BT, "ref_BT": ref_logp_BT})
+        policy_loss = self._policy_loss(loss)
+        named = {"advantages": advantages_B, **(tensors or {})}
+        batch, t = self._share(batch, {"old_BT": old_logp_BT, "ref_BT": ref_logp_BT,
+                                       **{f"t:{k}": v for k, v in named.items()}})
         B, T = batch.batch_size, batch.response_width
-        for name, key, shape in (("advantages_B", "adv_B", (B,)), ("old_logp_BT", "old_BT", (B, T)),
-                                 ("ref_logp_BT", "ref_BT", (B, T))):
+        for name, key, shapes in (("old_logp_BT", "old_BT", [(B, T)]), ("ref_logp_BT", "ref_BT", [(B, T)]),
+                                  *((f"tensors[{k!r}]", f"t:{k}", [(B,), (B, T)]) for k in named)):
             v = t[key]
-            if v is None and (key == "adv_B" or (key == "old_BT" and not on_policy)):
-                raise ValueError(f"{name} is None; pass a tensor of shape {shape}"
+            if v is None and (key.startswith("t:") or (key == "old_BT" and not on_policy)):
+                raise ValueError(f"{name} is None; pass a tensor of shape {shapes[0]}"
                                  + (" or on_policy=True" if key == "old_BT" else ""))
             if v is not None and key == "old_BT" and on_policy:
                 raise ValueError("old_logp_BT given with on_policy=True; pass one or the other")
-            if v is not None and tuple(v.shape) != shape:
-                raise ValueError(f"{name} has shape {tuple(v.shape)}, expected {shape} (B={B} rows, "
-                                 f"T={T} = max response length; see hpcrl/trainer/batch.py)")
-        if self.loss_cfg.kl_coef > 0 and t["ref_BT"] is None:
-            raise ValueError("algorithm.kl_coef > 0 needs ref_logp_BT (compute_logprobs(batch, 'ref'))")
-        per_row = {"adv_B": t["adv_B"].float()}
+            if v is not None and tuple(v.shape) not in shapes:
+                raise ValueError(f"{name} has shape {tuple(v.shape)}, expected {' or '.join(map(str, shapes))} "
+                                 f"(B={B} rows, T={T} = max response length; see hpcrl/trainer/batch.py)")
+        per_row = {f"t:{k}": t[f"t:{k}"].float() for k in named}
         if not on_policy:
             per_row["old_BT"] = t["old_BT"].float()
-        if self.loss_cfg.kl_coef > 0:
+        if t["ref_BT"] is not None:
             per_row["ref_BT"] = t["ref_BT"].float()
         mbs, n_mb, mb, L = self._split(batch, per_row)
 
@@ -515,12 +539,13 @@ class MegatronPolicy:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         clear_aux_losses_tracker()
-        loss_fn = partial(self._train_loss, temperature, max(batch.num_response_tokens(), 1), B,
+        loss_fn = partial(self._train_loss, policy_loss, temperature, max(batch.num_response_tokens(), 1), B,
                           n_mb * self.dp_size)
         store = self._run(self.ddp, mbs, n_mb, mb, L, False, loss_fn)
         _, grad_norm, _ = self.optimizer.step()
 
-        local = torch.zeros(len(METRICS), dtype=torch.float32)
+        names = ("loss", "entropy", *policy_loss.metrics)
+        local = torch.zeros(len(names), dtype=torch.float32)
         if self._counts_here():
             for d in store:
                 local += d["metrics"].detach().cpu()
@@ -539,7 +564,7 @@ class MegatronPolicy:
         summed = self._to_rank0(local)
         if summed is None:
             return None
-        out: dict[str, Any] = {name: float(v) for name, v in zip(METRICS, summed)}
+        out: dict[str, Any] = {name: float(v) for name, v in zip(names, summed)}
         out["logprobs_BT"] = logprobs_BT
         if grad_norm is not None:
             out["grad_norm"] = float(grad_norm)

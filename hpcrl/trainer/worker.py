@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -118,16 +119,22 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         return ref.numpy() if is_leader else None
 
     def train(cmd):
+        import numpy as np
         import torch
 
         p = cmd.payload
         if p.get("sync_version") is not None:  # the controller queued a sync right behind this step
             state["weight_sync"].announce(p["sync_version"])
         ref = None if p["ref_logprobs"] is None else torch.from_numpy(p["ref_logprobs"])
-        out = state["policy"].train_step(batch_of(p), torch.from_numpy(p["advantages"]), None, ref,
-                                         temperature=p["temperature"], on_policy=True)
+        tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in p.get("tensors", {}).items()}
+        loss = p.get("loss", "grpo")
+        out = state["policy"].train_step(batch_of(p), torch.from_numpy(np.asarray(p["advantages"])), None, ref,
+                                         temperature=p["temperature"], on_policy=True, loss=loss, tensors=tensors)
         if out is None:
             return None
+        if not math.isfinite(out["loss"]):
+            raise FloatingPointError(f"algorithm {job.algorithm.name!r}, step {cmd.step}: loss {loss!r} is "
+                                     f"{out['loss']}; check the advantages and the loss function")
         logprobs = out.pop("logprobs_BT").numpy()
         return {"metrics": out, "logprobs": logprobs}
 

@@ -213,3 +213,17 @@ def test_bad_input_raises(world1) -> None:
         policy.train_step(batch, torch.zeros(8), torch.zeros(8, batch.response_width), on_policy=True)
     with pytest.raises(KeyError, match="lm_head.weight"):
         policy.load_hf_state_dict({})
+    with pytest.raises(ValueError, match=r"tensors\['advantages'\] has shape \(3,\), expected \(8,\) or"):
+        policy.train_step(batch, torch.zeros(3), on_policy=True)
+    with pytest.raises(ValueError, match="neither a built-in loss"):
+        policy.train_step(batch, torch.zeros(8), on_policy=True, loss="nope")
+
+
+def test_a_loss_must_return_a_scalar(world1, tmp_path, monkeypatch) -> None:
+    (tmp_path / "vector_loss.py").write_text("def loss(b, cfg):\n    return b.logp_BT.sum(dim=1), {}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    policy = make_policy(qwen_config())
+    policy.init_from_seed(0)
+    with pytest.raises(ValueError, match=r"loss 'vector_loss:loss' returned Tensor of shape \(8,\); it must "
+                                         "return a scalar tensor"):
+        policy.train_step(random_batch(64, seed=6), torch.zeros(8), on_policy=True, loss="vector_loss:loss")

@@ -1,0 +1,153 @@
+"""The controller's public API: what an RL algorithm's step function composes.
+
+An algorithm is a module with one function, `step(rl: RL, step: int) -> None`, that reads like its
+paper's pseudo-code (the built-ins are in hpcrl/dataflows/; `algorithm.name` takes a built-in name or
+the import path of a user's module). Each primitive runs one phase on the worker groups, times it,
+records it for failure reports and preemption, and logs its metrics into the step's record:
+
+    rl.generate()                     -> Rollout     engines sample job.algorithm.group_size completions
+                                                     of the step's prompts (rollout/*)
+    rl.score(rollout)                 -> [B] rewards reward pool, deadlines (reward/*)
+    rl.ref_logprobs(rollout)          -> [B, T]      frozen reference policy (Megatron)
+    rl.update_policy(rollout, advantages, loss=..., ref_logprobs=..., tensors=...)
+                                      -> metrics     one on-policy optimizer step of `loss` (a built-in or
+                                                     `pkg.module:function`, hpcrl/algorithms/losses.py); the
+                                                     engines' log-probs are checked against the trainer's
+                                                     (sync/logprob_max_abs_diff) and the weight sync starts
+    rl.sync_weights()                 -> metrics     waits for that sync (sync/*)
+    rl.log(name=value, ...)                          any extra metric of the step
+
+Advantages, losses and rewards are plain tensor functions (hpcrl/algorithms/). Everything a loss
+needs travels as named tensors of the batch: per sequence [B] or per token [B, T] (T = the longest
+response; `Rollout.response_mask_BT()`). The loop (hpcrl/controller/loop.py) owns what every
+algorithm shares: the step range, evaluation, the metrics record and checkpoints.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from hpcrl.config.schema import AlgorithmConfig, JobConfig
+from hpcrl.controller.groups import Rollout
+from hpcrl.controller.sync_check import logprob_max_abs_diff
+
+BUILTIN_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo")
+STEP_SIGNATURE = "def step(rl: hpcrl.controller.api.RL, step: int) -> None"
+
+
+def load_algorithm(name: str) -> ModuleType:
+    """The module of `algorithm.name`: a built-in (hpcrl/dataflows/<name>.py) or an importable module
+    with a `step` function; ValueError naming the fix otherwise."""
+    module_name = f"hpcrl.dataflows.{name}" if name in BUILTIN_ALGORITHMS else name
+    neither = (f"neither a built-in algorithm ({', '.join(BUILTIN_ALGORITHMS)}) nor the import path of a "
+               f"module (package.module) defining `{STEP_SIGNATURE}`")
+    if ":" in name or not name.replace(".", "").replace("_", "").isalnum():
+        raise ValueError(f"is {neither}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"is {neither}: cannot import module {module_name!r} ({exc}); put it on "
+                         "PYTHONPATH") from None
+    if not callable(getattr(module, "step", None)):
+        raise ValueError(f"module {module_name!r} has no function `step`; define `{STEP_SIGNATURE}`")
+    return module
+
+
+class RL:
+    """The API of one run (rank 0); the loop calls `begin_step` / `end_step` around each step."""
+
+    def __init__(self, session: Any) -> None:
+        self._s = session
+        self.job: JobConfig = session.job
+        self.algo: AlgorithmConfig = session.job.algorithm
+        self.step = -1
+        self._metrics: dict[str, Any] = {}
+        self._timing: dict[str, float] = {}
+        self._t0 = 0.0
+        self._temperature = self.job.rollout.temperature
+
+    # -- the loop's side ---------------------------------------------------------------------------
+
+    def begin_step(self, step: int) -> None:
+        self.step, self._metrics, self._timing, self._t0 = step, {}, {}, time.perf_counter()
+
+    def end_step(self) -> dict[str, Any]:
+        """The step's metrics record (timing/* included), for the metrics logger."""
+        timing = {f"timing/{k}_s": round(v, 6) for k, v in self._timing.items()}
+        return {**self._metrics, **timing, "timing/step_s": round(time.perf_counter() - self._t0, 6)}
+
+    def _phase(self, name: str, timer: str | None = None) -> _Timed:
+        self._s.phase(self.step, name)
+        return _Timed(self._timing, timer or name)
+
+    # -- the primitives ----------------------------------------------------------------------------
+
+    def generate(self) -> Rollout:
+        """The step's prompts (job.data), each sampled job.algorithm.group_size times, group after group."""
+        with self._phase("generate", "rollout"):
+            rollout = self._s.generate(self.step)
+        self.log(**{"rollout/tokens": rollout.num_tokens,
+                    "rollout/response_len": rollout.num_tokens / len(rollout.response_ids),
+                    "data/dropped_prompts": len(self._s.sampler.dropped(self.step))})
+        return rollout
+
+    def score(self, rollout: Rollout) -> np.ndarray:
+        """Float32 [B] rewards of reward.fn; a completion whose reward raised or timed out scores 0."""
+        with self._phase("reward"):
+            rewards, errors = self._s.score(self.step, rollout)
+        self.log(**{"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+                    "reward/errors": errors})
+        return rewards
+
+    def ref_logprobs(self, rollout: Rollout) -> np.ndarray:
+        """Float32 [B, T] log-probs of the response tokens under the frozen reference policy
+        (needs algorithm.kl_coef > 0, which builds the reference model)."""
+        with self._phase("logprobs"):
+            return self._s.policy.ref_logprobs(self.step, rollout, self._temperature)
+
+    def update_policy(self, rollout: Rollout, advantages: np.ndarray, *, loss: str = "grpo",
+                      ref_logprobs: np.ndarray | None = None,
+                      tensors: dict[str, np.ndarray] | None = None) -> dict[str, float]:
+        """One on-policy optimizer step of `loss` on the rollout; returns (and logs) train/* metrics.
+
+        `advantages` is [B] or [B, T]; `tensors` are further named [B] / [B, T] arrays for the loss.
+        Then the engines' log-probs of the sampled tokens are checked against the trainer's forward
+        before the update (WeightSyncError above rollout.logprob_tolerance), and the weight sync of
+        the updated policy starts; `sync_weights()` waits for it.
+        """
+        with self._phase("train"):
+            train = self._s.policy.train(self.step, rollout, advantages, ref_logprobs, self._temperature,
+                                         loss=loss, tensors=tensors)
+        diff = logprob_max_abs_diff(rollout, train.logprobs_BT, self.job.rollout.logprob_tolerance, self.step)
+        self.log(**{f"train/{k}": v for k, v in train.metrics.items()}, **{"sync/logprob_max_abs_diff": diff})
+        return train.metrics
+
+    def sync_weights(self) -> dict[str, float]:
+        """Wait for the engines to hold the updated policy; {"bytes", "seconds"}."""
+        with self._phase("sync"):
+            sync = self._s.policy.push_weights(self.step)
+        self.log(**{"sync/bytes": sync["bytes"],
+                    "sync/gbps": sync["bytes"] * 8 / 1e9 / max(sync["seconds"], 1e-9)})
+        return sync
+
+    def log(self, **metrics: Any) -> None:
+        """Add metrics to the step's record (metrics.jsonl, TensorBoard)."""
+        self._metrics.update(metrics)
+
+
+class _Timed:
+    """Adds the wall time of a `with` block to timing[name]."""
+
+    def __init__(self, timing: dict[str, float], name: str) -> None:
+        self.timing, self.name = timing, name
+
+    def __enter__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.timing[self.name] = self.timing.get(self.name, 0.0) + time.perf_counter() - self._t0

@@ -1,0 +1,20 @@
+"""Dr. GRPO ("Understanding R1-Zero-Like Training", arXiv 2503.20783): GRPO without its two biases:
+advantages are group-centred rewards (no division by the std), and the loss sums each completion's
+tokens and divides by a constant (`seq-mean-token-sum-norm` with algorithm.loss_agg_norm, default
+rollout.max_new_tokens) instead of by the completion's length."""
+
+from __future__ import annotations
+
+import torch
+
+from hpcrl.algorithms.advantages import dr_grpo_advantages
+from hpcrl.controller.api import RL
+
+
+def step(rl: RL, step: int) -> None:
+    rollout = rl.generate()
+    rewards = rl.score(rollout)
+    advantages = dr_grpo_advantages(torch.from_numpy(rewards), rl.algo.group_size)
+    ref = rl.ref_logprobs(rollout) if rl.algo.kl_coef > 0 else None
+    rl.update_policy(rollout, advantages.numpy(), loss="dr_grpo", ref_logprobs=ref)
+    rl.sync_weights()

@@ -1,0 +1,73 @@
+"""The controller API's plug-in points: algorithm modules and policy losses by name or import path,
+checked at validation with one message each."""
+
+import sys
+import textwrap
+
+import pytest
+
+from hpcrl.config.errors import ConfigError
+from hpcrl.config.load import job_from_dict
+from hpcrl.config.validate import ALGORITHMS, validate
+from hpcrl.controller.api import BUILTIN_ALGORITHMS, load_algorithm
+
+
+def test_validation_lists_the_builtins_the_api_has():
+    assert ALGORITHMS == BUILTIN_ALGORITHMS
+    for name in BUILTIN_ALGORITHMS:
+        assert callable(load_algorithm(name).step)
+
+
+@pytest.fixture
+def user_modules(tmp_path, monkeypatch):
+    (tmp_path / "algo_ok.py").write_text("def step(rl, step):\n    pass\n")
+    (tmp_path / "algo_nostep.py").write_text("STEP = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    for name in ("algo_ok", "algo_nostep"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("grpoo", "neither a built-in algorithm (grpo, dr_grpo, rloo, reinforce_pp, gspo)"),
+    ("no_such_pkg.algo", "cannot import module 'no_such_pkg.algo'"),
+    ("algo_nostep", "module 'algo_nostep' has no function `step`"),
+    ("algo_ok:step", "nor the import path of a module (package.module)"),
+])
+def test_bad_algorithm_names_are_refused_at_validation(user_modules, name, message):
+    with pytest.raises(ConfigError, match="algorithm.name=") as err:
+        validate(job_from_dict({"algorithm": {"name": name}}))
+    assert message in str(err.value)
+
+
+def test_a_user_algorithm_module_validates(user_modules):
+    validate(job_from_dict({"algorithm": {"name": "algo_ok"}}))
+
+
+def test_keys_an_algorithm_ignores_are_refused():
+    with pytest.raises(ConfigError, match="algorithm.kl_coef=0.1: gspo's loss has no KL term"):
+        validate(job_from_dict({"algorithm": {"name": "gspo", "kl_coef": 0.1}}))
+    with pytest.raises(ConfigError, match="algorithm.norm_adv_by_std=False: rloo computes its own"):
+        validate(job_from_dict({"algorithm": {"name": "rloo", "norm_adv_by_std": False}}))
+
+
+def test_losses_resolve_by_name_or_path(tmp_path, monkeypatch):
+    from hpcrl.algorithms.losses import BUILTIN_LOSSES, resolve_loss
+
+    assert resolve_loss("grpo").metrics == ("pg_loss", "kl", "clip_frac")
+    assert set(BUILTIN_LOSSES) == {"grpo", "dr_grpo", "gspo", "ppo"}
+    (tmp_path / "loss_mod.py").write_text(textwrap.dedent('''
+        from hpcrl.algorithms.losses import policy_loss
+
+        @policy_loss(metrics=("a",))
+        def mine(b, cfg):
+            return b.logp_BT.sum(), {"a": b.logp_BT.sum()}
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    loss = resolve_loss("loss_mod:mine")
+    assert loss.name == "loss_mod:mine" and loss.metrics == ("a",)
+    for spec, message in (("nope", "neither a built-in loss"), ("loss_mod:other", "has no function 'other'"),
+                          ("missing_mod:f", "cannot import 'missing_mod'")):
+        with pytest.raises(ValueError, match=message):
+            resolve_loss(spec)
+    sys.modules.pop("loss_mod", None)

@@ -86,6 +86,12 @@ class AlgorithmConfig:
     """The constant of seq-mean-token-sum-norm; 0 means rollout.max_new_tokens (Dr. GRPO's choice)."""
     norm_adv_by_std: bool = True
     """Divide group-centred rewards by the group's std (GRPO); false gives Dr. GRPO's advantages."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch (PPO-style updates); > 1 computes the old log-probs once first,
+    so the ratio moves and the clip acts."""
+    mini_batch_size: int = 0
+    """Rows (completions) per optimizer step; 0: the whole batch (num_prompts_per_step * group_size).
+    Must divide the batch and be a multiple of the data-parallel size."""
     lr: float = 1e-3
     """Optimizer (Adam) learning rate."""
     weight_decay: float = 0.0

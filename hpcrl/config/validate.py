@@ -77,6 +77,8 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("algorithm.clip_eps_high", lambda v: v >= 0, ">= 0 (0 means algorithm.clip_eps), e.g. 0.28"),
     ("algorithm.kl_coef", lambda v: v >= 0, ">= 0 (0 disables the KL penalty)"),
     ("algorithm.loss_agg_norm", lambda v: v >= 0, ">= 0 (0 means rollout.max_new_tokens)"),
+    ("algorithm.ppo_epochs", lambda v: v >= 1, ">= 1"),
+    ("algorithm.mini_batch_size", lambda v: v >= 0, ">= 0 (0: the whole batch)"),
     ("algorithm.lr", lambda v: v > 0, "> 0, e.g. 1e-6 for large models, 1e-3 for the tiny preset"),
     ("algorithm.weight_decay", lambda v: v >= 0, ">= 0"),
     ("algorithm.adam_beta1", lambda v: 0 <= v < 1, "in [0, 1), e.g. 0.9"),
@@ -252,8 +254,16 @@ def _check_weights(job: JobConfig, dims: HFModelDims) -> None:
 
 def _check_algorithm(job: JobConfig) -> None:
     """algorithm.name: a built-in, or the import path of a module with a `step` function (imported
-    here, as reward.fn is); and no key the algorithm would silently ignore."""
+    here, as reward.fn is); no key the algorithm would silently ignore; mini-batches that split the
+    batch evenly over the data-parallel ranks."""
     a = job.algorithm
+    batch = job.data.num_prompts_per_step * a.group_size
+    dp = max(1, job.trainer.num_procs // (job.trainer.tp * job.trainer.pp * job.trainer.cp))
+    if a.mini_batch_size and (batch % a.mini_batch_size or a.mini_batch_size % dp):
+        raise ConfigError("algorithm.mini_batch_size", a.mini_batch_size,
+                          f"must divide the batch of {batch} completions (data.num_prompts_per_step * "
+                          f"algorithm.group_size) and be a multiple of the data-parallel size {dp}; e.g. "
+                          f"{', '.join(str(m) for m in range(dp, batch + 1, dp) if batch % m == 0)[:60]}")
     if a.name not in ALGORITHMS:
         from hpcrl.controller.api import load_algorithm
 

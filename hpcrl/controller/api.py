@@ -111,9 +111,12 @@ class RL:
             return self._s.policy.ref_logprobs(self.step, rollout, self._temperature)
 
     def update_policy(self, rollout: Rollout, advantages: np.ndarray, *, loss: str = "grpo",
-                      ref_logprobs: np.ndarray | None = None,
-                      tensors: dict[str, np.ndarray] | None = None) -> dict[str, float]:
-        """One on-policy optimizer step of `loss` on the rollout; returns (and logs) train/* metrics.
+                      ref_logprobs: np.ndarray | None = None, tensors: dict[str, np.ndarray] | None = None,
+                      epochs: int | None = None, mini_batch_size: int | None = None) -> dict[str, float]:
+        """The policy updates of `loss` on the rollout; returns (and logs) train/* metrics (means over
+        the optimizer steps). `epochs` / `mini_batch_size` default to algorithm.ppo_epochs /
+        mini_batch_size: one pass over the whole batch is one on-policy step; more compute the old
+        log-probs first (MegatronPolicy.update).
 
         `advantages` is [B] or [B, T]; `tensors` are further named [B] / [B, T] arrays for the loss.
         Then the engines' log-probs of the sampled tokens are checked against the trainer's forward
@@ -121,8 +124,10 @@ class RL:
         the updated policy starts; `sync_weights()` waits for it.
         """
         with self._phase("train"):
-            train = self._s.policy.train(self.step, rollout, advantages, ref_logprobs, self._temperature,
-                                         loss=loss, tensors=tensors)
+            train = self._s.policy.train(
+                self.step, rollout, advantages, ref_logprobs, self._temperature, loss=loss, tensors=tensors,
+                epochs=self.algo.ppo_epochs if epochs is None else epochs,
+                mini_batch_size=self.algo.mini_batch_size if mini_batch_size is None else mini_batch_size)
         diff = logprob_max_abs_diff(rollout, train.logprobs_BT, self.job.rollout.logprob_tolerance, self.step)
         self.log(**{f"train/{k}": v for k, v in train.metrics.items()}, **{"sync/logprob_max_abs_diff": diff})
         return train.metrics

@@ -133,14 +133,14 @@ class PolicyGroup:
         return self._async("ref_logprobs", step, {**rollout.token_batch(), "temperature": temperature}).wait()
 
     def train(self, step: int, rollout: Rollout, advantages: np.ndarray, ref_BT: np.ndarray | None,
-              temperature: float, loss: str = "grpo", tensors: dict[str, np.ndarray] | None = None
-              ) -> TrainResult:
-        """One on-policy optimizer step of `loss` (the engines sampled with the current weights). The
-        trainer learns that a sync follows (`sync_version`), so it can prepare the engines for it while
+              temperature: float, loss: str = "grpo", tensors: dict[str, np.ndarray] | None = None,
+              epochs: int = 1, mini_batch_size: int = 0) -> TrainResult:
+        """The updates of `loss` on the rollout (one on-policy optimizer step, or `epochs` passes in
+        mini-batches: MegatronPolicy.update). The trainer learns that a sync follows (`sync_version`), so it can prepare the engines for it while
         it trains."""
         payload = {**rollout.token_batch(), "advantages": advantages, "ref_logprobs": ref_BT,
                    "temperature": temperature, "sync_version": str(step), "loss": loss,
-                   "tensors": tensors or {}}
+                   "tensors": tensors or {}, "epochs": epochs, "mini_batch_size": mini_batch_size}
         train = self._async("train", step, payload)
         self._queued_sync = (step, self._send("sync", step, {"weight_version": str(step)}))
         out = train.wait()

@@ -484,6 +484,56 @@ class MegatronPolicy:
                                *(m[k].detach().to(loss.device) for k in policy_loss.metrics)]).float()
         return loss * scale, {"metrics": metrics, "logp_BT": torch.where(mask_BT, logp_BT.detach(), 0.0)}
 
+    def update(self, batch: TrainBatch | None, advantages: torch.Tensor | None,
+               ref_logp_BT: torch.Tensor | None = None, temperature: float = 1.0, loss: str = "grpo",
+               tensors: dict[str, torch.Tensor] | None = None, epochs: int = 1,
+               mini_batch_size: int = 0) -> dict[str, Any] | None:
+        """PPO-style updates of a rollout batch: `epochs` passes over it in mini-batches of
+        `mini_batch_size` rows (0: the whole batch), one optimizer step each; metrics on rank 0.
+
+        One pass over the whole batch is the on-policy shortcut (`train_step(on_policy=True)`: the
+        training forward gives the old log-probs; the same weights, bit for bit, as a separate
+        forward, tests/megatron/test_policy_single_rank.py). Otherwise the old log-probs are computed
+        once, before the first step, so the ratio moves and the clip acts from the second step on.
+        Mini-batches are contiguous rows in batch order (the controller's groups stay together when
+        the size is a multiple of the group size). Returns the mean of each metric over the steps,
+        `num_updates`, and `logprobs_BT`: the log-probs before the first update.
+        """
+        if epochs < 1 or mini_batch_size < 0:
+            raise ValueError(f"epochs={epochs}, mini_batch_size={mini_batch_size}: need >= 1 and >= 0")
+        batch, t = self._share(batch, {"adv": advantages, "ref": ref_logp_BT})
+        B = batch.batch_size
+        size = mini_batch_size or B
+        if epochs == 1 and size >= B:
+            return self.train_step(batch, t["adv"], None, t["ref"], temperature, on_policy=True, loss=loss,
+                                   tensors=tensors)
+        if B % size:
+            raise ValueError(f"mini_batch_size={size} does not divide the batch of {B} rows")
+        old = self.compute_logprobs(batch, temperature=temperature)
+        _, shared = self._share(batch, {"old": old, **{f"t:{k}": v for k, v in (tensors or {}).items()}})
+        named = {"advantages": t["adv"], **{k[2:]: v for k, v in shared.items() if k.startswith("t:")}}
+        sums: dict[str, float] = {}
+        for _ in range(epochs):
+            for start in range(0, B, size):
+                rows = slice(start, start + size)
+                sub = TrainBatch(batch.tokens_BL[rows], batch.prompt_lens_B[rows], batch.response_lens_B[rows])
+                width = sub.response_width
+
+                def cut(x: torch.Tensor | None) -> torch.Tensor | None:
+                    return None if x is None else (x[rows] if x.dim() == 1 else x[rows, :width])
+
+                sub_named = {k: cut(v) for k, v in named.items()}
+                out = self.train_step(sub, sub_named.pop("advantages"), cut(shared["old"]), cut(t["ref"]),
+                                      temperature, loss=loss, tensors=sub_named)
+                if out is not None:
+                    out.pop("logprobs_BT")
+                    for k, v in out.items():
+                        sums[k] = sums.get(k, 0.0) + v
+        if self.rank != 0:
+            return None
+        steps = epochs * (B // size)
+        return {**{k: v / steps for k, v in sums.items()}, "num_updates": float(steps), "logprobs_BT": old}
+
     def train_step(self, batch: TrainBatch | None, advantages_B: torch.Tensor | None,
                    old_logp_BT: torch.Tensor | None = None, ref_logp_BT: torch.Tensor | None = None,
                    temperature: float = 1.0, on_policy: bool = False, loss: str = "grpo",

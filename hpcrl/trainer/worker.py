@@ -128,8 +128,9 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         ref = None if p["ref_logprobs"] is None else torch.from_numpy(p["ref_logprobs"])
         tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in p.get("tensors", {}).items()}
         loss = p.get("loss", "grpo")
-        out = state["policy"].train_step(batch_of(p), torch.from_numpy(np.asarray(p["advantages"])), None, ref,
-                                         temperature=p["temperature"], on_policy=True, loss=loss, tensors=tensors)
+        out = state["policy"].update(batch_of(p), torch.from_numpy(np.asarray(p["advantages"])), ref,
+                                     temperature=p["temperature"], loss=loss, tensors=tensors,
+                                     epochs=p.get("epochs", 1), mini_batch_size=p.get("mini_batch_size", 0))
         if out is None:
             return None
         if not math.isfinite(out["loss"]):

@@ -169,6 +169,34 @@ def test_on_policy_step_equals_a_step_with_separate_old_logprobs(world1) -> None
     assert separate.policy_sha256() == fused.policy_sha256() != sha_init
 
 
+def test_ppo_style_update_takes_old_logprobs_once_then_mini_batch_steps(world1) -> None:
+    """update(epochs=2, mini_batch_size=4) on 8 rows: the old log-probs of the batch before any step,
+    then 4 optimizer steps on rows 0-3, 4-7, 0-3, 4-7, exactly as by hand; the ratio moves (the clip
+    acts) after the first step. One pass over the whole batch is the on-policy step."""
+    cfg = qwen_config()
+    auto, manual, single = (make_policy(cfg, lr=5e-2, micro_batch_size=4) for _ in range(3))
+    for p in (auto, manual, single):
+        p.init_from_seed(6)
+    batch = random_batch(64, rows=8, seed=9)
+    adv = torch.randn(8, generator=torch.Generator().manual_seed(2))
+    out = auto.update(batch, adv, epochs=2, mini_batch_size=4)
+    old = manual.compute_logprobs(batch)
+    assert torch.equal(out.pop("logprobs_BT"), old) and out["num_updates"] == 4
+    clip = []
+    for _ in range(2):
+        for rows in (slice(0, 4), slice(4, 8)):
+            sub = type(batch)(batch.tokens_BL[rows], batch.prompt_lens_B[rows], batch.response_lens_B[rows])
+            m = manual.train_step(sub, adv[rows], old[rows, :sub.response_width])
+            clip.append(m["clip_frac"])
+    assert auto.policy_sha256() == manual.policy_sha256()
+    assert clip[0] == 0.0 and max(clip[1:]) > 0, clip
+    assert abs(out["clip_frac"] - sum(clip) / 4) < 1e-6
+    one = single.update(batch, adv)  # the shortcut: the same as train_step(on_policy=True)
+    assert "num_updates" not in one and torch.equal(one["logprobs_BT"], old)
+    with pytest.raises(ValueError, match="mini_batch_size=3 does not divide the batch of 8 rows"):
+        single.update(batch, adv, epochs=2, mini_batch_size=3)
+
+
 def test_grad_clipping_scales_grads_on_cpu(world1) -> None:
     policy = make_policy(qwen_config(), grad_clip=0.05)
     policy.init_from_seed(0)

@@ -71,3 +71,15 @@ def test_losses_resolve_by_name_or_path(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=message):
             resolve_loss(spec)
     sys.modules.pop("loss_mod", None)
+
+
+def test_mini_batches_must_split_the_batch_over_data_parallel_ranks():
+    job = {"data": {"num_prompts_per_step": 4}, "algorithm": {"group_size": 4, "mini_batch_size": 6}}
+    with pytest.raises(ConfigError, match=r"algorithm.mini_batch_size=6: must divide the batch of 16"):
+        validate(job_from_dict(job))
+    job["algorithm"]["mini_batch_size"] = 4
+    job["trainer"] = {"num_procs": 8, "ep": 1}
+    with pytest.raises(ConfigError, match="multiple of the data-parallel size 8"):
+        validate(job_from_dict(job))
+    job["trainer"] = {"num_procs": 2}
+    validate(job_from_dict(job))

@@ -114,7 +114,8 @@ def keys_path(run_dir: str | Path) -> Path:
 
 def job_keys(run_dir: str | Path) -> EngineKeys:
     """The run's engine keys: read RUN_DIR/engine_keys.yaml, or create it (mode 0600, fresh random
-    keys) if absent. Safe when every rank of a job calls it at once: the file appears complete or not
+    keys of 64 hex digits, quoted: SGLang's --config passes each as its own argv item, so a key must
+    not start with "-", as a URL-safe token may) if absent. Safe when every rank of a job calls it at once: the file appears complete or not
     at all (written aside, then hard-linked into place; the first link wins), also on NFS/Lustre."""
     path = keys_path(run_dir)
     if not path.exists():
@@ -122,7 +123,7 @@ def job_keys(run_dir: str | Path) -> EngineKeys:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write("# hpcrl: this job's engine keys (SGLang --config); user-only, never on a command line\n"
-                    f"api-key: {secrets.token_urlsafe(32)}\nadmin-api-key: {secrets.token_urlsafe(32)}\n")
+                    f'api-key: "{secrets.token_hex(32)}"\nadmin-api-key: "{secrets.token_hex(32)}"\n')
         try:
             os.link(tmp, path)
         except FileExistsError:

@@ -647,7 +647,7 @@ def _with_config(argv: list[str]) -> list[str]:
         if value is True:
             merged.append(flag)
         elif value is not False and value is not None:
-            merged += [flag, str(value)]
+            merged.append(f"{flag}={value}")  # one item: a value may start with "-"
     return merged + argv[:i] + argv[i + 2:]
 
 

@@ -67,7 +67,7 @@ def test_job_keys_file_is_user_only_and_made_once(tmp_path):
     answers = {p.communicate(timeout=120)[0] for p in procs}
     assert len(answers) == 1  # racing ranks all read the one file that won
     api, admin = answers.pop().split()
-    assert api != admin and len(api) >= 40
+    assert api != admin and len(api) == 64 and int(api, 16) >= 0  # hex: never a leading "-"
     assert stat.S_IMODE(keys_path(tmp_path).stat().st_mode) == 0o600
     assert job_keys(tmp_path) == EngineKeys(api, admin)
     assert [p.name for p in tmp_path.iterdir()] == ["engine_keys.yaml"]  # no temporary file left
@@ -162,3 +162,14 @@ def test_timing_of_a_keyed_request_stays_a_header_check(keyed_server):
     per_request = (time.perf_counter() - t0) / 200
     assert per_request < 0.02, per_request
     assert plain.health()
+
+
+def test_reference_config_file_merges_like_sglangs(tmp_path):
+    """--config options go before the command line's (which win), one argv item each, so a value
+    that starts with "-" stays a value."""
+    from hpcrl.rollout.reference_server import _with_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text('api-key: "-k"\nadmin-api-key: "a"\nthreads: 2\nflag: true\noff: false\n')
+    assert _with_config(["--port", "0", "--config", str(path), "--threads", "1"]) == [
+        "--api-key=-k", "--admin-api-key=a", "--threads=2", "--flag", "--port", "0", "--threads", "1"]

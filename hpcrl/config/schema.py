@@ -92,6 +92,15 @@ class AlgorithmConfig:
     mini_batch_size: int = 0
     """Rows (completions) per optimizer step; 0: the whole batch (num_prompts_per_step * group_size).
     Must divide the batch and be a multiple of the data-parallel size."""
+    max_generation_rounds: int = 3
+    """dapo: generation rounds per step at most to fill the batch with groups whose rewards differ
+    (dynamic sampling); still short after them, the batch is topped up with dropped groups (zero
+    advantage: no gradient) and dynamic_sampling/groups_padded says how many."""
+    overlong_buffer_len: int = 0
+    """dapo: soft overlong punishment over the last N tokens before rollout.max_new_tokens (a penalty
+    growing linearly to overlong_penalty_factor); 0 disables it."""
+    overlong_penalty_factor: float = 1.0
+    """dapo: the largest overlong penalty, subtracted from the reward at max_new_tokens."""
     lr: float = 1e-3
     """Optimizer (Adam) learning rate."""
     weight_decay: float = 0.0

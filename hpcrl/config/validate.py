@@ -31,7 +31,7 @@ from hpcrl.tasks import TASKS, ExampleFile, OverlongPrompt, Tokenizer, load_toke
 from launch.slurm_spec import MPI_PLUGINS, SlurmComponent, SlurmJobSpec, parse_time_limit
 from moe.hf_megatron import HFModelDims
 
-ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo")  # hpcrl.controller.api.BUILTIN_ALGORITHMS
+ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo")  # hpcrl.controller.api.BUILTIN_ALGORITHMS
 DTYPES = ("float32", "bfloat16")
 RANDOM_INITS = ("auto", "hf", "sharded")
 OVERLONG_PROMPTS = ("error", "drop")
@@ -78,6 +78,9 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("algorithm.kl_coef", lambda v: v >= 0, ">= 0 (0 disables the KL penalty)"),
     ("algorithm.loss_agg_norm", lambda v: v >= 0, ">= 0 (0 means rollout.max_new_tokens)"),
     ("algorithm.ppo_epochs", lambda v: v >= 1, ">= 1"),
+    ("algorithm.max_generation_rounds", lambda v: v >= 1, ">= 1"),
+    ("algorithm.overlong_buffer_len", lambda v: v >= 0, ">= 0 (0 disables the overlong penalty)"),
+    ("algorithm.overlong_penalty_factor", lambda v: v >= 0, ">= 0"),
     ("algorithm.mini_batch_size", lambda v: v >= 0, ">= 0 (0: the whole batch)"),
     ("algorithm.lr", lambda v: v > 0, "> 0, e.g. 1e-6 for large models, 1e-3 for the tiny preset"),
     ("algorithm.weight_decay", lambda v: v >= 0, ">= 0"),
@@ -271,9 +274,18 @@ def _check_algorithm(job: JobConfig) -> None:
             load_algorithm(a.name)
         except ValueError as exc:
             raise ConfigError("algorithm.name", a.name, f"{exc}{did_you_mean(a.name, ALGORITHMS)}") from None
-    if a.name == "gspo" and a.kl_coef > 0:
-        raise ConfigError("algorithm.kl_coef", a.kl_coef, "gspo's loss has no KL term; set it to 0 (or use "
-                                                         "grpo / reinforce_pp for a KL penalty)")
+    if a.name in ("gspo", "dapo") and a.kl_coef > 0:
+        raise ConfigError("algorithm.kl_coef", a.kl_coef, f"{a.name}'s loss has no KL term; set it to 0 (or "
+                                                         "use grpo / reinforce_pp for a KL penalty)")
+    if a.name != "dapo":
+        for key, default in (("max_generation_rounds", 3), ("overlong_buffer_len", 0),
+                             ("overlong_penalty_factor", 1.0)):
+            if getattr(a, key) != default:
+                raise ConfigError(f"algorithm.{key}", getattr(a, key), f"applies to algorithm.name: dapo only "
+                                                                       f"(this job runs {a.name}); remove it")
+    if a.overlong_buffer_len > job.rollout.max_new_tokens:
+        raise ConfigError("algorithm.overlong_buffer_len", a.overlong_buffer_len,
+                          f"must be at most rollout.max_new_tokens={job.rollout.max_new_tokens}")
     if a.name in ("rloo", "reinforce_pp", "dr_grpo") and not a.norm_adv_by_std:
         raise ConfigError("algorithm.norm_adv_by_std", a.norm_adv_by_std,
                           f"{a.name} computes its own advantages and ignores it; remove the key")

@@ -36,7 +36,7 @@ from hpcrl.config.schema import AlgorithmConfig, JobConfig
 from hpcrl.controller.groups import Rollout
 from hpcrl.controller.sync_check import logprob_max_abs_diff
 
-BUILTIN_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo")
+BUILTIN_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo")
 STEP_SIGNATURE = "def step(rl: hpcrl.controller.api.RL, step: int) -> None"
 
 
@@ -91,9 +91,10 @@ class RL:
         """The step's prompts (job.data), each sampled job.algorithm.group_size times, group after group."""
         with self._phase("generate", "rollout"):
             rollout = self._s.generate(self.step)
+        dropped = self._metrics.get("data/dropped_prompts", 0) + len(self._s.sampler.dropped(self._s.last_block))
         self.log(**{"rollout/tokens": rollout.num_tokens,
                     "rollout/response_len": rollout.num_tokens / len(rollout.response_ids),
-                    "data/dropped_prompts": len(self._s.sampler.dropped(self.step))})
+                    "data/dropped_prompts": dropped})
         return rollout
 
     def score(self, rollout: Rollout) -> np.ndarray:

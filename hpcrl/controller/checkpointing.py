@@ -51,6 +51,9 @@ class Checkpointer:
         """Last step whose update and weight sync completed."""
         self.eval_state: dict = {}
         """{"last_step", "metrics"} of the last evaluation (hpcrl/controller/evaluation.py), or {}."""
+        self.prompt_cursor = PromptCursor()
+        """The prompt sampler's position (blocks of num_prompts_per_step prompts drawn so far)."""
+        self._cursor_done = 0  # the cursor when the last step completed: what a save records
 
     # ------------------------------------------------------------------ resume
 
@@ -83,6 +86,8 @@ class Checkpointer:
         self._start_step = step + 1
         self.saved_step = self.completed_step = step
         self.eval_state = meta.get("eval", {})
+        # Checkpoints written before the cursor existed drew one block per step.
+        self.prompt_cursor.next_block = self._cursor_done = int(meta.get("sampler", {}).get("cursor", step + 1))
         print(f"hpcrl: resumed from checkpoint step {step} ({self.dir})", flush=True)
         return self._start_step
 
@@ -100,7 +105,7 @@ class Checkpointer:
                 "rollout": {"backend": job.rollout.backend, "num_engines": job.rollout.num_engines,
                             "tp_per_engine": job.rollout.tp_per_engine},
                 "weight_version": str(step),
-                "sampler": {"seed": job.data.seed, "next_step": step + 1},
+                "sampler": {"seed": job.data.seed, "next_step": step + 1, "cursor": self._cursor_done},
                 "counters": {"steps_done": step + 1},
                 "eval": self.eval_state,
                 "metrics_history": [r for r in read_metrics(self.run_dir) if r["step"] <= step]
@@ -121,6 +126,7 @@ class Checkpointer:
         """Save after `step` if the interval, the last step, a preemption signal or the job's time
         limit asks for it; on preemption or time limit raise `Preempted` to end the run."""
         self.completed_step = step
+        self._cursor_done = self.prompt_cursor.next_block
         now = time.monotonic()
         self.step_s = max(self.step_s * 0.8, now - self._last_step_end)
         self._last_step_end = now
@@ -147,3 +153,16 @@ class Checkpointer:
 
 def resume_mode_from_env() -> str:
     return os.environ.get("HPCRL_RESUME", "auto")
+
+
+class PromptCursor:
+    """Which block of the prompt sampler comes next (block b = `PromptSampler.batch(b)`). A step
+    that draws one batch takes block `step`; an algorithm that draws more (DAPO's refills) moves it
+    further, so later steps' prompts depend on the run so far: the cursor is checkpointed."""
+
+    def __init__(self) -> None:
+        self.next_block = 0
+
+    def take(self) -> int:
+        block, self.next_block = self.next_block, self.next_block + 1
+        return block

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -36,6 +36,15 @@ class Rollout:
 
     def token_batch(self) -> dict:
         return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids}
+
+    def select(self, rows: list[int]) -> Rollout:
+        """The completions at `rows`, in that order."""
+        return Rollout(*([getattr(self, f.name)[i] for i in rows] for f in fields(self)))
+
+    @staticmethod
+    def concat(parts: list[Rollout]) -> Rollout:
+        """The completions of `parts`, one after the other."""
+        return Rollout(*([x for part in parts for x in getattr(part, f.name)] for f in fields(Rollout)))
 
     def response_mask_BT(self) -> np.ndarray:
         """Bool [B, T]: True on response tokens (T = the longest response, at least 1: the trainer's

@@ -24,10 +24,10 @@ from hpcrl.rewards.pool import RewardPool, Scores
 from hpcrl.tasks import build_sampler, load_tokenizer, open_examples, prompt_format
 
 
-def sampling_seed(seed: int, step: int, index: int) -> int:
-    """Per-completion sampling seed: a pure function of (seed, step, index), so reruns and resumes
-    sample the same tokens."""
-    return zlib.crc32(f"{seed}:{step}:{index}".encode()) & 0x7FFFFFFF
+def sampling_seed(seed: int, block: int, index: int) -> int:
+    """Per-completion sampling seed: a pure function of (seed, prompt block, index), so reruns and
+    resumes sample the same tokens (block == step when every step draws one batch)."""
+    return zlib.crc32(f"{seed}:{block}:{index}".encode()) & 0x7FFFFFFF
 
 
 class Session:
@@ -46,7 +46,8 @@ class Session:
         self.evaluator = self._evaluator()
         self.metrics: MetricsLogger | None = None
         self.phase_file = PhaseFile(run_dir / ".phase.json")
-        self._prepared: dict[int, GenerateRequest] = {}  # the next step's requests, built ahead
+        self._prepared: dict[int, GenerateRequest] = {}  # the next block's requests, built ahead
+        self.last_block = -1  # the prompt block of the last generate
         self._write_json(".ranks.json", [r.__dict__ for r in world.ranks])
         if job.model.dtype != "float32":  # TODO(issue 15): bf16 params + fp32 main params on CUDA
             print(f"hpcrl: warning: model.dtype={job.model.dtype}: the engines run in {job.model.dtype}, the "
@@ -87,20 +88,22 @@ class Session:
                                      tensorboard=log.tensorboard, progress=log.progress)
 
     def generate(self, step: int) -> Rollout:
-        """The step's completions. The next step's requests are built while the engines generate
-        (the controller is idle then; building them costs ~1 ms of the tiny run's step)."""
-        request = self._prepared.pop(step, None) or self._request(step)
+        """Completions of the next block of prompts (the checkpointed prompt cursor: block `step` when
+        every step draws once). The next block's requests are built while the engines generate (the
+        controller is idle then; building them costs ~1 ms of the tiny run's step)."""
+        block = self.last_block = self.checkpointer.prompt_cursor.take()
+        request = self._prepared.pop(block, None) or self._request(block)
         started = self.rollouts.start(step, request)
         if step + 1 < self.job.algorithm.num_steps:
-            self._prepared = {step + 1: self._request(step + 1)}
+            self._prepared = {block + 1: self._request(block + 1)}
         return self.rollouts.collect(started)
 
-    def _request(self, step: int) -> GenerateRequest:
-        """Prompts and sampling parameters of `step`: a pure function of the job and the step."""
-        batch = self.sampler.batch(step)
-        dropped = self.sampler.dropped(step)
+    def _request(self, block: int) -> GenerateRequest:
+        """Prompts and sampling parameters of a block: a pure function of the job and the block."""
+        batch = self.sampler.batch(block)
+        dropped = self.sampler.dropped(block)
         if dropped:
-            print(f"hpcrl: step {step}: skipped {len(dropped)} prompt(s) over {self.prompts.limit_reason} "
+            print(f"hpcrl: prompt block {block}: skipped {len(dropped)} prompt(s) over {self.prompts.limit_reason} "
                   f"(data.overlong_prompts: drop; rows {', '.join(str(i + 1) for i in dropped[:10])}"
                   f"{' ...' if len(dropped) > 10 else ''})", flush=True)
         examples = [ex for ex in batch for _ in range(self.job.algorithm.group_size)]
@@ -108,7 +111,7 @@ class Session:
         r = self.job.rollout
         params = [{"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens,
                    "stop_token_ids": list(self.tokenizer.stop_token_ids), "ignore_eos": r.ignore_eos,
-                   "sampling_seed": sampling_seed(self.job.trainer.seed, step, i)}
+                   "sampling_seed": sampling_seed(self.job.trainer.seed, block, i)}
                   for i in range(len(examples))]
         return self.rollouts.prepare(examples, prompt_ids, params)
 

@@ -7,4 +7,5 @@ one, or names a user's module of the same shape. Formulas: docs/algorithms.md.
     rloo          leave-one-out baseline (Ahmadian et al.)
     reinforce_pp  KL penalty in the token rewards, batch-whitened returns (REINFORCE++)
     gspo          sequence-level ratio and clip (GSPO)
+    dapo          dynamic sampling, overlong shaping, clip-higher, token-level loss (DAPO)
 """

@@ -78,6 +78,14 @@ def test_builtin_learns_in_30_steps(tmp_path, name):
 
 
 @pytest.mark.timeout(600)
+def test_dapo_learns_the_copy_example(tmp_path):
+    """DAPO to the example's bar in its 80 steps (reward/mean: the kept groups' mean)."""
+    records, _ = run(tmp_path, "dapo", "--set", "algorithm.clip_eps_high=0.28", steps=80)
+    rewards = np.array([r["reward/mean"] for r in records])
+    assert rewards[-5:].mean() >= 0.8, rewards.round(2).tolist()
+
+
+@pytest.mark.timeout(600)
 def test_out_of_tree_advantages_and_loss_each_change_the_update(tmp_path):
     (tmp_path / "my_adv_algo.py").write_text(OWN_ADVANTAGES)
     (tmp_path / "my_loss_algo.py").write_text(OWN_LOSS)
@@ -126,3 +134,26 @@ def test_a_nan_loss_stops_the_run_naming_algorithm_and_step(tmp_path):
                    env_extra={"PYTHONPATH": str(tmp_path)})
     assert out.returncode == 1
     assert "algorithm 'my_nan_algo', step 0: loss 'my_nan_algo:nan_loss' is nan" in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_dapo_fills_its_batch_and_resumes_bit_identically(tmp_path):
+    """Dynamic sampling draws extra prompt blocks (the checkpointed prompt cursor moves on), and a
+    resume from a mid-run checkpoint replays the same prompts, samples and updates."""
+    run_dir = tmp_path / "dapo"
+    args = ["run", str(EXAMPLE), "--run-dir", str(run_dir), "--set", "algorithm.name=dapo",
+            "--set", "algorithm.clip_eps_high=0.28", "--set", "algorithm.num_steps=6",
+            "--set", "algorithm.overlong_buffer_len=2", "--set", "checkpoint.interval_steps=3",
+            "--set", "logging.progress=false"]
+    out, _ = hpcrl(*args, timeout_s=280)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    first = records_of(run_dir)
+    final = json.loads((run_dir / "final.json").read_text())["policy_sha256"]
+    assert first[0]["dynamic_sampling/rounds"] > 1 and first[0]["dynamic_sampling/groups_dropped"] > 0, first[0]
+    assert all(r["dynamic_sampling/groups_kept"] == 16 for r in first)
+    out, _ = hpcrl(*args, "--resume-from", "2", timeout_s=280)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    again = records_of(run_dir)
+    keys = ("reward/mean", "train/loss", "dynamic_sampling/rounds", "rollout/tokens")
+    assert [[r[k] for k in keys] for r in again] == [[r[k] for k in keys] for r in first]
+    assert json.loads((run_dir / "final.json").read_text())["policy_sha256"] == final

@@ -29,7 +29,7 @@ def user_modules(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name, message", [
-    ("grpoo", "neither a built-in algorithm (grpo, dr_grpo, rloo, reinforce_pp, gspo)"),
+    ("grpoo", "neither a built-in algorithm (grpo, dr_grpo, rloo, reinforce_pp, gspo, dapo)"),
     ("no_such_pkg.algo", "cannot import module 'no_such_pkg.algo'"),
     ("algo_nostep", "module 'algo_nostep' has no function `step`"),
     ("algo_ok:step", "nor the import path of a module (package.module)"),
@@ -83,3 +83,13 @@ def test_mini_batches_must_split_the_batch_over_data_parallel_ranks():
         validate(job_from_dict(job))
     job["trainer"] = {"num_procs": 2}
     validate(job_from_dict(job))
+
+
+def test_dapo_keys_apply_to_dapo_only():
+    with pytest.raises(ConfigError, match=r"algorithm.overlong_buffer_len=2: applies to algorithm.name: dapo only"):
+        validate(job_from_dict({"algorithm": {"overlong_buffer_len": 2}}))
+    with pytest.raises(ConfigError, match=r"algorithm.kl_coef=0.1: dapo's loss has no KL term"):
+        validate(job_from_dict({"algorithm": {"name": "dapo", "kl_coef": 0.1}}))
+    with pytest.raises(ConfigError, match=r"overlong_buffer_len=9: must be at most rollout.max_new_tokens=8"):
+        validate(job_from_dict({"algorithm": {"name": "dapo", "overlong_buffer_len": 9}}))
+    validate(job_from_dict({"algorithm": {"name": "dapo", "overlong_buffer_len": 2}}))

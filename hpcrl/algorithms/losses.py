@@ -15,7 +15,7 @@ metrics are summed the same way, so they too must be global means. Shape legend:
 response positions.
 
 Built-ins: `grpo` (PPO clip + KL to the reference, `grpo.grpo_loss`), `dr_grpo` (the same with
-`seq-mean-token-sum-norm`), `gspo` (sequence-level ratio and clip), `ppo` (the clipped
+`seq-mean-token-sum-norm`), `sft` (cross-entropy), `gspo` (sequence-level ratio and clip), `ppo` (the clipped
 surrogate on token-level advantages with decoupled clip, as REINFORCE++ and PPO use it). A user's
 loss is `package.module:function`, resolved once per trainer rank.
 """
@@ -128,7 +128,15 @@ def dr_grpo(b: LossBatch, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tenso
                      _cfg(cfg, "seq-mean-token-sum-norm"), num_tokens=b.num_tokens, num_seqs=b.num_seqs)
 
 
-BUILTIN_LOSSES = {"grpo": grpo, "dr_grpo": dr_grpo, "gspo": gspo, "ppo": ppo}
+@policy_loss(metrics=("nll",))
+def sft(b: LossBatch, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Supervised fine-tuning: the negative log-likelihood of the response tokens, a mean over every
+    token of the batch (advantages unused)."""
+    nll = aggregate(-b.logp_BT, b.mask_BT, "token-mean", b.num_tokens)
+    return nll, {"nll": nll.detach()}
+
+
+BUILTIN_LOSSES = {"grpo": grpo, "dr_grpo": dr_grpo, "gspo": gspo, "ppo": ppo, "sft": sft}
 
 
 def resolve_loss(spec: str) -> PolicyLoss:

@@ -66,7 +66,7 @@ class DataConfig:
 @dataclass(kw_only=True)
 class AlgorithmConfig:
     name: str = "grpo"
-    """RL algorithm: grpo | dr_grpo | rloo | reinforce_pp | gspo (hpcrl/dataflows/), or the import
+    """RL algorithm: grpo | dr_grpo | rloo | reinforce_pp | gspo | dapo | sft (hpcrl/dataflows/), or the import
     path of a module defining `step(rl, step)` over hpcrl/controller/api.py."""
     group_size: int = 8
     """Completions sampled per prompt; advantages are normalised within a group."""

@@ -6,7 +6,8 @@ the import path of a user's module). Each primitive runs one phase on the worker
 records it for failure reports and preemption, and logs its metrics into the step's record:
 
     rl.generate()                     -> Rollout     engines sample job.algorithm.group_size completions
-                                                     of the step's prompts (rollout/*)
+                                                     of the next prompt block (rollout/*)
+    rl.demonstrations()               -> Rollout     the next prompt block with the data's answers (SFT)
     rl.score(rollout)                 -> [B] rewards reward pool, deadlines (reward/*)
     rl.ref_logprobs(rollout)          -> [B, T]      frozen reference policy (Megatron)
     rl.update_policy(rollout, advantages, loss=..., ref_logprobs=..., tensors=...)
@@ -36,7 +37,7 @@ from hpcrl.config.schema import AlgorithmConfig, JobConfig
 from hpcrl.controller.groups import Rollout
 from hpcrl.controller.sync_check import logprob_max_abs_diff
 
-BUILTIN_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo")
+BUILTIN_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo", "sft")
 STEP_SIGNATURE = "def step(rl: hpcrl.controller.api.RL, step: int) -> None"
 
 
@@ -97,6 +98,12 @@ class RL:
                     "data/dropped_prompts": dropped})
         return rollout
 
+    def demonstrations(self) -> Rollout:
+        """The next block of prompts with their data answers as responses (SFT targets; one row per
+        prompt, no engine log-probs)."""
+        with self._phase("generate", "rollout"):
+            return self._s.demonstrations()
+
     def score(self, rollout: Rollout) -> np.ndarray:
         """Float32 [B] rewards of reward.fn; a completion whose reward raised or timed out scores 0."""
         with self._phase("reward"):
@@ -129,8 +136,10 @@ class RL:
                 self.step, rollout, advantages, ref_logprobs, self._temperature, loss=loss, tensors=tensors,
                 epochs=self.algo.ppo_epochs if epochs is None else epochs,
                 mini_batch_size=self.algo.mini_batch_size if mini_batch_size is None else mini_batch_size)
-        diff = logprob_max_abs_diff(rollout, train.logprobs_BT, self.job.rollout.logprob_tolerance, self.step)
-        self.log(**{f"train/{k}": v for k, v in train.metrics.items()}, **{"sync/logprob_max_abs_diff": diff})
+        self.log(**{f"train/{k}": v for k, v in train.metrics.items()})
+        if rollout.engine_logprobs:  # demonstrations have none: no engine sampled them
+            diff = logprob_max_abs_diff(rollout, train.logprobs_BT, self.job.rollout.logprob_tolerance, self.step)
+            self.log(**{"sync/logprob_max_abs_diff": diff})
         return train.metrics
 
     def sync_weights(self) -> dict[str, float]:

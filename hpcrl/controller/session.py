@@ -98,6 +98,15 @@ class Session:
             self._prepared = {block + 1: self._request(block + 1)}
         return self.rollouts.collect(started)
 
+    def demonstrations(self) -> Rollout:
+        """The next block's prompts with their reference answers as the responses (answer ids, then
+        the first stop id): supervised targets, no engine involved (no engine log-probs)."""
+        block = self.last_block = self.checkpointer.prompt_cursor.take()
+        examples = self.sampler.batch(block)
+        stop = list(self.tokenizer.stop_token_ids[:1])
+        responses = [self.tokenizer.encode_completion(ex.answer) + stop for ex in examples]
+        return Rollout(examples, [list(ex.prompt_ids) for ex in examples], responses, [], ["stop"] * len(examples))
+
     def _request(self, block: int) -> GenerateRequest:
         """Prompts and sampling parameters of a block: a pure function of the job and the block."""
         batch = self.sampler.batch(block)

@@ -8,4 +8,5 @@ one, or names a user's module of the same shape. Formulas: docs/algorithms.md.
     reinforce_pp  KL penalty in the token rewards, batch-whitened returns (REINFORCE++)
     gspo          sequence-level ratio and clip (GSPO)
     dapo          dynamic sampling, overlong shaping, clip-higher, token-level loss (DAPO)
+    sft           cross-entropy on the data's answers, no generation
 """

@@ -50,6 +50,9 @@ class HFTokenizer:
     def encode_prompt(self, text: str, rendered: bool = False) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=not rendered))
 
+    def encode_completion(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
     def render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
         if not self.chat_template:
             raise ValueError(f"{self.name} has no chat template (no chat_template in tokenizer_config.json "

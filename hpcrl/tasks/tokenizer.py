@@ -36,6 +36,10 @@ class Tokenizer(Protocol):
         """Prompt ids of `text`; `rendered`: text came from `render` (its specials are in the text)."""
         ...
 
+    def encode_completion(self, text: str) -> list[int]:
+        """Ids of `text` as a completion (no special tokens added): SFT targets."""
+        ...
+
     def render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
         """The chat template applied to `messages` with the generation prompt."""
         ...
@@ -74,6 +78,9 @@ class CharTokenizer:
     def encode_prompt(self, text: str, rendered: bool = False) -> list[int]:
         """<bos> then one id per character."""
         return self.encode(text)
+
+    def encode_completion(self, text: str) -> list[int]:
+        return self.encode(text, add_bos=False)
 
     def render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
         raise ValueError(f"{self.name} has no chat template; set model.path to a model directory with a "

@@ -157,3 +157,17 @@ def test_dapo_fills_its_batch_and_resumes_bit_identically(tmp_path):
     keys = ("reward/mean", "train/loss", "dynamic_sampling/rounds", "rollout/tokens")
     assert [[r[k] for k in keys] for r in again] == [[r[k] for k in keys] for r in first]
     assert json.loads((run_dir / "final.json").read_text())["policy_sha256"] == final
+
+
+@pytest.mark.timeout(600)
+def test_sft_then_grpo_from_its_export_is_a_two_command_pipeline(tmp_path):
+    """sft on the copy task's answers (no generation), `hpcrl export`, then grpo with model.path = the
+    export: the RL run starts far above random init's ~0.03 reward."""
+    records, _ = run(tmp_path, "sft", steps=30)
+    nll = [r["train/nll"] for r in records]
+    assert nll[-1] < 0.5 * nll[0] and "sync/logprob_max_abs_diff" not in records[0], nll
+    exported = tmp_path / "sft_hf"
+    out, _ = hpcrl("export", str(tmp_path / "sft"), "--out", str(exported), timeout_s=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rl_records, _ = run(tmp_path, "grpo", "--set", f"model.path={exported}", steps=1)
+    assert rl_records[0]["reward/mean"] >= 0.5, rl_records[0]

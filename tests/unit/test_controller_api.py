@@ -29,7 +29,7 @@ def user_modules(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name, message", [
-    ("grpoo", "neither a built-in algorithm (grpo, dr_grpo, rloo, reinforce_pp, gspo, dapo)"),
+    ("grpoo", "neither a built-in algorithm (grpo, dr_grpo, rloo, reinforce_pp, gspo, dapo, sft)"),
     ("no_such_pkg.algo", "cannot import module 'no_such_pkg.algo'"),
     ("algo_nostep", "module 'algo_nostep' has no function `step`"),
     ("algo_ok:step", "nor the import path of a module (package.module)"),
@@ -93,3 +93,11 @@ def test_dapo_keys_apply_to_dapo_only():
     with pytest.raises(ConfigError, match=r"overlong_buffer_len=9: must be at most rollout.max_new_tokens=8"):
         validate(job_from_dict({"algorithm": {"name": "dapo", "overlong_buffer_len": 9}}))
     validate(job_from_dict({"algorithm": {"name": "dapo", "overlong_buffer_len": 2}}))
+
+
+def test_sft_targets_are_the_answers_then_a_stop_token():
+    from hpcrl.tasks.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    assert tok.encode_completion("abc") == tok.encode("abc", add_bos=False)
+    assert tok.encode_completion("abc")[0] != tok.bos_id

@@ -66,8 +66,8 @@ class DataConfig:
 @dataclass(kw_only=True)
 class AlgorithmConfig:
     name: str = "grpo"
-    """RL algorithm: grpo | dr_grpo | rloo | reinforce_pp | gspo | dapo | sft (hpcrl/dataflows/), or the import
-    path of a module defining `step(rl, step)` over hpcrl/controller/api.py."""
+    """RL algorithm: grpo | dr_grpo | rloo | reinforce_pp | gspo | dapo | sft (hpcrl/dataflows/), or
+    the import path of a module defining `step(rl, step)` over hpcrl/controller/api.py."""
     group_size: int = 8
     """Completions sampled per prompt; advantages are normalised within a group."""
     clip_eps: float = 0.2

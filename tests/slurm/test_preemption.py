@@ -20,7 +20,9 @@ from hpcrl.jobs import Executor
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
-ARGS = ["algorithm.num_steps=16", "checkpoint.interval_steps=5", "logging.progress=false",
+# 40 steps: the tiny run does about 4 per second here, and the preemptor's signal takes 1-3 s to arrive
+# after the third step, so fewer steps can end the run before it is preempted.
+ARGS = ["algorithm.num_steps=40", "checkpoint.interval_steps=5", "logging.progress=false",
         "logging.tensorboard=false"]
 
 
@@ -45,14 +47,13 @@ def _attach_from_another_process(run_dir: Path) -> dict:
 
 
 @pytest.mark.timeout(900)
-def test_preempted_job_checkpoints_requeues_resumes_and_matches(slurm, job_dir: Path) -> None:
+def test_preempted_job_checkpoints_requeues_resumes_and_matches(slurm, job_dir: Path, request) -> None:
     # Both runs go through the Python API (hpcrl.jobs): the local one is `hpcrl run` in the background,
     # the Slurm one a hetjob submitted by launch.slurm_executor.HetJobExecutor (submitit).
     local_dir, run_dir = job_dir / "local", job_dir / "slurm"
+    # The local reference runs meanwhile (the numbers do not depend on timing).
     local = Executor(kind="local").submit(EXAMPLE, ARGS, run_dir=local_dir)
-    want_summary = local.result()
-    assert local.state == "COMPLETED"
-
+    request.addfinalizer(lambda: local.done() or local.cancel(check=False))  # no run outlives the test
     job = Executor(kind="slurm").submit(EXAMPLE, [*ARGS, "resources.rollout_nodes=1"], run_dir=run_dir)
     job_id = job.job_id
     slurm.job_ids.append(job_id)
@@ -81,6 +82,8 @@ def test_preempted_job_checkpoints_requeues_resumes_and_matches(slurm, job_dir: 
     # PREEMPTED/REQUEUED/PENDING are passing states here: the job must come back and finish.
     slurm.wait_until(f"job {job_id} to finish after its requeue", finished, 700, job_id)
     summary = job.result()
+    want_summary = local.result()
+    assert local.state == "COMPLETED"
     # done() as soon as the result file is there; Slurm may still show COMPLETING for a moment
     slurm.wait_until("Slurm to end the job", lambda: (watch(), job.state)[1] != "COMPLETING", 60, job_id)
     logs = sorted((run_dir / "logs").glob(f"{job_id}-attempt*.log"))
@@ -99,9 +102,9 @@ def test_preempted_job_checkpoints_requeues_resumes_and_matches(slurm, job_dir: 
     want = [(m["step"], m["reward/mean"]) for m in _metrics(local_dir)]
     assert got == want
     assert summary["policy_sha256"] == want_summary["policy_sha256"]
-    assert summary["last_step"] == want_summary["last_step"] == 15
+    assert summary["last_step"] == want_summary["last_step"] == 39
     digest = json.loads((local_dir / "final.json").read_text())["policy_sha256"]
     assert json.loads((run_dir / "final.json").read_text())["policy_sha256"] == digest
     assert summary["policy_sha256"] == digest
     other = _attach_from_another_process(run_dir)
-    assert other == {"state": "COMPLETED", "restarts": job.restarts, "sha": digest, "last_step": 15}
+    assert other == {"state": "COMPLETED", "restarts": job.restarts, "sha": digest, "last_step": 39}

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import submitit
+from submitit.core.utils import FailedJobError
 
 from hpcrl.cli import main
 from hpcrl.config import load_job
@@ -225,6 +226,10 @@ def test_uneven_layout_starts_the_world_the_config_asks_for(slurm, job_dir: Path
     rollout_node = next(c["NodeList"] for c in slurm.job(job_id) if c["HetJobOffset"] == "1")
     nodes = [r["node"] for r in ranks]
     assert nodes[0] == nodes[1] != nodes[2] and rollout_node not in nodes[:3] and nodes[3] == rollout_node
+    # The batch script wrote the outcome for submitit: this program is no hpcrl run (no final.json),
+    # so result() raises, saying what is missing, instead of returning or waiting
+    with pytest.raises(FailedJobError, match="exited with code 0 but .*final.json is missing"):
+        submitit.SlurmJob(job_dir / "logs", job_id).result()
 
 
 def cluster_max(field: str) -> int:

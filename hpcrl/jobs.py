@@ -105,7 +105,8 @@ def run_local_background(job: JobConfig, run_dir: Path, resume: str = "auto") ->
     prepare_run_dir(job, run_dir)
     job_file = run_dir / SUBMITTED_JOB_FILE
     job_file.write_text(yaml.safe_dump(to_dict(job), sort_keys=False))
-    argv = [sys.executable, "-m", "hpcrl.cli", "run", str(job_file), "--run-dir", str(run_dir),
+    # -P: the caller's working directory stays off sys.path (a `checkpoints/` there would shadow ours)
+    argv = [sys.executable, "-P", "-m", "hpcrl.cli", "run", str(job_file), "--run-dir", str(run_dir),
             *_resume_flags(resume)]
     handle = LocalRunExecutor(run_dir / "logs").submit_command(argv, run_dir)
     record = {"job_id": handle.job_id, "folder": str(handle.paths.folder), "argv": argv}

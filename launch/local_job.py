@@ -94,7 +94,7 @@ class LocalRunExecutor:
     def submit_command(self, argv: Sequence[str], run_dir: Path) -> LocalRunJob:
         """Start `argv` under the supervisor; its outcome is read from `run_dir`."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "launch.local_job", str(run_dir), str(self.folder), "--", *argv]
+        cmd = [sys.executable, "-P", "-m", "launch.local_job", str(run_dir), str(self.folder), "--", *argv]
         proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         job = LocalRunJob(self.folder, f"local{proc.pid}")

@@ -96,11 +96,12 @@ class BroadcastSync:
 
     def __init__(self, spec: MoESpec, shards: Callable[[], Shards], urls: list[str], *, bucket_bytes: int,
                  tp_per_engine: int = 1, host: str = "127.0.0.1", timeout_s: float = 600.0,
-                 verify: str = "sampled") -> None:
+                 verify: str = "sampled", backend: str = "gloo") -> None:
         if not urls:
             raise ValueError("BroadcastSync needs at least one engine URL")
         self.rank, self.timeout_s, self.verify = dist.get_rank(), timeout_s, verify
         self.spec, self.shards, self.tp, self.host = spec, shards, tp_per_engine, host
+        self.backend = backend  # of the weight-update groups: nccl on GPUs (NVLink/IB), gloo on CPU
         held = shards()
         boxes: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(boxes, {n: b for n, (b, _) in held.items()})
@@ -129,7 +130,8 @@ class BroadcastSync:
                               getattr(torch, job.model.dtype))
         return cls(build_spec(job), local.refresh, urls, bucket_bytes=max(job.rollout.bucket_mb << 20, 1),
                    tp_per_engine=job.rollout.tp_per_engine, host=sync_host(job), timeout_s=timeout_s,
-                   verify=job.rollout.sync_checksum)
+                   verify=job.rollout.sync_checksum,
+                   backend="nccl" if job.resources.device == "cuda" else "gloo")
 
     def describe(self) -> str:
         return (f"sources {self.sources} into {len(self.clients)} engine(s) in {len(self.blocks)} turn(s), "
@@ -151,7 +153,7 @@ class BroadcastSync:
             if self.position is not None:
                 j = turn_block(self.position, k, len(self.blocks))
                 sender = self.senders.get(j) or WeightSender(
-                    [self.clients[e] for e in self.blocks[j]], backend="gloo", master_address=self.host,
+                    [self.clients[e] for e in self.blocks[j]], backend=self.backend, master_address=self.host,
                     tp_per_engine=self.tp, group_name=f"hpcrl_bcast_src{self.rank}_blk{j}",
                     timeout_s=self.timeout_s, engine_ids=self.blocks[j])
                 try:

@@ -55,7 +55,7 @@ def test_losses_resolve_by_name_or_path(tmp_path, monkeypatch):
     from hpcrl.algorithms.losses import BUILTIN_LOSSES, resolve_loss
 
     assert resolve_loss("grpo").metrics == ("pg_loss", "kl", "clip_frac")
-    assert set(BUILTIN_LOSSES) == {"grpo", "dr_grpo", "gspo", "ppo"}
+    assert set(BUILTIN_LOSSES) == {"grpo", "dr_grpo", "gspo", "ppo", "sft"}
     (tmp_path / "loss_mod.py").write_text(textwrap.dedent('''
         from hpcrl.algorithms.losses import policy_loss
 

@@ -12,6 +12,21 @@ def process_gone(pid: int) -> bool:
         return True
 
 
+def stop(proc, timeout_s: float = 30.0) -> None:  # proc: subprocess.Popen
+    """Ask a child to stop (SIGTERM), wait up to `timeout_s`, then kill it; reaped either way."""
+    import signal
+    import subprocess
+
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def die_with_parent() -> None:
     """In a child (as Popen's preexec_fn): get SIGKILL when the parent dies (Linux prctl), so an
     engine server never outlives the rank that started it."""

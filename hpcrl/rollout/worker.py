@@ -18,7 +18,6 @@ died (hpcrl/rollout/engine_watch.py): the controller's failure report names that
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from hpcrl.dist import free_port, routable_host
 from hpcrl.rollout.engine_auth import job_keys, keys_path
 from hpcrl.rollout.engine_watch import EngineRecord
 from hpcrl.rollout.placement import rank_gpus, sglang_gpu_args
-from launch.procs import die_with_parent
+from launch.procs import die_with_parent, stop as stop_process
 
 
 def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
@@ -124,12 +123,7 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
             state["record"].stop()  # an exit from here on is asked for, not a death
         proc = state.get("proc")
         if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, 10)
         return None
 
     return {"init": init, "heartbeat": heartbeat, "shutdown": shutdown}

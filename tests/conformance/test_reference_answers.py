@@ -5,14 +5,13 @@ reference engine reads SGLang's answers the same way."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
 
 import pytest
 from test_wire_formats import _generate_bodies
 
 from hpcrl.models.presets import CONFIG_DIR
 from hpcrl.rollout.client import EngineClient, launch_reference_server
+from launch.procs import stop as stop_process
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,12 +26,7 @@ def client(tmp_path_factory):
         yield c
     finally:
         c.close()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 30)
 
 
 def test_reference_answers_decode_as_sglang_responses(api_types, client):

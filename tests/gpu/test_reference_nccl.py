@@ -7,8 +7,6 @@ bandwidth (record them in benchmarks/RESULTS.md when run). Skips on machines wit
 
 from __future__ import annotations
 
-import signal
-import subprocess
 import time
 
 import pytest
@@ -20,6 +18,7 @@ from hpcrl.rollout.engine import ReferenceModel
 from hpcrl.rollout.hf_names import checkpoint_state_dict
 from hpcrl.rollout.placement import node_plan
 from hpcrl.rollout.weight_sender import WeightSender
+from launch.procs import stop as stop_process
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,12 +46,7 @@ def placed_engine(tmp_path_factory):
         yield plan[1][0], client, plan[2][0]
     finally:
         client.close()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 30)
 
 
 def test_nccl_push_into_reference_engine_on_cuda(placed_engine):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from hpcrl.rollout.client import EngineClient, EngineError, launch_reference_ser
 from hpcrl.rollout.engine_auth import (ADMIN_ROUTES, AuthLevel, EngineKeys, decide_request_auth, job_keys,
                                        keys_path, route_level)
 from hpcrl.rollout.weight_sender import WeightSender
+from launch.procs import stop as stop_process
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -86,12 +86,7 @@ def keyed_server(tmp_path_factory):
         yield proc, url, keys, log
     finally:
         torch.set_num_threads(prev)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 30)
 
 
 def _raw(url: str, method: str, route: str, body: dict | None, header: str | None) -> tuple[int, dict]:

@@ -6,7 +6,6 @@ engine that neither receives nor answers fails the push at the sender's deadline
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ from hpcrl.rollout.client import EngineClient, launch_reference_server
 from hpcrl.rollout.engine import ReferenceModel
 from hpcrl.rollout.hf_names import checkpoint_state_dict
 from hpcrl.rollout.weight_sender import WeightSender
+from launch.procs import stop as stop_process
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,12 +42,7 @@ def server(tmp_path_factory):
     finally:
         client.close()
         torch.set_num_threads(prev)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 30)
 
 
 def _greedy(client: EngineClient) -> list[dict]:

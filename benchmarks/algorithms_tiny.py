@@ -1,0 +1,92 @@
+"""Every built-in algorithm on the tiny example, side by side in one run: step time, its breakdown
+by phase, the controller's overhead share, and whether it learns.
+
+    .venv/bin/python benchmarks/algorithms_tiny.py [--steps 80] [--algorithms grpo,dapo,...] \
+        [--results benchmarks/RESULTS.md]
+
+Each algorithm is one `hpcrl run examples/tiny_moe_grpo.yaml --set algorithm.name=...` in turn, in
+the same session, on the same machine state. From metrics.jsonl, over the steady steps (the first 5
+excluded): median `timing/step_s`, the median of each phase (`timing/<phase>_s`), and the overhead:
+step time minus the sum of the phases (what the controller spends outside the workers' phases:
+the API's bookkeeping, advantages, the sync check, metrics), as a share of the step. Learning: the
+mean reward of the first and last 5 steps (dapo's reward/mean is over its kept groups).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
+SETTINGS = {"grpo": [], "dr_grpo": [], "rloo": [], "reinforce_pp": ["algorithm.kl_coef=0.01"],
+            "gspo": ["algorithm.clip_eps=3e-4", "algorithm.clip_eps_high=4e-4"],
+            "dapo": ["algorithm.clip_eps_high=0.28"], "sft": []}
+PHASES = ("rollout", "reward", "logprobs", "train", "sync")
+WARMUP = 5
+
+
+def run_one(name: str, steps: int, root: Path) -> dict:
+    run_dir = root / name
+    cmd = [sys.executable, "-m", "hpcrl.cli", "run", str(EXAMPLE), "--run-dir", str(run_dir), "--set",
+           f"algorithm.name={name}", "--set", f"algorithm.num_steps={steps}", "--set", "logging.progress=false"]
+    for s in SETTINGS[name]:
+        cmd += ["--set", s]
+    t0 = time.monotonic()
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, stdin=subprocess.DEVNULL)
+    wall = time.monotonic() - t0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steady = records[WARMUP:]
+    step_s = statistics.median(r["timing/step_s"] for r in steady)
+    phases = {p: statistics.median(r.get(f"timing/{p}_s", 0.0) for r in steady) for p in PHASES}
+    overhead = statistics.median(r["timing/step_s"] - sum(r.get(f"timing/{p}_s", 0.0) for p in PHASES)
+                                 for r in steady)
+    rewards = [r.get("reward/mean", float("nan")) for r in records]
+    return {"name": name, "wall_s": wall, "step_s": step_s, "phases": phases, "overhead_s": overhead,
+            "first5": sum(rewards[:5]) / 5, "last5": sum(rewards[-5:]) / 5,
+            "nll_last": records[-1].get("train/nll")}
+
+
+def table(rows: list[dict], steps: int) -> str:
+    head = ("| algorithm | step (ms) | " + " | ".join(f"{p} (ms)" for p in PHASES)
+            + " | overhead (ms) | overhead share | reward first 5 -> last 5 |")
+    lines = [head, "|" + "---|" * (len(PHASES) + 5)]
+    for r in rows:
+        learn = (f"{r['first5']:.3f} -> {r['last5']:.3f}" if r["nll_last"] is None
+                 else f"(sft: final nll {r['nll_last']:.3f})")
+        lines.append(f"| {r['name']} | {1e3 * r['step_s']:.1f} | "
+                     + " | ".join(f"{1e3 * r['phases'][p]:.1f}" for p in PHASES)
+                     + f" | {1e3 * r['overhead_s']:.2f} | {100 * r['overhead_s'] / r['step_s']:.1f}% | {learn} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--algorithms", default=",".join(SETTINGS))
+    ap.add_argument("--results", default=None, help="append the table to this RESULTS.md")
+    args = ap.parse_args()
+    names = args.algorithms.split(",")
+    with tempfile.TemporaryDirectory(prefix="hpcrl-algos-") as tmp:
+        rows = [run_one(n, args.steps, Path(tmp)) for n in names]
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                         text=True).stdout.strip()
+    text = (f"`.venv/bin/python benchmarks/algorithms_tiny.py --steps {args.steps}`  \n"
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, hpcrl {rev}, tiny example, "
+            f"{args.steps} steps each (medians over steps {WARMUP}+).\n\n" + table(rows, args.steps))
+    print(text)
+    if args.results:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from results_md import append_to_section
+
+        append_to_section(Path(args.results), "## algorithms_tiny", text)
+
+
+if __name__ == "__main__":
+    main()

@@ -57,16 +57,19 @@ class GRPOLossConfig:
 def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor | None,
               advantages_B: torch.Tensor, mask_BT: torch.Tensor, cfg: GRPOLossConfig,
               num_tokens: float | None = None, num_seqs: float | None = None,
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              weights_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO loss of one (micro-)batch and detached metrics (pg loss, kl, clip fraction).
 
     `logp_BT` carries the gradient; the other tensors are constants. Shapes: B sequences x T
-    response positions; `mask_BT` is 1 on generated tokens.
+    response positions; `mask_BT` is 1 on generated tokens. `weights_BT` (rollout correction: TIS
+    weights or an MIS mask, detached) multiplies the policy-gradient term per token.
     """
     adv_B1 = advantages_B.unsqueeze(1).to(logp_BT.dtype)
     ratio_BT = torch.exp(logp_BT - old_logp_BT)
     clipped_BT = ratio_BT.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps)
     pg_BT = -torch.minimum(ratio_BT * adv_B1, clipped_BT * adv_B1)
+    if weights_BT is not None:  # rollout correction: detached per-token importance weights or a mask
+        pg_BT = pg_BT * weights_BT
     pg = aggregate(pg_BT, mask_BT, cfg.loss_agg, num_tokens, num_seqs, cfg.loss_agg_norm)
     loss = pg
     kl = torch.zeros((), dtype=logp_BT.dtype)

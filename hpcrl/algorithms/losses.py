@@ -14,6 +14,10 @@ the *global* counts (`num_tokens`, `num_seqs`: the whole batch over all data-par
 metrics are summed the same way, so they too must be global means. Shape legend: B sequences, T
 response positions.
 
+With `algorithm.rollout_correction` on, `b.correction_BT` holds the TIS weights or the MIS mask of
+the engine's (behaviour) log-probs against the old ones; every built-in policy loss multiplies its
+policy-gradient term by it (`b.corrected(pg_BT)`), and a user's loss should too.
+
 Built-ins: `grpo` (PPO clip + KL to the reference, `grpo.grpo_loss`), `dr_grpo` (the same with
 `seq-mean-token-sum-norm`), `sft` (cross-entropy), `gspo` (sequence-level ratio and clip), `ppo` (the clipped
 surrogate on token-level advantages with decoupled clip, as REINFORCE++ and PPO use it). A user's
@@ -48,6 +52,13 @@ class LossBatch:
     num_tokens: float
     num_seqs: float
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    correction_BT: torch.Tensor | None = None
+    """Rollout correction (algorithm.rollout_correction): detached per-token weights for the policy-
+    gradient term, TIS's truncated importance weights or MIS's sequence mask; None when off."""
+
+    def corrected(self, pg_BT: torch.Tensor) -> torch.Tensor:
+        """`pg_BT` times the rollout-correction weights (unchanged when correction is off)."""
+        return pg_BT if self.correction_BT is None else pg_BT * self.correction_BT
 
     def advantages_BT(self) -> torch.Tensor:
         """The batch's "advantages" as [B, T] (a per-sequence [B] tensor is broadcast over T)."""
@@ -91,7 +102,7 @@ def grpo(b: LossBatch, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]
         raise ValueError(f"loss 'grpo' takes per-sequence advantages [B], got shape {tuple(adv.shape)}")
     _needs_ref(b, cfg, "grpo")
     return grpo_loss(b.logp_BT, b.old_logp_BT, b.ref_logp_BT, adv, b.mask_BT, _cfg(cfg),
-                     num_tokens=b.num_tokens, num_seqs=b.num_seqs)
+                     num_tokens=b.num_tokens, num_seqs=b.num_seqs, weights_BT=b.correction_BT)
 
 
 @policy_loss(metrics=("pg_loss", "clip_frac"))
@@ -101,7 +112,7 @@ def gspo(b: LossBatch, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]
     equally (seq-mean-token-mean)."""
     pg_BT, m = gspo_loss(b.logp_BT, b.old_logp_BT, b.advantages_BT(), b.mask_BT,
                          clip_eps_low=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high or cfg.clip_eps)
-    pg = aggregate(pg_BT, b.mask_BT, "seq-mean-token-mean", b.num_tokens, b.num_seqs)
+    pg = aggregate(b.corrected(pg_BT), b.mask_BT, "seq-mean-token-mean", b.num_tokens, b.num_seqs)
     clip = aggregate(m["clip_frac"], b.mask_BT, "token-mean", b.num_tokens)
     return pg, {"pg_loss": pg.detach(), "clip_frac": clip.detach()}
 
@@ -114,7 +125,7 @@ def ppo(b: LossBatch, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     c = _cfg(cfg)
     pg_BT, m = ppo_clip_loss(b.logp_BT, b.old_logp_BT, b.advantages_BT(), clip_eps_low=cfg.clip_eps,
                              clip_eps_high=cfg.clip_eps_high or None)
-    pg = aggregate(pg_BT, b.mask_BT, c.loss_agg, b.num_tokens, b.num_seqs, c.loss_agg_norm)
+    pg = aggregate(b.corrected(pg_BT), b.mask_BT, c.loss_agg, b.num_tokens, b.num_seqs, c.loss_agg_norm)
     clip = aggregate(m["clip_frac"], b.mask_BT, "token-mean", b.num_tokens)
     return pg, {"pg_loss": pg.detach(), "clip_frac": clip.detach()}
 
@@ -125,7 +136,8 @@ def dr_grpo(b: LossBatch, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tenso
     algorithm.loss_agg_norm (`seq-mean-token-sum-norm`), whatever algorithm.loss_agg says."""
     _needs_ref(b, cfg, "dr_grpo")
     return grpo_loss(b.logp_BT, b.old_logp_BT, b.ref_logp_BT, b.tensors["advantages"], b.mask_BT,
-                     _cfg(cfg, "seq-mean-token-sum-norm"), num_tokens=b.num_tokens, num_seqs=b.num_seqs)
+                     _cfg(cfg, "seq-mean-token-sum-norm"), num_tokens=b.num_tokens, num_seqs=b.num_seqs,
+                     weights_BT=b.correction_BT)
 
 
 @policy_loss(metrics=("nll",))

@@ -101,6 +101,17 @@ class AlgorithmConfig:
     growing linearly to overlong_penalty_factor); 0 disables it."""
     overlong_penalty_factor: float = 1.0
     """dapo: the largest overlong penalty, subtracted from the reward at max_new_tokens."""
+    rollout_correction: str = "none"
+    """none | tis | mis: correct for the engines' sampling distribution (behaviour policy) differing
+    from the trainer's (bf16 engines, other kernels). tis: token-level truncated importance weights
+    min(pi_old / pi_engine, tis_cap); mis: sequences whose importance ratio leaves [mis_low,
+    mis_high] get no policy gradient. Metrics train/mismatch_* either way."""
+    tis_cap: float = 2.0
+    """tis: the truncation of the per-token importance weights."""
+    mis_low: float = 0.5
+    """mis: sequences whose ratio prod_t pi_old / pi_engine is below this are masked."""
+    mis_high: float = 2.0
+    """mis: sequences whose ratio is above this are masked."""
     lr: float = 1e-3
     """Optimizer (Adam) learning rate."""
     weight_decay: float = 0.0
@@ -176,8 +187,14 @@ class RolloutConfig:
     torch (docs/sglang_install.md); null means the interpreter of the rollout rank."""
     env_setup: list[str] = field(default_factory=list)
     """Shell lines run (bash) before each SGLang engine starts, unchanged: module loads, venv activation."""
+    dtype: str = "auto"
+    """Weights of the engines: auto (model.dtype) | float32 | bfloat16. A bfloat16 reference engine
+    runs on CPU too: a real engine/trainer mismatch for rollout correction and the bf16 sync check."""
     logprob_tolerance: float = 1e-4
     """Max |engine log-prob - trainer log-prob| after a weight sync; larger stops the run."""
+    logprob_mean_tolerance: float = 0.0
+    """Mean |engine log-prob - trainer log-prob| over a step's response tokens; larger stops the run.
+    0 disables it. The check for bf16 engines: rounding moves single tokens, a wrong weight all."""
     bucket_mb: int = 64
     """Weight-sync bucket size (flattened-bucket broadcast) and, for shard sync, the per-round staging
     budget of each rank."""
@@ -336,6 +353,12 @@ class JobConfig:
     def world_size(self) -> int:
         """Ranks of the MPI world: controller + trainer ranks + one rank per rollout engine."""
         return 1 + self.trainer.num_procs + self.rollout.num_engines
+
+
+def engine_dtype(job: JobConfig) -> str:
+    """The engines' weight dtype: `rollout.dtype`, or model.dtype when it is auto. Weight syncs move
+    the policy at this dtype."""
+    return job.model.dtype if job.rollout.dtype == "auto" else job.rollout.dtype
 
 
 def weight_sync_mode(job: JobConfig) -> str:

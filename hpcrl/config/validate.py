@@ -23,7 +23,7 @@ import numpy as np
 
 from hpcrl.algorithms import KL_ESTIMATORS, LOSS_AGGS
 from hpcrl.config.errors import ConfigError
-from hpcrl.config.schema import JobConfig
+from hpcrl.config.schema import JobConfig, engine_dtype
 from hpcrl.models.presets import CONFIG_DIR, preset_names
 from hpcrl.rewards import load_reward_fn
 from hpcrl.rewards.builtin import BUILTIN_REWARDS
@@ -78,6 +78,9 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("algorithm.kl_coef", lambda v: v >= 0, ">= 0 (0 disables the KL penalty)"),
     ("algorithm.loss_agg_norm", lambda v: v >= 0, ">= 0 (0 means rollout.max_new_tokens)"),
     ("algorithm.ppo_epochs", lambda v: v >= 1, ">= 1"),
+    ("algorithm.tis_cap", lambda v: v > 0, "> 0, e.g. 2.0"),
+    ("algorithm.mis_low", lambda v: 0 < v <= 1, "in (0, 1], e.g. 0.5"),
+    ("algorithm.mis_high", lambda v: v >= 1, ">= 1, e.g. 2.0"),
     ("algorithm.max_generation_rounds", lambda v: v >= 1, ">= 1"),
     ("algorithm.overlong_buffer_len", lambda v: v >= 0, ">= 0 (0 disables the overlong penalty)"),
     ("algorithm.overlong_penalty_factor", lambda v: v >= 0, ">= 0"),
@@ -107,7 +110,8 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("rollout.temperature", lambda v: v > 0, "> 0 (1.0 samples the policy as is)"),
     ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]; 1.0 disables nucleus sampling"),
     ("rollout.max_new_tokens", lambda v: v >= 1, ">= 1"),
-    ("rollout.logprob_tolerance", lambda v: v > 0, "> 0, e.g. 1e-4 (float32) or 5e-2 (bfloat16)"),
+    ("rollout.logprob_tolerance", lambda v: v > 0, "> 0, e.g. 1e-4 (float32) or 1.0 (bfloat16 engines)"),
+    ("rollout.logprob_mean_tolerance", lambda v: v >= 0, ">= 0 (0 disables it), e.g. 2e-2 for bfloat16 engines"),
     ("rollout.bucket_mb", lambda v: v >= 1, ">= 1 (MB)"),
     ("checkpoint.dir", lambda v: v is None or v != "", "a directory path, or null for RUN_DIR/checkpoints"),
     ("checkpoint.interval_steps", lambda v: v >= 0, ">= 0 (0 saves only at the end and on preemption)"),
@@ -130,6 +134,8 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
 
 _CHOICES: list[tuple[str, tuple[str, ...]]] = [
     ("model.dtype", DTYPES),
+    ("rollout.dtype", ("auto", *DTYPES)),
+    ("algorithm.rollout_correction", ("none", "tis", "mis")),
     ("model.random_init", RANDOM_INITS),
     ("data.overlong_prompts", OVERLONG_PROMPTS),
     ("algorithm.kl_estimator", KL_ESTIMATORS),
@@ -289,6 +295,19 @@ def _check_algorithm(job: JobConfig) -> None:
     if a.name in ("rloo", "reinforce_pp", "dr_grpo") and not a.norm_adv_by_std:
         raise ConfigError("algorithm.norm_adv_by_std", a.norm_adv_by_std,
                           f"{a.name} computes its own advantages and ignores it; remove the key")
+
+
+def _check_engine_dtype(job: JobConfig) -> None:
+    """A bfloat16 engine against a float32 trainer needs the bf16 sync check (docs/config.md)."""
+    r = job.rollout
+    if engine_dtype(job) == "bfloat16" and job.model.dtype == "float32" and (
+            r.logprob_tolerance < 0.1 or r.logprob_mean_tolerance == 0):
+        raise ConfigError("rollout.dtype", r.dtype,
+                          "a bfloat16 engine against the float32 trainer rounds single tokens' log-probs by "
+                          f"up to ~0.5, so rollout.logprob_tolerance={r.logprob_tolerance:g} would stop the run "
+                          "while the mean check is off; set rollout.logprob_tolerance: 1.0 and "
+                          "rollout.logprob_mean_tolerance: 0.02 (a wrong weight moves every token: "
+                          "benchmarks/RESULTS.md, bf16_sync_check)")
 
 
 def _check_eval(job: JobConfig) -> None:
@@ -630,6 +649,7 @@ def validate(job: JobConfig, purpose: str = "run") -> None:
     _check_parallel(job, dims)
     _check_context(job, dims, prompt_len)
     _check_eval(job)
+    _check_engine_dtype(job)
     _check_algorithm(job)
     _check_slurm(job)
     check_rollout_layout(job)

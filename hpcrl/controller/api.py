@@ -35,7 +35,7 @@ import numpy as np
 
 from hpcrl.config.schema import AlgorithmConfig, JobConfig
 from hpcrl.controller.groups import Rollout
-from hpcrl.controller.sync_check import logprob_max_abs_diff
+from hpcrl.controller.sync_check import logprob_sync_check
 
 BUILTIN_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo", "sft")
 STEP_SIGNATURE = "def step(rl: hpcrl.controller.api.RL, step: int) -> None"
@@ -131,6 +131,8 @@ class RL:
         before the update (WeightSyncError above rollout.logprob_tolerance), and the weight sync of
         the updated policy starts; `sync_weights()` waits for it.
         """
+        if self.algo.rollout_correction != "none" and rollout.engine_logprobs:
+            tensors = {**(tensors or {}), "behaviour_logp": rollout.engine_logprobs_BT()}
         with self._phase("train"):
             train = self._s.policy.train(
                 self.step, rollout, advantages, ref_logprobs, self._temperature, loss=loss, tensors=tensors,
@@ -138,8 +140,10 @@ class RL:
                 mini_batch_size=self.algo.mini_batch_size if mini_batch_size is None else mini_batch_size)
         self.log(**{f"train/{k}": v for k, v in train.metrics.items()})
         if rollout.engine_logprobs:  # demonstrations have none: no engine sampled them
-            diff = logprob_max_abs_diff(rollout, train.logprobs_BT, self.job.rollout.logprob_tolerance, self.step)
-            self.log(**{"sync/logprob_max_abs_diff": diff})
+            r = self.job.rollout
+            worst, mean = logprob_sync_check(rollout, train.logprobs_BT, r.logprob_tolerance,
+                                             r.logprob_mean_tolerance, self.step)
+            self.log(**{"sync/logprob_max_abs_diff": worst, "sync/logprob_mean_abs_diff": mean})
         return train.metrics
 
     def sync_weights(self) -> dict[str, float]:

@@ -22,6 +22,14 @@ class WeightSyncError(RuntimeError):
 def logprob_max_abs_diff(rollout, trainer_logp_BT: np.ndarray, tolerance: float, step: int) -> float:
     """The max |engine - trainer| log-prob over all response tokens; WeightSyncError above
     `tolerance` (a NaN or infinite log-prob on either side counts as infinitely far)."""
+    return logprob_sync_check(rollout, trainer_logp_BT, tolerance, 0.0, step)[0]
+
+
+def logprob_sync_check(rollout, trainer_logp_BT: np.ndarray, tolerance: float, mean_tolerance: float,
+                       step: int) -> tuple[float, float]:
+    """(max, mean) |engine - trainer| log-prob over all response tokens. WeightSyncError when the max
+    exceeds `tolerance`, or the mean exceeds `mean_tolerance` (> 0; the check for bf16 engines,
+    whose rounding moves single tokens by 1e-2-1e-1 while a wrong weight moves all of them)."""
     engine = rollout.engine_logprobs
     lengths_B = np.fromiter(map(len, engine), dtype=np.int64, count=len(engine))
     total = int(lengths_B.sum())
@@ -33,8 +41,14 @@ def logprob_max_abs_diff(rollout, trainer_logp_BT: np.ndarray, tolerance: float,
     d_N = np.abs(engine_N - trainer_logp_BT[mask_BT])
     d_N[~np.isfinite(d_N)] = np.inf
     worst = float(d_N.max(initial=0.0))
+    mean = float(d_N.mean()) if d_N.size else 0.0
+    if mean_tolerance > 0 and mean > mean_tolerance:
+        raise WeightSyncError(
+            f"step {step}: engine and trainer log-probs differ by {mean:.3g} on average over {d_N.size} "
+            f"response tokens (max {worst:.3g}) > rollout.logprob_mean_tolerance={mean_tolerance:g}: every "
+            "token moved, so the engine is not running the trainer's weights; check the weight sync")
     if worst <= tolerance:
-        return worst
+        return worst, mean
     rows = [b for b, n in enumerate(lengths_B) if n]
     diffs = np.split(d_N, np.cumsum(lengths_B[rows])[:-1])
     worst_of = [float(d.max()) for d in diffs]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.config import ConfigError, JobConfig
+from hpcrl.config.schema import engine_dtype
 from hpcrl.config.validate import read_model_config
 from moe.layouts import RolloutLayout, TrainerLayout
 from moe.specs import MoESpec, spec_from_config
@@ -64,7 +65,7 @@ def build_spec(job: JobConfig) -> MoESpec:
     else:
         flavor = os.path.basename(str(value)).removesuffix(".json")
     try:
-        return spec_at_dtype(cfg, job.model.dtype, flavor)  # the trainer's parameter dtype is what moves
+        return spec_at_dtype(cfg, engine_dtype(job), flavor)  # syncs move the engines' dtype
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(key, value, f"{source}: {str(exc).removeprefix('config.json ')}") from None
 

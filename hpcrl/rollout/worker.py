@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from hpcrl import faults
-from hpcrl.config.schema import JobConfig
+from hpcrl.config.schema import JobConfig, engine_dtype
 from hpcrl.dist import free_port, routable_host
 from hpcrl.rollout.engine_auth import job_keys, keys_path
 from hpcrl.rollout.engine_watch import EngineRecord
@@ -50,7 +50,7 @@ def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
     python = job.rollout.python or sys.executable
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", host,
            "--port", str(port), "--tp-size", str(job.rollout.tp_per_engine), *sglang_gpu_args(gpus), *load,
-           "--skip-tokenizer-init", "--dtype", job.model.dtype, "--config", str(keys_path(run_dir)),
+           "--skip-tokenizer-init", "--dtype", engine_dtype(job), "--config", str(keys_path(run_dir)),
            "--enable-deterministic-inference", *job.rollout.server_args]
     if job.rollout.env_setup:
         script = "\n".join([*job.rollout.env_setup, 'exec "$@"'])
@@ -97,7 +97,7 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
             state["proc"], url = launch_reference_server(
                 str(run_dir / "model_config.json"), reference_device(job, gpus), engine_init_seed(job),
                 str(log_path),
-                host=host, dtype=job.model.dtype, threads=job.resources.cpus_per_rank,
+                host=host, dtype=engine_dtype(job), threads=job.resources.cpus_per_rank,
                 startup_timeout_s=job.resources.startup_timeout_s, extra_args=job.rollout.server_args,
                 model_path=job.model.path, config_path=str(keys_path(run_dir)))
         else:

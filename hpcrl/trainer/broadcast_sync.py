@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcrl.config.schema import JobConfig
+from hpcrl.config.schema import JobConfig, engine_dtype
 from hpcrl.rollout.client import EngineClient
 from hpcrl.rollout.weight_sender import WeightSender, call_failures
 from hpcrl.trainer.shard_sync import LocalHFShards, sync_host
@@ -127,7 +127,7 @@ class BroadcastSync:
         from hpcrl.models.job_model import build_spec
 
         local = LocalHFShards(dict(policy.gpt.named_parameters()), policy.dims, policy.coords,
-                              getattr(torch, job.model.dtype))
+                              getattr(torch, engine_dtype(job)))
         return cls(build_spec(job), local.refresh, urls, bucket_bytes=max(job.rollout.bucket_mb << 20, 1),
                    tp_per_engine=job.rollout.tp_per_engine, host=sync_host(job), timeout_s=timeout_s,
                    verify=job.rollout.sync_checksum,

@@ -460,6 +460,35 @@ class MegatronPolicy:
             self._losses[spec] = resolve_loss(spec)
         return self._losses[spec]
 
+    def _correction_metrics(self) -> tuple[str, ...]:
+        """The rollout-correction metrics every train step reports (algorithm.rollout_correction)."""
+        mode = self.algorithm.rollout_correction
+        if mode == "none":
+            return ()
+        own = ("tis_weight_mean", "tis_truncated_frac") if mode == "tis" else ("mis_masked_frac",)
+        return ("mismatch_kl_k3", "mismatch_abs_log_ratio", *own)
+
+    def _rollout_correction(self, old_BT: torch.Tensor, tensors: dict[str, torch.Tensor], mask_BT: torch.Tensor,
+                            num_tokens: int, num_seqs: int) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """The per-token correction weights of the engine's (behaviour) log-probs, tensors
+        ["behaviour_logp"], against the old ones, and the mismatch metrics; (None, {}) when off."""
+        from hpcrl.algorithms.rollout_correction import mis_mask, mismatch_metrics, tis_weights
+
+        a = self.algorithm
+        if a.rollout_correction == "none":
+            return None, {}
+        if "behaviour_logp" not in tensors:
+            raise ValueError(f"algorithm.rollout_correction={a.rollout_correction!r} needs the engines' "
+                             "log-probs as tensors['behaviour_logp'] (rl.update_policy sends them)")
+        mu_BT = tensors["behaviour_logp"].to(old_BT.dtype)
+        metrics = mismatch_metrics(old_BT, mu_BT, mask_BT, num_tokens)
+        if a.rollout_correction == "tis":
+            weights_BT, own = tis_weights(old_BT, mu_BT, mask_BT, a.tis_cap, num_tokens)
+        else:
+            keep_B, own = mis_mask(old_BT, mu_BT, mask_BT, a.mis_low, a.mis_high, num_seqs=num_seqs)
+            weights_BT = keep_B.unsqueeze(1) * mask_BT.to(old_BT.dtype)
+        return weights_BT, {**metrics, **own}
+
     def _train_loss(self, policy_loss: Any, temperature: float, num_tokens: int, num_seqs: int, scale: int,
                     mbd: dict[str, torch.Tensor], logits_BLv: torch.Tensor
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -471,8 +500,10 @@ class MegatronPolicy:
         # being trained, so the old log-probs are this forward's, detached (ratio = 1).
         old_BT = mbd["old_BT"] if "old_BT" in mbd else logp_BT.detach()
         tensors = {k[2:]: v for k, v in mbd.items() if k.startswith("t:")}
+        correction, rc_metrics = self._rollout_correction(old_BT, tensors, mask_BT, num_tokens, num_seqs)
         loss, m = policy_loss.fn(LossBatch(logp_BT, old_BT, mbd.get("ref_BT"), mask_BT, num_tokens, num_seqs,
-                                           tensors), self.algorithm)
+                                           tensors, correction), self.algorithm)
+        m = {**m, **rc_metrics}
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(f"loss {policy_loss.name!r} returned {type(loss).__name__} of shape "
                              f"{tuple(getattr(loss, 'shape', ()))}; it must return a scalar tensor")
@@ -481,7 +512,8 @@ class MegatronPolicy:
             raise ValueError(f"loss {policy_loss.name!r} declared metrics {missing} but did not return them")
         entropy = aggregate(entropy_BT, mask_BT, "token-mean", num_tokens)
         metrics = torch.stack([loss.detach(), entropy,
-                               *(m[k].detach().to(loss.device) for k in policy_loss.metrics)]).float()
+                               *(m[k].detach().to(loss.device) for k in (*policy_loss.metrics,
+                                                                         *self._correction_metrics()))]).float()
         return loss * scale, {"metrics": metrics, "logp_BT": torch.where(mask_BT, logp_BT.detach(), 0.0)}
 
     def update(self, batch: TrainBatch | None, advantages: torch.Tensor | None,
@@ -594,7 +626,7 @@ class MegatronPolicy:
         store = self._run(self.ddp, mbs, n_mb, mb, L, False, loss_fn)
         _, grad_norm, _ = self.optimizer.step()
 
-        names = ("loss", "entropy", *policy_loss.metrics)
+        names = ("loss", "entropy", *policy_loss.metrics, *self._correction_metrics())
         local = torch.zeros(len(names), dtype=torch.float32)
         if self._counts_here():
             for d in store:

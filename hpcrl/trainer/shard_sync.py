@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcrl.config.schema import JobConfig
+from hpcrl.config.schema import JobConfig, engine_dtype
 from hpcrl.dist import free_port, routable_host
 from hpcrl.rollout.reshard_route import PlanRequest, spec_fingerprint
 from hpcrl.rollout.weight_sender import init_custom_process_group
@@ -103,7 +103,7 @@ class ShardSync:
         self.request_json = {**self.request.to_json(), "group_name": GROUP_NAME,
                              "spec_sha256": self.fingerprint, "verify": job.rollout.sync_checksum}
         self._announced: tuple[str, tuple[list[Any], list[str]]] | None = None
-        self.dtype = getattr(torch, job.model.dtype)
+        self.dtype = getattr(torch, engine_dtype(job))
         self.group: dist.ProcessGroup | None = None
         self.staging = Staging()
         self.local = LocalHFShards(dict(policy.gpt.named_parameters()), policy.dims, policy.coords, self.dtype)

@@ -51,3 +51,15 @@ def test_nan_log_probs_fail_the_check():
     engine[2, 1] = np.nan
     with pytest.raises(WeightSyncError, match=r"differ by inf \(sequence 2, response token 1\)"):
         logprob_max_abs_diff(rollout(engine), TRAINER, 1e-4, 0)
+
+
+def test_the_mean_check_lets_bf16_rounding_through_and_stops_a_shift_of_every_token():
+    from hpcrl.controller.sync_check import logprob_sync_check
+
+    rounded = TRAINER.copy()
+    rounded[3, 2] += 0.5  # one token off by bf16 rounding at a near-tie: mean 0.5 / 48 ~ 0.01
+    worst, mean = logprob_sync_check(rollout(rounded), TRAINER, 1.0, 0.02, 4)
+    assert worst == pytest.approx(0.5) and mean == pytest.approx(0.5 / TRAINER.size)
+    with pytest.raises(WeightSyncError, match=r"step 4: .* differ by 0.05 on average over 48 response tokens "
+                                              r"\(max 0.05\) > rollout.logprob_mean_tolerance=0.02"):
+        logprob_sync_check(rollout(TRAINER + 0.05), TRAINER, 1.0, 0.02, 4)

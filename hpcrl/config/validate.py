@@ -695,7 +695,7 @@ def _check_data_file(job: JobConfig, key: str, tok: Tokenizer) -> None:
                                       f"file), or null to use {other}")
     limit, reason = prompt_limit(job)
     cap = job.data.max_prompt_tokens
-    if cap and cap > limit:
+    if cap and cap > limit and limit >= 1:
         raise ConfigError("data.max_prompt_tokens", cap,
                           f"prompts of {cap} tokens leave no room for rollout.max_new_tokens: {reason}; "
                           f"use max_prompt_tokens <= {limit} or fewer max_new_tokens")

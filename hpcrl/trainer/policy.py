@@ -1,4 +1,4 @@
-"""The Megatron-core policy of a trainer rank: weights in HF names, log-probs, one GRPO step.
+"""The Megatron-core policy of a trainer rank: weights in HF names, log-probs, policy updates.
 
 Every trainer rank builds one `MegatronPolicy` after `hpcrl.dist.init_torch_distributed` (the
 default torch.distributed world is exactly the trainer ranks) and then calls each method
@@ -6,13 +6,13 @@ collectively with the same arguments; results come back on trainer rank 0 (None 
 
     batch (every rank)  -> rows split over DP ranks -> micro-batches (trainer.micro_batch_size)
         -> Megatron schedule (1F1B under PP) -> GPTModel (TP/SP, EP/ETP MoE)
-        -> last stage: log-probs of response tokens, GRPO loss (global token/seq counts)
+        -> last stage: log-probs of response tokens, the algorithm's loss (global token/seq counts)
         -> Megatron DDP grad reduce + finalize_model_grads -> Adam step
     results (log-probs, metrics, HF weights) -> trainer rank 0
 
 Loss scaling: each micro-batch's loss (the algorithm's, hpcrl/algorithms/losses.py; GRPO's by
-default) uses the *global* token and sequence counts,
-so the sum over all micro-batches of all DP ranks is the full-batch loss. The schedule divides a
+default) uses the *global* token and sequence counts, so the sum over all micro-batches of all DP
+ranks is the full-batch loss. The schedule divides a
 micro-batch loss by the number of micro-batches M and DDP averages over the D DP ranks, so the
 policy hands Megatron `loss * M * D`; the MoE aux loss then gets Megatron's usual weight (mean
 over the M * D micro-batches). Pad tokens are masked out of the aux loss (`padding_mask`), so
@@ -92,7 +92,7 @@ class MegatronPolicy:
     """A Megatron GPTModel (MoE) policy, plus a frozen reference copy when `kl_coef > 0`.
 
     Construct on every trainer rank (collective). Weights start at Megatron's random init, not
-    HF's: call `init_from_seed` or `load_hf_state_dict` before computing anything. `gpu` is this
+    HF's: call `load_hf_dir`, `init_from_seed` or `load_hf_state_dict` before computing anything. `gpu` is this
     rank's CUDA device (hpcrl.rollout.placement) with device cuda; None: rank % visible GPUs.
     """
 

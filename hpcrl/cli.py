@@ -159,38 +159,38 @@ def _nodes(n: int) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from launch.slurm_query import resolve_run, status_text
+    from launch.slurm_runs import resolve_job, status_text
 
     with _slurm_errors():
-        run_dir, record = resolve_run(args.run)
-        print(status_text(run_dir, record), flush=True)
+        print(status_text(resolve_job(args.run)), flush=True)
     return 0
 
 
 def _logs(args: argparse.Namespace) -> int:
-    from launch.slurm_query import follow_logs, resolve_run, write_logs
+    from launch.slurm_query import write_logs
+    from launch.slurm_runs import follow_logs, resolve_job
 
     with _slurm_errors():
-        run_dir, record = resolve_run(args.run)
+        job = resolve_job(args.run)
         if not args.follow:
-            write_logs(run_dir, record, sys.stdout, attempt=args.attempt, every=args.every, batch=args.batch)
+            write_logs(job.run_dir, job.log_record, sys.stdout, attempt=args.attempt, every=args.every,
+                       batch=args.batch)
             return 0
         try:
-            state = follow_logs(run_dir, record, sys.stdout, attempt=args.attempt)
+            state = follow_logs(job, sys.stdout, attempt=args.attempt)
         except KeyboardInterrupt:
             print(file=sys.stderr)
             return 130
     ended = state.state if state is not None else "no longer known to Slurm"
-    print(f"hpcrl logs: job {record['job_id']} ended: {ended}", file=sys.stderr, flush=True)
+    print(f"hpcrl logs: job {job.job_id} ended: {ended}", file=sys.stderr, flush=True)
     return 0
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    from launch.slurm_query import cancel_run, resolve_run
+    from launch.slurm_runs import cancel_run, resolve_job
 
     with _slurm_errors():
-        run_dir, record = resolve_run(args.run)
-        print(cancel_run(run_dir, record), flush=True)
+        print(cancel_run(resolve_job(args.run)), flush=True)
     return 0
 
 

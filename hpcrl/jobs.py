@@ -155,11 +155,9 @@ def attach(run_dir: str | os.PathLike[str]) -> Any:
     path = Path(run_dir).resolve()
     slurm_record = path / "slurm.json"
     if slurm_record.is_file():
-        from launch.slurm_executor import HetJob
+        from launch.slurm_runs import resolve_job
 
-        record = json.loads(slurm_record.read_text())
-        folder = record.get("submitit_folder", record.get("log_dir", str(path / "logs")))
-        return HetJob(folder, record["job_id"])
+        return resolve_job(str(path))  # what hpcrl status/logs/cancel act on
     local_record = path / LOCAL_RECORD
     if local_record.is_file():
         from launch.local_job import LocalRunJob

@@ -28,14 +28,16 @@ def result_path(folder: Path, job_id: str) -> Path:
     return submitit_utils.JobPaths(folder, job_id=job_id, task_id=0).result_pickle
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
+    """The JSON value of `path`, or None when it is missing or not (yet) valid JSON."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
 
 
-def _last_metrics(run_dir: Path) -> dict[str, Any] | None:
+def last_metrics(run_dir: Path) -> dict[str, Any] | None:
+    """The last complete row of RUN_DIR/metrics.jsonl (a line being written is skipped), or None."""
     last = None
     path = run_dir / "metrics.jsonl"
     if path.is_file():
@@ -53,10 +55,10 @@ def run_summary(run_dir: Path) -> dict[str, Any] | None:
     Keys: `policy_sha256`, `num_steps` (from final.json), `last_step` (the last step in
     metrics.jsonl, or None), `metrics` (that step's metrics row, or {}) and `run_dir`.
     """
-    final = _read_json(run_dir / FINAL_FILE)
+    final = read_json(run_dir / FINAL_FILE)
     if not isinstance(final, dict):
         return None
-    last = _last_metrics(run_dir) or {}
+    last = last_metrics(run_dir) or {}
     return {"policy_sha256": final.get("policy_sha256"), "num_steps": final.get("num_steps"),
             "last_step": last.get("step"), "metrics": last, "run_dir": str(run_dir)}
 
@@ -74,7 +76,7 @@ def failure_text(run_dir: Path, rc: int) -> str:
     else:
         lines.append(f"hpcrl run failed: the step exited with code {rc} and the controller left no report "
                      "(a rank or the launcher died before it could write RUN_DIR/.failure.txt)")
-    phase = _read_json(run_dir / ".phase.json")
+    phase = read_json(run_dir / ".phase.json")
     if isinstance(phase, dict):
         lines.append(f"controller phase: '{phase.get('phase', '?')}' of step {phase.get('step', '?')}")
     if rc == 0:

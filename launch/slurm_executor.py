@@ -34,7 +34,7 @@ from submitit.core import utils as submitit_utils
 from submitit.slurm.slurm import SlurmExecutor, SlurmInfoWatcher, SlurmJob
 
 from launch.result import RunOutcome
-from launch.slurm_query import SlurmError, cancel_job, job_state, require_tool
+from launch.slurm_query import JobState, SlurmError, cancel_job, job_state, require_tool
 
 SBATCH_TIMEOUT_S = 60
 # Not final for Job.done(): the job is still queued, running or on its way to a requeue (hpcrl jobs
@@ -99,6 +99,17 @@ class HetJob(SlurmJob[dict[str, Any]]):
     def restarts(self) -> int:
         """How often Slurm requeued the job so far (SLURM_RESTART_COUNT of the current attempt)."""
         return int(self.get_info(mode="standard").get("Restarts", "0"))
+
+    def slurm_state(self) -> JobState | None:
+        """Everything Slurm reports of the job now (state, reason, restarts, exit code, run time,
+        time left, partition, component node lists), asked afresh; None once Slurm has forgotten
+        the job and no accounting knows it. SlurmError when the controller does not answer."""
+        return job_state(self.job_id)
+
+    @property
+    def log_record(self) -> dict[str, str]:
+        """{job_id, log_dir}: what launch.slurm_query's log-file functions need of this job."""
+        return {"job_id": self.job_id, "log_dir": str(self.paths.folder)}
 
     def stderr(self) -> str | None:
         folder = self.paths.folder

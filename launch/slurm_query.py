@@ -6,7 +6,9 @@ the tool or argument, the bad value and the fix (the CLI prints it on one line a
 state comes from `scontrol show job` (Slurm keeps finished jobs for `MinJobAge`, 10 min on the local
 cluster) and `squeue` (time left); only when Slurm has forgotten the job and accounting is on does
 it fall back to `sacct`, whose output is parsed by submitit's `SlurmInfoWatcher.read_info`. A hetjob
-answers with one record per component (`123+0`, `123+1`); the first is the leader.
+answers with one record per component (`123+0`, `123+1`); the first is the leader. The files of a
+submitted run dir (RUN_DIR/slurm.json, the attempt and batch logs) are found here too; what `hpcrl
+status/logs/cancel` make of them, through the run's `HetJob`, is in launch/slurm_runs.py.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from launch.slurm_spec import parse_time_limit
 
@@ -221,7 +223,7 @@ def job_workdir(job_id: str) -> Path | None:
     return Path(records[0]["WorkDir"]) if records and records[0].get("WorkDir") else None
 
 
-# ---- a run dir made by `hpcrl submit` (RUN_DIR/slurm.json names its job) ----------------------
+# ---- the files of a run dir made by `hpcrl submit` (RUN_DIR/slurm.json names its job) ------------
 
 SUBMISSION_FILE = "slurm.json"
 _ATTEMPT_RE = re.compile(r"^(?P<job>\d+)-attempt(?P<n>\d+)\.log$")
@@ -264,81 +266,8 @@ def batch_logs(run_dir: Path, record: dict) -> list[Path]:
     return [log_dir / name for name in names if (log_dir / name).is_file()]
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _last_metrics(run_dir: Path) -> dict | None:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    last = None
-    for line in path.read_text().splitlines():
-        try:
-            last = json.loads(line)
-        except ValueError:
-            continue  # a line being written right now
-    return last
-
-
-def _world_line(run_dir: Path) -> str | None:
-    ranks = _read_json(run_dir / ".ranks.json")
-    if not isinstance(ranks, list) or not ranks:
-        return None
-    by_role: dict[str, list[str]] = {}
-    for r in sorted(ranks, key=lambda r: r["rank"]):
-        by_role.setdefault(r["role"], []).append(str(r["rank"]))
-    roles = "; ".join(f"{role} {','.join(ids)}" for role, ids in by_role.items())
-    hosts = sorted({r["host"] for r in ranks})
-    return f"{len(ranks)} ranks ({roles}) on {', '.join(hosts)}"
-
-
-def status_text(run_dir: Path, record: dict) -> str:
-    """What `hpcrl status` prints: Slurm state, attempt and restarts, time, progress, world, logs."""
-    job_id = record["job_id"]
-    state = job_state(job_id)
-    rows: list[tuple[str, str]] = [("run dir", str(run_dir))]
-    if state is None:
-        rows.append(("job", f"{job_id}: no longer known to Slurm (it keeps finished jobs for MinJobAge; "
-                            "no accounting to ask)"))
-    else:
-        reason = f" ({state.reason})" if state.reason not in ("", "None") else ""
-        exit_code = f", exit code {state.exit_code}" if state.final and state.exit_code else ""
-        rows.append(("job", f"{job_id} {state.state}{reason}{exit_code}, partition {state.partition or '?'}"))
-        if state.components:
-            rows.append(("nodes", ", ".join(f"{cid}: {nodes}" for cid, nodes in state.components)))
-        rows.append(("attempt", f"{state.restarts} ({state.restarts} restarts; SLURM_RESTART_COUNT)"))
-        if state.run_time:
-            left = f", {state.time_left} left" if state.time_left else ""
-            rows.append(("time", f"{state.run_time} elapsed of {state.time_limit}{left}"))
-    config = _read_json(run_dir / "config.json") or {}
-    num_steps = config.get("algorithm", {}).get("num_steps", "?")
-    last = _last_metrics(run_dir)
-    if last is None:
-        rows.append(("progress", f"no step finished yet (0/{num_steps})"))
-    else:
-        reward = last.get("reward/mean")
-        shown = f"{reward:.4f}" if isinstance(reward, (int, float)) else "n/a"
-        rows.append(("progress", f"step {last['step'] + 1}/{num_steps} done, reward/mean {shown}"))
-    final = _read_json(run_dir / "final.json")
-    if isinstance(final, dict):
-        rows.append(("finished", f"policy sha256 {final.get('policy_sha256')}"))
-    failure = run_dir / ".failure.txt"
-    if failure.is_file():
-        rows.append(("failure", failure.read_text().strip().splitlines()[0]))
-    world = _world_line(run_dir)
-    if world:
-        rows.append(("world", world))
-    attempts = attempt_logs(run_dir, record)
-    where = str(attempts[-1][1]) if attempts else "no step log yet"
-    rows.append(("logs", f"{where}  (hpcrl logs {run_dir} [-f])"))
-    return "\n".join(f"{key:<9} {value}" for key, value in rows)
-
-
-def _pick_log(run_dir: Path, record: dict, attempt: int | None) -> Path | None:
+def pick_log(run_dir: Path, record: dict, attempt: int | None) -> Path | None:
+    """The step log of attempt `attempt` (None: the latest), or None when it has none yet."""
     logs = attempt_logs(run_dir, record)
     if attempt is None:
         return logs[-1][1] if logs else None
@@ -354,7 +283,7 @@ def write_logs(run_dir: Path, record: dict, out: TextIO, attempt: int | None = N
     elif every:
         paths = [p for _, p in attempt_logs(run_dir, record)]
     else:
-        chosen = _pick_log(run_dir, record, attempt)
+        chosen = pick_log(run_dir, record, attempt)
         paths = [chosen] if chosen else []
     if not paths:
         have = [n for n, _ in attempt_logs(run_dir, record)]
@@ -367,64 +296,3 @@ def write_logs(run_dir: Path, record: dict, out: TextIO, attempt: int | None = N
             out.write(f"==> {path} <==\n")
         out.write(path.read_text(errors="replace"))
     out.flush()
-
-
-def follow_logs(run_dir: Path, record: dict, out: TextIO, attempt: int | None = None, poll_s: float = 0.5,
-                state_every_s: float = 2.0) -> JobState | None:
-    """`tail -f` of the current attempt's step log, switching to the next attempt after a requeue;
-    returns the job's final state once it has ended and its log is drained. Ctrl-C raises
-    KeyboardInterrupt for the caller to end quietly."""
-    current: Path | None = None
-    pos = 0
-    next_state = 0.0
-    state = None
-    while True:
-        target = _pick_log(run_dir, record, attempt)
-        if target is not None and target != current:
-            if current is not None:
-                pos = _copy_from(current, pos, out)  # the rest of the previous attempt first
-            out.write(f"==> {target} <==\n")
-            current, pos = target, 0
-        grew = False
-        if current is not None:
-            new_pos = _copy_from(current, pos, out)
-            grew, pos = new_pos != pos, new_pos
-        out.flush()
-        if not grew and time.monotonic() >= next_state:
-            next_state = time.monotonic() + state_every_s
-            state = job_state(record["job_id"])
-            if state is None or state.final:
-                if current is not None:
-                    _copy_from(current, pos, out)
-                else:
-                    for path in batch_logs(run_dir, record):  # it ended before any step ran
-                        out.write(f"==> {path} <==\n{path.read_text(errors='replace')}")
-                out.flush()
-                return state
-        time.sleep(poll_s)
-
-
-def _copy_from(path: Path, pos: int, out: TextIO) -> int:
-    """Write `path`'s bytes from offset `pos` to `out`; the new offset."""
-    try:
-        with path.open("rb") as f:
-            f.seek(pos)
-            data = f.read()
-    except FileNotFoundError:
-        return pos
-    if data:
-        out.write(data.decode(errors="replace"))
-    return pos + len(data)
-
-
-def cancel_run(run_dir: Path, record: dict) -> str:
-    """scancel the run's job and wait until Slurm reports it ended; a one-line outcome."""
-    job_id = record["job_id"]
-    state = job_state(job_id)
-    if state is None:
-        return f"job {job_id} is no longer known to Slurm; nothing to cancel"
-    if state.final:
-        return f"job {job_id} already ended ({state.state}); nothing to cancel"
-    final = cancel_job(job_id)
-    shown = final.state if final is not None else "gone"
-    return f"cancelled job {job_id} ({shown}); run dir {run_dir}"

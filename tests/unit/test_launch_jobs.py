@@ -209,3 +209,46 @@ def test_slurm_batch_submits_nothing_when_one_entry_is_bad(tmp_path: Path, fake_
     with pytest.raises(ConfigError, match="algorithm.num_steps"):
         Executor(kind="slurm").submit_batch([good, bad])
     assert not (out / "sbatch.args").exists() and not (tmp_path / "a").exists()
+
+
+def submitted_run(tmp_path: Path, job_id: str = "4242") -> Path:
+    """A run dir as `hpcrl submit` leaves it: slurm.json, config.json, a step log of attempt 0."""
+    run_dir = finished_run(tmp_path / "run")
+    (run_dir / "logs").mkdir(exist_ok=True)
+    record = {"job_id": job_id, "submitit_folder": str(run_dir / "logs"), "log_dir": str(run_dir / "logs")}
+    (run_dir / "slurm.json").write_text(json.dumps(record))
+    (run_dir / "config.json").write_text(json.dumps({"algorithm": {"num_steps": 2}}))
+    (run_dir / "logs" / f"{job_id}-attempt0.log").write_text("step 0\nstep 1\n")
+    return run_dir
+
+
+def test_status_logs_cancel_act_on_the_run_s_hetjob(tmp_path, fake_slurm, capsys) -> None:
+    from hpcrl.cli import main
+
+    out = fake_slurm("RUNNING")
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "scancel").write_text(f"#!/bin/bash\necho \"$@\" > {out}/scancel.args\n")
+    (bin_dir / "scancel").chmod(0o755)
+    run_dir = submitted_run(tmp_path)
+    job = attach(run_dir)
+    assert isinstance(job, HetJob) and job.job_id == "4242" and job.run_dir == run_dir.resolve()
+    assert job.log_record == {"job_id": "4242", "log_dir": str(run_dir.resolve() / "logs")}
+    assert main(["status", str(run_dir)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:5] == [f"run dir   {run_dir}", "job       4242 RUNNING, partition debug",
+                         "nodes     4242+0: n1, 4242+1: n2", "attempt   1 (1 restarts; SLURM_RESTART_COUNT)",
+                         "time      00:00:05 elapsed of 00:10:00, 9:59 left"]
+    assert "progress  step 2/2 done, reward/mean 0.2000" in lines
+    assert f"finished  policy sha256 {'ab' * 32}" in lines
+    assert main(["logs", str(run_dir)]) == 0 and capsys.readouterr().out == "step 0\nstep 1\n"
+    # cancel: scancel through HetJob.cancel, which waits until Slurm reports the job ended
+    (bin_dir / "scontrol").write_text(FAKE_SCONTROL.format(state="CANCELLED"))
+    (bin_dir / "scontrol").chmod(0o755)
+    assert main(["cancel", str(run_dir)]) == 0
+    assert capsys.readouterr().out.strip() == "job 4242 already ended (CANCELLED); nothing to cancel"
+    assert not (out / "scancel.args").exists()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\n[[ -f {0}/scancel.args ]] && s=CANCELLED || s=RUNNING\n"
+                                      .format(out) + FAKE_SCONTROL.replace("{state}", "$s").split("\n", 1)[1])
+    assert main(["cancel", str(run_dir)]) == 0
+    assert capsys.readouterr().out.strip() == f"cancelled job 4242 (CANCELLED); run dir {run_dir}"
+    assert (out / "scancel.args").read_text().split() == ["4242"]

@@ -252,3 +252,16 @@ def test_status_logs_cancel_act_on_the_run_s_hetjob(tmp_path, fake_slurm, capsys
     assert main(["cancel", str(run_dir)]) == 0
     assert capsys.readouterr().out.strip() == f"cancelled job 4242 (CANCELLED); run dir {run_dir}"
     assert (out / "scancel.args").read_text().split() == ["4242"]
+
+
+def test_launch_public_surface_is_explicit_and_lazy() -> None:
+    # a fresh interpreter: the ranks import launch.procs without submitit; every public name resolves
+    code = ("import sys, launch, launch.procs; assert 'submitit' not in sys.modules; "
+            "from launch import slurm_spec; "
+            "missing = [n for n in launch.__all__ if getattr(launch, n, None) is None]; "
+            "print(sorted(launch.__all__) == launch.__all__, missing)")
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, cwd=REPO,
+                         timeout=60)
+    assert out.stdout.strip() == "True []", out.stderr

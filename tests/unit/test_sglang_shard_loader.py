@@ -1,0 +1,175 @@
+"""The SGLang custom weight loader of the shard route (hpcrl/rollout/sglang_shard_loader.py) on CPU.
+
+A trainer process sends with hpcrl's runtime (`moe.runtime.reshard`, gloo) and each 'TP worker'
+process receives through `load(model, named_tensors)` -- the call SGLang's weight updater makes --
+into a stand-in model: an nn.Module with SGLang's Qwen3-MoE parameter names and TP/EP-sharded
+shapes (qkv_proj, experts.w13_weight / w2_weight, padded vocab shards). The expected parameters are
+computed here from the full tensors by SGLang's own loading rules (QKVParallelLinear kv-head
+replicas, FusedMoE gate|up halves and moe_tp narrowing, vocab padded to 64), independently of
+moe.layouts; they must match bit for bit, and padding rows must stay untouched. What this cannot
+check without SGLang on a GPU is listed in docs/sglang_shard_route.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import types
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from hpcrl.dist import free_port
+from hpcrl.models.presets import load_hf_config
+from hpcrl.rollout.reshard_route import PlanRequest, spec_at_dtype, spec_fingerprint
+from hpcrl.rollout.sglang_shard_loader import (LOADER, load, param_views, parse_control,
+                                               tensor_request_body)
+from moe.layouts import RolloutLayout, TrainerLayout
+from moe.network import Topology
+
+GROUP = "hpcrl_reshard"
+SENTINEL = -7.0  # what the stand-in's parameters hold before the sync (padding rows keep it)
+
+
+def hf_config(vocab: int = 100) -> dict:
+    return {**load_hf_config("tiny-qwen3-moe", None), "vocab_size": vocab}  # 100: padded shards
+
+
+def full_tensors(spec, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {t.name: torch.randn(t.shape, generator=g) for t in spec.tensors}
+
+
+def sglang_params(full: dict[str, torch.Tensor], d, r: int, tp: int, ep: int) -> dict[str, torch.Tensor]:
+    """What SGLang's load_weights leaves on TP rank r (qwen3_moe.py, linear.py, fused_moe layer.py)."""
+    moe_tp, hd, out = tp // ep, d.hidden_size // d.num_heads, {}
+    ep_rank, mr = r // moe_tp, r % moe_tp
+    per = -(-d.vocab_size // 64) * 64 // tp
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        t = torch.full((per, d.hidden_size), SENTINEL)
+        rows = full[name][r * per:(r + 1) * per]
+        t[:rows.shape[0]] = rows
+        out[name] = t
+    out["model.norm.weight"] = full["model.norm.weight"]
+    qs, e_local, ie = d.num_heads * hd // tp, d.num_experts // ep, d.moe_intermediate_size // moe_tp
+    for layer in range(d.num_layers):
+        p = f"model.layers.{layer}"
+        if tp >= d.num_kv_heads:  # QKVParallelLinear: kv heads replicated over tp / nkv ranks
+            h = r // (tp // d.num_kv_heads)
+            kv = slice(h * hd, (h + 1) * hd)
+        else:
+            kvs = d.num_kv_heads * hd // tp
+            kv = slice(r * kvs, (r + 1) * kvs)
+        a = f"{p}.self_attn"
+        q = full[f"{a}.q_proj.weight"][r * qs:(r + 1) * qs]
+        k, v = full[f"{a}.k_proj.weight"][kv], full[f"{a}.v_proj.weight"][kv]
+        out[f"{a}.qkv_proj.weight"] = torch.cat([q, k, v])
+        out[f"{a}.o_proj.weight"] = full[f"{a}.o_proj.weight"][:, r * qs:(r + 1) * qs]
+        for n in (f"{a}.q_norm.weight", f"{a}.k_norm.weight", f"{p}.input_layernorm.weight",
+                  f"{p}.post_attention_layernorm.weight", f"{p}.mlp.gate.weight"):
+            out[n] = full[n]
+        x = f"{p}.mlp.experts"
+        w13, w2 = [], []
+        for e in range(ep_rank * e_local, (ep_rank + 1) * e_local):
+            cut = slice(mr * ie, (mr + 1) * ie)
+            gate, up = full[f"{x}.{e}.gate_proj.weight"][cut], full[f"{x}.{e}.up_proj.weight"][cut]
+            w13.append(torch.cat([gate, up]))
+            w2.append(full[f"{x}.{e}.down_proj.weight"][:, cut])
+        out[f"{x}.w13_weight"], out[f"{x}.w2_weight"] = torch.stack(w13), torch.stack(w2)
+    return out
+
+
+def stand_in_model(cfg: dict, shapes: dict[str, torch.Size]) -> torch.nn.Module:
+    """An nn.Module whose named_parameters() are SGLang's names at `shapes`, filled with SENTINEL."""
+    root = torch.nn.Module()
+    for name, shape in shapes.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, torch.nn.Parameter(torch.full(shape, SENTINEL), requires_grad=False))
+    root.config = types.SimpleNamespace(to_dict=lambda: dict(cfg))
+    return root
+
+
+def _request(tp: int, ep: int) -> PlanRequest:
+    return PlanRequest(TrainerLayout(vocab_divisible_by=1), RolloutLayout(num_engines=1, tp=tp, ep=ep),
+                       64 << 10, Topology(colocated=True))
+
+
+def _process(rank: int, port: int, tp: int, ep: int, out_dir: str) -> None:
+    from hpcrl.rollout.weight_sender import init_custom_process_group
+    from moe.runtime import reshard
+
+    cfg = hf_config()
+    spec = spec_at_dtype(cfg, "float32")
+    request = _request(tp, ep)
+    plan = request.build(spec)
+    group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 1 + tp, rank, GROUP, 60)
+    full = full_tensors(spec)
+    if rank == 0:  # the trainer: one rank holding every tensor whole
+        shards = {n: (box, full[n]) for n, box in plan.src.shards(spec, 0)}
+        for _ in range(2):  # the second sync reuses the prepared rounds on both sides
+            reshard(plan, "trainer", 0, shards, group=group, deadline_s=60, verify="full")
+        return
+    r = rank - 1
+    want = sglang_params(full, spec.dims, r, tp, ep)
+    model = stand_in_model(cfg, {n: t.shape for n, t in want.items()})
+    control = {**request.to_json(), "group_name": GROUP, "spec_sha256": spec_fingerprint(spec),
+               "verify": "full", "deadline_s": 60}
+    body = tensor_request_body(control, engine_index=0, tp=tp)
+    for _ in range(2):
+        # what SGLang's TP worker does: its own entry, deserialized, each tensor moved to the device
+        named = pickle.loads(base64.b64decode(body["serialized_named_tensors"][r]))
+        load(model, [(n, t.to("cpu")) for n, t in named])
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out_dir}/rank{r}.pt")
+    torch.save(want, f"{out_dir}/want{r}.pt")
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2), (4, 2)])
+def test_tp_workers_receive_their_own_slices_bit_exact(tmp_path, tp, ep):
+    port, ctx = free_port("127.0.0.1"), mp.get_context("spawn")
+    procs = [ctx.Process(target=_process, args=(i, port, tp, ep, str(tmp_path))) for i in range(1 + tp)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * len(procs)
+    for r in range(tp):
+        got, want = torch.load(tmp_path / f"rank{r}.pt"), torch.load(tmp_path / f"want{r}.pt")
+        assert got.keys() == want.keys()
+        bad = [n for n in want if not torch.equal(got[n], want[n])]
+        assert not bad, f"TP rank {r}: {bad}"
+
+
+def test_request_body_has_one_payload_per_tp_rank_and_names_the_loader():
+    body = tensor_request_body({"group_name": GROUP}, engine_index=3, tp=4, weight_version="7")
+    assert body["load_format"] == LOADER and body["selector"] == "target" and body["weight_version"] == "7"
+    ranks = [parse_control(pickle.loads(base64.b64decode(p)))["rollout_rank"]
+             for p in body["serialized_named_tensors"]]
+    assert ranks == [12, 13, 14, 15]
+
+
+def test_other_payloads_are_refused():
+    with pytest.raises(ValueError, match="expects one"):
+        parse_control([("model.norm.weight", torch.zeros(2))])
+
+
+def test_unsupported_moe_layout_and_wrong_shapes_are_refused_before_receiving():
+    cfg = hf_config()
+    spec = spec_at_dtype(cfg, "float32")
+    plan = _request(2, 1).build(spec)
+    want = sglang_params(full_tensors(spec), spec.dims, 0, 2, 1)
+    model = stand_in_model(cfg, {n: t.shape for n, t in want.items()})
+    boxes = plan.dst.shards(spec, 0)
+    assert len(param_views(model, boxes)) == len(boxes)
+    model.model.layers.get_submodule("0.mlp.experts").use_triton_kernels = True
+    with pytest.raises(ValueError, match="use_triton_kernels"):
+        param_views(model, boxes)
+    model = stand_in_model(cfg, {**{n: t.shape for n, t in want.items()},
+                                 "model.layers.1.self_attn.qkv_proj.weight": torch.Size([48, 64])})
+    with pytest.raises(ValueError, match="qkv_proj.weight has 48 rows"):
+        param_views(model, boxes)

@@ -13,6 +13,15 @@ raises the same `ConfigError` with the same one-line message. The Slurm handle i
 both are submitit `Job`s, and `attach(run_dir)` re-attaches from any process. `after=[job]` starts a
 Slurm job only once those jobs completed (afterok); `submit_batch` checks every job of a list first
 and then submits each (a hetjob cannot be a Slurm array).
+
+Pipelines: `export_to=DIR` makes a job export its final checkpoint to DIR at its end (`hpcrl
+export`, in the batch script's finish step; a failed export fails the job). A job submitted with
+`after=[that job]` and `model.path` = DIR is checked before DIR exists: everything is validated
+with the dependency's model (its model.path, config_path or preset, from its run dir) standing in
+for the export, which has that model's config.json, weights and tokenizer files:
+
+    sft = ex.submit("sft.yaml", run_dir="runs/sft", export_to="runs/sft/export")
+    rl = ex.submit("grpo.yaml", ["model.path=runs/sft/export"], run_dir="runs/rl", after=[sft])
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ class Submission:
     run_dir: str | os.PathLike[str] | None = None
     resume: str = "auto"
     after: Sequence[Any] = field(default_factory=tuple)
+    export_to: str | os.PathLike[str] | None = None
+    """Export the final checkpoint there (a HuggingFace model directory) when the run finishes."""
 
 
 def load(job: str | os.PathLike[str] | JobConfig, overrides: Iterable[str] = ()) -> JobConfig:
@@ -59,32 +70,121 @@ def load(job: str | os.PathLike[str] | JobConfig, overrides: Iterable[str] = ())
     return loaded
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def declared_export(dependency: Any) -> tuple[Path, dict[str, Any], str] | None:
+    """(export dir, model section of its resolved config, job id) of a Slurm job submitted with
+    `export_to` (a HetJob, or the job id of an hpcrl run Slurm still knows), else None."""
+    run_dir = getattr(dependency, "run_dir", None)
+    job_id = getattr(dependency, "job_id", dependency)
+    if run_dir is None:
+        from launch.slurm_query import SlurmError
+        from launch.slurm_runs import resolve_job
+
+        try:
+            run_dir = resolve_job(str(dependency)).run_dir
+        except SlurmError:
+            return None  # not an hpcrl run (a plain sbatch job): it declares no export
+    record, config = _read_json(Path(run_dir) / "slurm.json"), _read_json(Path(run_dir) / "config.json")
+    if not isinstance(record, dict) or str(record.get("job_id")) != str(job_id):
+        return None
+    if not record.get("export_dir"):
+        return None
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        return None
+    return Path(record["export_dir"]), config["model"], str(job_id)
+
+
+def _model_path(job: str | os.PathLike[str] | JobConfig, overrides: Iterable[str]) -> str | None:
+    """The job's model.path as loading resolves it, without validating anything; None when the job
+    cannot be read (loading it then reports why)."""
+    try:
+        return load_unchecked(job, overrides).model.path
+    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
+        return None
+
+
+SOURCE_KEYS = ("path", "preset", "config_path")
+"""The model section's keys that choose the model; a stand-in takes the dependency's."""
+
+
+def load_after(job: str | os.PathLike[str] | JobConfig, overrides: Sequence[str] = (),
+               after: Sequence[Any] = ()) -> tuple[JobConfig, JobConfig | None]:
+    """`load`, for a job that waits on `after`: (job, stand-in). When the job's model.path is the
+    export dir a dependency declared (`declared_export`), the job is validated with that
+    dependency's model in its place (the stand-in, returned too; `start_slurm` prepares the run dir
+    from it) and the job itself is returned unvalidated otherwise equal; else (load(...), None)."""
+    exports = [e for e in map(declared_export, after) if e is not None]
+    path = _model_path(job, overrides) if exports else None
+    match = next((e for e in exports if path and Path(path).resolve() == e[0].resolve()), None)
+    if match is None:
+        return load(job, overrides), None
+    _, model, dep_id = match
+    stand_in = [f"model.{k}={json.dumps(model.get(k))}" for k in SOURCE_KEYS]
+    try:
+        checked = load(job, [*overrides, *stand_in])
+    except ConfigError as exc:
+        source = ", ".join(f"model.{k}={model.get(k)}" for k in SOURCE_KEYS if model.get(k) is not None)
+        raise ConfigError(exc.path, exc.value, f"{exc.hint} [model.path={path} is job {dep_id}'s export, "
+                                               f"not written yet: checked as the model that job trains, "
+                                               f"{source}]") from None
+    raw = to_dict(checked)
+    own = to_dict(load_unchecked(job, overrides))["model"]
+    raw["model"].update({k: own[k] for k in SOURCE_KEYS})
+    return job_from_dict(raw, checked.base_dir), checked
+
+
+def load_unchecked(job: str | os.PathLike[str] | JobConfig, overrides: Iterable[str] = ()) -> JobConfig:
+    """The job with overrides applied, typed and paths resolved, but not validated."""
+    if isinstance(job, JobConfig):
+        raw, base = to_dict(job), job.base_dir
+    else:
+        raw, base = yaml.safe_load(Path(job).read_text()), str(Path(job).resolve().parent)
+    apply_overrides(raw, overrides)
+    return job_from_dict(raw, base)
+
+
 def _slurm_error(exc: Exception) -> ConfigError:
     return ConfigError(exc.path, exc.value, exc.hint)  # type: ignore[attr-defined]
 
 
-def plan_slurm(job: JobConfig, run_dir: Path, resume: str = "auto") -> Any:
-    """`hpcrl submit`'s checks without side effects: the rendered plan (cluster, run dir, resume)."""
+def plan_slurm(job: JobConfig, run_dir: Path, resume: str = "auto", export_to: Path | None = None) -> Any:
+    """`hpcrl submit`'s checks without side effects: the rendered plan (cluster, run dir, resume,
+    export dir)."""
     from launch.slurm_query import SlurmError
     from launch.slurm_submit import plan_submission
 
     try:
-        plan = plan_submission(job, run_dir, resume=resume)
+        plan = plan_submission(job, run_dir, resume=resume, export_dir=export_to)
     except SlurmError as exc:
         raise _slurm_error(exc) from None
     check_resume(job, run_dir, resume)
     return plan
 
 
-def start_slurm(job: JobConfig, plan: Any, after: Sequence[Any] = (), warn: Any = None) -> tuple[Any, dict]:
+def start_slurm(job: JobConfig, plan: Any, after: Sequence[Any] = (), warn: Any = None,
+                stand_in: JobConfig | None = None) -> tuple[Any, dict]:
     """Print the plan's warnings (or pass them to `warn`), prepare the run dir and sbatch the plan
-    through `HetJobExecutor`; returns (HetJob, RUN_DIR/slurm.json record)."""
+    through `HetJobExecutor`; returns (HetJob, RUN_DIR/slurm.json record). With a `stand_in`
+    (`load_after`), the run dir's model_config.json is the stand-in's model (the export's
+    config.json once it exists) and config.json/config.yaml are `job`'s."""
+    from launch.result import EXPORT_FILE
     from launch.slurm_query import SlurmError
     from launch.slurm_submit import submit_run
 
     for warning in plan.warnings:
         (warn or (lambda text: print(f"hpcrl submit: warning: {text}", file=sys.stderr)))(warning)
-    prepare_run_dir(job, plan.run_dir)
+    prepare_run_dir(stand_in or job, plan.run_dir)
+    if stand_in is not None:
+        resolved = to_dict(job)
+        (plan.run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
+        (plan.run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    (plan.run_dir / EXPORT_FILE).unlink(missing_ok=True)  # an earlier job's export record
     try:
         return submit_run(plan, after=after)
     except SlurmError as exc:
@@ -97,18 +197,35 @@ def _resume_flags(resume: str) -> list[str]:
     return ["--no-resume"] if resume == "none" else ["--resume-from", str(int(resume))]
 
 
-def run_local_background(job: JobConfig, run_dir: Path, resume: str = "auto") -> Any:
-    """`hpcrl run` of `job` in the background (launch.local_job); returns its LocalRunJob."""
+def check_export_to(job: JobConfig, run_dir: Path, export_to: Path | None) -> None:
+    """ConfigError when `export_to` would overwrite the run's own files (run dir, checkpoints)."""
+    from launch.slurm_query import SlurmError
+    from launch.slurm_submit import check_export_dir
+
+    if export_to is not None:
+        try:
+            check_export_dir(job, run_dir, export_to)
+        except SlurmError as exc:
+            raise _slurm_error(exc) from None
+
+
+def run_local_background(job: JobConfig, run_dir: Path, resume: str = "auto",
+                         export_to: Path | None = None) -> Any:
+    """`hpcrl run` of `job` in the background (launch.local_job), exporting its final checkpoint to
+    `export_to` when it finishes; returns its LocalRunJob."""
     from launch.local_job import LocalRunExecutor
+    from launch.result import EXPORT_FILE
 
     check_resume(job, run_dir, resume)
+    check_export_to(job, run_dir, export_to)
     prepare_run_dir(job, run_dir)
+    (run_dir / EXPORT_FILE).unlink(missing_ok=True)  # an earlier job's export record
     job_file = run_dir / SUBMITTED_JOB_FILE
     job_file.write_text(yaml.safe_dump(to_dict(job), sort_keys=False))
     # -P: the caller's working directory stays off sys.path (a `checkpoints/` there would shadow ours)
     argv = [sys.executable, "-P", "-m", "hpcrl.cli", "run", str(job_file), "--run-dir", str(run_dir),
             *_resume_flags(resume)]
-    handle = LocalRunExecutor(run_dir / "logs").submit_command(argv, run_dir)
+    handle = LocalRunExecutor(run_dir / "logs").submit_command(argv, run_dir, export_to)
     record = {"job_id": handle.job_id, "folder": str(handle.paths.folder), "argv": argv}
     (run_dir / LOCAL_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return handle
@@ -125,17 +242,18 @@ class Executor:
 
     def submit(self, job: str | os.PathLike[str] | JobConfig, overrides: Sequence[str] = (),
                run_dir: str | os.PathLike[str] | None = None, resume: str = "auto",
-               after: Sequence[Any] = ()) -> Any:
+               after: Sequence[Any] = (), export_to: str | os.PathLike[str] | None = None) -> Any:
         """Check and start one run; see `Submission` for the arguments (`after`: Slurm only)."""
-        return self.submit_batch([Submission(job, overrides, run_dir, resume, after)])[0]
+        return self.submit_batch([Submission(job, overrides, run_dir, resume, after, export_to)])[0]
 
     def submit_batch(self, submissions: Sequence[Submission]) -> list[Any]:
         """Load and validate every submission first (nothing starts if one is bad; run dirs must
         differ), then start each in order; returns their jobs in the same order."""
-        loaded = []
+        loaded, stand_ins = [], []
         for s in submissions:
-            job = load(s.job, s.overrides)
+            job, stand_in = load_after(s.job, s.overrides, s.after if self.kind == "slurm" else ())
             loaded.append((job, resolve_run_dir(job, None if s.run_dir is None else str(s.run_dir)), s))
+            stand_ins.append(stand_in)
         dirs = [str(d) for _, d, _ in loaded]
         if len(set(dirs)) != len(dirs):
             raise ConfigError("run_dir", dirs, "every job of a batch needs its own run dir; give run_dir= "
@@ -145,9 +263,16 @@ class Executor:
         if self.kind == "local":
             for job, run_dir, s in loaded:
                 check_resume(job, run_dir, s.resume)
-            return [run_local_background(job, run_dir, s.resume) for job, run_dir, s in loaded]
-        plans = [plan_slurm(job, run_dir, s.resume) for job, run_dir, s in loaded]
-        return [start_slurm(job, plan, s.after)[0] for (job, _, s), plan in zip(loaded, plans)]
+                check_export_to(job, run_dir, _export_dir(s))
+            return [run_local_background(job, run_dir, s.resume, _export_dir(s))
+                    for job, run_dir, s in loaded]
+        plans = [plan_slurm(job, run_dir, s.resume, _export_dir(s)) for job, run_dir, s in loaded]
+        return [start_slurm(job, plan, s.after, stand_in=stand_in)[0]
+                for (job, _, s), plan, stand_in in zip(loaded, plans, stand_ins)]
+
+
+def _export_dir(s: Submission) -> Path | None:
+    return None if s.export_to is None else Path(s.export_to).expanduser().resolve()
 
 
 def attach(run_dir: str | os.PathLike[str]) -> Any:

@@ -27,6 +27,7 @@ from typing import Any
 from submitit.core import core
 from submitit.core import utils as submitit_utils
 
+from launch.export_step import export_final
 from launch.procs import process_gone
 from launch.result import result_path, write_result
 
@@ -91,10 +92,15 @@ class LocalRunExecutor:
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder).expanduser().absolute()
 
-    def submit_command(self, argv: Sequence[str], run_dir: Path) -> LocalRunJob:
-        """Start `argv` under the supervisor; its outcome is read from `run_dir`."""
+    def submit_command(self, argv: Sequence[str], run_dir: Path, export_dir: Path | None = None
+                       ) -> LocalRunJob:
+        """Start `argv` under the supervisor; its outcome is read from `run_dir`. With `export_dir`,
+        a run that finished exports its final checkpoint there before the result is written, as the
+        Slurm batch script's finish step does (launch/export_step.py; a failed export fails the job)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-P", "-m", "launch.local_job", str(run_dir), str(self.folder), "--", *argv]
+        export = [] if export_dir is None else ["--export-to", str(export_dir)]
+        cmd = [sys.executable, "-P", "-m", "launch.local_job", str(run_dir), str(self.folder), *export, "--",
+               *argv]
         proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         job = LocalRunJob(self.folder, f"local{proc.pid}")
@@ -103,7 +109,7 @@ class LocalRunExecutor:
         return job
 
 
-def _supervise(run_dir: Path, folder: Path, argv: list[str]) -> int:
+def _supervise(run_dir: Path, folder: Path, argv: list[str], export_dir: Path | None = None) -> int:
     job_id = f"local{os.getpid()}"
     result_path(folder, job_id).unlink(missing_ok=True)  # a pid reused from an earlier run
     paths = submitit_utils.JobPaths(folder, job_id=job_id, task_id=0)
@@ -119,12 +125,24 @@ def _supervise(run_dir: Path, folder: Path, argv: list[str]) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, forward)
         rc = child.wait()
+        if export_dir is not None:
+            os.dup2(err.fileno(), 1)  # the export's report goes to stderr()'s file, as to the batch log
+            rc = export_final(run_dir, export_dir, rc) or rc
     write_result(folder, job_id, run_dir, rc)
     return rc
 
 
+def main(argv: list[str]) -> int:
+    """`python -m launch.local_job RUN_DIR FOLDER [--export-to DIR] -- COMMAND...`"""
+    export = None
+    if len(argv) > 3 and argv[2] == "--export-to":
+        export, argv = Path(argv[3]), argv[:2] + argv[4:]
+    if len(argv) < 4 or argv[2] != "--":
+        print("usage: python -m launch.local_job RUN_DIR FOLDER [--export-to DIR] -- COMMAND...",
+              file=sys.stderr)
+        return 2
+    return _supervise(Path(argv[0]), Path(argv[1]), argv[3:], export)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 5 or sys.argv[3] != "--":
-        print("usage: python -m launch.local_job RUN_DIR FOLDER -- COMMAND...", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(_supervise(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[4:]))
+    sys.exit(main(sys.argv[1:]))

@@ -21,6 +21,8 @@ from submitit.core import utils as submitit_utils
 
 FINAL_FILE = "final.json"
 REQUEUE_EXIT_CODE = 3  # the controller's "checkpoint saved, requeue me" (SlurmJobSpec.requeue_exit_code)
+EXPORT_FILE = ".export.json"  # launch/export_step.py's record: {"out", "rc", "step"}
+EXPORT_FAILED_EXIT_CODE = 4  # the finish step's export failed (after 0 done, 1-2 failures, 3 requeue)
 
 
 def result_path(folder: Path, job_id: str) -> Path:
@@ -53,21 +55,33 @@ def run_summary(run_dir: Path) -> dict[str, Any] | None:
     """The finished run's summary, or None when RUN_DIR/final.json is missing (it did not finish).
 
     Keys: `policy_sha256`, `num_steps` (from final.json), `last_step` (the last step in
-    metrics.jsonl, or None), `metrics` (that step's metrics row, or {}) and `run_dir`.
+    metrics.jsonl, or None), `metrics` (that step's metrics row, or {}) and `run_dir`; plus
+    `export_dir` when the job exported its final checkpoint (launch/export_step.py).
     """
     final = read_json(run_dir / FINAL_FILE)
     if not isinstance(final, dict):
         return None
     last = last_metrics(run_dir) or {}
-    return {"policy_sha256": final.get("policy_sha256"), "num_steps": final.get("num_steps"),
-            "last_step": last.get("step"), "metrics": last, "run_dir": str(run_dir)}
+    summary = {"policy_sha256": final.get("policy_sha256"), "num_steps": final.get("num_steps"),
+               "last_step": last.get("step"), "metrics": last, "run_dir": str(run_dir)}
+    export = read_json(run_dir / EXPORT_FILE)
+    if isinstance(export, dict) and export.get("rc") == 0:
+        summary["export_dir"] = export.get("out")
+    return summary
 
 
 def failure_text(run_dir: Path, rc: int) -> str:
     """Why the run did not finish: the controller's report (which names the failed rank), the
-    phase and step it was in, the step's exit code and where the logs are."""
+    phase and step it was in, the step's exit code and where the logs are; or, when the job's
+    finish-step export failed (`EXPORT_FAILED_EXIT_CODE`, launch/export_step.py), that."""
     lines = []
     failure = run_dir / ".failure.txt"
+    export = read_json(run_dir / EXPORT_FILE)
+    if rc == EXPORT_FAILED_EXIT_CODE and isinstance(export, dict) and export.get("rc"):
+        return (f"the run finished, but exporting its final checkpoint to {export.get('out')} failed: "
+                f"hpcrl export exited with code {export['rc']} (its message is in the batch log, "
+                f"slurm-<jobid>.out in {run_dir / 'logs'}); the job exits with {rc}. Once fixed, run "
+                f"`hpcrl export {run_dir} --out {export.get('out')}` and start the jobs that waited on it")
     if failure.is_file():
         lines.append(failure.read_text().strip())
     elif rc == REQUEUE_EXIT_CODE:

@@ -30,6 +30,7 @@ from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
 
+from launch.export_step import export_command
 from launch.slurm_executor import HetJob, HetJobExecutor
 from launch.slurm_query import (SUBMISSION_FILE, PartitionInfo, SlurmError, cluster_partitions, job_state,
                                 require_tool)
@@ -49,6 +50,8 @@ class SubmitPlan:
     run_dir: Path
     roles: tuple[str, ...]
     warnings: tuple[str, ...]
+    export_dir: Path | None = None
+    """Where the job exports its final checkpoint at the end (launch/export_step.py), or None."""
 
 
 def _plural(n: int, word: str) -> str:
@@ -64,13 +67,28 @@ def worker_command(job: Any, run_dir: Path) -> str:
     return f"{shlex.quote(python)} -u -P -m hpcrl.worker_main {shlex.quote(str(run_dir))}"
 
 
-def finish_command(job: Any, run_dir: Path) -> str:
+def finish_command(job: Any, run_dir: Path, export_dir: Path | None = None) -> str:
     """The batch script's last command before it exits (the template appends the step's exit code):
-    write the run's outcome as submitit's result file in RUN_DIR/logs (launch/result.py)."""
+    write the run's outcome as submitit's result file in RUN_DIR/logs (launch/result.py). With
+    `export_dir`, first export the finished run's final checkpoint there; a failed export becomes
+    the job's exit code (launch/export_step.py)."""
     python = job.slurm.python or sys.executable
     q = shlex.quote
     folder = run_dir / LOG_DIR_NAME
-    return f'{q(python)} -P -m launch.result {q(str(run_dir))} {q(str(folder))} "${{SLURM_JOB_ID}}"'
+    result = f'{q(python)} -P -m launch.result {q(str(run_dir))} {q(str(folder))} "${{SLURM_JOB_ID}}"'
+    return result if export_dir is None else f"{export_command(python, run_dir, export_dir)}; {result}"
+
+
+def check_export_dir(job: Any, run_dir: Path, export_dir: Path) -> None:
+    """SlurmError unless `export_dir` is an absolute path outside the run dir's own files (the
+    export writes config.json and model*.safetensors there) and outside the checkpoint dir."""
+    ckpt = Path(job.checkpoint.dir) if job.checkpoint.dir else run_dir / "checkpoints"
+    if not export_dir.is_absolute():
+        raise SlurmError("export_to", str(export_dir), "must be an absolute path")
+    if export_dir == run_dir or any(export_dir.is_relative_to(d) for d in (ckpt, run_dir / LOG_DIR_NAME)):
+        raise SlurmError("export_to", str(export_dir), f"would overwrite the run's own files (run dir "
+                                                       f"{run_dir}, checkpoints {ckpt}); use a directory of "
+                                                       f"its own, e.g. {run_dir / 'export'}")
 
 
 def _component(key: str, nodes: int, tasks: int, what: str, gpus: int, cpus: int, mem_gb: int | None,
@@ -97,13 +115,15 @@ def resume_lines(resume: str) -> tuple[str, ...]:
             f"else export HPCRL_RESUME=auto; fi  # hpcrl submit {flag}: first attempt only",)
 
 
-def job_spec(job: Any, run_dir: Path, partition: str, resume: str = "auto"
+def job_spec(job: Any, run_dir: Path, partition: str, resume: str = "auto", export_dir: Path | None = None
              ) -> tuple[SlurmJobSpec, tuple[str, ...], tuple[str, ...]]:
     """(spec, roles per component, warnings) for `job` in `run_dir` on `partition`; no cluster access.
-    `resume` is "auto", "none" or a step number (see `resume_lines`)."""
+    `resume` is "auto", "none" or a step number (see `resume_lines`); `export_dir` see `finish_command`."""
     res, s, t, r = job.resources, job.slurm, job.trainer, job.rollout
     if not run_dir.is_absolute():
         raise SlurmError("--run-dir", str(run_dir), "must be an absolute path")
+    if export_dir is not None:
+        check_export_dir(job, run_dir, export_dir)
     if any(c.isspace() or c in "'\"%\\" for c in str(run_dir)):
         raise SlurmError("--run-dir", str(run_dir), "sbatch cannot quote paths in #SBATCH lines: choose a "
                                                     "run dir without whitespace, quotes, backslashes or '%'")
@@ -132,7 +152,7 @@ def job_spec(job: Any, run_dir: Path, partition: str, resume: str = "auto"
             command=worker_command(job, run_dir), run_dir=str(run_dir), log_dir=str(run_dir / LOG_DIR_NAME),
             env_setup=(*resume_lines(resume), *s.env_setup), mpi=s.mpi, signal_delay_s=s.signal_delay_s,
             extra_srun_options=("--kill-on-bad-exit=0", *s.extra_srun_options),
-            finish_command=finish_command(job, run_dir))
+            finish_command=finish_command(job, run_dir, export_dir))
     except ValueError as exc:  # validate() checks the slurm section first; this names any leftover
         raise SlurmError("slurm", "section", str(exc)) from None
     assert _world_size(spec) == job.world_size, (_world_size(spec), job.world_size)
@@ -227,11 +247,13 @@ def check_run_dir_free(run_dir: Path) -> None:
                                                     f"(hpcrl cancel {run_dir}) or choose another run dir")
 
 
-def plan_submission(job: Any, run_dir: Path, *, check: bool = True, resume: str = "auto") -> SubmitPlan:
+def plan_submission(job: Any, run_dir: Path, *, check: bool = True, resume: str = "auto",
+                    export_dir: Path | None = None) -> SubmitPlan:
     """Build and render the Slurm job of `job` in `run_dir`. With `check` (what submit does): sbatch
     must be on PATH, the cluster's partition must fit the job (`check_cluster`) and the run dir must
     not hold a live job. Without it (render) the cluster is asked only for its default partition when
-    `slurm.partition` is null. Raises SlurmError; submits and writes nothing."""
+    `slurm.partition` is null. With `export_dir` the job exports its final checkpoint there at the
+    end (`finish_command`). Raises SlurmError; submits and writes nothing."""
     if check:
         require_tool("sbatch")
     partitions: dict[str, PartitionInfo] = {}
@@ -245,11 +267,12 @@ def plan_submission(job: Any, run_dir: Path, *, check: bool = True, resume: str 
                                                       f"the cluster cannot be asked ({exc}); set "
                                                       "slurm.partition") from None
     partition = job.slurm.partition or default_partition(partitions)
-    spec, roles, warnings = job_spec(job, run_dir, partition, resume)
+    spec, roles, warnings = job_spec(job, run_dir, partition, resume, export_dir)
     if check:
         check_cluster(job, spec, roles, partitions)
         check_run_dir_free(run_dir)
-    return SubmitPlan(spec=spec, script=render(spec), run_dir=run_dir, roles=roles, warnings=warnings)
+    return SubmitPlan(spec=spec, script=render(spec), run_dir=run_dir, roles=roles, warnings=warnings,
+                      export_dir=export_dir)
 
 
 def _world_size(spec: SlurmJobSpec) -> int:
@@ -292,6 +315,7 @@ def submit_run(plan: SubmitPlan, after: Sequence[Any] = ()) -> tuple[HetJob, dic
         "components": [{"nodes": c.nodes, "ntasks_per_node": c.ntasks_per_node, "ranks": role}
                        for c, role in zip(plan.spec.components, plan.roles)],
         "dependency": [j if isinstance(j, str) else j.job_id for j in after],
+        "export_dir": None if plan.export_dir is None else str(plan.export_dir),
         "previous_job_ids": previous,
     }
     tmp = run_dir / f"{SUBMISSION_FILE}.tmp"

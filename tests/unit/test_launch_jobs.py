@@ -265,3 +265,104 @@ def test_launch_public_surface_is_explicit_and_lazy() -> None:
     out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, cwd=REPO,
                          timeout=60)
     assert out.stdout.strip() == "True []", out.stderr
+
+
+# ---- pipelines: export at the end of a job, a job that starts from that export ----------------
+
+def checkpointed_run(run_dir: Path) -> Path:
+    """A finished 2-step run whose last checkpoint (step 1) holds a tiny policy."""
+    import torch
+
+    from checkpoints import CheckpointWriter
+    from moe.slices import Box
+
+    finished_run(run_dir)
+    w = CheckpointWriter(run_dir / "checkpoints", 1, rank=0, world_size=1, attempt_id="a")
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    w.write("policy/lm_head.weight", t, Box.full((2, 3)), (2, 3))
+    w.commit({"step": 1})
+    (run_dir / "config.json").write_text(json.dumps({"checkpoint": {"dir": None}, "model": {"path": None}}))
+    (run_dir / "model_config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    return run_dir
+
+
+FAKE_CLUSTER_SCONTROL = """#!/bin/bash
+case "$3" in
+node) for n in 1 2; do
+  echo "NodeName=n$n CPUTot=4 Gres=gpu:2 RealMemory=4000 State=IDLE Partitions=debug"
+done;;
+partition) echo "PartitionName=debug Default=YES State=UP MaxTime=UNLIMITED MaxNodes=UNLIMITED";;
+job) echo "JobId=$4 JobName=x JobState=PENDING Reason=Dependency Restarts=0 ExitCode=0:0 Partition=debug \
+NodeList=(null)";;
+esac
+"""
+
+
+def test_pipeline_second_job_starts_from_the_first_job_s_export(tmp_path: Path, fake_slurm) -> None:
+    out = fake_slurm()
+    (tmp_path / "bin" / "scontrol").write_text(FAKE_CLUSTER_SCONTROL)
+    ex, export = Executor(kind="slurm"), tmp_path / "sft" / "export"
+    quiet = ["slurm.partition=debug", "resources.rollout_nodes=1"]
+    with pytest.raises(ConfigError, match="export_to=.*would overwrite the run's own files"):
+        ex.submit(EXAMPLE, quiet, run_dir=tmp_path / "sft", export_to=tmp_path / "sft" / "checkpoints" / "x")
+    sft = ex.submit(EXAMPLE, quiet, run_dir=tmp_path / "sft", export_to=export)
+    script = (out / "sbatch.script").read_text()
+    finish = next(line for line in script.splitlines() if "launch.export_step" in line)
+    assert f"-P -m launch.export_step {tmp_path / 'sft'} {export} \"$rc\" || rc=$?; " in finish
+    assert finish.split("; ", 1)[1].startswith(sys.executable) and "-P -m launch.result" in finish
+    assert json.loads((tmp_path / "sft" / "slurm.json").read_text())["export_dir"] == str(export)
+
+    grpo = [*quiet, f"model.path={export}"]
+    with pytest.raises(ConfigError, match="model.path=.*no such directory"):  # no dependency, no deferral
+        ex.submit(EXAMPLE, grpo, run_dir=tmp_path / "rl")
+    with pytest.raises(ConfigError, match="algorithm.num_steps"):  # everything else is still checked
+        ex.submit(EXAMPLE, [*grpo, "algorithm.num_steps=0"], run_dir=tmp_path / "rl", after=[sft])
+    with pytest.raises(ConfigError) as err:  # a check against the model says which model it used
+        ex.submit(EXAMPLE, [*grpo, "trainer.tp=3"], run_dir=tmp_path / "rl", after=[sft])
+    assert str(err.value).startswith("trainer.tp=3: num_attention_heads=4 of preset 'tiny-qwen3-moe' is not "
+                                     "divisible by tp=3")
+    assert str(err.value).endswith(f"[model.path={export} is job 4242's export, not written yet: checked as "
+                                   "the model that job trains, model.preset=tiny-qwen3-moe]")
+    rl = ex.submit(EXAMPLE, grpo, run_dir=tmp_path / "rl", after=[sft])
+    assert (out / "sbatch.args").read_text().split()[:2] == ["--parsable", "--dependency=afterok:4242"]
+    assert "launch.export_step" not in (out / "sbatch.script").read_text()
+    config = json.loads((tmp_path / "rl" / "config.json").read_text())
+    assert config["model"]["path"] == str(export) and rl.run_dir == (tmp_path / "rl").resolve()
+    # what the export's config.json will be: the first job's model config
+    assert ((tmp_path / "rl" / "model_config.json").read_text()
+            == (tmp_path / "sft" / "model_config.json").read_text())
+
+
+def test_rendered_finish_step_exports_then_writes_the_result(tmp_path: Path) -> None:
+    import subprocess
+
+    run_dir = checkpointed_run(tmp_path / "run")
+    export = tmp_path / "export"
+    job = load_job(EXAMPLE, ["slurm.partition=debug", "resources.rollout_nodes=1"])
+    script = plan_submission(job, run_dir, check=False, export_dir=export).script
+    finish = next(line for line in script.splitlines() if "launch.export_step" in line)
+
+    def run_finish(step_rc: int) -> int:
+        # the template's lines around it: `say`, the step's exit code in rc, `exit "$rc"`
+        bash = f'say() {{ echo "$*"; }}; rc={step_rc}\n{finish}\nexit "$rc"\n'
+        env = {**os.environ, "SLURM_JOB_ID": "99", "PYTHONPATH": str(REPO)}
+        return subprocess.run(["bash", "-c", bash], env=env, capture_output=True, timeout=120).returncode
+
+    assert run_finish(0) == 0 and (export / "model.safetensors").is_file()
+    assert submitit.SlurmJob(run_dir / "logs", "99").result()["export_dir"] == str(export)
+    (run_dir / "final.json").write_text(json.dumps({"policy_sha256": "ab" * 32, "num_steps": 5}))
+    assert run_finish(0) == 4  # no checkpoint of step 4: the export fails, and so does the job
+    with pytest.raises(FailedJobError) as err:
+        submitit.SlurmJob(run_dir / "logs", "99").result()
+    assert (f"the run finished, but exporting its final checkpoint to {export} failed: hpcrl export exited "
+            "with code 2") in str(err.value)
+    assert run_finish(7) == 7  # a failed run is not exported; its own exit code stays
+
+
+@pytest.mark.timeout(60)
+def test_local_job_exports_too(tmp_path: Path) -> None:
+    run_dir = checkpointed_run(tmp_path / "run")
+    job = LocalRunExecutor(run_dir / "logs").submit_command([sys.executable, "-c", "pass"], run_dir,
+                                                            tmp_path / "export")
+    assert job.result()["export_dir"] == str(tmp_path / "export")
+    assert "exported to" in job.stderr() and (tmp_path / "export" / "model.safetensors").is_file()

@@ -28,18 +28,19 @@ from moe.network import Topology
 from sglang_stand_in import GROUP, full_tensors, hf_config, sglang_params, stand_in_model
 
 
-def _request(tp: int, ep: int) -> PlanRequest:
+def _request(tp: int, ep: int, colocated: bool = True) -> PlanRequest:
+    """colocated=False: engines on their own node, so TP ranks relay replicated boxes to each other."""
     return PlanRequest(TrainerLayout(vocab_divisible_by=1), RolloutLayout(num_engines=1, tp=tp, ep=ep),
-                       64 << 10, Topology(colocated=True))
+                       64 << 10, Topology(colocated=colocated))
 
 
-def _process(rank: int, port: int, tp: int, ep: int, out_dir: str) -> None:
+def _process(rank: int, port: int, tp: int, ep: int, colocated: bool, out_dir: str) -> None:
     from hpcrl.rollout.weight_sender import init_custom_process_group
     from moe.runtime import reshard
 
     cfg = hf_config()
     spec = spec_at_dtype(cfg, "float32")
-    request = _request(tp, ep)
+    request = _request(tp, ep, colocated)
     plan = request.build(spec)
     group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 1 + tp, rank, GROUP, 60)
     full = full_tensors(spec)
@@ -62,10 +63,12 @@ def _process(rank: int, port: int, tp: int, ep: int, out_dir: str) -> None:
     torch.save(want, f"{out_dir}/want{r}.pt")
 
 
-@pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2), (4, 2)])
-def test_tp_workers_receive_their_own_slices_bit_exact(tmp_path, tp, ep):
+@pytest.mark.parametrize("tp,ep,colocated", [(2, 1, True), (2, 2, True), (4, 2, True), (4, 2, False)])
+def test_tp_workers_receive_their_own_slices_bit_exact(tmp_path, tp, ep, colocated):
+    if not colocated:  # the plan has TP workers relay to each other (sent from their parameters)
+        assert _request(tp, ep, colocated).build(spec_at_dtype(hf_config(), "float32")).from_rollout.any()
     port, ctx = free_port("127.0.0.1"), mp.get_context("spawn")
-    procs = [ctx.Process(target=_process, args=(i, port, tp, ep, str(tmp_path))) for i in range(1 + tp)]
+    procs = [ctx.Process(target=_process, args=(i, port, tp, ep, colocated, str(tmp_path))) for i in range(1 + tp)]
     for p in procs:
         p.start()
     for p in procs:

@@ -285,3 +285,26 @@ def test_bad_inputs_fail_before_submission(case, job_dir: Path, tmp_path: Path, 
     monkeypatch.undo()  # Slurm's tools again, to look at the queue
     assert jobs_named(name) == []
     assert not (run_dir / "slurm.json").exists() and not (run_dir / "job.sbatch").exists()
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_second_job_starts_from_the_first_job_s_export(slurm, job_dir: Path) -> None:
+    # about 15 s: two small single-component jobs, the second waits (afterok) on the first's export
+    from checkpoints.hf_safetensors import dir_digest
+
+    quiet = [o for o in QUIET if o != "--set"]
+    ex, export = Executor(kind="slurm"), job_dir / "first_export"
+    first = ex.submit(EXAMPLE, [f"algorithm.num_steps={STEPS}", *quiet], run_dir=job_dir / "first",
+                      export_to=export)
+    slurm.job_ids.append(first.job_id)
+    assert not export.exists()  # checked and submitted before the export exists
+    second = ex.submit(EXAMPLE, ["algorithm.num_steps=1", f"model.path={export}", *quiet],
+                       run_dir=job_dir / "second", after=[first])
+    slurm.job_ids.append(second.job_id)
+    assert slurm.job(second.job_id)[0]["Dependency"].startswith(f"afterok:{first.job_id}")
+    summary = first.result()
+    assert summary["export_dir"] == str(export) and dir_digest(export) == summary["policy_sha256"]
+    assert "[hpcrl-batch] exported to" in first.stderr()
+    assert second.result()["last_step"] == 0
+    assert slurm.wait_final(second.job_id, timeout_s=60)["JobState"] == "COMPLETED"  # result lands first
+    assert json.loads((job_dir / "second" / "config.json").read_text())["model"]["path"] == str(export)

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="check the job against the Slurm cluster and sbatch it")
     _add_job_args(p)
     _add_run_dir_and_resume(p)
+    p.add_argument("--sweep", action="append", default=[], metavar="A.B=V1,V2",
+                   help="submit one job per value (repeatable: every combination), each in "
+                        "RUN_DIR/<key>=<value>; all are checked before any is submitted")
     for name, what in (("status", "Slurm state, attempt, time left, step and reward of a submitted run"),
                        ("logs", "the step log of a submitted run's current attempt"),
                        ("cancel", "cancel a submitted run's Slurm job")):
@@ -134,18 +137,48 @@ def _submit(args: argparse.Namespace) -> int:
     from hpcrl.jobs import plan_slurm, start_slurm
     from hpcrl.runner import resolve_run_dir
 
+    if args.sweep:
+        return _submit_sweep(args)
     job = load_job(args.job, args.overrides)
     run_dir = resolve_run_dir(job, args.run_dir)
     plan = plan_slurm(job, run_dir, _resume_mode(args))
     _, record = start_slurm(job, plan)  # through launch.slurm_executor.HetJobExecutor (submitit)
+    _print_submitted(job.name, record, run_dir)
+    return 0
+
+
+def _print_submitted(name: str, record: dict, run_dir: object, hints: bool = True) -> None:
     layout = " | ".join(f"component {i}: {_nodes(c['nodes'])}, {c['ranks']}"
                         for i, c in enumerate(record["components"]))
-    print(f"submitted job {record['job_id']} ({job.name}: {record['world_size']} ranks; {layout}) "
+    print(f"submitted job {record['job_id']} ({name}: {record['world_size']} ranks; {layout}) "
           f"to partition {record['partition']}\n"
-          f"run dir: {run_dir}\n"
-          f"  hpcrl status {run_dir}\n"
-          f"  hpcrl logs {run_dir} -f\n"
-          f"  hpcrl cancel {run_dir}", flush=True)
+          f"run dir: {run_dir}", flush=True)
+    if hints:
+        print(f"  hpcrl status {run_dir}\n"
+              f"  hpcrl logs {run_dir} -f\n"
+              f"  hpcrl cancel {run_dir}", flush=True)
+
+
+def _submit_sweep(args: argparse.Namespace) -> int:
+    """--sweep: one job per point, in RUN_DIR/<point> (RUN_DIR as for one job), through
+    Executor.submit_batch: every job is checked before the first is submitted."""
+    import json
+
+    from hpcrl.config import load_job
+    from hpcrl.jobs import Executor, Submission, sweep_dir_name, sweep_points
+    from hpcrl.runner import resolve_run_dir
+
+    points = sweep_points(args.sweep)
+    first = load_job(args.job, [*args.overrides, *points[0]])  # its name and run dir; the batch checks all
+    sweep_dir = resolve_run_dir(first, args.run_dir)
+    batch = [Submission(args.job, [*args.overrides, *point], sweep_dir / sweep_dir_name(point),
+                        _resume_mode(args)) for point in points]
+    jobs = Executor(kind="slurm").submit_batch(batch)
+    for point, job in zip(points, jobs):
+        record = json.loads((job.run_dir / "slurm.json").read_text())
+        _print_submitted(f"{first.name} {' '.join(point)}", record, job.run_dir, hints=False)
+    print(f"sweep: {len(jobs)} jobs under {sweep_dir}; hpcrl status / logs / cancel take each run dir",
+          flush=True)
     return 0
 
 

@@ -14,6 +14,10 @@ both are submitit `Job`s, and `attach(run_dir)` re-attaches from any process. `a
 Slurm job only once those jobs completed (afterok); `submit_batch` checks every job of a list first
 and then submits each (a hetjob cannot be a Slurm array).
 
+Sweeps: `sweep_points(["algorithm.lr=1e-4,3e-4"])` gives one override tuple per job and
+`sweep_dir_name` its run dir under the sweep's; `hpcrl submit JOB --sweep KEY=V1,V2` submits them
+with `submit_batch`.
+
 Pipelines: `export_to=DIR` makes a job export its final checkpoint to DIR at its end (`hpcrl
 export`, in the batch script's finish step; a failed export fails the job). A job submitted with
 `after=[that job]` and `model.path` = DIR is checked before DIR exists: everything is validated
@@ -273,6 +277,47 @@ class Executor:
 
 def _export_dir(s: Submission) -> Path | None:
     return None if s.export_to is None else Path(s.export_to).expanduser().resolve()
+
+
+def sweep_points(sweeps: Sequence[str]) -> list[tuple[str, ...]]:
+    """`--sweep KEY=V1,V2,...` options -> one tuple of `KEY=V` overrides per job: every combination
+    of the options' values (the first option varies slowest). ConfigError for a malformed option, an
+    unknown key, a key swept twice or an empty value."""
+    from hpcrl.config import valid_keys
+
+    axes: list[list[str]] = []
+    seen: set[str] = set()
+    for text in sweeps:
+        key, sep, values = text.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError("--sweep", text, "expected KEY=V1,V2,... with a dotted key, e.g. "
+                                               "--sweep algorithm.lr=1e-4,3e-4")
+        if key not in valid_keys():
+            raise ConfigError("--sweep", text, f"unknown key {key!r}; the keys are those of --set (hpcrl "
+                                               "validate lists them for an unknown --set key)")
+        if key in seen:
+            raise ConfigError("--sweep", text, f"{key} is swept twice; give its values in one --sweep")
+        seen.add(key)
+        points = [v.strip() for v in values.split(",")]
+        if any(not v for v in points):
+            raise ConfigError("--sweep", text, "an empty value; separate the values by single commas "
+                                               "(values cannot contain commas)")
+        axes.append([f"{key}={v}" for v in points])
+    combos: list[tuple[str, ...]] = [()]
+    for axis in axes:
+        combos = [(*c, o) for c in combos for o in axis]
+    return combos
+
+
+def sweep_dir_name(point: Sequence[str]) -> str:
+    """The run dir (under the sweep's run dir) of one sweep point: 'algorithm.lr=1e-4,data.seed=2'
+    -> 'lr=1e-4_seed=2' (the last part of each key; '/' and whitespace become '-')."""
+    parts = []
+    for override in point:
+        key, _, value = override.partition("=")
+        parts.append(f"{key.rsplit('.', 1)[-1]}={value}")
+    return "".join("-" if c == "/" or c.isspace() else c for c in "_".join(parts))
 
 
 def attach(run_dir: str | os.PathLike[str]) -> Any:

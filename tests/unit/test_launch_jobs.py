@@ -366,3 +366,38 @@ def test_local_job_exports_too(tmp_path: Path) -> None:
                                                             tmp_path / "export")
     assert job.result()["export_dir"] == str(tmp_path / "export")
     assert "exported to" in job.stderr() and (tmp_path / "export" / "model.safetensors").is_file()
+
+
+def test_submit_sweep_submits_one_job_per_point(tmp_path: Path, fake_slurm, capsys) -> None:
+    from hpcrl.cli import main
+    from hpcrl.jobs import sweep_dir_name, sweep_points
+
+    out = fake_slurm()
+    (tmp_path / "bin" / "scontrol").write_text(FAKE_CLUSTER_SCONTROL)
+    assert sweep_points(["algorithm.lr=1e-3, 3e-3", "data.seed=1,2"]) == [
+        ("algorithm.lr=1e-3", "data.seed=1"), ("algorithm.lr=1e-3", "data.seed=2"),
+        ("algorithm.lr=3e-3", "data.seed=1"), ("algorithm.lr=3e-3", "data.seed=2")]
+    assert sweep_dir_name(("algorithm.lr=1e-3", "data.path=a/b c")) == "lr=1e-3_path=a-b-c"
+    sweep = tmp_path / "sweep"
+    argv = ["submit", str(EXAMPLE), "--set", "slurm.partition=debug", "--run-dir", str(sweep)]
+    # bad sweeps: nothing is submitted, one line, exit 2
+    for bad, message in ((["--sweep", "algorithm.lr"],
+                          "hpcrl submit: error: --sweep='algorithm.lr': expected KEY=V1,V2,..."),
+                         (["--sweep", "algorithm.lrr=1"], "unknown key 'algorithm.lrr'"),
+                         (["--sweep", "algorithm.num_steps=2,0"], "algorithm.num_steps=0:")):
+        assert main([*argv, *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(message) or message in err, err
+        assert not (out / "sbatch.args").exists() and not sweep.exists()
+    assert main([*argv, "--sweep", "algorithm.lr=1e-3,3e-3", "--sweep", "data.seed=1,2"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("submitted job 4242 (tiny_moe_grpo algorithm.lr=") == 4, text
+    assert "(tiny_moe_grpo algorithm.lr=3e-3 data.seed=1: 3 ranks; component 0: 1 node" in text
+    assert text.rstrip().endswith(f"sweep: 4 jobs under {sweep}; hpcrl status / logs / cancel take each "
+                                  "run dir")
+    for lr in ("1e-3", "3e-3"):
+        for seed in (1, 2):
+            run_dir = sweep / f"lr={lr}_seed={seed}"
+            config = json.loads((run_dir / "config.json").read_text())
+            assert (config["algorithm"]["lr"], config["data"]["seed"]) == (float(lr), seed)
+            assert f"run dir: {run_dir}" in text and (run_dir / "slurm.json").is_file()

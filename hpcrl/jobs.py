@@ -123,8 +123,8 @@ def load_after(job: str | os.PathLike[str] | JobConfig, overrides: Sequence[str]
     export dir a dependency declared (`declared_export`), the job is validated with that
     dependency's model in its place (the stand-in, returned too; `start_slurm` prepares the run dir
     from it) and the job itself is returned unvalidated otherwise equal; else (load(...), None)."""
-    exports = [e for e in map(declared_export, after) if e is not None]
-    path = _model_path(job, overrides) if exports else None
+    path = _model_path(job, overrides) if after else None
+    exports = [e for e in map(declared_export, after) if e is not None] if path else []
     match = next((e for e in exports if path and Path(path).resolve() == e[0].resolve()), None)
     if match is None:
         return load(job, overrides), None

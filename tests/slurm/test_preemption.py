@@ -51,9 +51,11 @@ def test_preempted_job_checkpoints_requeues_resumes_and_matches(slurm, job_dir: 
     # Both runs go through the Python API (hpcrl.jobs): the local one is `hpcrl run` in the background,
     # the Slurm one a hetjob submitted by launch.slurm_executor.HetJobExecutor (submitit).
     local_dir, run_dir = job_dir / "local", job_dir / "slurm"
-    # The local reference runs meanwhile (the numbers do not depend on timing).
+    # The local reference runs first, not beside the Slurm job: two MPI worlds starting at once on
+    # this host are a suspect of the MPI_Init hangs seen in CI (dev/LOG.md).
     local = Executor(kind="local").submit(EXAMPLE, ARGS, run_dir=local_dir)
     request.addfinalizer(lambda: local.done() or local.cancel(check=False))  # no run outlives the test
+    want_summary = local.result()
     job = Executor(kind="slurm").submit(EXAMPLE, [*ARGS, "resources.rollout_nodes=1"], run_dir=run_dir)
     job_id = job.job_id
     slurm.job_ids.append(job_id)
@@ -82,7 +84,6 @@ def test_preempted_job_checkpoints_requeues_resumes_and_matches(slurm, job_dir: 
     # PREEMPTED/REQUEUED/PENDING are passing states here: the job must come back and finish.
     slurm.wait_until(f"job {job_id} to finish after its requeue", finished, 700, job_id)
     summary = job.result()
-    want_summary = local.result()
     assert local.state == "COMPLETED"
     # done() as soon as the result file is there; Slurm may still show COMPLETING for a moment
     slurm.wait_until("Slurm to end the job", lambda: (watch(), job.state)[1] != "COMPLETING", 60, job_id)

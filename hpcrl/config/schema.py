@@ -66,7 +66,7 @@ class DataConfig:
 @dataclass(kw_only=True)
 class AlgorithmConfig:
     name: str = "grpo"
-    """RL algorithm: grpo | dr_grpo | rloo | reinforce_pp | gspo | dapo | sft (hpcrl/dataflows/), or
+    """RL algorithm: grpo | dr_grpo | rloo | reinforce_pp | gspo | dapo | ppo | sft (hpcrl/dataflows/), or
     the import path of a module defining `step(rl, step)` over hpcrl/controller/api.py."""
     group_size: int = 8
     """Completions sampled per prompt; advantages are normalised within a group."""
@@ -128,6 +128,33 @@ class AlgorithmConfig:
     """MoE load-balancing loss coefficient (Megatron moe_aux_loss_coeff)."""
     num_steps: int = 40
     """RL steps (generate -> reward -> update -> weight sync) of the run."""
+    gamma: float = 1.0
+    """ppo: discount of GAE over response tokens (1.0: the usual choice for LLMs, as in verl)."""
+    lam: float = 1.0
+    """ppo: GAE's lambda, in [0, 1] (1: Monte-Carlo returns minus the value; 0: one-step TD)."""
+    kl_target: float = 0.0
+    """ppo: target KL per sequence of the adaptive KL controller (Ziegler et al. 2019); 0 keeps
+    algorithm.kl_coef fixed."""
+    kl_horizon: float = 10000.0
+    """ppo: horizon (in samples) of the adaptive KL controller."""
+
+
+@dataclass(kw_only=True)
+class CriticConfig:
+    enabled: bool = False
+    """Build the critic for an algorithm other than ppo (a user's module calling rl.values and
+    rl.update_critic); ppo always builds it. It lives on the trainer ranks with the policy's layout."""
+    lr: float = 0.0
+    """The critic's Adam learning rate; 0 means algorithm.lr (Adam's betas and eps are the policy's)."""
+    weight_decay: float = 0.0
+    """The critic's weight decay."""
+    grad_clip: float = 0.0
+    """The critic's global grad-norm clip; 0 disables."""
+    value_clip: float = 0.2
+    """PPO2 value clipping: V may move at most this far from its rollout-time value per batch
+    before its error stops counting; 0 disables (plain squared error)."""
+    warmup_steps: int = 0
+    """The first N steps train only the critic (the policy and the engines stay as they are)."""
 
 
 @dataclass(kw_only=True)
@@ -337,6 +364,7 @@ class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -367,3 +395,8 @@ def weight_sync_mode(job: JobConfig) -> str:
     if r.weight_sync != "auto":
         return r.weight_sync
     return "shard" if r.backend == "reference" and job.resources.device == "cpu" else "broadcast"
+
+
+def critic_enabled(job: JobConfig) -> bool:
+    """Whether the trainer ranks build PPO's critic (hpcrl/trainer/critic.py)."""
+    return job.algorithm.name == "ppo" or job.critic.enabled

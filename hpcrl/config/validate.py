@@ -15,6 +15,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterable
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import numpy as np
 
 from hpcrl.algorithms import KL_ESTIMATORS, LOSS_AGGS
 from hpcrl.config.errors import ConfigError
-from hpcrl.config.schema import JobConfig, engine_dtype
+from hpcrl.config.schema import AlgorithmConfig, CriticConfig, JobConfig, critic_enabled, engine_dtype
 from hpcrl.models.presets import CONFIG_DIR, preset_names
 from hpcrl.rewards import load_reward_fn
 from hpcrl.rewards.builtin import BUILTIN_REWARDS
@@ -31,7 +32,7 @@ from hpcrl.tasks import TASKS, ExampleFile, OverlongPrompt, Tokenizer, load_toke
 from launch.slurm_spec import MPI_PLUGINS, SlurmComponent, SlurmJobSpec, parse_time_limit
 from moe.hf_megatron import HFModelDims
 
-ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo", "sft")  # hpcrl.controller.api.BUILTIN_ALGORITHMS
+ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo", "ppo", "sft")  # hpcrl.controller.api.BUILTIN_ALGORITHMS
 DTYPES = ("float32", "bfloat16")
 RANDOM_INITS = ("auto", "hf", "sharded")
 OVERLONG_PROMPTS = ("error", "drop")
@@ -93,6 +94,15 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("algorithm.grad_clip", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
     ("algorithm.aux_loss_coef", lambda v: v >= 0, ">= 0"),
     ("algorithm.num_steps", lambda v: v >= 1, ">= 1"),
+    ("algorithm.gamma", lambda v: 0 <= v <= 1, "in [0, 1], e.g. 1.0"),
+    ("algorithm.lam", lambda v: 0 <= v <= 1, "in [0, 1], e.g. 0.95 or 1.0"),
+    ("algorithm.kl_target", lambda v: v >= 0, ">= 0 (0 keeps algorithm.kl_coef fixed), e.g. 6.0"),
+    ("algorithm.kl_horizon", lambda v: v > 0, "> 0 samples, e.g. 10000"),
+    ("critic.lr", lambda v: v >= 0, ">= 0 (0 means algorithm.lr), e.g. 1e-5"),
+    ("critic.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("critic.grad_clip", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+    ("critic.value_clip", lambda v: v >= 0, ">= 0 (0 disables value clipping), e.g. 0.2"),
+    ("critic.warmup_steps", lambda v: v >= 0, ">= 0"),
     ("trainer.tp", lambda v: v >= 1, ">= 1"),
     ("trainer.pp", lambda v: v >= 1, ">= 1"),
     ("trainer.ep", lambda v: v >= 1, ">= 1"),
@@ -292,9 +302,34 @@ def _check_algorithm(job: JobConfig) -> None:
     if a.overlong_buffer_len > job.rollout.max_new_tokens:
         raise ConfigError("algorithm.overlong_buffer_len", a.overlong_buffer_len,
                           f"must be at most rollout.max_new_tokens={job.rollout.max_new_tokens}")
-    if a.name in ("rloo", "reinforce_pp", "dr_grpo") and not a.norm_adv_by_std:
+    _check_critic(job)
+    if a.name in ("rloo", "reinforce_pp", "dr_grpo", "ppo") and not a.norm_adv_by_std:
         raise ConfigError("algorithm.norm_adv_by_std", a.norm_adv_by_std,
                           f"{a.name} computes its own advantages and ignores it; remove the key")
+
+
+def _check_critic(job: JobConfig) -> None:
+    """critic.* and ppo's own algorithm keys only where a critic is built; the KL controller's
+    target needs a KL penalty to adapt."""
+    a, c = job.algorithm, job.critic
+    if not critic_enabled(job):
+        for key, value in dataclasses.asdict(c).items():
+            if value != getattr(CriticConfig(), key):
+                raise ConfigError(f"critic.{key}", value, f"applies when a critic is built: algorithm.name: ppo "
+                                                          f"(this job runs {a.name}) or critic.enabled: true; "
+                                                          "remove it")
+    if a.name != "ppo":
+        for key in ("gamma", "lam", "kl_target", "kl_horizon"):
+            if getattr(a, key) != getattr(AlgorithmConfig(), key):
+                raise ConfigError(f"algorithm.{key}", getattr(a, key), f"applies to algorithm.name: ppo only "
+                                                                       f"(this job runs {a.name}); remove it")
+    if a.kl_target > 0 and a.kl_coef == 0:
+        raise ConfigError("algorithm.kl_target", a.kl_target, "the adaptive KL controller adapts "
+                                                              "algorithm.kl_coef: set it > 0 (its start value, "
+                                                              "e.g. 0.05), or algorithm.kl_target: 0")
+    if c.warmup_steps >= a.num_steps and critic_enabled(job):
+        raise ConfigError("critic.warmup_steps", c.warmup_steps, f"must be below algorithm.num_steps="
+                                                                 f"{a.num_steps}, or the policy never trains")
 
 
 def _check_engine_dtype(job: JobConfig) -> None:

@@ -10,6 +10,9 @@ records it for failure reports and preemption, and logs its metrics into the ste
     rl.demonstrations()               -> Rollout     the next prompt block with the data's answers (SFT)
     rl.score(rollout)                 -> [B] rewards reward pool, deadlines (reward/*)
     rl.ref_logprobs(rollout)          -> [B, T]      frozen reference policy (Megatron)
+    rl.values(rollout)                -> [B, T]      the critic's values (ppo, or critic.enabled)
+    rl.update_critic(rollout, returns, old_values)
+                                      -> metrics     the critic's clipped value-loss updates (critic/*)
     rl.update_policy(rollout, advantages, loss=..., ref_logprobs=..., tensors=...)
                                       -> metrics     one on-policy optimizer step of `loss` (a built-in or
                                                      `pkg.module:function`, hpcrl/algorithms/losses.py); the
@@ -33,11 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from hpcrl.config.schema import AlgorithmConfig, JobConfig
+from hpcrl.config.schema import AlgorithmConfig, JobConfig, critic_enabled
 from hpcrl.controller.groups import Rollout
 from hpcrl.controller.sync_check import logprob_sync_check
 
-BUILTIN_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo", "sft")
+BUILTIN_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo", "ppo", "sft")
 STEP_SIGNATURE = "def step(rl: hpcrl.controller.api.RL, step: int) -> None"
 
 
@@ -118,6 +121,31 @@ class RL:
         with self._phase("logprobs"):
             return self._s.policy.ref_logprobs(self.step, rollout, self._temperature)
 
+    def values(self, rollout: Rollout) -> np.ndarray:
+        """Float32 [B, T] values V_t of the critic (the state before response token t; 0 on padding).
+        Needs a critic: algorithm.name ppo, or critic.enabled."""
+        self._need_critic("values")
+        with self._phase("values", "logprobs"):
+            return self._s.policy.values(self.step, rollout)
+
+    def update_critic(self, rollout: Rollout, returns: np.ndarray, old_values: np.ndarray, *,
+                      epochs: int | None = None, mini_batch_size: int | None = None) -> dict[str, float]:
+        """The critic's clipped value-loss updates (critic.value_clip) towards `returns` [B, T], with
+        `old_values` [B, T] its values at rollout time (`values`); returns (and logs) critic/* metrics.
+        Epochs and mini-batches as `update_policy`'s."""
+        self._need_critic("update_critic")
+        with self._phase("train_critic", "train"):
+            out = self._s.policy.train_critic(
+                self.step, rollout, returns, old_values, self.algo.ppo_epochs if epochs is None else epochs,
+                self.algo.mini_batch_size if mini_batch_size is None else mini_batch_size)
+        self.log(**{f"critic/{k}": v for k, v in out.items()})
+        return out
+
+    def _need_critic(self, primitive: str) -> None:
+        if not critic_enabled(self.job):
+            raise RuntimeError(f"algorithm {self.algo.name!r} calls rl.{primitive} but this job has no critic: "
+                               "set critic.enabled: true (algorithm.name: ppo always builds one)")
+
     def update_policy(self, rollout: Rollout, advantages: np.ndarray, *, loss: str = "grpo",
                       ref_logprobs: np.ndarray | None = None, tensors: dict[str, np.ndarray] | None = None,
                       epochs: int | None = None, mini_batch_size: int | None = None) -> dict[str, float]:
@@ -153,6 +181,12 @@ class RL:
         self.log(**{"sync/bytes": sync["bytes"],
                     "sync/gbps": sync["bytes"] * 8 / 1e9 / max(sync["seconds"], 1e-9)})
         return sync
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The algorithm's own JSON-able state across steps (e.g. an adaptive KL coefficient): saved in
+        every checkpoint as of the last completed step, and restored on resume."""
+        return self._s.checkpointer.algorithm_state
 
     def log(self, **metrics: Any) -> None:
         """Add metrics to the step's record (metrics.jsonl, TensorBoard)."""

@@ -14,6 +14,7 @@ checkpoint of the run, if any), "none" (`--no-resume`), or a step number (`--res
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -54,6 +55,9 @@ class Checkpointer:
         self.prompt_cursor = PromptCursor()
         """The prompt sampler's position (blocks of num_prompts_per_step prompts drawn so far)."""
         self._cursor_done = 0  # the cursor when the last step completed: what a save records
+        self.algorithm_state: dict = {}
+        """The algorithm's own state across steps (RL.state), e.g. ppo's adaptive KL coefficient."""
+        self._algorithm_state_done: dict = {}  # as of the last completed step: what a save records
 
     # ------------------------------------------------------------------ resume
 
@@ -88,6 +92,8 @@ class Checkpointer:
         self.eval_state = meta.get("eval", {})
         # Checkpoints written before the cursor existed drew one block per step.
         self.prompt_cursor.next_block = self._cursor_done = int(meta.get("sampler", {}).get("cursor", step + 1))
+        self.algorithm_state.update(meta.get("algorithm_state", {}))
+        self._algorithm_state_done = copy.deepcopy(self.algorithm_state)
         print(f"hpcrl: resumed from checkpoint step {step} ({self.dir})", flush=True)
         return self._start_step
 
@@ -108,6 +114,7 @@ class Checkpointer:
                 "sampler": {"seed": job.data.seed, "next_step": step + 1, "cursor": self._cursor_done},
                 "counters": {"steps_done": step + 1},
                 "eval": self.eval_state,
+                "algorithm_state": self._algorithm_state_done,
                 "metrics_history": [r for r in read_metrics(self.run_dir) if r["step"] <= step]
                 if (self.run_dir / "metrics.jsonl").exists() else []}
 
@@ -127,6 +134,7 @@ class Checkpointer:
         limit asks for it; on preemption or time limit raise `Preempted` to end the run."""
         self.completed_step = step
         self._cursor_done = self.prompt_cursor.next_block
+        self._algorithm_state_done = copy.deepcopy(self.algorithm_state)
         now = time.monotonic()
         self.step_s = max(self.step_s * 0.8, now - self._last_step_end)
         self._last_step_end = now

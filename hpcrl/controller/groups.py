@@ -141,6 +141,17 @@ class PolicyGroup:
         """Log-probs of the response tokens under the frozen reference policy, [B, T]."""
         return self._async("ref_logprobs", step, {**rollout.token_batch(), "temperature": temperature}).wait()
 
+    def values(self, step: int, rollout: Rollout) -> np.ndarray:
+        """The critic's values of the response positions, [B, T] (hpcrl/trainer/critic.py)."""
+        return self._async("values", step, rollout.token_batch()).wait()
+
+    def train_critic(self, step: int, rollout: Rollout, returns: np.ndarray, old_values: np.ndarray,
+                     epochs: int, mini_batch_size: int) -> dict[str, float]:
+        """The critic's value-loss updates on the rollout; metrics."""
+        return self._async("train_critic", step, {**rollout.token_batch(), "returns": returns,
+                                                  "old_values": old_values, "epochs": epochs,
+                                                  "mini_batch_size": mini_batch_size}).wait()
+
     def train(self, step: int, rollout: Rollout, advantages: np.ndarray, ref_BT: np.ndarray | None,
               temperature: float, loss: str = "grpo", tensors: dict[str, np.ndarray] | None = None,
               epochs: int = 1, mini_batch_size: int = 0) -> TrainResult:

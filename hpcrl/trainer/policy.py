@@ -150,9 +150,10 @@ class MegatronPolicy:
         dist.all_gather_object(all_coords, self.coords)
         self._export_plan = self._make_export_plan(all_coords)
 
-        layout = dict(tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=trainer.dispatcher,
-                      aux_loss_coef=algorithm.aux_loss_coef, device=device)
+        self.layout = layout = dict(tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=trainer.dispatcher,
+                                    aux_loss_coef=algorithm.aux_loss_coef, device=device)
         self._build_policy(layout)
+        self.critic: Any = None  # PPO's value model on these ranks (hpcrl/trainer/critic.py), if any
         self.ref: torch.nn.Module | None = None
         if algorithm.kl_coef > 0:
             self.ref = build_gpt_model(self.hf_config, transformer_config(self.hf_config, **layout))

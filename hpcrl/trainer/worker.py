@@ -15,7 +15,7 @@ import math
 from contextlib import contextmanager
 from pathlib import Path
 
-from hpcrl.config.schema import JobConfig, weight_sync_mode
+from hpcrl.config.schema import JobConfig, critic_enabled, weight_sync_mode
 
 
 def _preload_megatron() -> BaseException | None:
@@ -82,6 +82,11 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
             policy.load_hf_dir(job.model.path)  # each rank reads only its slices
         else:
             policy.init_from_seed(job.trainer.seed, job.model.random_init)
+        if critic_enabled(job):  # PPO's value model, from the policy's weights (hpcrl/trainer/critic.py)
+            from hpcrl.trainer.critic import MegatronCritic
+
+            policy.critic = MegatronCritic(policy, dataclasses.replace(job.critic, lr=job.critic.lr or algorithm.lr),
+                                           algorithm)
         state["policy"] = policy
         return None
 
@@ -117,6 +122,23 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         p = cmd.payload
         ref = state["policy"].compute_logprobs(batch_of(p), model="ref", temperature=p["temperature"])
         return ref.numpy() if is_leader else None
+
+    def values(cmd):
+        values_BT = state["policy"].critic.values(batch_of(cmd.payload))
+        return values_BT.numpy() if is_leader else None
+
+    def train_critic(cmd):
+        import numpy as np
+        import torch
+
+        p = cmd.payload
+        out = state["policy"].critic.update(batch_of(p), torch.from_numpy(np.asarray(p["returns"])),
+                                            torch.from_numpy(np.asarray(p["old_values"])), epochs=p["epochs"],
+                                            mini_batch_size=p["mini_batch_size"])
+        if out is not None and not math.isfinite(out["vf_loss"]):
+            raise FloatingPointError(f"algorithm {job.algorithm.name!r}, step {cmd.step}: the critic's value "
+                                     f"loss is {out['vf_loss']}; check the returns")
+        return out
 
     def train(cmd):
         import numpy as np
@@ -175,5 +197,6 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
             dist.destroy_process_group()
         return None
 
-    return {"init": init, "connect": connect, "ref_logprobs": ref_logprobs, "train": train, "sync": sync,
+    return {"init": init, "connect": connect, "ref_logprobs": ref_logprobs, "values": values,
+            "train_critic": train_critic, "train": train, "sync": sync,
             "save": save, "load": load, "sha256": sha256, "shutdown": shutdown}

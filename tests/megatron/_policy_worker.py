@@ -116,6 +116,22 @@ def main() -> None:
     out["m3"] = policy.train_step(batch, adv, None, out["ref"], on_policy=True)
     out["logp_m3"] = out["m3"].pop("logprobs_BT") if rank0 else None
     out["sd3"] = policy.export_hf_state_dict()
+
+    # PPO's critic on the same ranks: its body starts as the policy (sd3), its head is fresh.
+    from hpcrl.config.schema import CriticConfig
+    from hpcrl.trainer.critic import MegatronCritic
+
+    policy.critic = MegatronCritic(policy, CriticConfig(lr=1e-3, value_clip=0.05, grad_clip=0.5), algorithm)
+    head = policy.critic.head()
+    out["head"] = None if head is None else (head.weight.detach().clone(), head.bias.detach().clone())
+    out["v0"] = policy.critic.values(batch)
+    returns = torch.linspace(-1.0, 2.0, batch.batch_size * batch.response_width).view(batch.batch_size, -1)
+    returns = torch.where(batch.response_mask_BT(), returns, 0.0)
+    out["cm1"] = policy.critic.train_step(batch, returns, out["v0"])
+    out["v1"] = policy.critic.values(batch)
+    out["cm2"] = policy.critic.train_step(batch, returns, out["v0"])  # clipped: V moved past 0.05
+    out["v2"] = policy.critic.values(batch)
+    out["policy_after_critic"] = policy.export_hf_state_dict()
     if rank0:
         out["batch"] = batch
         torch.save(out, args.out)

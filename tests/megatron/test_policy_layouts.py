@@ -141,6 +141,40 @@ def test_baseline_matches_hf_and_round_trips(baseline: dict, model_dirs: dict[st
     assert (baseline["logp_m3"] - baseline["logp_sd2"]).abs().max() < 1e-6
     assert baseline["m3"]["clip_frac"] == 0.0 and baseline["m3"]["kl"] > 0
     assert max_diff(baseline["sd3"], baseline["sd2"]) > 1e-4
+    _check_critic(baseline)
+
+
+def hf_final_hidden(batch, sd: dict[str, torch.Tensor]) -> torch.Tensor:
+    """HF transformers' last hidden states (after the final norm) of `sd`'s model, [B, L, H]."""
+    from _policy_worker import SEED
+
+    from hpcrl.models.presets import load_hf_config
+    from hpcrl.trainer.model import build_hf_model
+    from moe.hf_megatron import HFModelDims, hf_checkpoint_to_fused
+
+    cfg = load_hf_config("tiny-qwen3-moe", None)
+    model = build_hf_model(cfg, SEED)
+    model.load_state_dict(hf_checkpoint_to_fused(sd, HFModelDims.from_hf_config(cfg)))
+    with torch.no_grad():
+        return model(batch.tokens_BL, output_hidden_states=True).hidden_states[-1].float()
+
+
+def _check_critic(run: dict) -> None:
+    """The critic of the 1-rank run: V_t is the value head on the final hidden state at the position
+    that predicts response token t (HF agrees), 0 on padding; its clipped value loss trains it and
+    leaves the policy alone."""
+    batch, mask = run["batch"], run["batch"].response_mask_BT()
+    w, b = run["head"]
+    hidden = hf_final_hidden(batch, run["sd3"])
+    pos = batch.logit_positions_BT()
+    expected = torch.where(mask, (hidden.gather(1, pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])) @ w) + b, 0.0)
+    assert (run["v0"] - expected).abs().max() < LOGP_TOL
+    assert (run["v0"][~mask] == 0).all() and run["v0"][mask].abs().max() > 0
+    cm1, cm2 = run["cm1"], run["cm2"]
+    assert set(cm1) == {"vf_loss", "vf_clip_frac", "values_mean", "grad_norm"}
+    assert cm1["vf_clip_frac"] == 0.0 and cm2["vf_clip_frac"] > 0  # the first step starts at V_old
+    assert cm2["vf_loss"] < cm1["vf_loss"] and (run["v1"] - run["v0"]).abs().max() > 1e-3
+    assert max_diff(run["policy_after_critic"], run["sd3"]) == 0.0
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "tp1-ep1"])
@@ -169,3 +203,9 @@ def test_layout_matches_baseline(name: str, baseline: dict, tmp_path: Path, mode
     from hpcrl.trainer.policy import hf_state_dict_sha256
 
     assert run["sha_reloaded"] == hf_state_dict_sha256(run["sd1"])
+    # The critic under this layout computes and learns what the 1-rank critic does.
+    for key in ("v0", "v1", "v2"):
+        assert (run[key] - baseline[key]).abs().max() < LOGP_TOL, key
+    for step in ("cm1", "cm2"):
+        for key, value in baseline[step].items():
+            assert abs(run[step][key] - value) < 1e-5 * max(1.0, abs(value)), (step, key, run[step][key], value)

@@ -29,7 +29,7 @@ def user_modules(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name, message", [
-    ("grpoo", "neither a built-in algorithm (grpo, dr_grpo, rloo, reinforce_pp, gspo, dapo, sft)"),
+    ("grpoo", "neither a built-in algorithm (grpo, dr_grpo, rloo, reinforce_pp, gspo, dapo, ppo, sft)"),
     ("no_such_pkg.algo", "cannot import module 'no_such_pkg.algo'"),
     ("algo_nostep", "module 'algo_nostep' has no function `step`"),
     ("algo_ok:step", "nor the import path of a module (package.module)"),

@@ -1,0 +1,178 @@
+"""PPO's critic: a Megatron value model on the trainer ranks, beside the policy.
+
+Megatron's parallel state is global per process, so the critic has the policy's layout
+(TP/PP/EP/ETP/DP) and lives on the same ranks; `hpcrl plan` counts a second model, its gradients and
+its Adam state there. The body is a second GPTModel of the policy's architecture, initialised from
+the policy's weights (a local copy of each rank's own shards). On the last pipeline stage the
+vocabulary projection is replaced by a value head: one [H] weight and a bias, replicated, applied to
+the final hidden states of the whole sequence (gathered from the sequence-parallel split under TP;
+every TP rank then computes the same values, so the gather's backward keeps each rank's own chunk).
+
+V_t, the value of the state before response token t, is the head's output at the position whose
+logits predict token t (hpcrl/trainer/batch.py), as in verl and OpenRLHF. The critic reuses the
+policy's batch split, pipeline schedule and gathers (MegatronPolicy._split, _run, _gather_rows).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+
+from hpcrl.algorithms.aggregation import aggregate
+from hpcrl.algorithms.value import value_loss
+from hpcrl.trainer.batch import TrainBatch
+from hpcrl.trainer.model import build_gpt_model, transformer_config
+
+HEAD_NAMES = ("value_head.weight", "value_head.bias")  # checkpoint names, under critic/
+METRICS = ("vf_loss", "vf_clip_frac", "values_mean")
+
+
+class ValueHead(torch.nn.Module):
+    """Replaces GPTModel.output_layer: hidden [S/tp, B, H] -> values [S, B, 1] (same call signature)."""
+
+    def __init__(self, hidden_size: int, seed: int, std: float) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.weight = torch.nn.Parameter(torch.randn(hidden_size, generator=gen) * std)
+        self.bias = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, hidden_SBH: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None
+                ) -> tuple[torch.Tensor, None]:
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        full = gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False)
+        return (full @ self.weight + self.bias).unsqueeze(-1), None
+
+
+class MegatronCritic:
+    """The value model of `policy`'s ranks (collective: construct on every trainer rank after the
+    policy's weights are loaded). `critic` is the job's CriticConfig, `algorithm` its AlgorithmConfig."""
+
+    def __init__(self, policy: Any, critic: Any, algorithm: Any) -> None:
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.policy, self.cfg, self.algorithm = policy, critic, algorithm
+        hf_config = {**policy.hf_config, "tie_word_embeddings": False}  # the head replaces the projection
+        config = transformer_config(hf_config, **policy.layout)
+        gpt = build_gpt_model(hf_config, config)
+        if policy.last_stage:
+            std = float(policy.hf_config.get("initializer_range", 0.02))
+            gpt.output_layer = ValueHead(policy.dims.hidden_size, policy.trainer.seed + 2, std)
+        with torch.no_grad():
+            own = dict(policy.gpt.named_parameters())
+            for name, param in gpt.named_parameters():
+                if not name.startswith("output_layer."):
+                    param.copy_(own[name])
+        self.ddp = DistributedDataParallel(
+            config=config, module=gpt,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                     use_distributed_optimizer=False))
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = self.ddp.no_sync
+        self.gpt = gpt
+        c = critic
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=c.lr, min_lr=c.lr, weight_decay=c.weight_decay,
+                            adam_beta1=algorithm.adam_beta1, adam_beta2=algorithm.adam_beta2,
+                            adam_eps=algorithm.adam_eps, clip_grad=c.grad_clip, params_dtype=torch.float32,
+                            bf16=False, fp16=False, use_distributed_optimizer=False),
+            [self.ddp])
+        for group in self.optimizer.param_groups:  # as the policy's (MegatronPolicy._build_policy)
+            group["weight_decay"] = c.weight_decay * group.get("wd_mult", 1.0)
+            if policy.device.type == "cpu":
+                group["foreach"], group["fused"] = False, True
+
+    def head(self) -> ValueHead | None:
+        """This rank's value head (last pipeline stage only)."""
+        return self.gpt.output_layer if self.policy.last_stage else None
+
+    @staticmethod
+    def _values_BT(mbd: dict[str, torch.Tensor], values_BL1: torch.Tensor) -> torch.Tensor:
+        v_BT = values_BL1[..., 0].gather(1, mbd["pos_BT"])
+        return torch.where(mbd["mask_BT"], v_BT, 0.0)
+
+    def _values_out(self, mbd: dict[str, torch.Tensor], values_BL1: torch.Tensor
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return values_BL1.new_zeros(()), {"v_BT": self._values_BT(mbd, values_BL1)}
+
+    @torch.no_grad()
+    def values(self, batch: TrainBatch | None) -> torch.Tensor | None:
+        """Float32 [B, T] values of the response positions (0 on padding), on rank 0; None elsewhere."""
+        p = self.policy
+        batch, _ = p._share(batch, {})
+        mbs, n_mb, mb, L = p._split(batch, {})
+        store = p._run(self.ddp, mbs, n_mb, mb, L, True, self._values_out)
+        return p._gather_rows(store, "v_BT", n_mb, mb, batch)
+
+    def _loss(self, num_tokens: int, num_seqs: int, scale: int, mbd: dict[str, torch.Tensor],
+              values_BL1: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        v_BT = self._values_BT(mbd, values_BL1)
+        mask_BT = mbd["mask_BT"]
+        loss_BT, m = value_loss(v_BT, mbd["oldv_BT"], mbd["ret_BT"], self.cfg.value_clip or None)
+        a = self.algorithm
+        loss = aggregate(loss_BT, mask_BT, a.loss_agg, num_tokens, num_seqs, a.loss_agg_norm or None)
+        clip = aggregate(m["vf_clip_frac"], mask_BT, "token-mean", num_tokens)
+        mean_v = aggregate(v_BT.detach(), mask_BT, "token-mean", num_tokens)
+        return loss * scale, {"metrics": torch.stack([loss.detach(), clip, mean_v]).float()}
+
+    def train_step(self, batch: TrainBatch | None, returns_BT: torch.Tensor | None,
+                   old_values_BT: torch.Tensor | None) -> dict[str, float] | None:
+        """One optimizer step of the clipped value loss (critic.value_clip) over the batch; metrics
+        (vf_loss, vf_clip_frac, values_mean, grad_norm) on rank 0, None elsewhere."""
+        p = self.policy
+        batch, t = p._share(batch, {"ret": returns_BT, "oldv": old_values_BT})
+        B, T = batch.batch_size, batch.response_width
+        for name, v in (("returns_BT", t["ret"]), ("old_values_BT", t["oldv"])):
+            if v is None or tuple(v.shape) != (B, T):
+                raise ValueError(f"{name} has shape {None if v is None else tuple(v.shape)}, expected {(B, T)}")
+        mbs, n_mb, mb, L = p._split(batch, {"ret_BT": t["ret"].float(), "oldv_BT": t["oldv"].float()})
+        if not self.ddp.training:
+            self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss_fn = partial(self._loss, max(batch.num_response_tokens(), 1), B, n_mb * p.dp_size)
+        store = p._run(self.ddp, mbs, n_mb, mb, L, False, loss_fn)
+        _, grad_norm, _ = self.optimizer.step()
+        local = torch.zeros(len(METRICS), dtype=torch.float32)
+        if p._counts_here():
+            for d in store:
+                local += d["metrics"].detach().cpu()
+        summed = p._to_rank0(local)
+        if summed is None:
+            return None
+        out = {name: float(v) for name, v in zip(METRICS, summed)}
+        if grad_norm is not None:
+            out["grad_norm"] = float(grad_norm)
+        return out
+
+    def update(self, batch: TrainBatch | None, returns_BT: torch.Tensor | None,
+               old_values_BT: torch.Tensor | None, epochs: int = 1, mini_batch_size: int = 0
+               ) -> dict[str, float] | None:
+        """`epochs` passes over the batch in contiguous mini-batches of `mini_batch_size` rows (0: the
+        whole batch), one optimizer step each; the mean of each metric over the steps on rank 0."""
+        if epochs < 1 or mini_batch_size < 0:
+            raise ValueError(f"epochs={epochs}, mini_batch_size={mini_batch_size}: need >= 1 and >= 0")
+        p = self.policy
+        batch, t = p._share(batch, {"ret": returns_BT, "oldv": old_values_BT})
+        B = batch.batch_size
+        size = mini_batch_size or B
+        if B % size:
+            raise ValueError(f"mini_batch_size={size} does not divide the batch of {B} rows")
+        sums: dict[str, float] = {}
+        for _ in range(epochs):
+            for start in range(0, B, size):
+                rows = slice(start, start + size)
+                sub = TrainBatch(batch.tokens_BL[rows], batch.prompt_lens_B[rows], batch.response_lens_B[rows])
+                width = sub.response_width
+                out = self.train_step(sub, t["ret"][rows, :width], t["oldv"][rows, :width])
+                for k, v in (out or {}).items():
+                    sums[k] = sums.get(k, 0.0) + v
+        if p.rank != 0:
+            return None
+        steps = epochs * (B // size)
+        return {**{k: v / steps for k, v in sums.items()}, "num_updates": float(steps)}
+

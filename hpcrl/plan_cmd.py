@@ -74,7 +74,8 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
                          gpu_memory_bytes=gpu_bytes, build=build,
                          broadcast_bucket_bytes=max(1, job.rollout.bucket_mb << 20))
     t = report["trainer"]
-    other = megatron_build("bfloat16" if build.param_dtype == "float32" else "float32", build.reference_model)
+    other = megatron_build("bfloat16" if build.param_dtype == "float32" else "float32", build.reference_model,
+                           build.critic_model)
     t["other_build"] = trainer_memory_summary(spec, trainer, other, gpu_bytes)
     for summary in (t, t["other_build"]):
         today = summary["build"]["built_by_run_today"] = summary["build"]["param_dtype"] in RUN_PARAM_DTYPES

@@ -58,6 +58,7 @@ def trainer_memory_summary(spec: MoESpec, trainer: TrainerLayout, build: Trainer
         "adam_state_bytes_per_gpu": float(mem["adam_state_bytes"].max()),
         "main_params_bytes_per_gpu": float(mem["main_params_bytes"].max()),
         "reference_bytes_per_gpu": float(mem["reference_bytes"].max()),
+        "critic_bytes_per_gpu": float(mem["critic_bytes"].max()),
         "total_bytes_per_gpu": total,
         "distributed_optimizer": build.distributed_optimizer,
         "fits": None if gpu_memory_bytes is None else total <= gpu_memory_bytes,
@@ -150,6 +151,7 @@ def trainer_memory_line(t: dict[str, Any]) -> str:
         opt += (f" (main params {_gib(t['main_params_bytes_per_gpu'])} + Adam m, v "
                 f"{_gib(t['adam_state_bytes_per_gpu'])})")
     ref = f" + reference {_gib(t['reference_bytes_per_gpu'])}" if t["reference_bytes_per_gpu"] else ""
+    ref += f" + critic {_gib(t['critic_bytes_per_gpu'])}" if t.get("critic_bytes_per_gpu") else ""
     return (f"params {_gib(t['params_bytes_per_gpu'])} + grads {_gib(t['grads_bytes_per_gpu'])} + {opt}{ref} "
             f"= {_gib(t['total_bytes_per_gpu'])}")
 

@@ -12,6 +12,9 @@ hpcrl/trainer/policy.py) and `trainer_memory(spec, layout, build)` turns it into
                 expert tensors over the expert data-parallel group (edp)
     reference   the frozen reference model (algorithm.kl_coef > 0): the same shards at the
                 parameter dtype, no grads, no optimizer state
+    critic      PPO's value model (hpcrl/trainer/critic.py) on the same ranks with the same layout:
+                params, grads and optimizer of every tensor but lm_head, plus the [H] + [1] value
+                head on the last pipeline stage's ranks
 
 Not counted: Adam's per-tensor `step` scalars (4 bytes per tensor), the distributed optimizer's
 alignment padding (at most 64 elements per tensor and lcm(dp, 128) per bucket), activations,
@@ -47,6 +50,7 @@ class TrainerBuild:
     param_dtype: str = "float32"
     distributed_optimizer: bool = False
     reference_model: bool = False
+    critic_model: bool = False
 
     def __post_init__(self) -> None:
         if self.param_dtype not in PARAM_BYTES:
@@ -68,10 +72,11 @@ class TrainerBuild:
         where = ("sharded over DP (distributed optimizer)" if self.distributed_optimizer
                  else "replicated over DP")
         ref = "; frozen reference model" if self.reference_model else ""
-        return f"{self.param_dtype} params, fp32 grads (DDP buffer), {opt} {where}{ref}"
+        critic = "; critic (params, grads, Adam)" if self.critic_model else ""
+        return f"{self.param_dtype} params, fp32 grads (DDP buffer), {opt} {where}{ref}{critic}"
 
 
-def megatron_build(param_dtype: str, reference_model: bool = False) -> TrainerBuild:
+def megatron_build(param_dtype: str, reference_model: bool = False, critic_model: bool = False) -> TrainerBuild:
     """The build hpcrl's trainer uses for `param_dtype`.
 
     float32: fp32 params, non-distributed Adam (what `hpcrl run` builds, CPU and GPU);
@@ -79,7 +84,7 @@ def megatron_build(param_dtype: str, reference_model: bool = False) -> TrainerBu
     (the CUDA build).
     """
     return TrainerBuild(param_dtype=param_dtype, distributed_optimizer=param_dtype != "float32",
-                        reference_model=reference_model)
+                        reference_model=reference_model, critic_model=critic_model)
 
 
 def _numel_per_rank(spec: MoESpec, layout: TrainerLayout, *, sharded: bool) -> np.ndarray:
@@ -111,9 +116,31 @@ def trainer_memory(spec: MoESpec, layout: TrainerLayout, build: TrainerBuild) ->
     grads = numel * FP32_BYTES
     reference = params.copy() if build.reference_model else np.zeros_like(numel)
     optimizer = adam + main
+    critic = _critic_bytes(spec, layout, build, numel, opt_numel) if build.critic_model else np.zeros_like(numel)
     return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer,
             "adam_state_bytes": adam, "main_params_bytes": main, "reference_bytes": reference,
-            "total_bytes": params + grads + optimizer + reference}
+            "critic_bytes": critic, "total_bytes": params + grads + optimizer + reference + critic}
+
+
+def _critic_bytes(spec: MoESpec, layout: TrainerLayout, build: TrainerBuild, numel: np.ndarray,
+                  opt_numel: np.ndarray) -> np.ndarray:
+    """The critic's params, grads and optimizer per rank: the policy's elements without lm_head's, plus
+    the value head (H + 1, replicated) on the ranks of the last stage (those holding the final norm)."""
+    placement = layout.placement(spec)
+    lm_head = np.zeros_like(numel)
+    last_stage: set[int] = set()
+    for t, pl in zip(spec.tensors, placement):
+        for box, ranks in pl:
+            if t.role == Role.LM_HEAD:
+                lm_head[list(ranks)] += box.numel
+            elif t.layer is None and t.role == Role.REPLICATED:  # the final norm
+                last_stage.update(ranks)
+    head = np.zeros_like(numel)
+    head[sorted(last_stage)] = spec.dims.hidden_size + 1
+    body_share = np.divide(opt_numel, numel, out=np.ones_like(numel), where=numel > 0)
+    elements = numel - lm_head + head
+    per_param = PARAM_BYTES[build.param_dtype] + FP32_BYTES  # the param and its fp32 grad
+    return elements * per_param + elements * body_share * build.optimizer_bytes_per_param
 
 
 def memory_hint(spec: MoESpec, layout: TrainerLayout, build: TrainerBuild, budget_bytes: float) -> str:

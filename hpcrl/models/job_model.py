@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.config import ConfigError, JobConfig
-from hpcrl.config.schema import engine_dtype
+from hpcrl.config.schema import critic_enabled, engine_dtype
 from hpcrl.config.validate import read_model_config
 from moe.layouts import RolloutLayout, TrainerLayout
 from moe.specs import MoESpec, spec_from_config
@@ -72,8 +72,9 @@ def build_spec(job: JobConfig) -> MoESpec:
 
 def trainer_build(job: JobConfig) -> TrainerBuild:
     """What every trainer rank allocates for this job (`moe.trainer_memory.megatron_build`):
-    `model.dtype` params, fp32 DDP grads, Adam; a frozen reference model when algorithm.kl_coef > 0."""
-    return megatron_build(job.model.dtype, reference_model=job.algorithm.kl_coef > 0)
+    `model.dtype` params, fp32 DDP grads, Adam; a frozen reference model when algorithm.kl_coef > 0;
+    PPO's critic (params, grads, Adam) when the job builds one."""
+    return megatron_build(job.model.dtype, reference_model=job.algorithm.kl_coef > 0, critic_model=critic_enabled(job))
 
 
 def _layout_error(exc: ValueError, side: str, job: JobConfig) -> ConfigError:

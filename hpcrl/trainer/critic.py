@@ -40,9 +40,11 @@ class ValueHead(torch.nn.Module):
 
     def forward(self, hidden_SBH: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None
                 ) -> tuple[torch.Tensor, None]:
+        from megatron.core import parallel_state
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-        full = gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False)
+        full = gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False,
+                                                    group=parallel_state.get_tensor_model_parallel_group())
         return (full @ self.weight + self.bias).unsqueeze(-1), None
 
 

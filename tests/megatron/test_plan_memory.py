@@ -47,3 +47,29 @@ def test_plan_trainer_memory_equals_what_the_policy_holds(world1) -> None:  # no
                    "optimizer": t["optimizer_bytes_per_gpu"], "reference": t["reference_bytes_per_gpu"]}
         assert planned == {**held, "reference": held["reference"] if kl_coef > 0 else 0}, kl_coef
         assert t["total_bytes_per_gpu"] == sum(planned.values())
+
+
+def test_plan_counts_the_critic_it_builds(world1) -> None:  # noqa: F811
+    """A ppo job's plan adds the critic's params, grads and Adam state: what a real MegatronCritic on
+    the tiny preset holds after one step (the body without lm_head, plus the value head)."""
+    from hpcrl.config import job_from_dict
+    from hpcrl.config.schema import AlgorithmConfig, CriticConfig
+    from hpcrl.plan_cmd import plan_job
+    from hpcrl.trainer.critic import MegatronCritic
+
+    policy = make_policy(qwen_config())
+    policy.init_from_seed(0)
+    critic = MegatronCritic(policy, CriticConfig(lr=1e-3), AlgorithmConfig())
+    batch = random_batch(64, seed=5)
+    values = critic.values(batch)
+    critic.train_step(batch, values + 1.0, values)
+    buffers = [*critic.ddp.buffers, *critic.ddp.expert_parallel_buffers]
+    optimizers = getattr(critic.optimizer, "chained_optimizers", [critic.optimizer])
+    states = [v for o in optimizers for st in o.optimizer.state.values() for k, v in st.items() if k != "step"]
+    assert len(states) == 2 * len(list(critic.gpt.parameters()))
+    held = nbytes(critic.gpt.parameters()) + nbytes(b.grad_data for b in buffers) + nbytes(states)
+    ppo = plan_job(job_from_dict({"model": {"preset": "tiny-qwen3-moe"}, "algorithm": {"name": "ppo"}}))["trainer"]
+    grpo = plan_job(job_from_dict({"model": {"preset": "tiny-qwen3-moe"}}))["trainer"]
+    assert ppo["critic_bytes_per_gpu"] == held and grpo["critic_bytes_per_gpu"] == 0
+    assert ppo["total_bytes_per_gpu"] == grpo["total_bytes_per_gpu"] + held
+    assert "critic" in ppo["build"]["description"]

@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
 
     set_process_keys(job_keys(run_dir))  # this rank's engine clients send the job's engine keys
     world = join_world_within(job.trainer.num_procs, job.resources.startup_timeout_s)
+    if world.rank == 0:  # the Slurm batch script retries a step that never got here (launch/slurm_spec.py)
+        from launch.slurm_spec import WORLD_FORMED_FILE
+
+        (run_dir / WORLD_FORMED_FILE).touch()
     if world.role != "controller":
         _redirect_output(run_dir, world.rank, world.role)
         # Preemption signals (USR1, TERM) may reach every rank; only the controller acts on them

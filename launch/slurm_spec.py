@@ -178,6 +178,12 @@ class SlurmJobSpec:
     # Run once after the step's final exit (not after a requeue) with its exit code appended; hpcrl
     # writes the run's outcome into submitit's job folder with it (launch/result.py). '' runs nothing.
     finish_command: str = ""
+    # hpcrl's worker only: rerun the step up to this many times when it failed before its MPI world
+    # formed (rank 0 of hpcrl.worker_main writes WORLD_FORMED_FILE in the run dir once every rank is
+    # through MPI_Init). srun's pmi2 plugin parses a PMI-1 request from one read() of 1024 bytes, and
+    # PyPI mpich (PMI-1 only) sometimes sends longer puts: a rank then aborts inside MPI_Init and the
+    # others wait out resources.startup_timeout_s (dev/LOG.md). 0: the step runs once.
+    world_retries: int = 0
 
     def __post_init__(self) -> None:
         for name in ("components", "env_setup", "extra_srun_options"):
@@ -212,6 +218,7 @@ class SlurmJobSpec:
         _check_int("signal_delay_s", self.signal_delay_s, 1, 65535)
         # 0 is success, 1-2 are generic shell/python failures, >= 126 are shell and signal codes.
         _check_int("requeue_exit_code", self.requeue_exit_code, 3, 125)
+        _check_int("world_retries", self.world_retries, 0, 10)
         _check_options("extra_srun_options", self.extra_srun_options, _MANAGED_SRUN, "srun")
 
     @property
@@ -223,6 +230,10 @@ class SlurmJobSpec:
     def world_size(self) -> int:
         """Ranks of the one MPI world the step starts (all tasks of all components)."""
         return sum(c.num_tasks for c in self.components)
+
+
+WORLD_FORMED_FILE = ".hpcrl_world_formed"
+"""Written into the run dir by hpcrl.worker_main's rank 0 once the MPI world has formed."""
 
 
 def spec_field_names() -> set[str]:

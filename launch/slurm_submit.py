@@ -37,6 +37,7 @@ from launch.slurm_query import (SUBMISSION_FILE, PartitionInfo, SlurmError, clus
 from launch.slurm_spec import SlurmComponent, SlurmJobSpec, format_time_limit, parse_time_limit, render
 
 SCRIPT_NAME = "job.sbatch"
+WORLD_RETRIES = 2  # step retries when the MPI world never formed (SlurmJobSpec.world_retries)
 LOG_DIR_NAME = "logs"
 
 
@@ -152,7 +153,7 @@ def job_spec(job: Any, run_dir: Path, partition: str, resume: str = "auto", expo
             command=worker_command(job, run_dir), run_dir=str(run_dir), log_dir=str(run_dir / LOG_DIR_NAME),
             env_setup=(*resume_lines(resume), *s.env_setup), mpi=s.mpi, signal_delay_s=s.signal_delay_s,
             extra_srun_options=("--kill-on-bad-exit=0", *s.extra_srun_options),
-            finish_command=finish_command(job, run_dir, export_dir))
+            finish_command=finish_command(job, run_dir, export_dir), world_retries=WORLD_RETRIES)
     except ValueError as exc:  # validate() checks the slurm section first; this names any leftover
         raise SlurmError("slurm", "section", str(exc)) from None
     assert _world_size(spec) == job.world_size, (_world_size(spec), job.world_size)

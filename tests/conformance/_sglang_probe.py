@@ -79,6 +79,7 @@ def engine(root: str, plan_file: str, init: str, rank: int, world: int, out: str
         torch.distributed.broadcast(recv.get_flattened_tensor(), src=0, group=group)
         digests.update({name: _digest(t) for name, t in recv.reconstruct_tensors()})
     Path(out).write_text(json.dumps({"torch": torch.__version__, "digests": digests}))
+    _leave(group)
 
 
 def trainer(plan_file: str, init: str, world: int, out: str, seed: int) -> None:
@@ -98,6 +99,22 @@ def trainer(plan_file: str, init: str, world: int, out: str, seed: int) -> None:
             tensors.append(t)
         dist.broadcast(flatten_bucket(tensors), src=0, group=group)
     Path(out).write_text(json.dumps({"torch": torch.__version__, "digests": digests}))
+    _leave(group)
+
+
+def _leave(group) -> None:
+    """Wait for every rank, then exit without interpreter teardown: the trainer hosts the group's
+    TCPStore, and a store or gloo thread torn down while a peer still talks to it aborts the process
+    ("terminate called without an active exception", exit -6; seen once in CI after every bucket
+    had arrived)."""
+    import os
+
+    import torch.distributed as dist
+
+    dist.barrier(group=group)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

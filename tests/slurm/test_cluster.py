@@ -10,7 +10,9 @@ Timings on a 2-core VM: preemption restarts take 15-60 s (30 s controller timer 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -226,3 +228,42 @@ def test_rendered_single_job_forwards_term_and_resumes(slurm, job_dir: Path) -> 
     second = (logs / f"{job_id}-attempt1.log").read_text()
     assert sorted(line for line in second.splitlines() if "resumed_from=" in line) == [
         f"rank={r} resumed_from=step-7" for r in range(2)]
+
+
+# A step whose first try dies before the "world" forms (no .hpcrl_world_formed in the run dir, as
+# when srun's pmi2 plugin garbles a PMI-1 put and a rank aborts in MPI_Init) and whose second try
+# forms it and succeeds; and a step that formed its world and then failed.
+UNFORMED_THEN_OK = """
+import os, sys
+tries = len(os.listdir(sys.argv[1] + "/tries")) if os.path.isdir(sys.argv[1] + "/tries") else 0
+os.makedirs(sys.argv[1] + "/tries", exist_ok=True)
+open(f"{sys.argv[1]}/tries/{tries}-{os.environ['SLURM_PROCID']}", "w").close()
+if tries == 0:
+    sys.exit(7)
+open(".hpcrl_world_formed", "w").close()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_rendered_step_is_retried_only_when_its_world_never_formed(slurm, job_dir: Path) -> None:
+    from launch.slurm_spec import WORLD_FORMED_FILE
+
+    assert WORLD_FORMED_FILE == ".hpcrl_world_formed"  # the name the template removes and checks
+    (job_dir / "prog.py").write_text(UNFORMED_THEN_OK)
+    one = (SlurmComponent(nodes=1, ntasks_per_node=1),)
+    retried = dataclasses.replace(make_spec(job_dir, one, f"{PYTHON} {job_dir}/prog.py {job_dir}"), world_retries=2)
+    (job_dir / "retried.sbatch").write_text(render(retried))
+    formed_then_failed = dataclasses.replace(
+        make_spec(job_dir, one, "bash -c 'touch .hpcrl_world_formed; exit 5'"), world_retries=2)
+    (job_dir / "failed.sbatch").write_text(render(formed_then_failed))
+    ok_id = slurm.submit(job_dir / "retried.sbatch")
+    record = slurm.wait_final(ok_id, 90)
+    log = (job_dir / "logs" / f"slurm-{ok_id}.out").read_text()
+    assert record["JobState"] == "COMPLETED", (record, log)
+    assert "step exited with code 7" in log and "starting the step again (retry 1 of 2)" in log, log
+    assert sorted(os.listdir(job_dir / "tries")) == ["0-0", "1-0"]
+    bad_id = slurm.submit(job_dir / "failed.sbatch")
+    bad = slurm.wait_final(bad_id, 90)
+    bad_log = (job_dir / "logs" / f"slurm-{bad_id}.out").read_text()
+    assert bad["JobState"] == "FAILED" and bad["ExitCode"] == "5:0", bad
+    assert "starting the step again" not in bad_log, bad_log

@@ -23,7 +23,8 @@ EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
 # 40 steps: the tiny run does about 4 per second here, and the preemptor's signal takes 1-3 s to arrive
 # after the third step, so fewer steps can end the run before it is preempted.
 ARGS = ["algorithm.num_steps=40", "checkpoint.interval_steps=5", "logging.progress=false",
-        "logging.tensorboard=false"]
+        "logging.tensorboard=false",
+        "resources.startup_timeout_s=150"]  # a world that never forms is retried after this (dev/LOG.md)
 
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}

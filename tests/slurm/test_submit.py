@@ -37,7 +37,8 @@ pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
 STEPS = 2
-QUIET = ["--set", "logging.progress=false", "--set", "logging.tensorboard=false"]
+QUIET = ["--set", "logging.progress=false", "--set", "logging.tensorboard=false",
+         "--set", "resources.startup_timeout_s=150"]  # a world that never forms is retried after this
 
 
 def hpcrl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -113,6 +114,8 @@ def test_submitted_hetjob_matches_hpcrl_run_and_spans_both_components(slurm, job
     attempt_log = (run_dir / "logs" / f"{job_id}-attempt0.log").read_text()
     assert final["JobState"] == "COMPLETED", f"{final}\n{attempt_log}"
     assert local.returncode == 0, local_out
+    # the world formed (rank 0's marker), so a failure after this point would not have been retried
+    assert (run_dir / ".hpcrl_world_formed").exists() and "of 2)" in (run_dir / "job.sbatch").read_text()
 
     # (e) one MPI world of 3 over both components: rank 0 controller and rank 1 trainer on
     # component 0's node, rank 2 rollout on component 1's node, all in this job's one step

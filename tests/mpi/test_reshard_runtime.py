@@ -184,6 +184,18 @@ def main() -> None:
     os._exit(0)  # a timed-out gloo receive is still pending: skip the process-group teardown
 
 
+def _machine_state() -> str:
+    """Memory and the kernel's last words, for a rank killed from outside (a SIGKILL of a rank here
+    was seen twice in CI and never reproduced alone; dev/LOG.md)."""
+    out = []
+    for cmd in (["free", "-m"], ["dmesg", "--ctime"]):
+        try:
+            out.append(subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout[-1500:])
+        except (OSError, subprocess.SubprocessError) as exc:
+            out.append(f"{cmd[0]}: {exc}")
+    return "\n".join(out)
+
+
 @pytest.fixture(scope="module")
 def mpi_results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
     if not MPIEXEC.exists():
@@ -202,7 +214,8 @@ def mpi_results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
     for f in out_dir.glob("rank*.json"):
         r = json.loads(f.read_text())
         results[r["rank"]] = r
-    assert proc.returncode == 0 and len(results) == NPROCS, f"rc={proc.returncode}, output:\n{text[-3000:]}"
+    assert proc.returncode == 0 and len(results) == NPROCS, \
+        f"rc={proc.returncode}, output:\n{text[-3000:]}\n{_machine_state()}"
     return results
 
 

@@ -38,6 +38,7 @@ LAYOUTS = {
     "tp2-etp2-allgather": (2, ["--tp", "2", "--etp", "2", "--dispatcher", "allgather"], "seed"),
 }
 LOGP_TOL = 1e-5
+VALUE_TOL = 5e-5  # values are H-long dot products of the final hidden state: more fp32 reordering under TP/EP
 WEIGHT_TOL = 2e-5
 
 
@@ -205,7 +206,7 @@ def test_layout_matches_baseline(name: str, baseline: dict, tmp_path: Path, mode
     assert run["sha_reloaded"] == hf_state_dict_sha256(run["sd1"])
     # The critic under this layout computes and learns what the 1-rank critic does.
     for key in ("v0", "v1", "v2"):
-        assert (run[key] - baseline[key]).abs().max() < LOGP_TOL, key
+        assert (run[key] - baseline[key]).abs().max() < VALUE_TOL, key
     for step in ("cm1", "cm2"):
         for key, value in baseline[step].items():
             assert abs(run[step][key] - value) < 1e-5 * max(1.0, abs(value)), (step, key, run[step][key], value)

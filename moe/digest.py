@@ -36,7 +36,7 @@ from moe.slices import Box
 
 LANES = 2
 GAMMA = 0x9E3779B97F4A7C15
-_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+MIX_M1, MIX_M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's multipliers (also moe/sharded_init.py)
 _MASK64 = (1 << 64) - 1
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 CHUNK_ELEMS = 1 << 20  # elements per chunk: bounds the temporaries (4 int64 buffers of it)
@@ -51,7 +51,7 @@ def _signed(x: int) -> int:
 def _mix_(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
     """splitmix64's finalizer on int64 `z`, in place (`tmp`: a scratch tensor of z's shape).
     Logical right shifts are arithmetic shifts masked to the low 64 - s bits."""
-    for s, m in ((30, _M1), (27, _M2), (31, None)):
+    for s, m in ((30, MIX_M1), (27, MIX_M2), (31, None)):
         torch.bitwise_right_shift(z, s, out=tmp)
         tmp.bitwise_and_((1 << (64 - s)) - 1)
         z.bitwise_xor_(tmp)
@@ -76,9 +76,10 @@ def _bits(chunk: torch.Tensor) -> torch.Tensor:
     return b.bitwise_and_((1 << (8 * size)) - 1) if size in (2, 4) else b
 
 
-def _global_index(box: Box, global_shape: Sequence[int], r0: int, r1: int,
-                  device: torch.device) -> torch.Tensor:
-    """Row-major global flat indices of rows [r0, r1) (along axis 0) of `box`, flat."""
+def global_flat_index(box: Box, global_shape: Sequence[int], r0: int, r1: int,
+                      device: torch.device) -> torch.Tensor:
+    """Row-major global flat indices (int64) of rows [r0, r1) (along axis 0) of `box`, flat, in box
+    order (also the counters of moe/sharded_init.py)."""
     if not box.shape:
         return torch.zeros(1, dtype=torch.int64, device=device)
     strides = [prod(global_shape[d + 1:]) for d in range(len(global_shape))]
@@ -116,7 +117,7 @@ def digest_box(name: str, data: torch.Tensor, box: Box, global_shape: Sequence[i
         value = _bits((data[r0:r1] if box.shape else data).contiguous())
         tmp = torch.empty_like(value)
         _mix_(value.add_(_signed(GAMMA)), tmp)
-        pos = _global_index(box, global_shape, r0, r1, data.device).mul_(_signed(GAMMA))
+        pos = global_flat_index(box, global_shape, r0, r1, data.device).mul_(_signed(GAMMA))
         term = torch.empty_like(value)
         for j, seed in enumerate(lane_seeds):
             torch.add(pos, seed, out=term)

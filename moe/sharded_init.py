@@ -16,17 +16,18 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+import torch
 
+from moe.digest import GAMMA, MIX_M1, MIX_M2, global_flat_index
 from moe.slices import Box
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN, _M1, _M2 = np.uint64(GAMMA), np.uint64(MIX_M1), np.uint64(MIX_M2)
 _CHUNK = 1 << 20  # elements per pass: bounds the temporaries to a few MB
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's output function over a uint64 array (wrapping arithmetic)."""
+    """splitmix64's output function over a uint64 array (wrapping arithmetic): x + GAMMA, then the
+    finalizer moe.digest applies in place on int64 torch tensors."""
     with np.errstate(over="ignore"):
         z = x + _GOLDEN
         z = (z ^ (z >> np.uint64(30))) * _M1
@@ -41,14 +42,9 @@ def tensor_key(seed: int, name: str) -> np.uint64:
 
 
 def flat_indices(shape: tuple[int, ...], box: Box) -> np.ndarray:
-    """Row-major flat indices (uint64) in a tensor of `shape` of every element of `box`, in box order."""
-    idx = np.zeros((1,) * len(shape), dtype=np.uint64)
-    stride = 1
-    for axis in range(len(shape) - 1, -1, -1):
-        r = np.arange(box.offsets[axis], box.end[axis], dtype=np.uint64) * np.uint64(stride)
-        idx = idx + r.reshape([-1 if a == axis else 1 for a in range(len(shape))])
-        stride *= shape[axis]
-    return idx.reshape(-1)
+    """Row-major flat indices (uint64) in a tensor of `shape` of every element of `box`, in box order
+    (the policy hash's positions, moe.digest.global_flat_index)."""
+    return global_flat_index(box, shape, 0, box.shape[0], torch.device("cpu")).numpy().view(np.uint64)
 
 
 def standard_normal(key: np.uint64, index: np.ndarray) -> np.ndarray:

@@ -109,3 +109,22 @@ def test_bad_arguments() -> None:
         digest_box("w", torch.zeros(2, 3), Box((2, 0), (2, 3)), (3, 3))
     with pytest.raises(ValueError, match="cannot digest"):
         digest_box("w", torch.zeros(2, dtype=torch.complex64), Box.full((2,)), (2,))
+
+
+def test_the_random_init_and_the_hash_share_one_mix_and_one_index():
+    """moe/sharded_init.py's numpy splitmix64 is x + GAMMA then the finalizer the hash applies in place
+    on int64 torch tensors, and its counters are the hash's global flat indices."""
+    import numpy as np
+    import torch
+
+    from moe.digest import _mix_, global_flat_index
+    from moe.sharded_init import flat_indices, splitmix64
+    from moe.slices import Box
+
+    x = np.random.default_rng(0).integers(0, 2**64, size=1000, dtype=np.uint64)
+    z = torch.from_numpy((x + np.uint64(GAMMA)).view(np.int64).copy())
+    assert (_mix_(z, torch.empty_like(z)).numpy().view(np.uint64) == splitmix64(x)).all()
+    box = Box((1, 2, 3), (2, 3, 4))
+    idx = flat_indices((4, 5, 6), box)
+    assert idx.dtype == np.uint64 and idx.tolist() == global_flat_index(box, (4, 5, 6), 0, 2, torch.device("cpu")).tolist()
+    assert idx[0] == 1 * 30 + 2 * 6 + 3 and len(idx) == box.numel

@@ -15,34 +15,18 @@ import time
 import pytest
 import torch
 
-from hpcrl.models.presets import CONFIG_DIR, load_hf_config
-from hpcrl.rollout.client import EngineClient, launch_reference_server
+from hpcrl.rollout.client import EngineClient
 from hpcrl.rollout.engine import ReferenceModel
 from hpcrl.rollout.hf_names import checkpoint_state_dict
 from hpcrl.rollout.weight_sender import WeightSender
-from launch.procs import stop as stop_process
+from reference_engine import GREEDY, HF_CONFIG, PROMPTS, reference_server
 
 pytestmark = pytest.mark.timeout(300)
 
-CONFIG_PATH = CONFIG_DIR / "tiny-qwen3-moe.json"
-HF_CONFIG = load_hf_config("tiny-qwen3-moe", None)
-PROMPTS = [[1, 5, 6, 7, 8], [1, 20, 21], [1, 30, 31, 32, 33, 34, 35]]
-GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    log = tmp_path_factory.mktemp("engine") / "engine.log"
-    proc, url = launch_reference_server(str(CONFIG_PATH), "cpu", 0, str(log), threads=1)
-    client = EngineClient(url, timeout_s=60)
-    try:
+    with reference_server(tmp_path_factory.mktemp("engine") / "engine.log") as (_, client):
         yield client
-    finally:
-        client.close()
-        torch.set_num_threads(prev)
-        stop_process(proc, 30)
 
 
 def _greedy(client: EngineClient) -> list[dict]:

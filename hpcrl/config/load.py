@@ -26,7 +26,7 @@ from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import JobConfig
 from hpcrl.config.validate import did_you_mean, validate
 
-PATH_FIELDS = ("model.path", "model.config_path", "data.path", "data.val_path", "checkpoint.dir",
+PATH_FIELDS = ("model.path", "critic.path", "model.config_path", "data.path", "data.val_path", "checkpoint.dir",
                "logging.run_dir")
 """Fields holding paths; relative values resolve against `JobConfig.base_dir` (the job file's dir)."""
 

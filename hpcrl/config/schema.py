@@ -144,6 +144,9 @@ class CriticConfig:
     enabled: bool = False
     """Build the critic for an algorithm other than ppo (a user's module calling rl.values and
     rl.update_critic); ppo always builds it. It lives on the trainer ranks with the policy's layout."""
+    path: str | None = None
+    """A HF model directory of the policy's architecture whose weights start the critic's body (e.g.
+    an SFT export); its lm_head is not used, the value head starts fresh. null: the policy's weights."""
     lr: float = 0.0
     """The critic's Adam learning rate; 0 means algorithm.lr (Adam's betas and eps are the policy's)."""
     weight_decay: float = 0.0

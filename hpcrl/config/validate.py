@@ -252,7 +252,9 @@ def _read_model(job: JobConfig) -> ModelDims:
     except (ValueError, TypeError) as exc:
         raise ConfigError(key, value, f"{source}: {str(exc).removeprefix('config.json ')}") from None
     if job.model.path is not None:
-        _check_weights(job, dims)
+        _check_weights(job, dims, "model.path", job.model.path)
+    if job.critic.path and critic_enabled(job):  # otherwise _check_critic refuses the key
+        _check_weights(job, dims, "critic.path", job.critic.path)
     return ModelDims(source=source, path=key, num_experts=dims.num_experts,
                      num_attention_heads=dims.num_heads, num_key_value_heads=dims.num_kv_heads,
                      num_hidden_layers=dims.num_layers, vocab_size=dims.vocab_size,
@@ -260,15 +262,16 @@ def _read_model(job: JobConfig) -> ModelDims:
                      tied_embeddings=dims.tied_embeddings)
 
 
-def _check_weights(job: JobConfig, dims: HFModelDims) -> None:
-    """model.path's safetensors match its config.json: every tensor there, none unexpected, every
-    shape right (reads the files' headers only)."""
+def _check_weights(job: JobConfig, dims: HFModelDims, key: str, path: str) -> None:
+    """The safetensors of `path` (model.path, or critic.path: a directory of the policy's
+    architecture) match the model's config: every tensor there, none unexpected, every shape right
+    (reads the files' headers only)."""
     from moe.hf_checkpoint import CheckpointFormatError, HFCheckpoint
 
     try:
-        HFCheckpoint(Path(job.base_dir, job.model.path), dims).close()
+        HFCheckpoint(Path(job.base_dir, path), dims).close()
     except CheckpointFormatError as exc:
-        raise ConfigError("model.path", job.model.path, str(exc)) from None
+        raise ConfigError(key, path, str(exc)) from None
 
 
 def _check_algorithm(job: JobConfig) -> None:

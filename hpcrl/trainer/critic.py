@@ -3,7 +3,7 @@
 Megatron's parallel state is global per process, so the critic has the policy's layout
 (TP/PP/EP/ETP/DP) and lives on the same ranks; `hpcrl plan` counts a second model, its gradients and
 its Adam state there. The body is a second GPTModel of the policy's architecture, initialised from
-the policy's weights (a local copy of each rank's own shards). On the last pipeline stage the
+the policy's weights (a local copy of each rank's own shards) or read from `critic.path`. On the last pipeline stage the
 vocabulary projection is replaced by a value head: one [H] weight and a bias, replicated, applied to
 the final hidden states of the whole sequence (gathered from the sequence-parallel split under TP;
 every TP rank then computes the same values, so the gather's backward keeps each rank's own chunk).
@@ -64,11 +64,18 @@ class MegatronCritic:
         if policy.last_stage:
             std = float(policy.hf_config.get("initializer_range", 0.02))
             gpt.output_layer = ValueHead(policy.dims.hidden_size, policy.trainer.seed + 2, std)
-        with torch.no_grad():
-            own = dict(policy.gpt.named_parameters())
-            for name, param in gpt.named_parameters():
-                if not name.startswith("output_layer."):
-                    param.copy_(own[name])
+        if critic.path:  # each rank reads only its own slices of the directory
+            from hpcrl.trainer import weight_init
+
+            source, ckpt = weight_init.hf_dir_source(critic.path, policy.dims)
+            with ckpt, torch.no_grad():
+                weight_init.load(policy, source, [gpt], skip="output_layer.")
+        else:
+            with torch.no_grad():
+                own = dict(policy.gpt.named_parameters())
+                for name, param in gpt.named_parameters():
+                    if not name.startswith("output_layer."):
+                        param.copy_(own[name])
         self.ddp = DistributedDataParallel(
             config=config, module=gpt,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,

@@ -46,13 +46,18 @@ def resolve_random_init(mode: str, dims: HFModelDims) -> str:
 
 
 @torch.no_grad()
-def load(policy: Any, source: Source, modules: list[torch.nn.Module]) -> None:
-    """Copy `source` into this rank's shards of every module in `modules` (policy and/or ref)."""
+def load(policy: Any, source: Source, modules: list[torch.nn.Module], skip: str | None = None) -> None:
+    """Copy `source` into this rank's shards of every module in `modules` (policy, ref or critic),
+    leaving out the Megatron params whose names start with `skip` (the critic's value head)."""
     targets = [dict(m.named_parameters()) for m in modules]
     for lp in local_params(policy.dims, policy.coords):
+        if skip is not None and lp.name.startswith(skip):
+            continue
         for pc in lp.pieces:
             part = source(pc.hf_name, pc.hf_box)
             for params in targets:
+                if skip is not None and lp.name not in params:  # e.g. a tied embedding's last-stage copy
+                    continue
                 dst = params[lp.name].data[pc.local_box.index]
                 dst.copy_(part.to(dtype=dst.dtype))
 

@@ -82,6 +82,8 @@ BAD = [
      "did you mean 'token-mean'"),
     ("algorithm-name", "algorithm: {name: ppo2}", [], None, "algorithm.name", "'ppo2'", "grpo"),
     ("critic-without-ppo", "critic: {lr: 0.01}", [], None, "critic.lr", "0.01", "algorithm.name: ppo"),
+    ("critic-path-missing", "algorithm: {name: ppo}\ncritic: {path: nowhere}", [], None, "critic.path", "nowhere",
+     "has no weights"),
     ("gae-without-ppo", "algorithm: {lam: 0.95}", [], None, "algorithm.lam", "0.95", "ppo only"),
     ("lam-range", "algorithm: {name: ppo, lam: 1.5}", [], None, "algorithm.lam", "1.5", "in [0, 1]"),
     ("kl-target-without-coef", "algorithm: {name: ppo, kl_target: 6}", [], None, "algorithm.kl_target", "6",

@@ -1,0 +1,39 @@
+"""PPO's critic on one rank, in process (tests/megatron/test_policy_layouts.py checks it against HF
+and across layouts from the policy's weights): `critic.path` starts its body from a HF directory."""
+
+from __future__ import annotations
+
+import torch
+from test_policy_single_rank import make_policy, qwen_config, random_batch, world1  # noqa: F401 (fixture)
+
+import pytest
+
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
+
+
+def test_critic_from_its_own_directory(world1, tmp_path) -> None:  # noqa: F811
+    """critic.path: the body reads a HF directory of the policy's architecture (not the policy's
+    weights): its values are HF's final hidden states of that directory's model times the head."""
+    from hf_fixtures import model_dir
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.config.schema import AlgorithmConfig, CriticConfig
+    from hpcrl.trainer.critic import MegatronCritic
+
+    cfg = qwen_config()
+    critic_dir = model_dir(tmp_path / "critic", config=cfg, seed=11, tokenizer=False)
+    policy = make_policy(cfg)
+    policy.init_from_seed(0)
+    critic = MegatronCritic(policy, CriticConfig(path=str(critic_dir)), AlgorithmConfig())
+    batch = random_batch(64, seed=3)
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(str(critic_dir), dtype=torch.float32).eval()
+        hidden = hf(batch.tokens_BL, output_hidden_states=True).hidden_states[-1]
+    pos, mask = batch.logit_positions_BT(), batch.response_mask_BT()
+    head = critic.head()
+    expected = torch.where(mask, hidden.gather(1, pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+                           @ head.weight.detach() + head.bias.detach(), 0.0)
+    got = critic.values(batch)
+    assert (got - expected).abs().max() < 1e-5
+    from_policy = MegatronCritic(policy, CriticConfig(), AlgorithmConfig()).values(batch)
+    assert (from_policy - got).abs().max() > 1e-3  # the directory, not the policy, started the body

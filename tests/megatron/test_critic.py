@@ -3,10 +3,9 @@ and across layouts from the policy's weights): `critic.path` starts its body fro
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_policy_single_rank import make_policy, qwen_config, random_batch, world1  # noqa: F401 (fixture)
-
-import pytest
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
 

@@ -267,3 +267,46 @@ def test_rendered_step_is_retried_only_when_its_world_never_formed(slurm, job_di
     bad_log = (job_dir / "logs" / f"slurm-{bad_id}.out").read_text()
     assert bad["JobState"] == "FAILED" and bad["ExitCode"] == "5:0", bad
     assert "starting the step again" not in bad_log, bad_log
+
+
+# hpcrl's GPU placement inside a real step: every rank joins hpcrl's world (its rank table), asks
+# hpcrl.rollout.placement for its GPUs among those Slurm's GRES made visible, and writes them down.
+PLACEMENT_PROGRAM = """
+import json, os, sys
+sys.path.insert(0, sys.argv[2])
+from hpcrl.config import job_from_dict
+from hpcrl.controller.comm import join_world
+from hpcrl.rollout.placement import rank_gpus, sglang_gpu_args
+job = job_from_dict({"trainer": {"num_procs": 1}, "resources": {"device": "cuda"},
+                     "rollout": {"backend": "sglang", "num_engines": 2, "tp_per_engine": 1}})
+world = join_world(1)
+gpus = rank_gpus(world, job)
+rec = {"rank": world.rank, "role": world.role, "node": os.environ["SLURMD_NODENAME"],
+       "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "gpus": list(gpus),
+       "sglang": sglang_gpu_args(gpus) if world.role == "rollout" else None}
+with open(os.path.join(sys.argv[1], f"placed-{world.rank}.json"), "w") as f:
+    json.dump(rec, f)
+world.comm.Barrier()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_gpu_placement_under_slurm_gres(slurm, job_dir: Path) -> None:
+    """Controller + trainer on one node, two 1-GPU engines on the other (2 fake GPUs each, bound by
+    --gpus-per-node): the trainer takes its node's GPU 0, the engines GPUs 0 and 1 of theirs
+    (SGLang's --base-gpu-id 0 and 1), and no two processes of a node share a GPU."""
+    if not any(g.startswith("gpu:2") for g in slurm.gres()):
+        pytest.skip(f"needs 2 gpu gres per node (sinfo %G: {sorted(slurm.gres())})")
+    (job_dir / "place.py").write_text(PLACEMENT_PROGRAM)
+    repo = Path(__file__).resolve().parents[2]
+    comp = (SlurmComponent(nodes=2, ntasks_per_node=2, gpus_per_node=2),)
+    (job_dir / "place.sbatch").write_text(render(make_spec(job_dir, comp, f"{PYTHON} {job_dir}/place.py {job_dir} {repo}")))
+    job_id = slurm.submit(job_dir / "place.sbatch")
+    record = slurm.wait_final(job_id, timeout_s=90)
+    assert record["JobState"] == "COMPLETED", (record, (job_dir / "logs" / f"{job_id}-attempt0.log").read_text())
+    placed = {r["rank"]: r for r in read_json_records(job_dir, "placed-*.json")}
+    assert {r: (p["role"], p["gpus"]) for r, p in placed.items()} == {
+        0: ("controller", []), 1: ("trainer", [0]), 2: ("rollout", [0]), 3: ("rollout", [1])}
+    assert placed[0]["node"] == placed[1]["node"] != placed[2]["node"] == placed[3]["node"]
+    assert {p["visible"] for p in placed.values()} == {"0,1"}  # Slurm's GRES binding, not ours
+    assert [placed[2]["sglang"], placed[3]["sglang"]] == [["--base-gpu-id", "0"], ["--base-gpu-id", "1"]]

@@ -186,6 +186,10 @@ class PolicyGroup:
     def policy_sha256(self, step: int) -> str:
         return self._async("sha256", step).wait()
 
+    def critic_sha256(self, step: int) -> str:
+        """The critic's hash (hpcrl/trainer/critic.py), when the job has one."""
+        return self._async("critic_sha256", step).wait()
+
     def shutdown(self) -> None:
         self._collect_queued_sync()
         self.group.call("shutdown", -1, None, timeout_s=self.timeout_s)

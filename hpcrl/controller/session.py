@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcrl.config.schema import JobConfig
+from hpcrl.config.schema import JobConfig, critic_enabled
 from hpcrl.config.validate import prompt_limit
 from hpcrl.controller.checkpointing import Checkpointer, resume_mode_from_env
 from hpcrl.controller.comm import World
@@ -165,10 +165,13 @@ class Session:
     def finish(self) -> str:
         """Hash the final policy, write RUN_DIR/final.json, stop the workers."""
         self.phase(self.job.algorithm.num_steps, "finish")
-        digest = self.policy.policy_sha256(self.job.algorithm.num_steps)
-        self._write_json("final.json", {"policy_sha256": digest, "num_steps": self.job.algorithm.num_steps})
+        steps = self.job.algorithm.num_steps
+        final = {"policy_sha256": self.policy.policy_sha256(steps), "num_steps": steps}
+        if critic_enabled(self.job):
+            final["critic_sha256"] = self.policy.critic_sha256(steps)
+        self._write_json("final.json", final)
         self.stop_workers()
-        return digest
+        return final["policy_sha256"]
 
     def stop_workers(self) -> None:
         """Close the metrics, stop the reward workers and let every worker exit cleanly (engines

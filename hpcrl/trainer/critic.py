@@ -95,6 +95,38 @@ class MegatronCritic:
             if policy.device.type == "cpu":
                 group["foreach"], group["fused"] = False, True
 
+    @torch.no_grad()
+    def sha256(self) -> str | None:
+        """The critic's layout-independent hash on rank 0 (None elsewhere): the policy hash's
+        definition (docs/policy_hash.md) over the body's HF tensors without lm_head, plus
+        `value_head.weight` and `value_head.bias`. Collective, no gather."""
+        import torch.distributed as dist
+
+        from moe.digest import LANES, digest_box, dtype_name, policy_hash
+        from moe.slices import Box
+
+        p = self.policy
+        shapes = {n: s for n, s in p.dims.hf_shapes().items() if n != "lm_head.weight"}
+        shapes.update({HEAD_NAMES[0]: (p.dims.hidden_size,), HEAD_NAMES[1]: (1,)})
+        row = {name: k for k, name in enumerate(shapes)}
+        params = dict(self.gpt.named_parameters())
+        lanes = torch.zeros(len(shapes), LANES, dtype=torch.int64, device=p.device)
+        for n, pc in p._export_plan[p.rank]:  # each HF region from its first holder, as the policy's
+            if not n.startswith("output_layer.") and n in params:
+                lanes[row[pc.hf_name]] += digest_box(pc.hf_name, params[n].detach()[pc.local_box.index],
+                                                     pc.hf_box, shapes[pc.hf_name])
+        head = self.head()
+        if head is not None and p.coords.tp_rank == 0 and p.dp_rank == 0:  # one replica of the head
+            for name, param in zip(HEAD_NAMES, (head.weight, head.bias)):
+                lanes[row[name]] += digest_box(name, param.detach(), Box.full(shapes[name]), shapes[name])
+        if dist.get_world_size() > 1:
+            dist.all_reduce(lanes)
+        if p.rank != 0:
+            return None
+        dtype = dtype_name(next(iter(params.values())).dtype)
+        lanes = lanes.cpu()
+        return policy_hash((name, dtype, shape, lanes[row[name]]) for name, shape in shapes.items())
+
     def head(self) -> ValueHead | None:
         """This rank's value head (last pipeline stage only)."""
         return self.gpt.output_layer if self.policy.last_stage else None

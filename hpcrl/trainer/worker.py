@@ -190,6 +190,9 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
     def sha256(cmd):
         return state["policy"].policy_sha256()
 
+    def critic_sha256(cmd):
+        return state["policy"].critic.sha256()
+
     def shutdown(cmd):
         import torch.distributed as dist
 
@@ -199,4 +202,4 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
 
     return {"init": init, "connect": connect, "ref_logprobs": ref_logprobs, "values": values,
             "train_critic": train_critic, "train": train, "sync": sync,
-            "save": save, "load": load, "sha256": sha256, "shutdown": shutdown}
+            "save": save, "load": load, "sha256": sha256, "critic_sha256": critic_sha256, "shutdown": shutdown}

@@ -31,3 +31,25 @@ def leftover_processes(marker: str) -> list[str]:
         if marker in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
             found.append(cmd)
     return found
+
+
+def start_run(run_dir: Path, *args: str) -> subprocess.Popen:
+    """`hpcrl run EXAMPLE --run-dir run_dir ARGS` in the background (its own session; stdout and
+    stderr together, text)."""
+    env = dict(os.environ)
+    env.pop("HPCRL_FAULT", None)
+    return subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "run", str(EXAMPLE), "--run-dir", str(run_dir), *args],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, steps: int, timeout_s: float = 400) -> None:
+    """Wait until the run's metrics.jsonl holds `steps` records (the run must stay alive)."""
+    deadline = time.monotonic() + timeout_s
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        assert proc.poll() is None, proc.communicate()[0][-2000:]
+        time.sleep(0.1)
+    raise AssertionError(f"run did not reach {steps} steps")

@@ -2,14 +2,16 @@
 30 steps, and an out-of-tree algorithm (its own advantages; its own loss) changes the update."""
 
 import json
+import signal
 import textwrap
 
 import numpy as np
 import pytest
 
-from e2e_util import EXAMPLE, hpcrl
+from e2e_util import EXAMPLE, hpcrl, start_run, wait_for_step
 
 pytestmark = pytest.mark.e2e
+EXIT_REQUEUE = 3
 
 SETTINGS = {"dr_grpo": [], "rloo": [], "reinforce_pp": ["--set", "algorithm.kl_coef=0.01"],
             "gspo": ["--set", "algorithm.clip_eps=3e-4", "--set", "algorithm.clip_eps_high=4e-4"]}
@@ -137,26 +139,30 @@ def test_a_nan_loss_stops_the_run_naming_algorithm_and_step(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_dapo_fills_its_batch_and_resumes_bit_identically(tmp_path):
-    """Dynamic sampling draws extra prompt blocks (the checkpointed prompt cursor moves on), and a
-    resume from a mid-run checkpoint replays the same prompts, samples and updates."""
-    run_dir = tmp_path / "dapo"
-    args = ["run", str(EXAMPLE), "--run-dir", str(run_dir), "--set", "algorithm.name=dapo",
-            "--set", "algorithm.clip_eps_high=0.28", "--set", "algorithm.num_steps=6",
-            "--set", "algorithm.overlong_buffer_len=2", "--set", "checkpoint.interval_steps=3",
+def test_dapo_fills_its_batch_and_resumes_bit_identically_after_sigusr1(tmp_path):
+    """Dynamic sampling draws extra prompt blocks (the checkpointed prompt cursor moves on), and the
+    same run preempted by SIGUSR1 after step 2 and resumed replays the same prompts, samples and
+    updates."""
+    args = ["--set", "algorithm.name=dapo", "--set", "algorithm.clip_eps_high=0.28", "--set", "algorithm.num_steps=8",
+            "--set", "algorithm.overlong_buffer_len=2", "--set", "checkpoint.interval_steps=10",
             "--set", "logging.progress=false"]
-    out, _ = hpcrl(*args, timeout_s=280)
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(whole), *args, timeout_s=280)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    first = records_of(run_dir)
-    final = json.loads((run_dir / "final.json").read_text())["policy_sha256"]
+    first = records_of(whole)
     assert first[0]["dynamic_sampling/rounds"] > 1 and first[0]["dynamic_sampling/groups_dropped"] > 0, first[0]
     assert all(r["dynamic_sampling/groups_kept"] == 16 for r in first)
-    out, _ = hpcrl(*args, "--resume-from", "2", timeout_s=280)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    again = records_of(run_dir)
+    proc = start_run(cut, *args)
+    wait_for_step(proc, cut, 2)
+    proc.send_signal(signal.SIGUSR1)
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == EXIT_REQUEUE and "preempted" in log, log[-3000:]
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(cut), *args, timeout_s=280)
+    assert out.returncode == 0 and "resumed from checkpoint step" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
     keys = ("reward/mean", "train/loss", "dynamic_sampling/rounds", "rollout/tokens")
-    assert [[r[k] for k in keys] for r in again] == [[r[k] for k in keys] for r in first]
-    assert json.loads((run_dir / "final.json").read_text())["policy_sha256"] == final
+    assert [[r[k] for k in keys] for r in records_of(cut)] == [[r[k] for k in keys] for r in first]
+    assert (json.loads((cut / "final.json").read_text())["policy_sha256"]
+            == json.loads((whole / "final.json").read_text())["policy_sha256"])
 
 
 @pytest.mark.timeout(600)
@@ -177,27 +183,33 @@ PPO = ["--set", "algorithm.name=ppo", "--set", "algorithm.ppo_epochs=2", "--set"
        "--set", "algorithm.kl_coef=0.02", "--set", "algorithm.kl_target=20", "--set", "critic.value_clip=0"]
 
 
-@pytest.mark.timeout(600)
-def test_ppo_learns_the_copy_example_and_resumes_bit_identically(tmp_path):
+@pytest.mark.timeout(900)
+def test_ppo_learns_the_copy_example_and_resumes_bit_identically_after_sigusr1(tmp_path):
     """PPO with the Megatron critic to the example's bar in its 80 steps; the critic's explained
-    variance rises; the adaptive KL coefficient moves; a resume from the step-74 checkpoint replays
-    the last steps exactly (policy, critic and KL controller all restored)."""
-    run_dir = tmp_path / "ppo"
-    args = ["run", str(EXAMPLE), "--run-dir", str(run_dir), *PPO, "--set", "checkpoint.interval_steps=75",
-            "--set", "logging.progress=false"]
-    out, _ = hpcrl(*args, timeout_s=400)
+    variance rises; the adaptive KL coefficient moves. The same run preempted by SIGUSR1 at step 40
+    (checkpoint, exit for requeue) and resumed ends with the same policy and critic hashes and the
+    same per-step rewards, critic losses and KL coefficients (its state restored)."""
+    args = [*PPO, "--set", "checkpoint.interval_steps=50", "--set", "logging.progress=false"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(whole), *args, timeout_s=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    first = records_of(run_dir)
-    final = json.loads((run_dir / "final.json").read_text())["policy_sha256"]
+    first = records_of(whole)
     rewards = np.array([r["reward/mean"] for r in first])
     assert rewards[-5:].mean() >= 0.8, rewards.round(2).tolist()
     ev = np.array([r["critic/explained_variance"] for r in first])
     assert ev[-20:].mean() > ev[:20].mean() + 0.3, ev.round(2).tolist()
     assert first[-1]["train/kl_coef"] != first[0]["train/kl_coef"] == 0.02
     assert all(r["sync/logprob_max_abs_diff"] < 1e-4 for r in first)
-    out, _ = hpcrl(*args, "--resume-from", "74", timeout_s=400)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    again = records_of(run_dir)
+
+    proc = start_run(cut, *args)
+    wait_for_step(proc, cut, 40)
+    proc.send_signal(signal.SIGUSR1)
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == EXIT_REQUEUE and "preempted" in log, log[-3000:]
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(cut), *args, timeout_s=400)
+    assert out.returncode == 0 and "resumed from checkpoint step" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
     keys = ("reward/mean", "train/loss", "critic/vf_loss", "critic/values_mean", "train/kl_coef")
-    assert [[r[k] for k in keys] for r in again] == [[r[k] for k in keys] for r in first]
-    assert json.loads((run_dir / "final.json").read_text())["policy_sha256"] == final
+    assert [[r[k] for k in keys] for r in records_of(cut)] == [[r[k] for k in keys] for r in first]
+    final, resumed = (json.loads((d / "final.json").read_text()) for d in (whole, cut))
+    assert resumed["policy_sha256"] == final["policy_sha256"]
+    assert resumed["critic_sha256"] == final["critic_sha256"] and len(final["critic_sha256"]) == 64

@@ -6,12 +6,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from e2e_util import EXAMPLE, REPO, hpcrl, leftover_processes
+from e2e_util import EXAMPLE, hpcrl, leftover_processes, start_run, wait_for_step as _wait_for_step
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -33,22 +31,7 @@ def uninterrupted(reference_run):
 
 
 def _start(run_dir: Path) -> subprocess.Popen:
-    env = dict(os.environ)
-    env.pop("HPCRL_FAULT", None)
-    return subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
-def _wait_for_step(proc: subprocess.Popen, run_dir: Path, steps: int, timeout_s: float = 400) -> None:
-    deadline = time.monotonic() + timeout_s
-    metrics = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
-            return
-        assert proc.poll() is None, proc.communicate()[0][-2000:]
-        time.sleep(0.1)
-    raise AssertionError(f"run did not reach {steps} steps")
+    return start_run(run_dir, *ARGS)
 
 
 # The local launcher hands SIGUSR1 and SIGTERM to the controller the same way (as TERM), so one

@@ -124,6 +124,7 @@ def main() -> None:
     policy.critic = MegatronCritic(policy, CriticConfig(lr=1e-3, value_clip=0.05, grad_clip=0.5), algorithm)
     head = policy.critic.head()
     out["head"] = None if head is None else (head.weight.detach().clone(), head.bias.detach().clone())
+    out["critic_sha0"] = policy.critic.sha256()
     out["v0"] = policy.critic.values(batch)
     returns = torch.linspace(-1.0, 2.0, batch.batch_size * batch.response_width).view(batch.batch_size, -1)
     returns = torch.where(batch.response_mask_BT(), returns, 0.0)

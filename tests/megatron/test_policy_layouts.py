@@ -176,6 +176,16 @@ def _check_critic(run: dict) -> None:
     assert cm1["vf_clip_frac"] == 0.0 and cm2["vf_clip_frac"] > 0  # the first step starts at V_old
     assert cm2["vf_loss"] < cm1["vf_loss"] and (run["v1"] - run["v0"]).abs().max() > 1e-3
     assert max_diff(run["policy_after_critic"], run["sd3"]) == 0.0
+    assert run["critic_sha0"] == critic_hash(run)
+
+
+def critic_hash(run: dict) -> str:
+    """The critic's hash from its full tensors: the policy's (sd3) without lm_head, plus the head."""
+    from moe.digest import state_dict_digest
+
+    w, b = run["head"]
+    body = {k: v for k, v in run["sd3"].items() if k != "lm_head.weight"}
+    return state_dict_digest({**body, "value_head.weight": w, "value_head.bias": b})
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "tp1-ep1"])
@@ -204,7 +214,10 @@ def test_layout_matches_baseline(name: str, baseline: dict, tmp_path: Path, mode
     from hpcrl.trainer.policy import hf_state_dict_sha256
 
     assert run["sha_reloaded"] == hf_state_dict_sha256(run["sd1"])
-    # The critic under this layout computes and learns what the 1-rank critic does.
+    # The critic under this layout hashes its shards as its full tensors hash, and computes and
+    # learns what the 1-rank critic does. (Its head lives on the last stage: rank 0 reports it only
+    # without PP, so the expected hash uses the baseline's head, the same draw from the seed.)
+    assert run["critic_sha0"] == critic_hash({**run, "head": baseline["head"]})
     for key in ("v0", "v1", "v2"):
         assert (run[key] - baseline[key]).abs().max() < VALUE_TOL, key
     for step in ("cm1", "cm2"):

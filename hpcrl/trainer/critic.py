@@ -53,9 +53,7 @@ class MegatronCritic:
     policy's weights are loaded). `critic` is the job's CriticConfig, `algorithm` its AlgorithmConfig."""
 
     def __init__(self, policy: Any, critic: Any, algorithm: Any) -> None:
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from hpcrl.trainer.policy import ddp_and_adam
 
         self.policy, self.cfg, self.algorithm = policy, critic, algorithm
         hf_config = {**policy.hf_config, "tie_word_embeddings": False}  # the head replaces the projection
@@ -76,24 +74,11 @@ class MegatronCritic:
                 for name, param in gpt.named_parameters():
                     if not name.startswith("output_layer."):
                         param.copy_(own[name])
-        self.ddp = DistributedDataParallel(
-            config=config, module=gpt,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                     use_distributed_optimizer=False))
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = self.ddp.no_sync
         self.gpt = gpt
-        c = critic
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=c.lr, min_lr=c.lr, weight_decay=c.weight_decay,
-                            adam_beta1=algorithm.adam_beta1, adam_beta2=algorithm.adam_beta2,
-                            adam_eps=algorithm.adam_eps, clip_grad=c.grad_clip, params_dtype=torch.float32,
-                            bf16=False, fp16=False, use_distributed_optimizer=False),
-            [self.ddp])
-        for group in self.optimizer.param_groups:  # as the policy's (MegatronPolicy._build_policy)
-            group["weight_decay"] = c.weight_decay * group.get("wd_mult", 1.0)
-            if policy.device.type == "cpu":
-                group["foreach"], group["fused"] = False, True
+        self.ddp, self.optimizer = ddp_and_adam(gpt, config, policy.device, lr=critic.lr,
+                                                weight_decay=critic.weight_decay,
+                                                betas=(algorithm.adam_beta1, algorithm.adam_beta2),
+                                                eps=algorithm.adam_eps, grad_clip=critic.grad_clip)
 
     @torch.no_grad()
     def sha256(self) -> str | None:

@@ -88,6 +88,37 @@ def _logp_and_entropy(logits_BLv: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: to
     return logp_BT, entropy_BT
 
 
+def ddp_and_adam(gpt: torch.nn.Module, config: Any, device: torch.device, *, lr: float, weight_decay: float,
+                 betas: tuple[float, float], eps: float, grad_clip: float) -> tuple[Any, Any]:
+    """`gpt` wrapped for training as hpcrl trains (the policy, and PPO's critic): Megatron DDP with
+    fp32 grad buffers, and Megatron's (non-distributed) Adam at a constant learning rate."""
+    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                           finalize_model_grads)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(
+        config=config, module=gpt,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                 use_distributed_optimizer=False))
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
+                        adam_beta2=betas[1], adam_eps=eps, clip_grad=grad_clip, params_dtype=torch.float32,
+                        bf16=False, fp16=False, use_distributed_optimizer=False),
+        [ddp])
+    # Megatron applies wd_mult (0 for norms and biases) through its LR scheduler, which hpcrl
+    # does not use (constant LR); apply it to the param groups once here. torch's Adam takes
+    # its per-tensor loop on CPU unless asked otherwise; its fused CPU kernel (one pass over
+    # each tensor for the whole update) is 3x faster than the foreach kernels and 5x faster
+    # than the loop on the tiny model. On CUDA Megatron's choice stands.
+    for group in optimizer.param_groups:
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+        if device.type == "cpu":
+            group["foreach"], group["fused"] = False, True
+    return ddp, optimizer
+
+
 class MegatronPolicy:
     """A Megatron GPTModel (MoE) policy, plus a frozen reference copy when `kl_coef > 0`.
 
@@ -165,38 +196,16 @@ class MegatronPolicy:
         self._losses: dict[str, Any] = {}
 
     def _build_policy(self, layout: dict) -> None:
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
         config = transformer_config(self.hf_config, **layout)
         gpt = build_gpt_model(self.hf_config, config)
         names = {n for n, _ in gpt.named_parameters()}
         expected = {p.name for p in local_params(self.dims, self.coords)}
         assert names == expected, f"Megatron params differ from the HF map: {sorted(names ^ expected)}"
-        self.ddp = DistributedDataParallel(
-            config=config, module=gpt,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                     use_distributed_optimizer=False))
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = self.ddp.no_sync
         self.gpt = gpt
         a = self.algorithm
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=a.lr, min_lr=a.lr, weight_decay=a.weight_decay,
-                            adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps,
-                            clip_grad=a.grad_clip, params_dtype=torch.float32, bf16=False, fp16=False,
-                            use_distributed_optimizer=False),
-            [self.ddp])
-        # Megatron applies wd_mult (0 for norms and biases) through its LR scheduler, which hpcrl
-        # does not use (constant LR); apply it to the param groups once here. torch's Adam takes
-        # its per-tensor loop on CPU unless asked otherwise; its fused CPU kernel (one pass over
-        # each tensor for the whole update) is 3x faster than the foreach kernels and 5x faster
-        # than the loop on the tiny model. On CUDA Megatron's choice stands.
-        for group in self.optimizer.param_groups:
-            group["weight_decay"] = a.weight_decay * group.get("wd_mult", 1.0)
-            if self.device.type == "cpu":
-                group["foreach"], group["fused"] = False, True
+        self.ddp, self.optimizer = ddp_and_adam(gpt, config, self.device, lr=a.lr, weight_decay=a.weight_decay,
+                                                betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps,
+                                                grad_clip=a.grad_clip)
 
     # ------------------------------------------------------------------ weights
 

@@ -12,6 +12,7 @@ into each local parameter piece; a source returns the box in any dtype (converte
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -29,13 +30,8 @@ HF_INIT_MAX_PARAMS = 1_000_000_000
 
 
 def num_params(dims: HFModelDims) -> int:
-    total = 0
-    for shape in dims.hf_shapes().values():
-        n = 1
-        for s in shape:
-            n *= s
-        total += n
-    return total
+    """Parameters of the model (its HF tensors; moe.specs' MoESpec.total_params counts the same)."""
+    return sum(math.prod(shape) for shape in dims.hf_shapes().values())
 
 
 def resolve_random_init(mode: str, dims: HFModelDims) -> str:

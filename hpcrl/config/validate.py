@@ -10,25 +10,20 @@ megatron-core 0.16.1 (transformer_config.py, attention.py) and notes/python_stac
 
 from __future__ import annotations
 
-import difflib
-import json
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Iterable
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from hpcrl.algorithms import KL_ESTIMATORS, LOSS_AGGS
-from hpcrl.config.errors import ConfigError
+from hpcrl.config.errors import ConfigError, did_you_mean, job_field
 from hpcrl.config.schema import AlgorithmConfig, CriticConfig, JobConfig, critic_enabled, engine_dtype
-from hpcrl.models.presets import CONFIG_DIR, preset_names
-from hpcrl.rewards import load_reward_fn
-from hpcrl.rewards.builtin import BUILTIN_REWARDS
-from hpcrl.tasks import TASKS, ExampleFile, OverlongPrompt, Tokenizer, load_tokenizer, prompt_format
+from hpcrl.config.validate_data import (  # noqa: F401 (read_model_config, prompt_limit: re-exported)
+    check_data_and_reward, job_tokenizer, prompt_limit, read_model_config)
+from hpcrl.tasks import TASKS
 from launch.slurm_spec import MPI_PLUGINS, SlurmComponent, SlurmJobSpec, parse_time_limit
 from moe.hf_megatron import HFModelDims
 
@@ -41,19 +36,6 @@ DISPATCHERS = ("alltoall", "allgather")
 BACKENDS = ("reference", "sglang")
 WEIGHT_SYNCS = ("auto", "shard", "broadcast")
 SYNC_CHECKSUMS = ("sampled", "full", "off")  # moe._reshard_runtime.VERIFY_MODES (torch-free here)
-
-
-def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """' (did you mean 'x'?)' for the closest of `choices`, or '' when none is close."""
-    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _get(job: JobConfig, path: str) -> Any:
-    obj: Any = job
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
@@ -160,12 +142,12 @@ _CHOICES: list[tuple[str, tuple[str, ...]]] = [
 
 def _check_fields(job: JobConfig) -> None:
     for path, choices in _CHOICES:
-        value = _get(job, path)
+        value = job_field(job, path)
         if value not in choices:
             raise ConfigError(path, value, f"must be one of: {', '.join(choices)}"
                                            f"{did_you_mean(value, choices)}")
     for path, ok, requirement in _RULES:
-        value = _get(job, path)
+        value = job_field(job, path)
         if not ok(value):
             raise ConfigError(path, value, f"must be {requirement}")
 
@@ -186,59 +168,6 @@ class ModelDims:
     expert_ffn_size: int
     max_position_embeddings: int
     tied_embeddings: bool
-
-
-def read_model_config(job: JobConfig) -> tuple[str, Any, str, dict[str, Any]]:
-    """(YAML key, its value, how messages name the model, the config.json dict) of the job's model.
-
-    Reads `model.config_path` (relative to the job file) or the `model.preset` config; raises
-    ConfigError when the file is missing, not JSON or not a JSON object. Does not parse the model.
-    """
-    m = job.model
-    if m.path is not None:
-        key, value = "model.path", m.path
-        model_dir = Path(job.base_dir, m.path)
-        if not model_dir.is_dir():
-            raise ConfigError(key, value, "no such directory; give a local HuggingFace model directory "
-                                          "(config.json, *.safetensors, tokenizer files), relative to the "
-                                          "job file; nothing is downloaded")
-        file = model_dir / "config.json"
-        source = f"config.json {file}"
-        if not file.is_file():
-            raise ConfigError(key, value, "the directory has no config.json; give the directory of a "
-                                          "HuggingFace model (the one holding config.json and *.safetensors)")
-        try:
-            hf = json.loads(file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(key, value, f"{file} is not a JSON file ({exc})") from None
-    elif m.config_path is not None:
-        key, value = "model.config_path", m.config_path
-        file = Path(job.base_dir, m.config_path)
-        source = f"config.json {file}"
-        if file.is_dir():
-            raise ConfigError(key, value, "is a directory; give the path of the config.json file in it")
-        if not file.is_file():
-            raise ConfigError(key, value, "no such file; give a HuggingFace config.json "
-                                          "(relative to the job file), or set it to null and use "
-                                          f"model.preset ({', '.join(preset_names())})")
-        try:
-            hf = json.loads(file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(key, value, f"not a JSON file ({exc})") from None
-    else:
-        key, value = "model.preset", m.preset
-        names = preset_names()
-        if m.preset is None:
-            raise ConfigError(key, value, f"no model: set model.preset ({', '.join(names)}) or "
-                                          "model.config_path (a HuggingFace config.json)")
-        if m.preset not in names:
-            raise ConfigError(key, value, f"unknown preset{did_you_mean(str(value), names)}; valid: "
-                                          f"{', '.join(names)}, or set model.config_path to a config.json")
-        source = f"preset {m.preset!r}"
-        hf = json.loads((CONFIG_DIR / f"{m.preset}.json").read_text())
-    if not isinstance(hf, dict):
-        raise ConfigError(key, value, "the model config must be a JSON object (a HuggingFace config.json)")
-    return key, value, source, hf
 
 
 def _read_model(job: JobConfig) -> ModelDims:
@@ -360,46 +289,6 @@ def _check_eval(job: JobConfig) -> None:
                                                              "or eval.num_samples: 1")
 
 
-def _strip_prefix(message: str, path: str, value: Any) -> str:
-    """Drop a leading "path='value': " that lower layers (rewards, tasks) already put in messages."""
-    for prefix in (f"{path}={value!r}: ", f"{path}={value!r} ", f"{path}={str(value)!r}: "):
-        if message.startswith(prefix):
-            return message[len(prefix):]
-    return message
-
-
-def _check_data_and_reward(job: JobConfig) -> int | None:
-    """Checks data and reward; returns the prompt length in tokens for synthetic tasks, else None.
-
-    Data files (data.path, data.val_path) are checked on a sample of rows (`_check_data_file`)."""
-    d = job.data
-    tok = _job_tokenizer(job)
-    if d.path is not None:
-        if d.path == "":
-            raise ConfigError("data.path", d.path, "empty; give a .jsonl/.parquet file, or null to use "
-                                                   "data.task")
-        _check_data_file(job, "data.path", tok)
-        prompt_len = None
-    else:
-        if d.task not in TASKS:
-            raise ConfigError("data.task", d.task, f"unknown task{did_you_mean(str(d.task), TASKS)}; "
-                                                   f"valid: {', '.join(TASKS)}, or set data.path to a file")
-        task = TASKS[d.task]
-        # Tasks draw prompts of fixed length; a few draws make that robust to future variants.
-        rng = np.random.default_rng(0)
-        prompt_len = max(len(tok.encode_prompt(task.make(rng)[0])) for _ in range(16))
-    if d.val_path is not None:
-        _check_data_file(job, "data.val_path", tok)
-    try:
-        load_reward_fn(job.reward.fn)
-    except ValueError as exc:
-        hint = _strip_prefix(str(exc), "reward.fn", job.reward.fn)
-        if hint.startswith("is "):  # "reward.fn='x' is neither a built-in ... nor ..."
-            hint = f"unknown reward{did_you_mean(job.reward.fn, BUILTIN_REWARDS)}: it {hint}"
-        raise ConfigError("reward.fn", job.reward.fn, hint) from None
-    return prompt_len
-
-
 def _nearest(candidates: Iterable[int], bad: int, k: int = 4) -> str:
     """The k candidates closest to `bad`, ascending, as 'a, b, c'."""
     best = sorted(set(candidates), key=lambda v: (abs(v - bad), v))[:k]
@@ -434,7 +323,7 @@ def _check_parallel(job: JobConfig, m: ModelDims) -> None:
     for key, dim_name, dim in (("trainer.pp", "num_hidden_layers", m.num_hidden_layers),
                                ("trainer.ep", "num_experts", m.num_experts),
                                ("trainer.etp", "expert FFN size", m.expert_ffn_size)):
-        size = _get(job, key)
+        size = job_field(job, key)
         if dim % size:
             leaf = key.split(".")[1]
             raise ConfigError(key, size, f"{dim_name}={dim} of {src} is not divisible by {leaf}={size}; "
@@ -523,13 +412,13 @@ def _check_devices(job: JobConfig, m: ModelDims) -> None:
 
 def _check_context(job: JobConfig, m: ModelDims, prompt_len: int | None) -> None:
     """The tokenizer fits the embedding; synthetic prompts + completion fit the context (file prompts
-    are checked against `prompt_limit` row by row in `_check_data_file`)."""
-    tok = _job_tokenizer(job)
+    are checked against `prompt_limit` row by row in hpcrl/config/validate_data.py)."""
+    tok = job_tokenizer(job)
     if tok.vocab_size > m.vocab_size:
         what = "data.task uses" if job.data.path is None else "the data's prompts go through"
         fix = ("use the tokenizer that belongs to the model (its vocabulary must fit the embedding)"
                if job.model.path else f"use a model with vocab_size >= {tok.vocab_size}")
-        raise ConfigError(m.path, _get(job, m.path),
+        raise ConfigError(m.path, job_field(job, m.path),
                           f"vocab_size={m.vocab_size} of {m.source} is smaller than the {tok.vocab_size} ids "
                           f"of {tok.name}, which {what}; {fix}")
     if prompt_len is None:
@@ -655,7 +544,7 @@ PURPOSES = ("run", "plan")
 
 def _check_plan_only(job: JobConfig) -> None:
     for path, default, what in _PLAN_ONLY:
-        value = _get(job, path)
+        value = job_field(job, path)
         if value != default:
             raise ConfigError(path, value, f"{what} is modelled by `hpcrl plan` only; hpcrl run/submit do "
                                            f"not pass it to the trainer or engines yet: set {path}={default}")
@@ -682,7 +571,7 @@ def validate(job: JobConfig, purpose: str = "run") -> None:
         return
     _check_plan_only(job)
     dims = _read_model(job)
-    prompt_len = _check_data_and_reward(job)
+    prompt_len = check_data_and_reward(job)
     _check_devices(job, dims)
     _check_parallel(job, dims)
     _check_context(job, dims, prompt_len)
@@ -691,74 +580,6 @@ def validate(job: JobConfig, purpose: str = "run") -> None:
     _check_algorithm(job)
     _check_slurm(job)
     check_rollout_layout(job)
-
-
-NUM_CHECKED_ROWS = 64
-"""Validation checks the first NUM_CHECKED_ROWS rows of a data file and the first NUM_CHECKED_ROWS
-of the sampler's epoch-0 order (seeded by data.seed); the sampler checks every row it draws."""
-
-
-def prompt_limit(job: JobConfig) -> tuple[int, str]:
-    """(longest prompt in tokens a run accepts, what sets it, for messages): data.max_prompt_tokens
-    when set, else the model's context less rollout.max_new_tokens + 2 (SGLang caps generation at
-    context_len - 2 - prompt_len). Reads the model config; `validate` has checked it."""
-    _, _, source, hf = read_model_config(job)
-    context = HFModelDims.from_hf_config(hf).max_position_embeddings
-    new = job.rollout.max_new_tokens
-    room = context - 2 - new
-    cap = job.data.max_prompt_tokens
-    if cap and cap <= room:
-        return cap, f"data.max_prompt_tokens={cap}"
-    return room, (f"the model's context (max_position_embeddings={context} of {source} - "
-                  f"rollout.max_new_tokens={new} - 2 = {room} tokens)")
-
-
-def _job_tokenizer(job: JobConfig) -> Tokenizer:
-    try:
-        return load_tokenizer(job)
-    except Exception as exc:  # transformers raises OSError/ValueError/... for broken tokenizer files
-        raise ConfigError("model.path", job.model.path, f"cannot load its tokenizer "
-                                                        f"({type(exc).__name__}: {exc}); fix or remove "
-                                                        "the tokenizer files") from None
-
-
-def _check_data_file(job: JobConfig, key: str, tok: Tokenizer) -> None:
-    """`key` (data.path / data.val_path) names a readable file whose sampled rows are good examples:
-    prompt type, answer key, chat template, alphabet, length (see hpcrl/tasks/examples.py)."""
-    value = _get(job, key)
-    file = Path(job.base_dir, value)
-    if not file.is_file():
-        other = f"data.task ({', '.join(TASKS)})" if key == "data.path" else "no evaluation"
-        raise ConfigError(key, value, f"no such file; give a .jsonl or .parquet file (relative to the job "
-                                      f"file), or null to use {other}")
-    limit, reason = prompt_limit(job)
-    cap = job.data.max_prompt_tokens
-    if cap and cap > limit and limit >= 1:
-        raise ConfigError("data.max_prompt_tokens", cap,
-                          f"prompts of {cap} tokens leave no room for rollout.max_new_tokens: {reason}; "
-                          f"use max_prompt_tokens <= {limit} or fewer max_new_tokens")
-    if limit < 1:
-        raise ConfigError("rollout.max_new_tokens", job.rollout.max_new_tokens,
-                          f"no room is left for a prompt: {reason}; use fewer max_new_tokens")
-    try:
-        examples = ExampleFile(file, prompt_format(job, tok, limit, reason), key)
-        n = len(examples)
-        rows = sorted(set(range(min(n, NUM_CHECKED_ROWS))) | set(
-            np.random.default_rng([job.data.seed, 0]).permutation(n)[:NUM_CHECKED_ROWS].tolist()))
-        overlong = 0
-        for i in rows:
-            try:
-                examples[i]
-            except OverlongPrompt:
-                if job.data.overlong_prompts != "drop":
-                    raise
-                overlong += 1
-    except (ValueError, OSError) as exc:
-        raise ConfigError(key, value, _strip_prefix(str(exc), key, str(file))) from None
-    if overlong == len(rows):
-        raise ConfigError(key, value, f"every checked row ({len(rows)}) is over {reason}, so "
-                                      "data.overlong_prompts: drop would leave nothing; raise "
-                                      "data.max_prompt_tokens or shorten the prompts")
 
 
 SGLANG_OWNED_FLAGS = ("--model-path", "--model", "--host", "--port", "--tp-size", "--tensor-parallel-size",
@@ -786,7 +607,7 @@ def check_rollout_layout(job: JobConfig) -> None:
             except PlacementError as exc:
                 bad = ("rollout.tp_per_engine" if "an engine runs on one node" in str(exc)
                        else "resources.gpus_per_node")
-                raise ConfigError(bad, _get(job, bad), str(exc)) from None
+                raise ConfigError(bad, job_field(job, bad), str(exc)) from None
     for i, line in enumerate(r.env_setup):
         if "\n" in line or "\r" in line:
             raise ConfigError(f"rollout.env_setup[{i}]", line, "must be one line; give one shell line per "

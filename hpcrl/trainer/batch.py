@@ -102,6 +102,18 @@ class TrainBatch:
         return TrainBatch(tokens[: len(rows)], torch.tensor([len(p) for p in prompts], dtype=torch.int64),
                           torch.tensor([len(r) for r in responses], dtype=torch.int64))
 
+    def mini_batches(self, size: int) -> list[tuple[slice, TrainBatch]]:
+        """The contiguous blocks of `size` rows (0: the whole batch), in order, each with its rows and
+        its own sub-batch (whose T is its own longest response: cut a [B, T] tensor of this batch with
+        `[rows, :sub.response_width]`). ValueError when `size` does not divide the batch."""
+        B = self.batch_size
+        size = size or B
+        if B % size:
+            raise ValueError(f"mini_batch_size={size} does not divide the batch of {B} rows")
+        blocks = (slice(start, start + size) for start in range(0, B, size))
+        return [(rows, TrainBatch(self.tokens_BL[rows], self.prompt_lens_B[rows], self.response_lens_B[rows]))
+                for rows in blocks]
+
     def padded(self, num_rows: int, seq_len: int) -> TrainBatch:
         """This batch with dummy rows (prompt = one pad token, empty response) appended up to
         `num_rows` and pad columns up to `seq_len`; real rows' log-prob columns are unchanged."""

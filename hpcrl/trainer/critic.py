@@ -85,32 +85,20 @@ class MegatronCritic:
         """The critic's layout-independent hash on rank 0 (None elsewhere): the policy hash's
         definition (docs/policy_hash.md) over the body's HF tensors without lm_head, plus
         `value_head.weight` and `value_head.bias`. Collective, no gather."""
-        import torch.distributed as dist
-
-        from moe.digest import LANES, digest_box, dtype_name, policy_hash
         from moe.slices import Box
 
         p = self.policy
         shapes = {n: s for n, s in p.dims.hf_shapes().items() if n != "lm_head.weight"}
         shapes.update({HEAD_NAMES[0]: (p.dims.hidden_size,), HEAD_NAMES[1]: (1,)})
-        row = {name: k for k, name in enumerate(shapes)}
         params = dict(self.gpt.named_parameters())
-        lanes = torch.zeros(len(shapes), LANES, dtype=torch.int64, device=p.device)
-        for n, pc in p._export_plan[p.rank]:  # each HF region from its first holder, as the policy's
-            if not n.startswith("output_layer.") and n in params:
-                lanes[row[pc.hf_name]] += digest_box(pc.hf_name, params[n].detach()[pc.local_box.index],
-                                                     pc.hf_box, shapes[pc.hf_name])
+        # each HF region from its first holder, as the policy's; one replica of the head
+        pieces = [(pc.hf_name, params[n].detach()[pc.local_box.index], pc.hf_box) for n, pc in p._export_plan[p.rank]
+                  if not n.startswith("output_layer.") and n in params]
         head = self.head()
-        if head is not None and p.coords.tp_rank == 0 and p.dp_rank == 0:  # one replica of the head
-            for name, param in zip(HEAD_NAMES, (head.weight, head.bias)):
-                lanes[row[name]] += digest_box(name, param.detach(), Box.full(shapes[name]), shapes[name])
-        if dist.get_world_size() > 1:
-            dist.all_reduce(lanes)
-        if p.rank != 0:
-            return None
-        dtype = dtype_name(next(iter(params.values())).dtype)
-        lanes = lanes.cpu()
-        return policy_hash((name, dtype, shape, lanes[row[name]]) for name, shape in shapes.items())
+        if head is not None and p.coords.tp_rank == 0 and p.dp_rank == 0:
+            pieces += [(name, param.detach(), Box.full(shapes[name]))
+                       for name, param in zip(HEAD_NAMES, (head.weight, head.bias))]
+        return p.sharded_hash(shapes, next(iter(params.values())).dtype, pieces)
 
     def head(self) -> ValueHead | None:
         """This rank's value head (last pipeline stage only)."""
@@ -184,21 +172,16 @@ class MegatronCritic:
             raise ValueError(f"epochs={epochs}, mini_batch_size={mini_batch_size}: need >= 1 and >= 0")
         p = self.policy
         batch, t = p._share(batch, {"ret": returns_BT, "oldv": old_values_BT})
-        B = batch.batch_size
-        size = mini_batch_size or B
-        if B % size:
-            raise ValueError(f"mini_batch_size={size} does not divide the batch of {B} rows")
+        parts = batch.mini_batches(mini_batch_size)
         sums: dict[str, float] = {}
         for _ in range(epochs):
-            for start in range(0, B, size):
-                rows = slice(start, start + size)
-                sub = TrainBatch(batch.tokens_BL[rows], batch.prompt_lens_B[rows], batch.response_lens_B[rows])
+            for rows, sub in parts:
                 width = sub.response_width
                 out = self.train_step(sub, t["ret"][rows, :width], t["oldv"][rows, :width])
                 for k, v in (out or {}).items():
                     sums[k] = sums.get(k, 0.0) + v
         if p.rank != 0:
             return None
-        steps = epochs * (B // size)
+        steps = epochs * len(parts)
         return {**{k: v / steps for k, v in sums.items()}, "num_updates": float(steps)}
 

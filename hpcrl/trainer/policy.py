@@ -310,22 +310,27 @@ class MegatronPolicy:
         """The layout-independent policy hash (moe/digest.py, docs/policy_hash.md) on rank 0; None
         elsewhere. Collective, no gather: each rank digests, where they live, the HF regions it is
         the first holder of (the export plan); one all-reduce of LANES int64 per tensor."""
+        params = dict(self.gpt.named_parameters())
+        return self.sharded_hash(self.dims.hf_shapes(), next(iter(params.values())).dtype, (
+            (pc.hf_name, params[n].detach()[pc.local_box.index], pc.hf_box) for n, pc in self._export_plan[self.rank]))
+
+    def sharded_hash(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, pieces: Any) -> str | None:
+        """The policy hash's definition over the tensors `shapes` (name -> global shape, in that
+        order) of `dtype`, from `pieces`: (name, local tensor, its global box) that this rank
+        contributes, each region of each tensor by exactly one rank (the policy and PPO's critic).
+        Collective; the hash on rank 0, None elsewhere."""
         from moe.digest import LANES, digest_box, dtype_name, policy_hash
 
-        shapes = self.dims.hf_shapes()
         row = {name: k for k, name in enumerate(shapes)}
-        params = dict(self.gpt.named_parameters())
         lanes = torch.zeros(len(shapes), LANES, dtype=torch.int64, device=self.device)
-        for n, pc in self._export_plan[self.rank]:
-            lanes[row[pc.hf_name]] += digest_box(pc.hf_name, params[n].detach()[pc.local_box.index],
-                                                 pc.hf_box, shapes[pc.hf_name])
+        for name, tensor, box in pieces:
+            lanes[row[name]] += digest_box(name, tensor, box, shapes[name])
         if dist.get_world_size() > 1:
             dist.all_reduce(lanes)  # int64 sums wrap: the uint64 lanes add mod 2^64
         if self.rank != 0:
             return None
-        dtype = dtype_name(next(iter(params.values())).dtype)
         lanes = lanes.cpu()
-        return policy_hash((name, dtype, shape, lanes[row[name]]) for name, shape in shapes.items())
+        return policy_hash((name, dtype_name(dtype), shape, lanes[row[name]]) for name, shape in shapes.items())
 
     def export_hf_dir(self, out_dir: str, max_shard_bytes: int, source_dir: str | None = None) -> str | None:
         """Write the policy as a HF model directory (sharded safetensors, index, config.json; the
@@ -549,16 +554,13 @@ class MegatronPolicy:
         if epochs == 1 and size >= B:
             return self.train_step(batch, t["adv"], None, t["ref"], temperature, on_policy=True, loss=loss,
                                    tensors=tensors)
-        if B % size:
-            raise ValueError(f"mini_batch_size={size} does not divide the batch of {B} rows")
+        parts = batch.mini_batches(size)
         old = self.compute_logprobs(batch, temperature=temperature)
         _, shared = self._share(batch, {"old": old, **{f"t:{k}": v for k, v in (tensors or {}).items()}})
         named = {"advantages": t["adv"], **{k[2:]: v for k, v in shared.items() if k.startswith("t:")}}
         sums: dict[str, float] = {}
         for _ in range(epochs):
-            for start in range(0, B, size):
-                rows = slice(start, start + size)
-                sub = TrainBatch(batch.tokens_BL[rows], batch.prompt_lens_B[rows], batch.response_lens_B[rows])
+            for rows, sub in parts:
                 width = sub.response_width
 
                 def cut(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -573,7 +575,7 @@ class MegatronPolicy:
                         sums[k] = sums.get(k, 0.0) + v
         if self.rank != 0:
             return None
-        steps = epochs * (B // size)
+        steps = epochs * len(parts)
         return {**{k: v / steps for k, v in sums.items()}, "num_updates": float(steps), "logprobs_BT": old}
 
     def train_step(self, batch: TrainBatch | None, advantages_B: torch.Tensor | None,

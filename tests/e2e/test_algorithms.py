@@ -138,6 +138,18 @@ def test_a_nan_loss_stops_the_run_naming_algorithm_and_step(tmp_path):
     assert "algorithm 'my_nan_algo', step 0: loss 'my_nan_algo:nan_loss' is nan" in out.stderr, out.stderr[-3000:]
 
 
+def preempt_then_resume(run_dir, args: list[str], at_step: int) -> None:
+    """`hpcrl run` with `args` into `run_dir`, SIGUSR1 once `at_step` steps are done (it must save and
+    exit for requeue), then the same command again, which must resume and finish."""
+    proc = start_run(run_dir, *args)
+    wait_for_step(proc, run_dir, at_step)
+    proc.send_signal(signal.SIGUSR1)
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == EXIT_REQUEUE and "preempted" in log, log[-3000:]
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *args, timeout_s=400)
+    assert out.returncode == 0 and "resumed from checkpoint step" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
 @pytest.mark.timeout(600)
 def test_dapo_fills_its_batch_and_resumes_bit_identically_after_sigusr1(tmp_path):
     """Dynamic sampling draws extra prompt blocks (the checkpointed prompt cursor moves on), and the
@@ -152,13 +164,7 @@ def test_dapo_fills_its_batch_and_resumes_bit_identically_after_sigusr1(tmp_path
     first = records_of(whole)
     assert first[0]["dynamic_sampling/rounds"] > 1 and first[0]["dynamic_sampling/groups_dropped"] > 0, first[0]
     assert all(r["dynamic_sampling/groups_kept"] == 16 for r in first)
-    proc = start_run(cut, *args)
-    wait_for_step(proc, cut, 2)
-    proc.send_signal(signal.SIGUSR1)
-    log = proc.communicate(timeout=300)[0]
-    assert proc.returncode == EXIT_REQUEUE and "preempted" in log, log[-3000:]
-    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(cut), *args, timeout_s=280)
-    assert out.returncode == 0 and "resumed from checkpoint step" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    preempt_then_resume(cut, args, at_step=2)
     keys = ("reward/mean", "train/loss", "dynamic_sampling/rounds", "rollout/tokens")
     assert [[r[k] for k in keys] for r in records_of(cut)] == [[r[k] for k in keys] for r in first]
     assert (json.loads((cut / "final.json").read_text())["policy_sha256"]
@@ -201,13 +207,7 @@ def test_ppo_learns_the_copy_example_and_resumes_bit_identically_after_sigusr1(t
     assert first[-1]["train/kl_coef"] != first[0]["train/kl_coef"] == 0.02
     assert all(r["sync/logprob_max_abs_diff"] < 1e-4 for r in first)
 
-    proc = start_run(cut, *args)
-    wait_for_step(proc, cut, 40)
-    proc.send_signal(signal.SIGUSR1)
-    log = proc.communicate(timeout=300)[0]
-    assert proc.returncode == EXIT_REQUEUE and "preempted" in log, log[-3000:]
-    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(cut), *args, timeout_s=400)
-    assert out.returncode == 0 and "resumed from checkpoint step" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    preempt_then_resume(cut, args, at_step=40)
     keys = ("reward/mean", "train/loss", "critic/vf_loss", "critic/values_mean", "train/kl_coef")
     assert [[r[k] for k in keys] for r in records_of(cut)] == [[r[k] for k in keys] for r in first]
     final, resumed = (json.loads((d / "final.json").read_text()) for d in (whole, cut))

@@ -1,16 +1,20 @@
 """Bootstrap torch.distributed over an MPI communicator (torch has no MPI backend built in).
 
-Rank 0 of `comm` picks a free TCP port and broadcasts (host, port) over MPI; every rank then joins
-`init_process_group` with its MPI rank. gloo on CPU, NCCL on GPU.
+Rank 0 of `comm` opens the rendezvous store on a port the OS picks and broadcasts (host, port) over
+MPI; every rank then joins `init_process_group` with its MPI rank. gloo on CPU, NCCL on GPU.
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
+from typing import Any
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now. Only for servers that must be told their port (SGLang's --port): between this
+    call and the server's bind another process may take it; a store we open ourselves uses
+    master_store instead, which binds port 0 and keeps the socket."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -25,14 +29,31 @@ def routable_host() -> str:
         return "127.0.0.1"
 
 
+def master_store(host: str, world_size: int, timeout_s: float) -> Any:
+    """The rendezvous store of a new group, listening from now on at (host, store.port).
+
+    The OS picks the port at bind time and the socket stays open, so no other process can take it
+    between choosing and listening (free_port then a later bind raced outgoing connections for it:
+    EADDRINUSE in CI). The other ranks join with tcp://host:port.
+    """
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
 def init_torch_distributed(comm, backend: str, timeout_s: float = 300.0) -> None:  # comm: mpi4py Comm
     """Make `comm`'s ranks the default torch.distributed world (rank = comm rank)."""
     import torch.distributed as dist
 
-    addr = None
-    if comm.Get_rank() == 0:
-        host = routable_host() if comm.Get_size() > 1 else "127.0.0.1"
-        addr = (host, free_port())
+    rank, world = comm.Get_rank(), comm.Get_size()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    addr, store = None, None
+    if rank == 0:
+        host = routable_host() if world > 1 else "127.0.0.1"
+        store = master_store(host, world, timeout_s)
+        addr = (host, store.port)
     host, port = comm.bcast(addr, root=0)
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=comm.Get_rank(),
-                            world_size=comm.Get_size(), timeout=datetime.timedelta(seconds=timeout_s))
+    if store is None:
+        store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)

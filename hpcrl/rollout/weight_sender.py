@@ -34,7 +34,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 import torch.distributed as dist
 
-from hpcrl.dist import free_port
+from hpcrl.dist import master_store
 from hpcrl.rollout.client import EngineClient, EngineError
 from moe.fused import fused_groups
 
@@ -44,14 +44,16 @@ __all__ = ["WeightSender", "dtype_name", "flatten_bucket", "init_custom_process_
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
                               timeout_s: float = 600.0,
-                              device_id: torch.device | None = None) -> dist.ProcessGroup:
+                              device_id: torch.device | None = None,
+                              store: dist.Store | None = None) -> dist.ProcessGroup:
     """Join a new process group outside torch's default one (SGLang's `init_custom_process_group`).
 
     Rendezvous over `init_method` (tcp://host:port; rank 0 hosts the store), keys prefixed with
     `group_name`, group ranks equal to `rank`. Blocks until all `world_size` ranks have joined or
     `timeout_s` passes. A process can hold one group per `group_name` at a time. For NCCL pass
     `device_id` (the local GPU) so the communicator is created now, as SGLang's engines do, instead of
-    at the first collective.
+    at the first collective. Rank 0 may pass the `store` it opened with hpcrl.dist.master_store (at
+    the port of `init_method`) instead of letting the rendezvous bind it.
     """
     from torch.distributed.distributed_c10d import (
         Backend,
@@ -64,7 +66,8 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the group's world_size {world_size}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    if store is None:
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
@@ -144,7 +147,8 @@ class WeightSender:
         """Create the group: HTTP init on every engine concurrently with the local rank-0 join."""
         if self.group is not None:
             raise RuntimeError(f"WeightSender already connected (group {self.group_name!r}); close() first")
-        port = free_port(self.master_address)
+        store = master_store(self.master_address, self.world_size, self.timeout_s)
+        port = store.port
         calls = [self._pool.submit(c.init_weights_update_group, self.master_address, port,
                                    1 + i * self.tp_per_engine, self.world_size, self.group_name, self.backend)
                  for i, c in enumerate(self.clients)]
@@ -154,7 +158,7 @@ class WeightSender:
             try:
                 local["group"] = init_custom_process_group(
                     self.backend, f"tcp://{self.master_address}:{port}", self.world_size, 0, self.group_name,
-                    self.timeout_s, device_id=self._device() if self.backend == "nccl" else None)
+                    self.timeout_s, device_id=self._device() if self.backend == "nccl" else None, store=store)
             except BaseException as exc:  # reported to the caller below
                 local["error"] = exc
 

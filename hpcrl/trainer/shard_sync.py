@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.config.schema import JobConfig, engine_dtype
-from hpcrl.dist import free_port, routable_host
+from hpcrl.dist import master_store, routable_host
 from hpcrl.rollout.reshard_route import PlanRequest, spec_fingerprint
 from hpcrl.rollout.weight_sender import init_custom_process_group
 from moe.hf_megatron import local_params
@@ -123,20 +123,22 @@ class ShardSync:
 
     def connect(self) -> None:
         """Form the trainer + engines group (collective over the trainer ranks)."""
+        world = self.world + self.plan.dst.world_size  # engines have TP 1: one group rank each
         addr: list[Any] = [None]
+        store = None
         if self.rank == 0:
             host = sync_host(self.job)
-            addr[0] = (host, free_port(host))
+            store = master_store(host, world, self.timeout_s + 60)
+            addr[0] = (host, store.port)
         dist.broadcast_object_list(addr, src=0)
         host, port = addr[0]
-        world = self.world + self.plan.dst.world_size  # engines have TP 1: one group rank each
         calls = []
         if self.rank == 0:
             calls = [self._pool.submit(c.init_weights_update_group, host, port, self.world + i, world,
                                        GROUP_NAME, "gloo") for i, c in enumerate(self.clients)]
         # gloo's own timeout is longer than the per-round deadline, so the deadline names the peer
         self.group = init_custom_process_group("gloo", f"tcp://{host}:{port}", world, self.rank, GROUP_NAME,
-                                               self.timeout_s + 60)
+                                               self.timeout_s + 60, store=store)
         for i, fut in enumerate(calls):
             try:
                 fut.result(timeout=self.timeout_s)

@@ -121,7 +121,7 @@ def one_rank_world():
         assert dist.get_world_size() == 1, "a multi-rank default process group is left from another test"
         yield
         return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60))
     yield
     dist.destroy_process_group()

@@ -105,10 +105,9 @@ def check_grad_norm() -> None:
 
 
 if __name__ == "__main__":
-    from hpcrl.dist import free_port
     from hpcrl.trainer import megatron_compat
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60))
     megatron_compat.apply()
     from megatron.core import parallel_state, tensor_parallel

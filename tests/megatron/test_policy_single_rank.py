@@ -9,7 +9,6 @@ import datetime
 import pytest
 import torch
 
-from hpcrl.dist import free_port
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
 
@@ -25,8 +24,7 @@ def world1():
 
     if dist.is_initialized():
         pytest.skip("torch.distributed is already initialised in this process")
-    port = free_port()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
     yield

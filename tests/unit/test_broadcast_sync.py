@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hpcrl.dist import free_port
 from hpcrl.models.presets import CONFIG_DIR, load_hf_config
 from hpcrl.rollout.client import EngineClient, launch_reference_server
 from hpcrl.rollout.reshard_route import spec_at_dtype
 from hpcrl.trainer.broadcast_sync import engine_blocks, placement_from_shards, turn_block
 from moe.slices import Box
+from stores import hosted_store, joined_store
 
 CONFIG_PATH = CONFIG_DIR / "tiny-qwen3-moe.json"
 NUM_ENGINES, NUM_TRAINERS = 3, 2
@@ -86,7 +86,7 @@ def _trainer(rank: int, port: int, urls: list[str], out_dir: str) -> None:
     from moe.layouts import TrainerLayout
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=NUM_TRAINERS)
+    dist.init_process_group("gloo", store=joined_store(port, NUM_TRAINERS), rank=rank, world_size=NUM_TRAINERS)
     spec = spec_at_dtype(load_hf_config("tiny-qwen3-moe", None), "float32")
     layout = TrainerLayout(tp=NUM_TRAINERS, vocab_divisible_by=1)
     current: dict = {}
@@ -146,8 +146,9 @@ def engines(tmp_path_factory):
 @pytest.mark.timeout(240)
 def test_two_sources_three_engines_bit_exact_and_a_refusal_is_named(engines, tmp_path):
     ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_trainer, args=(r, port, engines, str(tmp_path))) for r in range(NUM_TRAINERS)]
+    store = hosted_store(NUM_TRAINERS)
+    procs = [ctx.Process(target=_trainer, args=(r, store.port, engines, str(tmp_path)))
+             for r in range(NUM_TRAINERS)]
     for p in procs:
         p.start()
     for p in procs:

@@ -19,13 +19,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hpcrl.dist import free_port
 from hpcrl.rollout.reshard_route import PlanRequest, spec_at_dtype, spec_fingerprint
 from hpcrl.rollout.sglang_shard_loader import (LOADER, load, param_views, parse_control,
                                                tensor_request_body)
 from moe.layouts import RolloutLayout, TrainerLayout
 from moe.network import Topology
 from sglang_stand_in import GROUP, full_tensors, hf_config, sglang_params, stand_in_model
+from stores import hosted_store, joined_store
 
 
 def _request(tp: int, ep: int, colocated: bool = True) -> PlanRequest:
@@ -42,7 +42,7 @@ def _process(rank: int, port: int, tp: int, ep: int, colocated: bool, out_dir: s
     spec = spec_at_dtype(cfg, "float32")
     request = _request(tp, ep, colocated)
     plan = request.build(spec)
-    group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 1 + tp, rank, GROUP, 60)
+    group = init_custom_process_group("gloo", "", 1 + tp, rank, GROUP, 60, store=joined_store(port, 1 + tp))
     full = full_tensors(spec)
     if rank == 0:  # the trainer: one rank holding every tensor whole
         shards = {n: (box, full[n]) for n, box in plan.src.shards(spec, 0)}
@@ -67,8 +67,9 @@ def _process(rank: int, port: int, tp: int, ep: int, colocated: bool, out_dir: s
 def test_tp_workers_receive_their_own_slices_bit_exact(tmp_path, tp, ep, colocated):
     if not colocated:  # the plan has TP workers relay to each other (sent from their parameters)
         assert _request(tp, ep, colocated).build(spec_at_dtype(hf_config(), "float32")).from_rollout.any()
-    port, ctx = free_port("127.0.0.1"), mp.get_context("spawn")
-    procs = [ctx.Process(target=_process, args=(i, port, tp, ep, colocated, str(tmp_path))) for i in range(1 + tp)]
+    store, ctx = hosted_store(1 + tp), mp.get_context("spawn")
+    procs = [ctx.Process(target=_process, args=(i, store.port, tp, ep, colocated, str(tmp_path)))
+             for i in range(1 + tp)]
     for p in procs:
         p.start()
     for p in procs:

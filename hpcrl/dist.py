@@ -42,6 +42,16 @@ def master_store(host: str, world_size: int, timeout_s: float) -> Any:
                          wait_for_workers=False)
 
 
+def joined_store(init_method: str, world_size: int, timeout_s: float) -> Any:
+    """A client of the store another process hosts at init_method (tcp://host:port) -- for a group's
+    rank 0 when the store is not its own (tests host it in the test process)."""
+    import torch.distributed as dist
+
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    return dist.TCPStore(host, int(port), world_size, is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def init_torch_distributed(comm, backend: str, timeout_s: float = 300.0) -> None:  # comm: mpi4py Comm
     """Make `comm`'s ranks the default torch.distributed world (rank = comm rank)."""
     import torch.distributed as dist

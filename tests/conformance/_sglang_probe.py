@@ -86,9 +86,12 @@ def trainer(plan_file: str, init: str, world: int, out: str, seed: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from hpcrl.dist import joined_store
     from hpcrl.rollout.weight_sender import flatten_bucket, init_custom_process_group, parse_dtype
 
-    group = init_custom_process_group("gloo", init, world, 0, GROUP, timeout_s=TIMEOUT_S)
+    # the test process hosts the store (tests/stores.py): no port to race for
+    group = init_custom_process_group("gloo", init, world, 0, GROUP, timeout_s=TIMEOUT_S,
+                                      store=joined_store(init, world, TIMEOUT_S))
     gen = torch.Generator().manual_seed(seed)
     digests = {}
     for bucket in json.loads(Path(plan_file).read_text()):

@@ -37,6 +37,10 @@ def main(root: str, body_file: str, init: str) -> None:
         named = MultiprocessingSerializer.deserialize(payloads[tp_rank])
         named = [(name, t.to("cpu")) for name, t in named]  # weight_updater._unwrap_tensor
         controls.append(parse_control(named))
+    if init == "auto":  # bound right away by SGLang's rank 0: the shortest window to lose the port in
+        from hpcrl.dist import free_port
+
+        init = f"tcp://127.0.0.1:{free_port()}"
     group = init_custom_process_group(backend="gloo", init_method=init, world_size=1, rank=0,
                                       group_name=controls[0]["group_name"],
                                       timeout=datetime.timedelta(seconds=60))

@@ -42,7 +42,10 @@ def trainer(init: str, world: int, tp: int, ep: int) -> None:
 
     spec = spec_at_dtype(hf_config(), "float32")
     plan = _request(tp, ep).build(spec)
-    group = init_custom_process_group("gloo", init, world, 0, GROUP, 120)
+    from hpcrl.dist import joined_store
+
+    # the test process hosts the store (tests/stores.py): no port to race for
+    group = init_custom_process_group("gloo", init, world, 0, GROUP, 120, store=joined_store(init, world, 120))
     full = full_tensors(spec)
     shards = {n: (box, full[n]) for n, box in plan.src.shards(spec, 0)}
     for _ in range(2):

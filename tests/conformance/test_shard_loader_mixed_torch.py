@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from torch_side_env import SIDE_TORCH, side_python
 
-from hpcrl.dist import free_port
 from hpcrl.rollout.reshard_route import spec_at_dtype, spec_fingerprint
 from hpcrl.rollout.sglang_shard_loader import tensor_request_body
 from moe.layouts import RolloutLayout, TrainerLayout
 from moe.network import Topology
 from sglang_stand_in import GROUP, hf_config
+from stores import hosted_store, init_method
 
 WORKER = Path(__file__).parent / "_shard_loader_worker.py"
 TP, EP = 2, 2
@@ -40,7 +40,9 @@ def test_engine_on_sglangs_torch_receives_its_slices_bit_exact(tmp_path, sglang_
                "spec_sha256": spec_fingerprint(spec_at_dtype(hf_config(), "float32"))}
     body = tmp_path / "body.json"
     body.write_text(json.dumps(tensor_request_body(control, engine_index=0, tp=TP)))
-    init, world = f"tcp://127.0.0.1:{free_port()}", 1 + TP
+    world = 1 + TP
+    store = hosted_store(world)
+    init = init_method(store)
     procs = [subprocess.Popen([sys.executable, str(WORKER), "trainer", init, str(world), str(TP), str(EP)])]
     procs += [subprocess.Popen([str(side), str(WORKER), "engine", str(sglang_root), str(body), init,
                                 str(world), str(TP), str(EP), str(r), str(tmp_path / f"engine{r}.json")])

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from hpcrl.config import JobConfig
 from hpcrl.controller.groups import RolloutGroup
 from hpcrl.controller.session import Session
-from hpcrl.dist import free_port
 from hpcrl.rollout.weight_sender import _buckets, dtype_name, flatten_bucket, parse_dtype
 from moe.runtime import gather_buckets, source_buckets
 from moe.slices import Box
 from moe.specs import FAMILIES, get_spec
+from stores import hosted_store, init_method
 
 PROBE = Path(__file__).parent / "_sglang_probe.py"
 
@@ -157,8 +157,9 @@ def run_handshake(tmp_path: Path, root: Path, engine_python: str, tp: int = 2) -
     init_weights_update_group computes it); returns the trainer's and the engines' JSON reports."""
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(_plan("deepseek_v3/debug", 1 << 15)))
-    init = f"tcp://127.0.0.1:{free_port()}"
     world = 1 + tp
+    store = hosted_store(world)
+    init = init_method(store)
     procs = [subprocess.Popen([sys.executable, str(PROBE), "trainer", str(plan), init, str(world),
                                str(tmp_path / "trainer.json"), "7"], stderr=subprocess.PIPE, text=True)]
     procs += [subprocess.Popen([engine_python, str(PROBE), "engine", str(root), str(plan), init,

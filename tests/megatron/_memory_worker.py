@@ -4,7 +4,8 @@ trainer rank's peak RSS, beyond its own Megatron model.
 Usage: mpiexec -n 4 python _memory_worker.py MODEL_DIR OUT_DIR RESULT.json
 The `small` preset at EP4: each rank builds its policy, then, each phase measured with the kernel's
 RSS high-water mark (hpcrl.memwatch): loads MODEL_DIR (its slices only), draws the sharded random
-init, exports to OUT_DIR. Rank 0 writes every rank's rises and the digests to RESULT.json.
+init, exports to OUT_DIR, builds PPO's critic from MODEL_DIR (its rise less the critic's own params
+and grad buffers) and hashes it. Rank 0 writes every rank's rises and the digests to RESULT.json.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ def main() -> None:
     import torch.distributed as dist
 
     from checkpoints.hf_safetensors import dir_digest
-    from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
+    from hpcrl.config.schema import AlgorithmConfig, CriticConfig, TrainerConfig
     from hpcrl.memwatch import peak_rss
     from hpcrl.models.presets import load_hf_config
+    from hpcrl.trainer.critic import MegatronCritic
     from hpcrl.trainer.policy import MegatronPolicy
 
     trainer = TrainerConfig(ep=EP, num_procs=dist.get_world_size(), dispatcher="alltoall")
@@ -51,11 +53,22 @@ def main() -> None:
         policy.export_hf_dir(out_dir, 32 << 20)
     rises["export_hf_dir"] = m.rise_bytes
     own = sum(p.numel() * p.element_size() for p in policy.gpt.parameters())
+    dist.barrier()
+    with peak_rss() as m:
+        critic = MegatronCritic(policy, CriticConfig(path=model_dir), AlgorithmConfig())
+    critic_own = sum(p.numel() * p.element_size() for p in critic.gpt.parameters())
+    critic_grads = sum(b.grad_data.numel() * b.grad_data.element_size()
+                       for b in critic.ddp.buffers + critic.ddp.expert_parallel_buffers)
+    rises["critic_from_dir"] = m.rise_bytes - critic_own - critic_grads
+    dist.barrier()
+    with peak_rss() as m:
+        critic_sha = critic.sha256()
+    rises["critic_sha256"] = m.rise_bytes
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {"rises": rises, "own_param_bytes": own})
     if dist.get_rank() == 0:
         out = {"ranks": everyone, "loaded_sha": loaded, "dir_sha": dir_digest(model_dir),
-               "drawn_sha": drawn, "exported_sha": dir_digest(out_dir)}
+               "drawn_sha": drawn, "exported_sha": dir_digest(out_dir), "critic_sha": critic_sha}
         with open(result, "w") as f:
             json.dump(out, f)
     dist.barrier()

@@ -1,7 +1,8 @@
 """O(shard) in numbers: on 4 trainer ranks at EP4 with the `small` preset (89% of its bytes are
 experts), loading the weights from a HF model directory, drawing the sharded random init and
 exporting add less than half the full fp32 model's bytes to each rank's peak RSS, beyond its own
-Megatron model. Before, every rank held a full copy (start-up) and rank 0 gathered it (export, hash).
+Megatron model; so do building PPO's critic from the directory (beyond the critic's own params and
+grad buffers) and hashing it. Before, every rank held a full copy (start-up) and rank 0 gathered it (export, hash).
 
 Each phase's peak is the kernel's RSS high-water mark, reset at the phase's start (hpcrl.memwatch);
 the figures are printed (pytest -s) and recorded in benchmarks/RESULTS.md.
@@ -52,6 +53,9 @@ def test_loading_and_exporting_stay_below_half_the_model_per_rank(tmp_path: Path
     # of the sharded init hashes to the trainer's hash of it.
     assert out["loaded_sha"] == out["dir_sha"]
     assert out["exported_sha"] == out["drawn_sha"] != out["loaded_sha"]
+    assert isinstance(out["critic_sha"], str) and len(out["critic_sha"]) == 64
+    assert set(out["ranks"][0]["rises"]) == {"load_hf_dir", "sharded_init", "export_hf_dir", "critic_from_dir",
+                                             "critic_sha256"}
     mib = 1 << 20
     print(f"\nsmall preset, fp32 model {full_bytes / mib:.1f} MiB; per-rank peak RSS rise (MiB), "
           f"limit {LIMIT} x model = {LIMIT * full_bytes / mib:.1f}:")

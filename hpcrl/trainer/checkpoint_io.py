@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import pickle
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,6 @@ from checkpoints import CheckpointWriter, open_checkpoint
 from moe.hf_megatron import local_params
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
-
 
 
 def _adam_states(optimizer: Any) -> dict[torch.nn.Parameter, dict]:
@@ -58,6 +58,52 @@ def _set_rng(blob: bytes) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@dataclass
+class _Model:
+    """One model's part of a checkpoint: its tensors under `prefix/<name>`, its Adam moments (if it
+    trains) under `adam_prefix/<moment>/<name>` at the step recorded as metadata[`step_key`]."""
+
+    prefix: str
+    pieces: list[tuple[str, torch.nn.Parameter, Any, Any, tuple[int, ...]]]  # name, param, index, box, shape
+    optimizer: Any = None
+    adam_prefix: str = ""
+    step_key: str = ""
+
+
+def _models(policy: Any) -> list[_Model]:
+    """The policy, its frozen reference (if any) and PPO's critic (if any), each as the pieces this
+    rank holds: HF-named boxes of the Megatron shards (`local_params`); the critic has no `lm_head`
+    and, on the last stage, its value head whole (replicated)."""
+    from moe.slices import Box
+
+    shapes = policy.dims.hf_shapes()
+    local = local_params(policy.dims, policy.coords)
+
+    def pieces(gpt: torch.nn.Module, names: list[str]) -> list:
+        params = dict(gpt.named_parameters())
+        return [(pc.hf_name, params[lp.name], pc.local_box.index, pc.hf_box, shapes[pc.hf_name])
+                for lp in local if lp.name in names for pc in lp.pieces]
+
+    everything = [lp.name for lp in local]
+    models = [_Model("policy", pieces(policy.gpt, everything), policy.optimizer, "adam", "adam_step")]
+    if policy.ref is not None:
+        models.append(_Model("ref", pieces(policy.ref, everything)))
+    critic = policy.critic
+    if critic is not None:
+        from hpcrl.trainer.critic import HEAD_NAMES
+
+        # the value head replaces lm_head (and an untied critic has no tied copy of the embedding)
+        own = {n for n, _ in critic.gpt.named_parameters() if not n.startswith("output_layer.")}
+        body = pieces(critic.gpt, [n for n in everything if n in own])
+        head = critic.head()
+        if head is not None:
+            for name, param in zip(HEAD_NAMES, (head.weight, head.bias)):
+                full = Box.full(tuple(param.shape))
+                body.append((name, param, full.index, full, tuple(param.shape)))
+        models.append(_Model("critic", body, critic.optimizer, "critic_adam", "critic_adam_step"))
+    return models
+
+
 def save(policy: Any, ckpt_dir: str, step: int, attempt_id: str, keep: int,
          metadata: dict | None) -> float:
     """Collective over the trainer ranks: write this rank's slices and commit (rank 0 writes the
@@ -65,45 +111,26 @@ def save(policy: Any, ckpt_dir: str, step: int, attempt_id: str, keep: int,
     rank, world = dist.get_rank(), dist.get_world_size()
     writer = CheckpointWriter(ckpt_dir, step, rank=rank, world_size=world, attempt_id=attempt_id,
                               keep_last=keep)
-    shapes = policy.dims.hf_shapes()
-    params = dict(policy.gpt.named_parameters())
-    states = _adam_states(policy.optimizer)
-    ref = dict(policy.ref.named_parameters()) if policy.ref is not None else {}
-    adam_steps = set()
+    adam_steps: dict[str, float] = {}
     nbytes = 0
-    for lp in local_params(policy.dims, policy.coords):
-        param = params[lp.name]
-        sources = {"policy": param.detach()}
-        st = states.get(param)
-        if st and "exp_avg" in st:
-            adam_steps.add(float(st["step"]))
-            sources.update({f"adam/{k}": st[k] for k in ADAM_KEYS})
-        if ref:
-            sources["ref"] = ref[lp.name].detach()
-        for prefix, tensor in sources.items():
-            for pc in lp.pieces:
-                part = tensor[pc.local_box.index].contiguous()
-                writer.write(f"{prefix}/{pc.hf_name}", part, box=pc.hf_box, global_shape=shapes[pc.hf_name])
+    for m in _models(policy):
+        states = _adam_states(m.optimizer) if m.optimizer is not None else {}
+        steps = set()
+        for name, param, index, box, shape in m.pieces:
+            sources = {m.prefix: param.detach()}
+            st = states.get(param)
+            if st and "exp_avg" in st:
+                steps.add(float(st["step"]))
+                sources.update({f"{m.adam_prefix}/{k}": st[k] for k in ADAM_KEYS})
+            for prefix, tensor in sources.items():
+                part = tensor[index].contiguous()
+                writer.write(f"{prefix}/{name}", part, box=box, global_shape=shape)
                 nbytes += part.numel() * part.element_size()
-    assert len(adam_steps) <= 1, f"params at different Adam steps: {adam_steps}"
-    critic_steps: set[float] = set()
-    for name, param, index, box, shape, st in _critic_pieces(policy, shapes):
-        sources = {"critic": param.detach()}
-        if st and "exp_avg" in st:
-            critic_steps.add(float(st["step"]))
-            sources.update({f"critic_adam/{k}": st[k] for k in ADAM_KEYS})
-        for prefix, tensor in sources.items():
-            part = tensor[index].contiguous()
-            writer.write(f"{prefix}/{name}", part, box=box, global_shape=shape)
-            nbytes += part.numel() * part.element_size()
+        assert len(steps) <= 1, f"{m.prefix} params at different Adam steps: {steps}"
+        if m.step_key:
+            adam_steps[m.step_key] = steps.pop() if steps else 0.0
     writer.write_blob("rng", _rng_blob())
-    meta = None
-    if rank == 0:
-        meta = dict(metadata or {})
-        meta["adam_step"] = adam_steps.pop() if adam_steps else 0.0
-        if policy.critic is not None:
-            meta["critic_adam_step"] = critic_steps.pop() if critic_steps else 0.0
-    writer.commit(meta)
+    writer.commit({**(metadata or {}), **adam_steps} if rank == 0 else None)
     writer.wait(for_commit=True)
     return float(nbytes)
 
@@ -113,31 +140,15 @@ def load(policy: Any, ckpt_dir: str, step: int) -> dict:
     reading only the boxes this rank holds. Returns the checkpoint's metadata."""
     with open_checkpoint(ckpt_dir, step) as reader:
         meta = reader.metadata
-        has_ref = any(n.startswith("ref/") for n in reader.tensor_names())
-        params = dict(policy.gpt.named_parameters())
-        states = _adam_states(policy.optimizer)
-        ref = dict(policy.ref.named_parameters()) if policy.ref is not None else {}
-        adam_step = float(meta.get("adam_step", 0.0))
-        with torch.no_grad():
-            for lp in local_params(policy.dims, policy.coords):
-                param = params[lp.name]
-                targets: dict[str, torch.Tensor] = {"policy": param.data}
-                if adam_step > 0:
-                    st = states[param]
-                    for k in ADAM_KEYS:
-                        st.setdefault(k, torch.zeros_like(param.data))
-                        targets[f"adam/{k}"] = st[k]
-                    st["step"] = torch.tensor(adam_step, dtype=torch.float32)
-                # A checkpoint without a reference model keeps the seed-initialised one (the
-                # reference is the initial policy).
-                if ref and has_ref:
-                    targets["ref"] = ref[lp.name].data
-                for prefix, target in targets.items():
-                    for pc in lp.pieces:
-                        part = reader.read(f"{prefix}/{pc.hf_name}", pc.hf_box)
-                        target[pc.local_box.index] = part.to(target.dtype)
-        if policy.critic is not None:
-            _load_critic(policy, reader, float(meta.get("critic_adam_step", 0.0)))
+        saved = {n.split("/", 1)[0] for n in reader.tensor_names()}
+        for m in _models(policy):
+            if m.prefix == "ref" and "ref" not in saved:
+                continue  # keep the seed-initialised reference (the reference is the initial policy)
+            if m.prefix not in saved:
+                raise ValueError(f"this checkpoint has no {m.prefix} (it was saved by a run without one, "
+                                 "e.g. not ppo); resume it with its own algorithm, or start the run fresh "
+                                 "from its export (model.path)")
+            _load_model(m, reader, float(meta.get(m.step_key, 0.0)) if m.step_key else 0.0)
         ranks = reader.blob_ranks("rng")
         if len(ranks) == dist.get_world_size() and dist.get_rank() in ranks:
             _set_rng(reader.blob("rng", rank=dist.get_rank()))
@@ -145,47 +156,17 @@ def load(policy: Any, ckpt_dir: str, step: int) -> dict:
     return meta
 
 
-
-def _critic_pieces(policy: Any, shapes: dict[str, tuple[int, ...]]):
-    """(checkpoint name, param, index of the piece in the param, its global box, global shape, the
-    param's Adam state) of each piece of the critic this rank holds: the body under the policy's HF
-    names, and on the last stage the value head whole (replicated). Nothing without a critic."""
-    from moe.slices import Box
-
-    critic = policy.critic
-    if critic is None:
-        return
-    params = dict(critic.gpt.named_parameters())
-    states = _adam_states(critic.optimizer)
-    for lp in local_params(policy.dims, policy.coords):
-        if lp.name.startswith("output_layer.") or lp.name not in params:  # the head replaces lm_head
-            continue
-        param = params[lp.name]
-        for pc in lp.pieces:
-            yield pc.hf_name, param, pc.local_box.index, pc.hf_box, shapes[pc.hf_name], states.get(param)
-    head = critic.head()
-    if head is not None:
-        from hpcrl.trainer.critic import HEAD_NAMES
-
-        for name, param in zip(HEAD_NAMES, (head.weight, head.bias)):
-            full = Box.full(tuple(param.shape))
-            yield name, param, full.index, full, tuple(param.shape), states.get(param)
-
-
-def _load_critic(policy: Any, reader: Any, adam_step: float) -> None:
-    """Fill this rank's critic pieces and their Adam moments from the checkpoint."""
-    if not any(n.startswith("critic/") for n in reader.tensor_names()):
-        raise ValueError("this checkpoint has no critic (it was saved by a run without one, e.g. not ppo); "
-                         "resume it with its own algorithm, or start the ppo run fresh from its export "
-                         "(model.path)")
-    with torch.no_grad():
-        for name, param, index, box, _, st in _critic_pieces(policy, policy.dims.hf_shapes()):
-            targets = {"critic": param.data}
-            if adam_step > 0:
-                st = _adam_states(policy.critic.optimizer)[param]
-                for k in ADAM_KEYS:
-                    st.setdefault(k, torch.zeros_like(param.data))
-                    targets[f"critic_adam/{k}"] = st[k]
-                st["step"] = torch.tensor(adam_step, dtype=torch.float32)
-            for prefix, target in targets.items():
-                target[index] = reader.read(f"{prefix}/{name}", box).to(target.dtype)
+@torch.no_grad()
+def _load_model(m: _Model, reader: Any, adam_step: float) -> None:
+    """Fill the pieces of `m` this rank holds, and their Adam moments when the checkpoint has them."""
+    states = _adam_states(m.optimizer) if adam_step > 0 else {}
+    for name, param, index, box, _ in m.pieces:
+        targets = {m.prefix: param.data}
+        if adam_step > 0:
+            st = states[param]
+            for k in ADAM_KEYS:
+                st.setdefault(k, torch.zeros_like(param.data))
+                targets[f"{m.adam_prefix}/{k}"] = st[k]
+            st["step"] = torch.tensor(adam_step, dtype=torch.float32)
+        for prefix, target in targets.items():
+            target[index] = reader.read(f"{prefix}/{name}", box).to(target.dtype)

@@ -15,10 +15,11 @@ records it for failure reports and preemption, and logs its metrics into the ste
                                       -> metrics     the critic's clipped value-loss updates (critic/*)
     rl.update_policy(rollout, advantages, loss=..., ref_logprobs=..., tensors=...)
                                       -> metrics     one on-policy optimizer step of `loss` (a built-in or
-                                                     `pkg.module:function`, hpcrl/algorithms/losses.py); the
-                                                     engines' log-probs are checked against the trainer's
-                                                     (sync/logprob_max_abs_diff) and the weight sync starts
-    rl.sync_weights()                 -> metrics     waits for that sync (sync/*)
+                                                     `pkg.module:function`, hpcrl/algorithms/losses.py); then
+                                                     the weight sync starts
+    rl.sync_weights()                 -> metrics     while that sync is in flight, checks the engines'
+                                                     log-probs of the update's rollout against the trainer's
+                                                     (sync/logprob_max_abs_diff), then waits for it (sync/*)
     rl.log(name=value, ...)                          any extra metric of the step
 
 Advantages, losses and rewards are plain tensor functions (hpcrl/algorithms/). Everything a loss
@@ -74,6 +75,7 @@ class RL:
         self._timing: dict[str, float] = {}
         self._t0 = 0.0
         self._temperature = self.job.rollout.temperature
+        self._unchecked: list[tuple[Rollout, np.ndarray]] = []  # (rollout, trainer log-probs) per update
 
     # -- the loop's side ---------------------------------------------------------------------------
 
@@ -82,6 +84,7 @@ class RL:
 
     def end_step(self) -> dict[str, Any]:
         """The step's metrics record (timing/* included), for the metrics logger."""
+        self._check_logprobs()  # updates of a step that did not call sync_weights
         timing = {f"timing/{k}_s": round(v, 6) for k, v in self._timing.items()}
         return {**self._metrics, **timing, "timing/step_s": round(time.perf_counter() - self._t0, 6)}
 
@@ -155,9 +158,9 @@ class RL:
         log-probs first (MegatronPolicy.update).
 
         `advantages` is [B] or [B, T]; `tensors` are further named [B] / [B, T] arrays for the loss.
-        Then the engines' log-probs of the sampled tokens are checked against the trainer's forward
-        before the update (WeightSyncError above rollout.logprob_tolerance), and the weight sync of
-        the updated policy starts; `sync_weights()` waits for it.
+        Then the weight sync of the updated policy starts; `sync_weights()` checks the engines'
+        log-probs of the sampled tokens against this forward before the update while the sync is in
+        flight (WeightSyncError above rollout.logprob_tolerance), and waits for it.
         """
         if self.algo.rollout_correction != "none" and rollout.engine_logprobs:
             tensors = {**(tensors or {}), "behaviour_logp": rollout.engine_logprobs_BT()}
@@ -168,15 +171,26 @@ class RL:
                 mini_batch_size=self.algo.mini_batch_size if mini_batch_size is None else mini_batch_size)
         self.log(**{f"train/{k}": v for k, v in train.metrics.items()})
         if rollout.engine_logprobs:  # demonstrations have none: no engine sampled them
-            r = self.job.rollout
-            worst, mean = logprob_sync_check(rollout, train.logprobs_BT, r.logprob_tolerance,
-                                             r.logprob_mean_tolerance, self.step)
-            self.log(**{"sync/logprob_max_abs_diff": worst, "sync/logprob_mean_abs_diff": mean})
+            self._unchecked.append((rollout, train.logprobs_BT))
         return train.metrics
 
+    def _check_logprobs(self) -> None:
+        """The sync check of the updates since the last one: the engines' log-probs of the tokens
+        they sampled against the trainer's forward of the same weights (WeightSyncError beyond
+        rollout.logprob_tolerance / logprob_mean_tolerance)."""
+        r = self.job.rollout
+        for rollout, trainer_BT in self._unchecked:
+            worst, mean = logprob_sync_check(rollout, trainer_BT, r.logprob_tolerance,
+                                             r.logprob_mean_tolerance, self.step)
+            self.log(**{"sync/logprob_max_abs_diff": worst, "sync/logprob_mean_abs_diff": mean})
+        self._unchecked = []
+
     def sync_weights(self) -> dict[str, float]:
-        """Wait for the engines to hold the updated policy; {"bytes", "seconds"}."""
+        """Wait for the engines to hold the updated policy; {"bytes", "seconds"}. The sync check of
+        the update's rollout runs first, while the trainer ranks push (they start when the update
+        ends): it costs the step nothing unless it outlasts the push."""
         with self._phase("sync"):
+            self._check_logprobs()
             sync = self._s.policy.push_weights(self.step)
         self.log(**{"sync/bytes": sync["bytes"],
                     "sync/gbps": sync["bytes"] * 8 / 1e9 / max(sync["seconds"], 1e-9)})

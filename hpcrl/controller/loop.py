@@ -8,8 +8,9 @@ user's module), written against the public API of hpcrl/controller/api.py; GRPO'
     ref = rl.ref_logprobs(rollout)           frozen reference (Megatron), only with a KL penalty
     rl.update_policy(rollout, advantages, loss="grpo", ref_logprobs=ref)
                                              Megatron step of the loss (its forward gives the old
-                                             log-probs) -> check: engine vs trainer log-probs
-    rl.sync_weights()                        Megatron shards -> engines
+                                             log-probs); the trainer ranks then start the sync
+    rl.sync_weights()                        Megatron shards -> engines; meanwhile the check:
+                                             engine vs trainer log-probs of the rollout
 
 then: Evaluator (every eval.interval_steps) -> MetricsLogger.log -> Checkpointer.maybe_save.
 """

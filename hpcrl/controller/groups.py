@@ -8,6 +8,7 @@ requests go straight to the engines' HTTP servers. Each `async_*` method returns
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,7 +57,7 @@ class Rollout:
         """Float32 [B, T] log-probs the engines gave the sampled tokens (the behaviour policy), 0 on padding."""
         mask_BT = self.response_mask_BT()
         out_BT = np.zeros(mask_BT.shape, dtype=np.float32)
-        out_BT[mask_BT] = np.fromiter((x for row in self.engine_logprobs for x in row), dtype=np.float32,
+        out_BT[mask_BT] = np.fromiter(itertools.chain.from_iterable(self.engine_logprobs), dtype=np.float32,
                                       count=int(mask_BT.sum()))
         return out_BT
 

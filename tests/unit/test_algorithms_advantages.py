@@ -88,3 +88,9 @@ def test_whiten_uses_the_valid_tokens_only():
     assert out.flatten().tolist() == pytest.approx([-1.5 / s, -0.5 / s, 0.0, 0.5 / s, 1.5 / s, 0.0], abs=1e-6)
     rescaled = whiten(x, mask, shift_mean=False)
     assert rescaled[0, 0].item() == pytest.approx(-1.5 / s + 2.5, abs=1e-6)
+
+
+def test_whiten_of_one_or_no_valid_token_is_zero_not_nan():
+    x = torch.tensor([[5.0, 7.0]])
+    assert whiten(x, torch.tensor([[1, 0]])).tolist() == [[0.0, 0.0]]  # variance 0, not n - 1 = 0's nan
+    assert whiten(x, torch.tensor([[0, 0]])).tolist() == [[0.0, 0.0]]

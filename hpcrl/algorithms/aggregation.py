@@ -77,13 +77,16 @@ def whiten(values_BT: torch.Tensor, mask_BT: torch.Tensor, shift_mean: bool = Tr
     back). OpenRLHF uses the biased variance; the two differ by n / (n - 1), negligible for real batches.
     Call it on the whole batch (the controller's view), not per micro-batch.
     """
-    # On the valid tokens themselves: a third of masked_mean + masked_var's tensor ops (this runs on
-    # the controller, between phases, where each op costs tens of microseconds with cold caches).
-    valid = values_BT[mask_BT.bool()]
-    n = valid.numel()
-    mean = valid.mean() if n else values_BT.new_zeros(())
-    var = valid.var() if n > 1 else values_BT.new_zeros(())  # unbiased: masked_var's n / (n - 1)
-    whitened = (values_BT - mean) * torch.rsqrt(var + eps)
+    # masked_mean and masked_var's arithmetic, in the same order (bit-identical), with each shared
+    # term computed once: this runs on the controller between phases, where every tensor op costs
+    # tens of microseconds on cold caches.
+    mask = mask_BT.to(values_BT.dtype)
+    n = mask.sum()
+    n_or_1 = n.clamp(min=1.0)
+    mean = (values_BT * mask).sum() / n_or_1
+    centred_BT = values_BT - mean
+    var = (centred_BT.square() * mask).sum() / n_or_1 * n / (n - 1.0).clamp(min=1.0)  # unbiased
+    whitened = centred_BT * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return whitened * mask_BT.to(values_BT.dtype)
+    return whitened * mask

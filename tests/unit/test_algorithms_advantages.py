@@ -90,6 +90,19 @@ def test_whiten_uses_the_valid_tokens_only():
     assert rescaled[0, 0].item() == pytest.approx(-1.5 / s + 2.5, abs=1e-6)
 
 
+def test_whiten_is_masked_mean_and_masked_var_bit_for_bit():
+    from hpcrl.algorithms.aggregation import masked_mean, masked_var
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, mask_dtype in ((torch.float32, torch.bool), (torch.float64, torch.int64)):
+        x = torch.randn(37, 11, generator=g, dtype=dtype) * 3
+        mask = (torch.rand(37, 11, generator=g) < 0.7).to(mask_dtype)
+        mean = masked_mean(x, mask)
+        want = (x - mean) * torch.rsqrt(masked_var(x, mask) + 1e-8)
+        assert torch.equal(whiten(x, mask), want * mask.to(dtype))
+        assert torch.equal(whiten(x, mask, shift_mean=False), (want + mean) * mask.to(dtype))
+
+
 def test_whiten_of_one_or_no_valid_token_is_zero_not_nan():
     x = torch.tensor([[5.0, 7.0]])
     assert whiten(x, torch.tensor([[1, 0]])).tolist() == [[0.0, 0.0]]  # variance 0, not n - 1 = 0's nan

@@ -8,6 +8,8 @@ the same (algorithm.loss_agg: token-mean). No KL term."""
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from hpcrl.algorithms.advantages import group_advantages
@@ -31,8 +33,10 @@ def step(rl: RL, step: int) -> None:
         return rewards.reshape(-1, G)
 
     fill = fill_groups(generate_round, rl.job.data.num_prompts_per_step, a.max_generation_rounds, on_short="pad")
-    batch = Rollout.concat([rounds[r][0].select(list(range(g * G, (g + 1) * G))) for r, g in fill.kept])
-    rewards = torch.cat([rounds[r][1][g * G:(g + 1) * G] for r, g in fill.kept])
+    starts = list(accumulate((len(w) for _, w in rounds), initial=0))  # each round's first row
+    rows = [starts[r] + g * G + i for r, g in fill.kept for i in range(G)]
+    batch = Rollout.concat([rollout for rollout, _ in rounds]).select(rows)
+    rewards = torch.cat([w for _, w in rounds])[rows]
     advantages = group_advantages(rewards, G, a.norm_adv_by_std)
     rl.log(**{"reward/mean": float(rewards.mean()), **{f"dynamic_sampling/{k}": v for k, v in fill.metrics().items()}})
     rl.update_policy(batch, advantages.float().numpy(), loss="ppo")

@@ -96,10 +96,18 @@ def has_weights(model_dir: Path) -> bool:
     return (model_dir / INDEX_FILE).is_file() or (model_dir / SINGLE_FILE).is_file()
 
 
+def score_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
+    """A one-label reward model's head (transformers' ...ForSequenceClassification, num_labels 1)."""
+    return {"score.weight": (1, hidden), "score.bias": (1,)}
+
+
 class HFCheckpoint:
     """The weights of a HF model directory, checked against `dims`, readable by global boxes."""
 
-    def __init__(self, model_dir: str | Path, dims: HFModelDims) -> None:
+    def __init__(self, model_dir: str | Path, dims: HFModelDims, score_head: bool = False) -> None:
+        """`score_head`: the directory may also be a reward model of the architecture (transformers'
+        ...ForSequenceClassification with one label): `score.weight` [1, hidden] (and `score.bias`
+        [1] if it has one) in place of `lm_head.weight`; `self.score_names` lists them (else empty)."""
         self.dir = Path(model_dir)
         self.dims = dims
         files = weight_files(self.dir)
@@ -110,6 +118,18 @@ class HFCheckpoint:
                     stored[name] = StoredTensor(file, name, tuple(meta["shape"]), meta["dtype"])
         self.fused = any(n.endswith(".mlp.experts.gate_up_proj") for n in stored)
         self.expected = dims.hf_shapes()
+        score = {n: s for n, s in score_shapes(dims.hidden_size).items() if n in stored}
+        self.score_names: list[str] = []
+        if score_head and "score.weight" in score and "lm_head.weight" not in stored:
+            st = stored["score.weight"]
+            if st.shape != score["score.weight"]:
+                raise CheckpointFormatError(
+                    f"{st.file.name}: the reward model's head 'score.weight' has shape {list(st.shape)}: "
+                    f"{st.shape[0]} labels; a critic's value head starts from a one-label head "
+                    f"[1, {dims.hidden_size}] (num_labels: 1), or use a directory with lm_head.weight")
+            self.expected = {n: s for n, s in self.expected.items() if n != "lm_head.weight"}
+            self.expected.update(score)
+            self.score_names = sorted(score)
         self._where = self._locate(stored)
         self._handles: dict[Path, Any] = {}
 

@@ -100,3 +100,31 @@ def model_dir(out: Path, family: str = "qwen3_moe", *, seed: int = 0, fused: boo
     names = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert any(".experts.0." in n for n in names) != fused, "unexpected expert layout on disk"
     return out
+
+
+def reward_model_dir(causal_dir: Path, out: Path, *, labels: int = 1, seed: int = 0) -> Path:
+    """A one-file reward model of `causal_dir`'s architecture and body, as transformers'
+    ...ForSequenceClassification saves it: `lm_head.weight` replaced by a random `score.weight`
+    [labels, hidden] (no bias, as Qwen3's), config with that architecture and num_labels."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((causal_dir / "config.json").read_text())
+    index = json.loads((causal_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    tensors = {}
+    for name in sorted(set(index.values())):
+        tensors.update(load_file(str(causal_dir / name)))
+    del tensors["lm_head.weight"]
+    gen = torch.Generator().manual_seed(seed)
+    tensors["score.weight"] = torch.randn(labels, cfg["hidden_size"], generator=gen) * 0.02
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    arch = cfg["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
+    cfg.update(architectures=[arch], num_labels=labels)
+    (out / "config.json").write_text(json.dumps(cfg))
+    for extra in ("tokenizer.json", "tokenizer_config.json"):
+        if (causal_dir / extra).is_file():
+            shutil.copy(causal_dir / extra, out / extra)
+    return out

@@ -146,7 +146,9 @@ class CriticConfig:
     rl.update_critic); ppo always builds it. It lives on the trainer ranks with the policy's layout."""
     path: str | None = None
     """A HF model directory of the policy's architecture whose weights start the critic's body (e.g.
-    an SFT export); its lm_head is not used, the value head starts fresh. null: the policy's weights."""
+    an SFT export; its lm_head is not used, the value head starts fresh), or a one-label reward model
+    of that architecture (transformers' ...ForSequenceClassification: `score.weight` [1, hidden]),
+    whose score head starts the value head. null: the policy's weights."""
     lr: float = 0.0
     """The critic's Adam learning rate; 0 means algorithm.lr (Adam's betas and eps are the policy's)."""
     weight_decay: float = 0.0

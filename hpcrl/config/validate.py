@@ -193,12 +193,12 @@ def _read_model(job: JobConfig) -> ModelDims:
 
 def _check_weights(job: JobConfig, dims: HFModelDims, key: str, path: str) -> None:
     """The safetensors of `path` (model.path, or critic.path: a directory of the policy's
-    architecture) match the model's config: every tensor there, none unexpected, every shape right
+    architecture, or a one-label reward model of it) match the model's config: every tensor there, none unexpected, every shape right
     (reads the files' headers only)."""
     from moe.hf_checkpoint import CheckpointFormatError, HFCheckpoint
 
     try:
-        HFCheckpoint(Path(job.base_dir, path), dims).close()
+        HFCheckpoint(Path(job.base_dir, path), dims, score_head=key == "critic.path").close()
     except CheckpointFormatError as exc:
         raise ConfigError(key, path, str(exc)) from None
 

@@ -3,7 +3,9 @@
 Megatron's parallel state is global per process, so the critic has the policy's layout
 (TP/PP/EP/ETP/DP) and lives on the same ranks; `hpcrl plan` counts a second model, its gradients and
 its Adam state there. The body is a second GPTModel of the policy's architecture, initialised from
-the policy's weights (a local copy of each rank's own shards) or read from `critic.path`. On the last pipeline stage the
+the policy's weights (a local copy of each rank's own shards) or read from `critic.path` (a directory
+of the policy's architecture, or a one-label reward model of it, whose `score` head then starts the
+value head). On the last pipeline stage the
 vocabulary projection is replaced by a value head: one [H] weight and a bias, replicated, applied to
 the final hidden states of the whole sequence (gathered from the sequence-parallel split under TP;
 every TP rank then computes the same values, so the gather's backward keeps each rank's own chunk).
@@ -64,10 +66,14 @@ class MegatronCritic:
             gpt.output_layer = ValueHead(policy.dims.hidden_size, policy.trainer.seed + 2, std)
         if critic.path:  # each rank reads only its own slices of the directory
             from hpcrl.trainer import weight_init
+            from moe.hf_checkpoint import HFCheckpoint
 
-            source, ckpt = weight_init.hf_dir_source(critic.path, policy.dims)
-            with ckpt, torch.no_grad():
-                weight_init.load(policy, source, [gpt], skip="output_layer.")
+            with HFCheckpoint(critic.path, policy.dims, score_head=True) as ckpt, torch.no_grad():
+                weight_init.load(policy, ckpt.read, [gpt], skip="output_layer.")
+                if ckpt.score_names and policy.last_stage:  # a reward model: its head starts the value head
+                    gpt.output_layer.weight.copy_(ckpt.read("score.weight")[0])
+                    gpt.output_layer.bias.copy_(ckpt.read("score.bias") if "score.bias" in ckpt.score_names
+                                                else torch.zeros(1))
         else:
             with torch.no_grad():
                 own = dict(policy.gpt.named_parameters())

@@ -36,3 +36,31 @@ def test_critic_from_its_own_directory(world1, tmp_path) -> None:  # noqa: F811
     assert (got - expected).abs().max() < 1e-5
     from_policy = MegatronCritic(policy, CriticConfig(), AlgorithmConfig()).values(batch)
     assert (from_policy - got).abs().max() > 1e-3  # the directory, not the policy, started the body
+
+
+def test_critic_from_a_reward_model_starts_its_head_from_the_score(world1, tmp_path) -> None:  # noqa: F811
+    """critic.path of a one-label reward model (score.weight instead of lm_head): the body is the
+    reward model's, the value head its score head (bias 0: Qwen3's has none)."""
+    from hf_fixtures import model_dir, reward_model_dir
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.config.schema import AlgorithmConfig, CriticConfig
+    from hpcrl.trainer.critic import MegatronCritic
+
+    cfg = qwen_config()
+    body_dir = model_dir(tmp_path / "body", config=cfg, seed=11, tokenizer=False)
+    rm_dir = reward_model_dir(body_dir, tmp_path / "rm", seed=4)
+    score = load_file(str(rm_dir / "model.safetensors"))["score.weight"][0]
+    policy = make_policy(cfg)
+    policy.init_from_seed(0)
+    critic = MegatronCritic(policy, CriticConfig(path=str(rm_dir)), AlgorithmConfig())
+    head = critic.head()
+    assert torch.equal(head.weight.detach(), score) and head.bias.item() == 0.0
+    batch = random_batch(64, seed=3)
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(str(body_dir), dtype=torch.float32).eval()
+        hidden = hf(batch.tokens_BL, output_hidden_states=True).hidden_states[-1]
+    pos, mask = batch.logit_positions_BT(), batch.response_mask_BT()
+    expected = torch.where(mask, hidden.gather(1, pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])) @ score, 0.0)
+    assert (critic.values(batch) - expected).abs().max() < 1e-5

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hf_fixtures import model_dir
+from hf_fixtures import model_dir, reward_model_dir
 
 from moe.hf_checkpoint import CheckpointFormatError, HFCheckpoint
 from moe.hf_megatron import HFModelDims, hf_fused_to_checkpoint
@@ -164,6 +164,29 @@ def test_a_missing_and_an_unexpected_tensor(dirs: dict[str, Path], tmp_path: Pat
     (path2 / "model.safetensors.index.json").write_text(json.dumps(index))
     rc, out = validate(tmp_path, path2)
     assert rc == 2 and "unexpected tensor 'model.layers.0.mlp.shared_expert.gate_proj.weight'" in out, out
+
+
+def test_a_reward_model_is_a_critic_path_but_not_a_model_path(dirs: dict[str, Path], tmp_path: Path) -> None:
+    rm = reward_model_dir(dirs["qwen3_moe"], tmp_path / "rm", seed=5)
+    dims = dims_of(rm)
+    with HFCheckpoint(rm, dims, score_head=True) as ckpt:
+        assert ckpt.score_names == ["score.weight"]
+        assert "lm_head.weight" not in ckpt.expected
+        with HFCheckpoint(dirs["qwen3_moe"], dims) as body:  # the body is the causal model's
+            name = "model.layers.1.self_attn.o_proj.weight"
+            assert torch.equal(ckpt.read(name), body.read(name))
+    rc, out = validate(tmp_path, rm)  # a policy needs its lm_head
+    assert rc == 2 and "'lm_head.weight'" in out and "missing" in out, out
+    job = tmp_path / "ppo.yaml"
+    job.write_text(f"model: {{path: {dirs['qwen3_moe']}}}\ndata: {{task: copy}}\nalgorithm: {{name: ppo}}\n"
+                   f"critic: {{path: {rm}}}\n")
+    proc = subprocess.run([sys.executable, "-m", "hpcrl.cli", "validate", str(job)], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+
+    two = reward_model_dir(dirs["qwen3_moe"], tmp_path / "rm2", labels=2)
+    with pytest.raises(CheckpointFormatError, match=r"'score.weight' has shape \[2, 64\]: 2 labels.*num_labels: 1"):
+        HFCheckpoint(two, dims, score_head=True)
 
 
 def test_an_unsupported_model_type(dirs: dict[str, Path], tmp_path: Path) -> None:

@@ -28,9 +28,6 @@ from moe.specs import ModelDims, MoESpec, Role
 # One tensor's placement: (box, ranks holding a replica of that box), boxes disjoint and covering.
 TensorPlacement = list[tuple[Box, tuple[int, ...]]]
 
-# Megatron keeps fp32 main grads and (distributed) Adam with fp32 master weights: 4 + 4 + 4 bytes.
-GRAD_BYTES_PER_PARAM = 4
-OPTIMIZER_BYTES_PER_PARAM = 12
 SGLANG_VOCAB_PADDING = 64
 
 
@@ -203,7 +200,8 @@ class TrainerLayout:
 
     def validate(self, spec: MoESpec, world_size: int | None = None, gpu_memory_bytes: int | None = None,
                  distributed_optimizer: bool = True) -> None:
-        """Raise ValueError if `spec` cannot be laid out this way (divisibility, world, memory)."""
+        """Raise ValueError if `spec` cannot be laid out this way (divisibility, world, memory: what
+        moe.trainer_memory counts for params of the checkpoint's dtype, as `hpcrl plan` does)."""
         d = self.dims_check(spec)
         _check_world("TrainerLayout", self.world_size, world_size,
                      f"with tp={self.tp} cp={self.cp} pp={self.pp} use dp={world_size // (self.tp * self.cp * self.pp)}"
@@ -211,7 +209,14 @@ class TrainerLayout:
                      f"tp*cp*pp={self.tp * self.cp * self.pp} must divide it")
         self.stage_layers(d.num_layers)
         if gpu_memory_bytes is not None:
-            mem = trainer_memory(spec, self, distributed_optimizer)
+            from moe.trainer_memory import TrainerBuild, memory_hint, trainer_memory  # it imports this module
+
+            by_dtype: dict[str, int] = {}
+            for t in spec.tensors:
+                by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.numel
+            build = TrainerBuild(param_dtype=max(by_dtype, key=by_dtype.__getitem__),  # the checkpoint's
+                                 distributed_optimizer=distributed_optimizer)
+            mem = trainer_memory(spec, self, build)
             need = int(mem["total_bytes"].max())
             if need > gpu_memory_bytes:
                 raise ValueError(
@@ -219,7 +224,7 @@ class TrainerLayout:
                     f"{mem['params_bytes'].max() / 2**30:.1f} + grads {mem['grads_bytes'].max() / 2**30:.1f} + "
                     f"optimizer {mem['optimizer_bytes'].max() / 2**30:.1f}) > gpu memory "
                     f"{gpu_memory_bytes / 2**30:.1f} GiB; increase pp, ep or tp "
-                    f"({self._memory_hint(spec, gpu_memory_bytes, distributed_optimizer)})")
+                    f"({memory_hint(spec, self, build, gpu_memory_bytes)})")
 
     def dims_check(self, spec: MoESpec) -> ModelDims:
         """The spec's dims, after checking they divide by this layout's axes (ValueError if not)."""
@@ -238,26 +243,6 @@ class TrainerLayout:
                 raise ValueError(f"TrainerLayout.{axis}={n} does not divide {what}={size}; "
                                  f"nearest valid {axis}: {_nearest(_divisors(size), n)}")
         return d
-
-    def _memory_hint(self, spec: MoESpec, budget: int, dist_opt: bool) -> str:
-        tries = []
-        for field, values in (("ep", _divisors(spec.dims.num_experts or 1)), ("pp", range(self.pp + 1, 65))):
-            for v in values:
-                if v <= getattr(self, field):
-                    continue
-                kw = {f: getattr(self, f) for f in ("tp", "pp", "ep", "etp", "dp", "cp")}
-                kw[field] = v
-                if field == "ep" and (kw["tp"] * kw["cp"] * kw["dp"]) % (kw["etp"] * v):
-                    kw["dp"] = kw["dp"] * v // np.gcd(kw["tp"] * kw["cp"] * kw["dp"], kw["etp"] * v).item()
-                try:
-                    cand = TrainerLayout(**kw)
-                    cand.stage_layers(spec.dims.num_layers)
-                    if cand.dims_check(spec) and trainer_memory(spec, cand, dist_opt)["total_bytes"].max() <= budget:
-                        tries.append(f"{field}={v}" + (f" dp={kw['dp']}" if kw["dp"] != self.dp else ""))
-                        break
-                except ValueError:
-                    continue
-        return "fits with " + " or ".join(tries) if tries else "no single pp/ep increase fits"
 
     def placement(self, spec: MoESpec) -> list[TensorPlacement]:
         """For every tensor of `spec` (spec order): its boxes and the trainer ranks holding each.
@@ -461,29 +446,3 @@ def bytes_per_rank(spec: MoESpec, placement: list[TensorPlacement], world_size: 
     for ranks, b in acc.items():
         out[list(ranks)] += b
     return out
-
-
-def trainer_memory(spec: MoESpec, layout: TrainerLayout, distributed_optimizer: bool = True) -> dict[str, np.ndarray]:
-    """Per-rank bytes of params (spec dtype), fp32 grads and Adam state (fp32 master + m + v).
-
-    With the distributed optimizer the optimizer state of each replicated box is sharded over its
-    replicas (dense: cp*dp, experts: edp), as Megatron's distributed optimizer does.
-    """
-    placement = layout.placement(spec)
-    world = layout.world_size
-    params = bytes_per_rank(spec, placement, world)
-    numel = bytes_per_rank(spec, placement, world, bytes_per_param=1)
-    if distributed_optimizer:
-        acc: dict[tuple[int, ...], float] = {}
-        for pl in placement:
-            for box, ranks in pl:
-                acc[ranks] = acc.get(ranks, 0.0) + box.numel / len(ranks)
-        opt_numel = np.zeros(world)
-        for ranks, n in acc.items():
-            opt_numel[list(ranks)] += n
-    else:
-        opt_numel = numel
-    grads = numel * GRAD_BYTES_PER_PARAM
-    optim = opt_numel * OPTIMIZER_BYTES_PER_PARAM
-    return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optim,
-            "total_bytes": params + grads + optim}

@@ -104,6 +104,41 @@ def check_grad_norm() -> None:
     assert reduce.called
 
 
+def check_grad_sync() -> None:
+    """Patch 13: with one data-parallel rank, DDP's grad sync leaves the grad buffers exactly as
+    Megatron's (an identity all-reduce) without calling the collective; a distributed optimizer still
+    goes to Megatron's function."""
+    from unittest import mock
+
+    import torch.nn.functional as F
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    patched = _ParamAndGradBucketGroup.start_grad_sync
+    original = next(c.cell_contents for c in patched.__closure__
+                    if getattr(c.cell_contents, "__name__", "") == "start_grad_sync")
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=8,
+                               moe_ffn_hidden_size=8, num_moe_experts=2, moe_router_topk=2, gated_linear_unit=True,
+                               activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False,
+                               gradient_accumulation_fusion=False, use_cpu_initialization=True)
+    torch.manual_seed(0)
+    model = GPTModel(config, get_gpt_layer_local_spec(num_experts=2), vocab_size=32, max_sequence_length=8)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    ddp(tokens, torch.arange(8).expand(2, 8), None).float().square().mean().backward()
+    before = [b.grad_data.clone() for b in ddp.buffers + ddp.expert_parallel_buffers]
+    assert all(g.abs().sum() > 0 for g in before)
+    for sync in (patched, original):
+        with mock.patch.object(_ParamAndGradBucketGroup, "start_grad_sync", sync), \
+                mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as reduce:
+            ddp.finish_grad_sync()
+        assert reduce.called == (sync is original), (sync, reduce.called)
+        after = [b.grad_data for b in ddp.buffers + ddp.expert_parallel_buffers]
+        assert all(torch.equal(x, y) for x, y in zip(before, after))
+
 if __name__ == "__main__":
     from hpcrl.trainer import megatron_compat
 
@@ -115,5 +150,6 @@ if __name__ == "__main__":
     parallel_state.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     name = sys.argv[1]
-    {"mappings": check_mappings, "experts": check_experts, "grad_norm": check_grad_norm}[name]()
+    {"mappings": check_mappings, "experts": check_experts, "grad_norm": check_grad_norm,
+     "grad_sync": check_grad_sync}[name]()
     print(f"{name} OK")

@@ -65,5 +65,5 @@ def init_torch_distributed(comm, backend: str, timeout_s: float = 300.0) -> None
         addr = (host, store.port)
     host, port = comm.bcast(addr, root=0)
     if store is None:
-        store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+        store = joined_store(f"tcp://{host}:{port}", world, timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)

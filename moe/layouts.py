@@ -211,11 +211,9 @@ class TrainerLayout:
         if gpu_memory_bytes is not None:
             from moe.trainer_memory import TrainerBuild, memory_hint, trainer_memory  # it imports this module
 
-            by_dtype: dict[str, int] = {}
-            for t in spec.tensors:
-                by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.numel
-            build = TrainerBuild(param_dtype=max(by_dtype, key=by_dtype.__getitem__),  # the checkpoint's
-                                 distributed_optimizer=distributed_optimizer)
+            from moe.specs._types import config_dtype
+
+            build = TrainerBuild(param_dtype=config_dtype(spec.config), distributed_optimizer=distributed_optimizer)
             mem = trainer_memory(spec, self, build)
             need = int(mem["total_bytes"].max())
             if need > gpu_memory_bytes:

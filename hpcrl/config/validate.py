@@ -193,8 +193,8 @@ def _read_model(job: JobConfig) -> ModelDims:
 
 def _check_weights(job: JobConfig, dims: HFModelDims, key: str, path: str) -> None:
     """The safetensors of `path` (model.path, or critic.path: a directory of the policy's
-    architecture, or a one-label reward model of it) match the model's config: every tensor there, none unexpected, every shape right
-    (reads the files' headers only)."""
+    architecture, or a one-label reward model of it) match the model's config: every tensor there,
+    none unexpected, every shape right (reads the files' headers only)."""
     from moe.hf_checkpoint import CheckpointFormatError, HFCheckpoint
 
     try:

@@ -79,12 +79,12 @@ def _models(policy: Any) -> list[_Model]:
     shapes = policy.dims.hf_shapes()
     local = local_params(policy.dims, policy.coords)
 
-    def pieces(gpt: torch.nn.Module, names: list[str]) -> list:
+    def pieces(gpt: torch.nn.Module, names: set[str]) -> list:
         params = dict(gpt.named_parameters())
         return [(pc.hf_name, params[lp.name], pc.local_box.index, pc.hf_box, shapes[pc.hf_name])
                 for lp in local if lp.name in names for pc in lp.pieces]
 
-    everything = [lp.name for lp in local]
+    everything = {lp.name for lp in local}
     models = [_Model("policy", pieces(policy.gpt, everything), policy.optimizer, "adam", "adam_step")]
     if policy.ref is not None:
         models.append(_Model("ref", pieces(policy.ref, everything)))
@@ -94,7 +94,7 @@ def _models(policy: Any) -> list[_Model]:
 
         # the value head replaces lm_head (and an untied critic has no tied copy of the embedding)
         own = {n for n, _ in critic.gpt.named_parameters() if not n.startswith("output_layer.")}
-        body = pieces(critic.gpt, [n for n in everything if n in own])
+        body = pieces(critic.gpt, everything & own)
         head = critic.head()
         if head is not None:
             for name, param in zip(HEAD_NAMES, (head.weight, head.bias)):

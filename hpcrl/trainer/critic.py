@@ -98,8 +98,8 @@ class MegatronCritic:
         shapes.update({HEAD_NAMES[0]: (p.dims.hidden_size,), HEAD_NAMES[1]: (1,)})
         params = dict(self.gpt.named_parameters())
         # each HF region from its first holder, as the policy's; one replica of the head
-        pieces = [(pc.hf_name, params[n].detach()[pc.local_box.index], pc.hf_box) for n, pc in p._export_plan[p.rank]
-                  if not n.startswith("output_layer.") and n in params]
+        pieces = [(pc.hf_name, params[n].detach()[pc.local_box.index], pc.hf_box)
+                  for n, pc in p._export_plan[p.rank] if not n.startswith("output_layer.") and n in params]
         head = self.head()
         if head is not None and p.coords.tp_rank == 0 and p.dp_rank == 0:
             pieces += [(name, param.detach(), Box.full(shapes[name]))

@@ -311,8 +311,9 @@ class MegatronPolicy:
         elsewhere. Collective, no gather: each rank digests, where they live, the HF regions it is
         the first holder of (the export plan); one all-reduce of LANES int64 per tensor."""
         params = dict(self.gpt.named_parameters())
-        return self.sharded_hash(self.dims.hf_shapes(), next(iter(params.values())).dtype, (
-            (pc.hf_name, params[n].detach()[pc.local_box.index], pc.hf_box) for n, pc in self._export_plan[self.rank]))
+        pieces = ((pc.hf_name, params[n].detach()[pc.local_box.index], pc.hf_box)
+                  for n, pc in self._export_plan[self.rank])
+        return self.sharded_hash(self.dims.hf_shapes(), next(iter(params.values())).dtype, pieces)
 
     def sharded_hash(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, pieces: Any) -> str | None:
         """The policy hash's definition over the tensors `shapes` (name -> global shape, in that
@@ -330,7 +331,8 @@ class MegatronPolicy:
         if self.rank != 0:
             return None
         lanes = lanes.cpu()
-        return policy_hash((name, dtype_name(dtype), shape, lanes[row[name]]) for name, shape in shapes.items())
+        dtype_str = dtype_name(dtype)
+        return policy_hash((name, dtype_str, shape, lanes[row[name]]) for name, shape in shapes.items())
 
     def export_hf_dir(self, out_dir: str, max_shard_bytes: int, source_dir: str | None = None) -> str | None:
         """Write the policy as a HF model directory (sharded safetensors, index, config.json; the

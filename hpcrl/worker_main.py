@@ -108,11 +108,11 @@ def main(argv: list[str] | None = None) -> int:
 
         serve(world, rollout_handlers(job, run_dir, world), idle_timeout_s)
         code = 0
-    _finalize_and_exit(code)
+    finalize_and_exit(code)
     return code
 
 
-def _finalize_and_exit(code: int) -> None:
+def finalize_and_exit(code: int) -> None:
     """End this rank: MPI_Finalize, then exit without running interpreter teardown. Destructors of
     torch.distributed/gloo and Megatron state at interpreter exit crash intermittently (SIGSEGV,
     seen as exit code 11 after a completed run); everything that matters is written by now."""

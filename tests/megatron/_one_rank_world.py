@@ -5,6 +5,7 @@ run as `python _one_rank_world.py NAME` in a fresh process (a one-rank gloo worl
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 
 import torch
@@ -152,4 +153,8 @@ if __name__ == "__main__":
     name = sys.argv[1]
     {"mappings": check_mappings, "experts": check_experts, "grad_norm": check_grad_norm,
      "grad_sync": check_grad_sync}[name]()
-    print(f"{name} OK")
+    print(f"{name} OK", flush=True)
+    # As hpcrl's workers do (worker_main.finalize_and_exit): skip interpreter teardown, where a gloo
+    # run-loop thread that still holds a Python thread state aborts the process (exit -6, seen in CI).
+    sys.stderr.flush()
+    os._exit(0)

@@ -141,4 +141,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from hpcrl.worker_main import finalize_and_exit
+
     main()
+    finalize_and_exit(0)  # as hpcrl's ranks end: no gloo/Megatron teardown at interpreter exit

@@ -161,3 +161,36 @@ def test_rope_without_pass_through_gives_megatrons_values_and_grads() -> None:
         assert all(torch.equal(a, c) for a, c in zip(got, want))
     for args in ((t, freqs[..., :4]), (t, freqs, False, True)):  # partial rotary; MLA
         assert torch.equal(fast(*args), original(*args))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU patches")
+def test_attention_and_router_softmax_go_through_softmax_cpu() -> None:
+    """Patch 14: Megatron's unfused attention softmax (scale, causal mask, softmax) and the router's
+    `torch.softmax` calls reach hpcrl.trainer.softmax_cpu, with torch's values and grads."""
+    megatron_compat.apply()
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.utils import attention_mask_func
+
+    from hpcrl.trainer import softmax_cpu
+
+    assert moe_utils.torch.softmax is megatron_compat._softmax
+    assert isinstance(fused_softmax.torch.nn.Softmax(dim=-1), softmax_cpu.SoftmaxLastDim)
+    assert type(fused_softmax.torch.nn.Softmax(dim=1)) is torch.nn.Softmax
+    softmax = fused_softmax.FusedScaleMaskSoftmax(
+        input_in_fp16=False, input_in_bf16=False, attn_mask_type=AttnMaskType.causal,
+        scaled_masked_softmax_fusion=False, mask_func=attention_mask_func, softmax_in_fp32=True, scale=0.25)
+    g = torch.Generator().manual_seed(4)
+    scores = torch.randn(64, 4, 12, 12, generator=g)
+
+    def unpatched(x: torch.Tensor) -> torch.Tensor:
+        causal = torch.triu(torch.ones(12, 12, dtype=torch.bool), diagonal=1)
+        return torch.softmax((x * 0.25).masked_fill(causal, -10000.0), dim=-1)
+
+    got = _values_and_grads(lambda x: softmax(x, None), scores)
+    want = _values_and_grads(unpatched, scores)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    logits = torch.randn(3000, 4, generator=g)
+    assert torch.equal(moe_utils.torch.softmax(logits, dim=-1, dtype=torch.float32), torch.softmax(logits, -1))
+    assert torch.equal(moe_utils.torch.softmax(logits, 0), torch.softmax(logits, 0))

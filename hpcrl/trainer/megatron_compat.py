@@ -67,6 +67,10 @@ and measurements: notes/python_stack.md sections 2-2.4):
      ~3x faster forward and backward where a row is shorter than one SIMD vector, as the tiny
      model's [64, 4, 12, 12] attention scores are (-10% train step, same-process A/B; policy
      hash unchanged).
+  15. `moe_utils.py:470 sort_chunks_by_idxs` (the alltoall dispatcher's sort of received tokens by
+     local expert, and its inverse) returns its inputs when the order is the identity, as it is
+     with one EP x TP rank: the split and in-order concatenation copy every token and its gradient
+     twice per MoE layer for nothing.
   Together with patch 1 caching its attribute look-ups, patches 7-9 took the tiny model's train
   step from 58 to 46 ms (median of 4 alternating runs), patch 10 another 11% (same-process A/B;
   dev/LOG.md). Attention is left to Megatron: SDPA there (7% faster) moved the trainer's rounding
@@ -449,6 +453,20 @@ def _one_rank_grad_sync(original: Any) -> Any:
     return start_grad_sync
 
 
+def _sort_chunks_unless_in_order(original: Any) -> Any:
+    """`moe_utils.sort_chunks_by_idxs` that returns its inputs when the order is the identity (patch
+    15): the split-and-concatenate in order is a copy of the same values, and its gradient the same
+    identity."""
+    def sort_chunks_by_idxs(input: torch.Tensor, split_sizes: torch.Tensor, sorted_idxs: torch.Tensor,
+                            probs: torch.Tensor | None = None, fused: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not fused and sorted_idxs.tolist() == list(range(len(sorted_idxs))):
+            return input, probs
+        return original(input, split_sizes, sorted_idxs, probs, fused)
+
+    return sort_chunks_by_idxs
+
+
 def _local_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: Any, per_tensor: bool,
                    *args: Any) -> tuple[torch.Tensor, None]:
     """`utils.local_multi_tensor_l2_norm` with foreach kernels instead of a norm per tensor and a
@@ -484,6 +502,7 @@ def _apply_cpu_patches() -> None:
     experts.SequentialMLP.forward = _grouped_experts_fast_path(experts.SequentialMLP.forward)
     rope_utils._apply_rotary_pos_emb_bshd = _rope_without_pass_through(rope_utils._apply_rotary_pos_emb_bshd,
                                                                       rope_utils._rotate_half)
+    token_dispatcher.sort_chunks_by_idxs = _sort_chunks_unless_in_order(moe_utils.sort_chunks_by_idxs)
     bucket_group = param_and_grad_buffer._ParamAndGradBucketGroup
     bucket_group.start_grad_sync = _one_rank_grad_sync(bucket_group.start_grad_sync)
     for fn_name, group_first in (("copy_to_tensor_model_parallel_region", False),

@@ -194,3 +194,26 @@ def test_attention_and_router_softmax_go_through_softmax_cpu() -> None:
     logits = torch.randn(3000, 4, generator=g)
     assert torch.equal(moe_utils.torch.softmax(logits, dim=-1, dtype=torch.float32), torch.softmax(logits, -1))
     assert torch.equal(moe_utils.torch.softmax(logits, 0), torch.softmax(logits, 0))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU patches")
+def test_sort_chunks_in_identity_order_returns_its_inputs() -> None:
+    """Patch 15: the dispatcher's sort by local expert is skipped when the order is the identity
+    (one EP x TP rank) and is Megatron's otherwise, values and grads."""
+    megatron_compat.apply()
+    from megatron.core.transformer.moe import token_dispatcher
+
+    fast = token_dispatcher.sort_chunks_by_idxs
+    original = next(c.cell_contents for c in fast.__closure__
+                    if getattr(c.cell_contents, "__name__", "") == "sort_chunks_by_idxs")
+    assert original is not fast
+    g = torch.Generator().manual_seed(5)
+    tokens, probs, sizes = torch.randn(10, 4, generator=g), torch.rand(10, generator=g), torch.tensor([3, 0, 5, 2])
+    out, out_probs = fast(tokens, sizes, torch.arange(4), probs=probs)
+    assert out is tokens and out_probs is probs
+    for order in (torch.tensor([2, 0, 3, 1]), torch.tensor([0, 2, 1, 3])):
+        got = _values_and_grads(lambda t, p: torch.cat([fast(t, sizes, order, probs=p)[0].flatten(),
+                                                         fast(t, sizes, order, probs=p)[1]]), tokens, probs)
+        want = _values_and_grads(lambda t, p: torch.cat([original(t, sizes, order, probs=p)[0].flatten(),
+                                                         original(t, sizes, order, probs=p)[1]]), tokens, probs)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))

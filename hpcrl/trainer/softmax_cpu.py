@@ -29,7 +29,7 @@ MIN_ELEMENTS = 8192
 """Smaller inputs go to torch: this path's ~10 + 2n tensor ops cost more than torch's rows there."""
 
 _checked: dict[int, bool] = {}  # row length -> this module's results equal torch's
-_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # lanes -> _vexp_buffers
+_buffers: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}  # _vexp_buffers by (lanes, mode)
 
 
 def _vector_floats() -> int:
@@ -38,15 +38,16 @@ def _vector_floats() -> int:
 
 def _vexp_buffers(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The [2, lanes] input and grad of the log-softmax backward that gives vexp, lanes >= n a
-    whole number of vectors (a scalar tail would use the C library's exp); kept per size."""
-    lanes = -(-n // 64) * 64
-    if lanes not in _buffers:
+    whole number of vectors (a scalar tail would use the C library's exp); kept per size and per
+    inference mode (a tensor made in it cannot be written outside it)."""
+    key = (-(-n // 64) * 64, torch.is_inference_mode_enabled())
+    if key not in _buffers:
         if len(_buffers) > 8:
             _buffers.clear()
-        grad = torch.zeros(2, lanes)
+        grad = torch.zeros(2, key[0])
         grad[1] = -1.0  # dx_0 = 0 - vexp(o_0) * (0 + -1) = vexp(o_0), exactly
-        _buffers[lanes] = (torch.zeros(2, lanes), grad)
-    return _buffers[lanes]
+        _buffers[key] = (torch.zeros(2, key[0]), grad)
+    return _buffers[key]
 
 
 def _forward(x: torch.Tensor) -> torch.Tensor:

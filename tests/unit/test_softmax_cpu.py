@@ -62,3 +62,12 @@ def test_a_row_length_that_fails_the_probe_goes_to_torch(monkeypatch: pytest.Mon
     x = torch.randn(64, 4, 6, 6)
     assert not softmax_cpu.fast_path(x) and softmax_cpu._checked == {6: False}
     assert torch.equal(softmax_lastdim(x), torch.softmax(x, -1))
+
+
+def test_inference_mode_and_grad_mode_alternate() -> None:
+    """The path's scratch buffers made under torch.inference_mode are not written outside it."""
+    x = torch.randn(64, 4, 12, 12)
+    for _ in range(2):
+        with torch.inference_mode():
+            assert torch.equal(softmax_lastdim(x), torch.softmax(x, -1))
+        assert torch.equal(softmax_lastdim(x), torch.softmax(x, -1))

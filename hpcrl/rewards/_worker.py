@@ -3,7 +3,8 @@
 Protocol over one duplex pipe: the worker sends ("ready", pid) once the reward is loaded and its
 optional `warm_up()` has run (or
 ("failed", traceback) and exits); then for each chunk (start, items) it receives, it sends back
-(start, scores, errors) with errors [(index, message)]; None or a closed pipe ends it. Before each
+(start, scores, errors, seconds) with errors [(index, message)] and the chunk's scoring time; None or
+a closed pipe ends it. Before each
 item it writes (started_at, index) into the shared `progress` array (started_at 0.0 = not scoring),
 which is how the pool finds the item that ran past its deadline without a message per item.
 """
@@ -60,6 +61,7 @@ def serve(conn: Connection, spec: str, progress: Any, parent_pid: int) -> None:
             return
         start, items = msg
         scores, errors = [], []
+        began = time.perf_counter()
         for k, (prompt, completion, answer, extra) in enumerate(items):
             progress[1] = start + k
             progress[0] = time.monotonic()
@@ -72,4 +74,4 @@ def serve(conn: Connection, spec: str, progress: Any, parent_pid: int) -> None:
                 errors.append((start + k, f"{type(exc).__name__}: {exc}"))
             progress[0] = IDLE
             scores.append(score)
-        conn.send((start, scores, errors))
+        conn.send((start, scores, errors, time.perf_counter() - began))

@@ -11,12 +11,18 @@ process (float, then float32). An item whose reward raises, returns a non-number
 past `timeout_s` scores 0 and is listed in `Scores.errors`. A worker that hangs (also in C code
 that ignores signals) is killed with SIGKILL and replaced; a worker that dies is replaced; the rest
 of its chunk is dispatched again. So `score` returns within about
-`ceil(n / num_workers) * timeout_s` plus a worker start-up for each hang, whatever the reward does.
+`(ceil(n / num_workers) + 1) * timeout_s` plus a worker start-up for each hang, whatever the reward
+does.
 
 Workers are started with the spawn context (never fork: the controller is an MPI rank), die with
 the controller (PR_SET_PDEATHSIG) and ignore SIGINT/SIGTERM/SIGUSR1/2 (the controller owns
 shutdown and preemption); `close` stops them. Each worker has at most one chunk in flight, so
 neither side can block on a full pipe while the other does.
+
+A call is cut into CHUNKS_PER_WORKER chunks per worker, except when the workers' measured time per
+item says the whole call scores in under SPREAD_MIN_S: then it is one chunk for one worker, since a
+second worker's wake-up and answer cost more than they save (a cheap reward on a small batch, as
+the tiny example's). A lost worker resets that measure, and the rest of its chunk is spread again.
 """
 
 from __future__ import annotations
@@ -40,6 +46,11 @@ RewardItem = tuple[str, str, str, dict[str, Any]]
 
 CHUNKS_PER_WORKER = 2
 """Chunks per worker and call: few messages, yet a worker killed mid-chunk loses little work."""
+
+SPREAD_MIN_S = 2e-3
+"""A call whose items the workers' measured cost puts under this much scoring in all goes to one
+worker as one chunk: waking and answering a second worker costs ~0.5 ms more on 2 busy cores
+(benchmarks/RESULTS.md, reward pool), more than it can save there."""
 
 
 class RewardPoolError(RuntimeError):
@@ -78,6 +89,7 @@ class RewardPool:
         self._ctx = mp.get_context("spawn")
         self._slots = [self._spawn() for _ in range(num_workers)]
         self._failed_starts = 0
+        self._item_s: float | None = None  # seconds per item in the workers (running mean); None: unknown
         atexit.register(self.close)  # runs before multiprocessing's own exit hook (registered earlier)
 
     def _spawn(self) -> _Slot:
@@ -94,7 +106,7 @@ class RewardPool:
         n = len(items)
         rewards = np.zeros(n, dtype=np.float64)
         errors: dict[int, str] = {}
-        size = max(1, -(-n // (CHUNKS_PER_WORKER * len(self._slots))))
+        size = max(1, -(-n // self._chunks(n)))
         todo = deque((lo, min(lo + size, n)) for lo in range(0, n, size))
         orphaned: set[tuple[int, int]] = set()  # chunks that already lost a worker outside any item
         while todo or any(s.chunk for s in self._slots):
@@ -119,6 +131,13 @@ class RewardPool:
             self._enforce_deadlines(todo, orphaned, errors)
         return Scores(rewards.astype(np.float32), dict(sorted(errors.items())))
 
+    def _chunks(self, n: int) -> int:
+        """Chunks for a call of n items: CHUNKS_PER_WORKER per worker, or one when the workers' cost
+        so far says the call is cheaper than SPREAD_MIN_S."""
+        if self._item_s is not None and self._item_s * n < SPREAD_MIN_S:
+            return 1
+        return CHUNKS_PER_WORKER * len(self._slots)
+
     def _receive(self, i: int, msg: tuple, rewards: np.ndarray, errors: dict[int, str]) -> None:
         slot = self._slots[i]
         if msg[0] == "ready":
@@ -128,10 +147,13 @@ class RewardPool:
             self.close()
             raise RewardPoolError(f"reward.fn={self.spec!r} failed to load in a reward worker:\n{msg[1]}")
         else:
-            start, scores, errs = msg
+            start, scores, errs, seconds = msg
             rewards[start:start + len(scores)] = scores
             errors.update(errs)
             slot.chunk = None
+            if scores:
+                per_item = seconds / len(scores)
+                self._item_s = per_item if self._item_s is None else (self._item_s + per_item) / 2
 
     def _wait_s(self) -> float:
         """Seconds until the next deadline: an item's, or a starting worker's."""
@@ -159,6 +181,7 @@ class RewardPool:
         chunk goes back to the front of the queue."""
         slot = self._slots[i]
         started, index = slot.progress[0], int(slot.progress[1])
+        self._item_s = None  # a hang or a crash: spread the rest over every worker again
         slot.proc.kill()
         slot.proc.join(5.0)
         slot.conn.close()
@@ -174,7 +197,9 @@ class RewardPool:
         lo, hi = slot.chunk
         if started != IDLE and lo <= index < hi:
             errors[index] = why
-            todo.extendleft(c for c in ((index + 1, hi), (lo, index)) if c[1] > c[0])
+            rest = -(-(hi - index - 1) // len(self._slots))  # the rest of the chunk, over every worker
+            pieces = [(lo, index), *((a, min(a + rest, hi)) for a in range(index + 1, hi, max(rest, 1)))]
+            todo.extendleft(reversed([c for c in pieces if c[1] > c[0]]))
         elif slot.chunk in orphaned:  # lost twice outside any item: give up on the chunk
             errors.update((k, why) for k in range(lo, hi))
         else:

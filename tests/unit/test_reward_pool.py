@@ -113,8 +113,8 @@ def test_every_item_hanging_still_returns_within_the_bound():
         scores = p.score(_items(["loop"] * n))
         elapsed = time.monotonic() - t0
     assert scores.num_errors == n and not scores.rewards.any()
-    # ceil(n / workers) deadlines back to back, plus a worker start per hang (generous on 2 busy cores)
-    assert elapsed < math.ceil(n / workers) * timeout_s + n * 3.0, elapsed
+    # ceil(n / workers) + 1 deadlines back to back, plus a worker start per hang (generous on 2 busy cores)
+    assert elapsed < (math.ceil(n / workers) + 1) * timeout_s + n * 3.0, elapsed
 
 
 @pytest.mark.timeout(60)
@@ -150,3 +150,50 @@ def test_warm_up_runs_once_per_worker_before_scoring():
         assert (p.score(_good(8)).rewards == 1.0).all()
     with RewardPool("math", num_workers=1, timeout_s=0.5) as p:  # math-verify imported before the deadline
         assert p.score([("p", "#### 0.5", "\\frac{1}{2}", {})]).rewards.tolist() == [1.0]
+
+
+def worker_pid(prompt, completion, answer, extra=None):
+    return float(os.getpid())
+
+
+def slow_worker_pid(prompt, completion, answer, extra=None):
+    time.sleep(0.01)
+    return float(os.getpid())
+
+
+def _all_ready(pool: RewardPool) -> None:
+    for _ in range(600):  # a worker's "ready" is read by the next call
+        if all(s.ready for s in pool._slots):
+            return
+        pool.score(_good(1))
+        time.sleep(0.05)
+    raise AssertionError("reward workers did not start")
+
+
+@pytest.mark.timeout(90)
+def test_cheap_calls_go_to_one_worker_and_costly_ones_to_all():
+    """A call that the workers' measured cost puts under SPREAD_MIN_S is one chunk for one worker
+    (one wake-up); one above it is spread over every worker. The reward returns its worker's pid."""
+    with RewardPool(f"{__name__}:worker_pid", num_workers=2, timeout_s=TIMEOUT_S) as p:
+        _all_ready(p)
+        for _ in range(3):
+            assert len(set(p.score(_good(8)).rewards.tolist())) == 1
+    with RewardPool(f"{__name__}:slow_worker_pid", num_workers=2, timeout_s=TIMEOUT_S) as p:
+        _all_ready(p)  # 10 ms per item: 8 items are 80 ms of scoring
+        for _ in range(3):
+            assert len(set(p.score(_good(8)).rewards.tolist())) == 2
+
+
+@pytest.mark.timeout(90)
+def test_a_hang_in_a_single_chunk_call():
+    """A cheap reward's call is one chunk; a hang there kills the worker and scores the item 0, and
+    the rest of the chunk, spread again, scores as in process (the bound test covers the time)."""
+    with RewardPool(f"{__name__}:misbehaving", num_workers=2, timeout_s=0.5) as p:
+        _all_ready(p)
+        assert p._chunks(6) == 1
+        items = _good(6)
+        items[2] = _items(["loop"])[0]
+        scores = p.score(items)
+        assert sorted(scores.errors) == [2]
+        good = [0, 1, 3, 4, 5]
+        assert np.array_equal(scores.rewards[good], score_in_process(misbehaving, [items[i] for i in good]))

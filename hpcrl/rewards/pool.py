@@ -50,7 +50,7 @@ CHUNKS_PER_WORKER = 2
 SPREAD_MIN_S = 2e-3
 """A call whose items the workers' measured cost puts under this much scoring in all goes to one
 worker as one chunk: waking and answering a second worker costs ~0.5 ms more on 2 busy cores
-(benchmarks/RESULTS.md, reward pool), more than it can save there."""
+(benchmarks/RESULTS.md, small_kernels), more than it can save there."""
 
 
 class RewardPoolError(RuntimeError):

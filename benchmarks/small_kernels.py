@@ -1,0 +1,116 @@
+"""Two small costs of the tiny step, each against its baseline side by side in one process:
+softmax_cpu against torch's softmax (compat patch 14), and the reward pool's one-chunk call against
+its spread over every worker.
+
+    .venv/bin/python benchmarks/small_kernels.py [--reps 200] [--results benchmarks/RESULTS.md]
+
+Softmax: forward + backward of `hpcrl.trainer.softmax_cpu.softmax_lastdim` and of `torch.softmax`
+on the same tensors, alternating per repetition, one torch thread; the median of each, and whether
+the values and gradients are equal bit for bit.
+
+Reward pool: one `RewardPool("token_match", 2 workers)` scoring the tiny example's batch (64
+completions), alternating per call between the pool's own choice (one chunk for one worker, since
+the measured cost is far under SPREAD_MIN_S) and the spread it made before (CHUNKS_PER_WORKER chunks
+per worker); each call after a 30 ms idle (as in a run: the controller scores after the engines'
+generation) and back to back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from results_md import append_to_section
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = ((64, 4, 12, 12), (64, 4, 7, 7), (3072, 4), (64, 4, 16, 16))
+
+
+def _softmax_rows(reps: int) -> list[str]:
+    from hpcrl.trainer.softmax_cpu import fast_path, softmax_lastdim
+
+    rows = []
+    for shape in SHAPES:
+        g = torch.Generator().manual_seed(0)
+        x, grad = torch.randn(*shape, generator=g) * 4, torch.randn(*shape, generator=g)
+        results, times = {}, {"torch": [], "softmax_cpu": []}
+        for rep in range(reps + 10):
+            for name, fn in (("torch", lambda t: torch.softmax(t, -1)), ("softmax_cpu", softmax_lastdim)):
+                leaf = x.clone().requires_grad_()
+                t0 = time.perf_counter()
+                y = fn(leaf)
+                y.backward(grad)
+                if rep >= 10:
+                    times[name].append(time.perf_counter() - t0)
+                results[name] = (y.detach(), leaf.grad)
+        same = all(torch.equal(a, b) for a, b in zip(results["torch"], results["softmax_cpu"]))
+        base, new = (statistics.median(times[k]) * 1e6 for k in ("torch", "softmax_cpu"))
+        path = "fast path" if fast_path(x) else "torch's (not taken)"
+        rows.append(f"| {list(shape)} | {path} | {base:.0f} | {new:.0f} | {base / new:.2f}x | "
+                    f"{'yes' if same else 'NO'} |")
+    return rows
+
+
+def _pool_rows(calls: int) -> list[str]:
+    from hpcrl.rewards import pool as pool_mod
+
+    items = [("c", "cccc", "cccc", {}) for _ in range(64)]
+    rows = []
+    with pool_mod.RewardPool("token_match", num_workers=2, timeout_s=10.0) as pool:
+        for _ in range(20):  # both workers up, the cost measured
+            pool.score(items)
+            time.sleep(0.05)
+        own = pool._chunks
+        spread = lambda n: pool_mod.CHUNKS_PER_WORKER * len(pool._slots)  # noqa: E731
+        for idle in (0.03, 0.0):
+            times: dict[str, list[float]] = {"spread": [], "one chunk": []}
+            for i in range(2 * calls):
+                name = "spread" if i % 2 else "one chunk"
+                pool._chunks = spread if name == "spread" else own
+                time.sleep(idle)
+                t0 = time.perf_counter()
+                pool.score(items)
+                times[name].append(time.perf_counter() - t0)
+            base, new = (statistics.median(times[k]) * 1e3 for k in ("spread", "one chunk"))
+            rows.append(f"| {'after a 30 ms idle' if idle else 'back to back'} | {base:.2f} | {new:.2f} | "
+                        f"{base / new:.2f}x |")
+        pool._chunks = own
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=200, help="softmax repetitions, and reward-pool calls per mode")
+    ap.add_argument("--results", type=Path, help="append the tables under '## small_kernels' here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    load0 = os.getloadavg()[0]
+    softmax = _softmax_rows(args.reps)
+    pool = _pool_rows(max(args.reps // 4, 10))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = "\n".join([
+        f"### {stamp} (commit {commit}): `.venv/bin/python benchmarks/small_kernels.py --reps {args.reps}`", "",
+        f"{os.cpu_count()} CPUs, CPU capability {torch.backends.cpu.get_cpu_capability()}, load average (1 min) "
+        f"{load0:.1f} before, {os.getloadavg()[0]:.1f} after.", "",
+        "Softmax over the last dim, forward + backward (median us):", "",
+        "| shape | path | torch | softmax_cpu | speed-up | bit-identical |", "|---|---|---|---|---|---|",
+        *softmax, "",
+        "Reward pool, 64 token_match completions, 2 workers (median ms per call):", "",
+        "| calls | spread (4 chunks) | one chunk | speed-up |", "|---|---|---|---|", *pool, ""])
+    print(text)
+    if args.results:
+        append_to_section(args.results, "## small_kernels", text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

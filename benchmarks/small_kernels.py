@@ -87,7 +87,8 @@ def _pool_rows(calls: int) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=200, help="softmax repetitions, and reward-pool calls per mode")
+    ap.add_argument("--reps", type=int, default=200,
+                    help="softmax repetitions; reward-pool calls per mode are a quarter of it")
     ap.add_argument("--results", type=Path, help="append the tables under '## small_kernels' here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -98,9 +99,10 @@ def main() -> int:
                             text=True).stdout.strip()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     text = "\n".join([
-        f"### {stamp} (commit {commit}): `.venv/bin/python benchmarks/small_kernels.py --reps {args.reps}`", "",
-        f"{os.cpu_count()} CPUs, CPU capability {torch.backends.cpu.get_cpu_capability()}, load average (1 min) "
-        f"{load0:.1f} before, {os.getloadavg()[0]:.1f} after.", "",
+        f"### {stamp} (commit {commit}): "
+        f"`.venv/bin/python benchmarks/small_kernels.py --reps {args.reps}`", "",
+        f"{os.cpu_count()} CPUs, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"load average (1 min) {load0:.1f} before, {os.getloadavg()[0]:.1f} after.", "",
         "Softmax over the last dim, forward + backward (median us):", "",
         "| shape | path | torch | softmax_cpu | speed-up | bit-identical |", "|---|---|---|---|---|---|",
         *softmax, "",

@@ -20,6 +20,8 @@ happens, faster where the check passed.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 _VECTOR_FLOATS = {"AVX512": 16, "AVX2": 8}
@@ -81,14 +83,14 @@ def _row_sum(x_nR: torch.Tensor) -> torch.Tensor:
 
 class _SoftmaxLastDim(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         y = _forward(x.contiguous())
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        (y,) = ctx.saved_tensors  # type: ignore[attr-defined]
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (y,) = ctx.saved_tensors
         return _backward(grad.contiguous(), y)
 
 

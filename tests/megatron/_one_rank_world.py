@@ -49,7 +49,8 @@ def check_experts() -> None:
             assert bias is None
         for a, b in zip(*results):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    one = experts.module(1, config, experts.submodules, pg_collection=groups)  # one local expert: Megatron's own path
+    # one local expert: Megatron's own path
+    one = experts.module(1, config, experts.submodules, pg_collection=groups)
     out, _ = fast(one, x, torch.tensor([9]), probs)
     assert out.shape == (9, 16)
 
@@ -71,7 +72,8 @@ def check_mappings() -> None:
     c = token_dispatcher.all_to_all(group, b, [4], [4])
     c.sum().backward()
     assert a is x and torch.equal(c, x * 2) and torch.equal(x.grad, torch.full((4, 3), 2.0))
-    assert layers.reduce_from_tensor_model_parallel_region is mappings.reduce_from_tensor_model_parallel_region
+    mapped = mappings.reduce_from_tensor_model_parallel_region
+    assert layers.reduce_from_tensor_model_parallel_region is mapped
     w = torch.randn(5, 3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -122,7 +124,8 @@ def check_grad_sync() -> None:
     original = next(c.cell_contents for c in patched.__closure__
                     if getattr(c.cell_contents, "__name__", "") == "start_grad_sync")
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=8,
-                               moe_ffn_hidden_size=8, num_moe_experts=2, moe_router_topk=2, gated_linear_unit=True,
+                               moe_ffn_hidden_size=8, num_moe_experts=2, moe_router_topk=2,
+                               gated_linear_unit=True,
                                activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False,
                                gradient_accumulation_fusion=False, use_cpu_initialization=True)
     torch.manual_seed(0)

@@ -21,7 +21,9 @@ MB = 1 << 20
 def test_export_matches_trainer(tmp_path):
     script = Path(__file__).with_name("_export_check.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen([str(MPIEXEC), "-n", "2", sys.executable, str(script), str(tmp_path)],
+    # -disable-auto-cleanup: else hydra SIGKILLs ranks still running once one exits (dev/LOG.md, session 13)
+    proc = subprocess.Popen([str(MPIEXEC), "-disable-auto-cleanup", "-n", "2", sys.executable, str(script),
+                             str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:

@@ -36,8 +36,9 @@ def test_loading_and_exporting_stay_below_half_the_model_per_rank(tmp_path: Path
     full_bytes = 4 * sum(int(__import__("math").prod(s)) for s in dims.hf_shapes().values())
     source = model_dir(tmp_path / "small", config=cfg, seed=3, tokenizer=False, max_shard_size="20MB")
     result = tmp_path / "result.json"
-    cmd = [str(MPIEXEC), "-n", "4", sys.executable, str(WORKER), str(source), str(tmp_path / "export"),
-           str(result)]
+    # -disable-auto-cleanup: else hydra SIGKILLs ranks still running once one exits (dev/LOG.md, session 13)
+    cmd = [str(MPIEXEC), "-disable-auto-cleanup", "-n", "4", sys.executable, str(WORKER), str(source),
+           str(tmp_path / "export"), str(result)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)

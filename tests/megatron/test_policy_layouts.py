@@ -60,7 +60,9 @@ def launch(name: str, out: Path, model_dirs: dict[str, Path]) -> dict:
     ranks, flags, weights = LAYOUTS[name]
     if weights != "seed":
         flags = [*flags, "--model-dir", str(model_dirs[weights])]
-    cmd = [str(MPIEXEC), "-n", str(ranks), sys.executable, str(WORKER), *flags, str(out)]
+    # -disable-auto-cleanup: else hydra SIGKILLs ranks still running once one exits (dev/LOG.md, session 13)
+    cmd = [str(MPIEXEC), "-disable-auto-cleanup", "-n", str(ranks), sys.executable, str(WORKER), *flags,
+           str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)

@@ -143,7 +143,9 @@ def load(root: str) -> dict:
 
 
 def _mpirun(n: int, mode: str, root: Path, timeout_s: float = 150) -> list[dict]:
-    cmd = [str(MPIEXEC), "-launcher", "fork", "-n", str(n), sys.executable, __file__, mode, str(root)]
+    # -disable-auto-cleanup: else hydra SIGKILLs ranks still running once one exits (dev/LOG.md, session 13)
+    cmd = [str(MPIEXEC), "-launcher", "fork", "-disable-auto-cleanup", "-n", str(n), sys.executable, __file__,
+           mode, str(root)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

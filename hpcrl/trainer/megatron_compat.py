@@ -64,9 +64,10 @@ and measurements: notes/python_stack.md sections 2-2.4):
   14. `fused_softmax.py:331` (the unfused attention softmax) and the router's `torch.softmax`
      calls (`moe_utils.py:711/715/781`, `router.py:235`) -> `hpcrl.trainer.softmax_cpu`: torch's
      softmax over the last dim bit for bit (checked per row length on first use, else torch's),
-     ~3x faster forward and backward where a row is shorter than one SIMD vector, as the tiny
-     model's [64, 4, 12, 12] attention scores are (-10% train step, same-process A/B; policy
-     hash unchanged).
+     faster where a row is shorter than one SIMD vector: forward + backward 1.7-2.1x on the tiny
+     model's [64, 4, 12, 12] attention scores (benchmarks/RESULTS.md, small_kernels), about -10%
+     of the isolated train step at 12 positions, within the noise at the copy task's 7; policy
+     hash unchanged.
   15. `moe_utils.py:470 sort_chunks_by_idxs` (the alltoall dispatcher's sort of received tokens by
      local expert, and its inverse) returns its inputs when the order is the identity, as it is
      with one EP x TP rank: the split and in-order concatenation copy every token and its gradient

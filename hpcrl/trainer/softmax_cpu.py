@@ -12,10 +12,10 @@ takes ~0.1 ms, and its backward ~0.6 ms. Per row that kernel computes, in float3
 `softmax_lastdim` computes the same operations, in the same order, as whole-tensor ops: the sums
 as a chain of column adds, and vexp (the SIMD exp, which differs from `torch.exp` in the last bit
 for a few percent of inputs) taken from the one kernel that returns it bare: the log-softmax
-backward over a dimension of two, where dx_0 = 0 - vexp(o_0) * (0 + -1) = vexp(o_0). The first call for each
-row length checks its results against torch's on a probe; on a mismatch (another CPU, another
-torch build) that length goes to torch's softmax for good. So a caller sees torch's values whatever
-happens, faster where the check passed.
+backward over a dimension of two, where dx_0 = 0 - vexp(o_0) * (0 + -1) = vexp(o_0). The first
+call for each row length checks its results against torch's on a probe; on a mismatch (another
+CPU, another torch build) that length goes to torch's softmax for good. So a caller sees torch's
+values whatever happens, faster where the check passed.
 """
 
 from __future__ import annotations

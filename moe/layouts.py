@@ -24,6 +24,7 @@ import numpy as np
 
 from moe.slices import Box
 from moe.specs import ModelDims, MoESpec, Role
+from moe.specs._types import config_dtype
 
 # One tensor's placement: (box, ranks holding a replica of that box), boxes disjoint and covering.
 TensorPlacement = list[tuple[Box, tuple[int, ...]]]
@@ -210,8 +211,6 @@ class TrainerLayout:
         self.stage_layers(d.num_layers)
         if gpu_memory_bytes is not None:
             from moe.trainer_memory import TrainerBuild, memory_hint, trainer_memory  # it imports this module
-
-            from moe.specs._types import config_dtype
 
             build = TrainerBuild(param_dtype=config_dtype(spec.config), distributed_optimizer=distributed_optimizer)
             mem = trainer_memory(spec, self, build)

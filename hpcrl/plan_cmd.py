@@ -6,7 +6,8 @@ full-scale layout keys), builds the job's model spec, Megatron `TrainerLayout`, 
 `network:` into a `Topology`, then asks `moe.report.plan_report` for per-GPU memory (trainer params,
 grads, optimizer, reference model, for model.dtype's build and the other dtype's; rollout weights),
 the bytes each rank sends and receives, and the weight-sync times by route: the shard route's
-estimate and NIC line-rate lower bound (hpcrl's reference engine only), the broadcast route's
+estimate and NIC line-rate lower bound (the reference engine, and SGLang's Qwen3-MoE through hpcrl's
+loader), the broadcast route's
 hpcrl multi-source broadcast and verl / slime's gather-then-broadcast baseline (SGLang). The route
 the job's run takes is listed first. Virtual ranks only: no process starts, no GPU is needed.
 Layout problems become `ConfigError`s naming the job key to change and the nearest valid values; a

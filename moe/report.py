@@ -122,7 +122,8 @@ def plan_report(spec: MoESpec, trainer: TrainerLayout, rollout: RolloutLayout, *
         "baseline_terms": base,
     }
     routes: dict[str, dict[str, Any]] = {
-        "shard": {"what": ROUTE_WHAT["shard"], "engines": "hpcrl reference engine only",
+        "shard": {"what": ROUTE_WHAT["shard"],
+                  "engines": "hpcrl reference engine; SGLang (Qwen3-MoE) through hpcrl's loader",
                   "estimate_s": est, "lower_bound_s": out["lower_bound_s"]},
         "broadcast": {"what": ROUTE_WHAT["broadcast"], "engines": "SGLang and the hpcrl reference engine",
                       "baseline_broadcast_s": out["baseline_broadcast_s"]},
@@ -158,7 +159,8 @@ def trainer_memory_line(t: dict[str, Any]) -> str:
 
 def route_lines(r: dict[str, Any], first: str = "shard") -> list[str]:
     """The weight-sync times of a report, one line per route, `first` ("shard" | "broadcast") first."""
-    shard = ("  shard          trainer shards straight to the engines (hpcrl's reference engine only): "
+    shard = ("  shard          trainer shards straight to the engines (reference engine; SGLang "
+             "Qwen3-MoE via hpcrl's loader): "
              f"estimate {r['estimate_s']:.4g} s | line-rate lower bound {r['lower_bound_s']:.4g} s "
              f"(estimate x{r['estimate_over_lower_bound']:.3f})")
     hpcrl = ""

@@ -232,10 +232,12 @@ class RolloutConfig:
     budget of each rank."""
     weight_sync: str = "auto"
     """auto | shard | broadcast. shard: every trainer rank sends its Megatron shards straight to the
-    engines along a moe plan (hpcrl's extension route; reference engine only). broadcast: full HF
+    engines along a moe plan (the reference engine's extension route; SGLang's Qwen3-MoE engines
+    through hpcrl's --custom-weight-loader, docs/sglang_shard_route.md). broadcast: full HF
     tensors in buckets over SGLang's update_weights_from_distributed, from every trainer rank that is a
     source of some tensors, engines taken in turns (hpcrl/trainer/broadcast_sync.py). auto: shard
-    for the reference engine on CPU, broadcast otherwise (shard runs over gloo on CPU tensors)."""
+    for the reference engine on CPU, broadcast otherwise (the reference engine's shard route runs
+    over gloo on CPU tensors; SGLang's has not run on a GPU yet)."""
     sync_checksum: str = "sampled"
     """sampled | full | off: the checksum of every point-to-point round of a weight sync (shard sync,
     and the broadcast path's gather). sampled: every message's length and a 32nd of its bytes,

@@ -168,6 +168,7 @@ class ModelDims:
     expert_ffn_size: int
     max_position_embeddings: int
     tied_embeddings: bool
+    model_type: str
 
 
 def _read_model(job: JobConfig) -> ModelDims:
@@ -188,7 +189,7 @@ def _read_model(job: JobConfig) -> ModelDims:
                      num_attention_heads=dims.num_heads, num_key_value_heads=dims.num_kv_heads,
                      num_hidden_layers=dims.num_layers, vocab_size=dims.vocab_size,
                      expert_ffn_size=dims.moe_ffn_size, max_position_embeddings=dims.max_position_embeddings,
-                     tied_embeddings=dims.tied_embeddings)
+                     tied_embeddings=dims.tied_embeddings, model_type=str(hf.get("model_type")))
 
 
 def _check_weights(job: JobConfig, dims: HFModelDims, key: str, path: str) -> None:
@@ -361,6 +362,10 @@ def _check_parallel(job: JobConfig, m: ModelDims) -> None:
                           f"num_prompts_per_step: {_nearest(valid, n)}")
 
 
+SGLANG_SHARD_MODEL_TYPES = ("qwen3_moe",)
+"""Model types whose SGLang parameters hpcrl/rollout/sglang_shard_loader.py maps (Qwen3-MoE)."""
+
+
 def _check_devices(job: JobConfig, m: ModelDims) -> None:
     """dtype/backend/device consistency and GPU counts; nothing here touches the hardware."""
     r, res = job.rollout, job.resources
@@ -371,14 +376,16 @@ def _check_devices(job: JobConfig, m: ModelDims) -> None:
         raise ConfigError("rollout.tp_per_engine", r.tp_per_engine,
                           "the reference engine runs one process per engine: use tp_per_engine=1, "
                           "or rollout.backend=sglang on GPUs")
-    if r.weight_sync == "shard" and res.device != "cpu":
+    if r.weight_sync == "shard" and r.backend == "reference" and res.device != "cpu":
         raise ConfigError("rollout.weight_sync", r.weight_sync,
-                          f"shard sync runs over gloo on CPU tensors; with resources.device={res.device!r} "
-                          "use broadcast or auto")
-    if r.backend == "sglang" and r.weight_sync == "shard":
+                          f"the reference engine's shard route runs over gloo on CPU tensors; with "
+                          f"resources.device={res.device!r} use broadcast or auto (SGLang engines take "
+                          "the shard route on GPUs)")
+    if r.backend == "sglang" and r.weight_sync == "shard" and m.model_type not in SGLANG_SHARD_MODEL_TYPES:
         raise ConfigError("rollout.weight_sync", r.weight_sync,
-                          "SGLang accepts weights only by broadcast (update_weights_from_distributed); use "
-                          "broadcast or auto with rollout.backend=sglang")
+                          f"SGLang engines take the shard route through hpcrl's loader, which writes "
+                          f"{'/'.join(SGLANG_SHARD_MODEL_TYPES)} parameters only; {m.source} is model_type "
+                          f"{m.model_type!r}: use rollout.weight_sync: broadcast or auto")
     if r.backend == "sglang":
         if res.device != "cuda":
             raise ConfigError("rollout.backend", r.backend, f"SGLang needs GPUs: set resources.device=cuda "
@@ -584,7 +591,8 @@ def validate(job: JobConfig, purpose: str = "run") -> None:
 
 SGLANG_OWNED_FLAGS = ("--model-path", "--model", "--host", "--port", "--tp-size", "--tensor-parallel-size",
                       "--base-gpu-id", "--dtype", "--skip-tokenizer-init", "--load-format", "--config",
-                      "--api-key", "--admin-api-key", "--enable-deterministic-inference")
+                      "--api-key", "--admin-api-key", "--enable-deterministic-inference",
+                      "--custom-weight-loader")
 """SGLang 0.5.23's spellings (aliases included) of the settings hpcrl writes itself (hpcrl/rollout/worker.py
 sglang_command; the keys through its --config file); tests/conformance/test_launch_args.py checks them
 against SGLang's parser."""

@@ -244,6 +244,12 @@ class EngineClient:
 
         return self.start("POST", ROUTE, body)
 
+    def start_update_weights_from_tensor(self, body: dict) -> PendingResponse:
+        """SGLang's `/update_weights_from_tensor` written now and answered by `result()`; with
+        hpcrl's loader (sglang_shard_loader.tensor_request_body) the answer comes once every TP
+        worker has received its slices, so the calling thread sends meanwhile."""
+        return self.start("POST", "/update_weights_from_tensor", body)
+
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
 

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from hpcrl import faults
-from hpcrl.config.schema import JobConfig, engine_dtype
+from hpcrl.config.schema import JobConfig, engine_dtype, weight_sync_mode
 from hpcrl.dist import free_port, routable_host
 from hpcrl.rollout.engine_auth import job_keys, keys_path
 from hpcrl.rollout.engine_watch import EngineRecord
@@ -40,7 +40,9 @@ def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
     `rollout.python` (else this one); with `rollout.env_setup` the command runs in bash after those
     lines (`bash -c '<lines>; exec "$@"' hpcrl-engine python ...`). `--config` is the job's key file
     (engine_auth.keys_path: --api-key/--admin-api-key off the command line);
-    `--enable-deterministic-inference` makes SGLang honour each request's `sampling_seed`."""
+    `--enable-deterministic-inference` makes SGLang honour each request's `sampling_seed`. With
+    `rollout.weight_sync: shard`, `--custom-weight-loader` names hpcrl's loader
+    (hpcrl/rollout/sglang_shard_loader.py; `engine_env` makes it importable)."""
     if job.model.path:
         model_dir, load = Path(job.model.path), []
     else:
@@ -52,20 +54,44 @@ def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
            "--port", str(port), "--tp-size", str(job.rollout.tp_per_engine), *sglang_gpu_args(gpus), *load,
            "--skip-tokenizer-init", "--dtype", engine_dtype(job), "--config", str(keys_path(run_dir)),
            "--enable-deterministic-inference", *job.rollout.server_args]
+    if weight_sync_mode(job) == "shard":
+        from hpcrl.rollout.sglang_shard_loader import LOADER
+
+        cmd += ["--custom-weight-loader", LOADER]
     if job.rollout.env_setup:
         script = "\n".join([*job.rollout.env_setup, 'exec "$@"'])
         cmd = ["bash", "-c", script, "hpcrl-engine", *cmd]
     return cmd
 
 
+def engine_env(job: JobConfig, run_dir: Path, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The SGLang engine's environment: this one, and for the shard route `PYTHONPATH` led by
+    RUN_DIR/engine_python, which holds links to hpcrl's `hpcrl` and `moe` packages and nothing else
+    (the loader's imports; not hpcrl's site-packages, whose torch would shadow SGLang's)."""
+    env = dict(os.environ if environ is None else environ)
+    if weight_sync_mode(job) != "shard":
+        return env
+    import moe
+
+    path = run_dir / "engine_python"
+    path.mkdir(exist_ok=True)
+    for pkg in (Path(__file__).resolve().parents[1], Path(moe.__file__).resolve().parent):
+        link = path / pkg.name
+        if not link.is_symlink():
+            link.symlink_to(pkg, target_is_directory=True)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(path), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def _launch_sglang(job: JobConfig, run_dir: Path, host: str, port: int, log_path: Path,
                    gpus: tuple[int, ...] = ()) -> subprocess.Popen:
-    """Start SGLang on the job's model (see `sglang_command`)."""
+    """Start SGLang on the job's model (see `sglang_command`, `engine_env`)."""
     from hpcrl.rollout.client import open_private_log
 
     cmd = sglang_command(job, run_dir, host, port, gpus)
     with open_private_log(log_path) as log:  # SGLang logs its server args, the keys among them
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
+                                env=engine_env(job, run_dir))
 
 
 def reference_device(job: JobConfig, gpus: tuple[int, ...]) -> str:

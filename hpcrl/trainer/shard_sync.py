@@ -1,13 +1,19 @@
 """Shard-to-shard weight sync: every trainer rank sends its Megatron shards straight to the engines.
 
-The default sync for the reference engine (`rollout.weight_sync: shard`). Trainer ranks and engines
-form one process group (SGLang's `init_weights_update_group` route, rank = trainer rank, then
-T + engine index); both sides compute the same `moe.plan` from the job's layouts and the model spec,
-and run `moe.runtime.reshard` on it: each byte leaves the least-loaded trainer rank that holds it
-and lands in the engine that needs it, in bounded rounds with per-peer checksums. The engine side is
-the reference server's extension route `/hpcrl/update_weights_reshard` (hpcrl/rollout/reshard_route.py).
-Nothing is gathered on trainer rank 0, unlike the broadcast path (hpcrl/rollout/weight_sender.py)
-that SGLang needs.
+The default sync for the reference engine (`rollout.weight_sync: shard`), and SGLang's with
+`rollout.weight_sync: shard`. Trainer ranks and engines form one process group (SGLang's
+`init_weights_update_group` route; group rank = trainer rank, then T + engine index * tp + TP rank,
+which is moe.runtime.RankMap's rank of that rollout rank); both sides compute the same `moe.plan`
+from the job's layouts and the model spec, and run `moe.runtime.reshard` on it: each byte leaves
+the least-loaded trainer rank that holds it and lands in the engine GPU that needs it, in bounded
+rounds with per-peer checksums. Nothing is gathered on trainer rank 0, unlike the broadcast path
+(hpcrl/rollout/weight_sender.py).
+
+The engine side: the reference server's extension route `/hpcrl/update_weights_reshard`
+(hpcrl/rollout/reshard_route.py), or, for SGLang, `/update_weights_from_tensor` naming hpcrl's
+`--custom-weight-loader` (hpcrl/rollout/sglang_shard_loader.py), which runs inside every TP worker
+within a begin/end weight-update session. The group is gloo on CPU and NCCL with
+`resources.device: cuda`.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import torch.distributed as dist
 from hpcrl.config.schema import JobConfig, engine_dtype
 from hpcrl.dist import master_store, routable_host
 from hpcrl.rollout.reshard_route import PlanRequest, spec_fingerprint
-from hpcrl.rollout.weight_sender import init_custom_process_group
+from hpcrl.rollout.sglang_shard_loader import tensor_request_body
+from hpcrl.rollout.weight_sender import call_failures, init_custom_process_group
 from moe.hf_megatron import local_params
 from moe.network import Topology
 from moe.runtime import Shards, Staging, reshard
@@ -83,7 +90,10 @@ class ShardSync:
     """Trainer side of the shard-to-shard sync; every trainer rank holds one (collective calls).
 
     `clients` are the engines' EngineClients on trainer rank 0 (None elsewhere): rank 0 drives the
-    engines over HTTP while every rank takes part in the transfer.
+    engines over HTTP while every rank takes part in the transfer. With `rollout.backend: sglang`
+    each push is one weight-update session per engine: begin, `/update_weights_from_tensor` naming
+    the loader (answered once the engine's TP workers have received), end; a failed push closes
+    the sessions too.
     """
 
     def __init__(self, policy: Any, job: JobConfig, clients: list | None, timeout_s: float) -> None:
@@ -100,6 +110,8 @@ class ShardSync:
                                    topology=Topology(colocated=not spans_hosts(job)))
         self.plan = self.request.build(self.spec)
         self.fingerprint = spec_fingerprint(self.spec)
+        self.sglang = job.rollout.backend == "sglang"
+        self.backend = "nccl" if job.resources.device == "cuda" else "gloo"
         self.request_json = {**self.request.to_json(), "group_name": GROUP_NAME,
                              "spec_sha256": self.fingerprint, "verify": job.rollout.sync_checksum}
         self._announced: tuple[str, tuple[list[Any], list[str]]] | None = None
@@ -123,7 +135,8 @@ class ShardSync:
 
     def connect(self) -> None:
         """Form the trainer + engines group (collective over the trainer ranks)."""
-        world = self.world + self.plan.dst.world_size  # engines have TP 1: one group rank each
+        tp = self.plan.dst.tp
+        world = self.world + self.plan.dst.world_size  # one group rank per engine GPU
         addr: list[Any] = [None]
         store = None
         if self.rank == 0:
@@ -134,11 +147,12 @@ class ShardSync:
         host, port = addr[0]
         calls = []
         if self.rank == 0:
-            calls = [self._pool.submit(c.init_weights_update_group, host, port, self.world + i, world,
-                                       GROUP_NAME, "gloo") for i, c in enumerate(self.clients)]
-        # gloo's own timeout is longer than the per-round deadline, so the deadline names the peer
-        self.group = init_custom_process_group("gloo", f"tcp://{host}:{port}", world, self.rank, GROUP_NAME,
-                                               self.timeout_s + 60, store=store)
+            calls = [self._pool.submit(c.init_weights_update_group, host, port, self.world + i * tp, world,
+                                       GROUP_NAME, self.backend) for i, c in enumerate(self.clients)]
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+        # the group's own timeout is longer than the per-round deadline, so the deadline names the peer
+        self.group = init_custom_process_group(self.backend, f"tcp://{host}:{port}", world, self.rank,
+                                               GROUP_NAME, self.timeout_s + 60, device_id=device, store=store)
         for i, fut in enumerate(calls):
             try:
                 fut.result(timeout=self.timeout_s)
@@ -161,17 +175,36 @@ class ShardSync:
             self._announced = (weight_version, self._start_requests(weight_version, 2 * self.timeout_s))
 
     def _start_requests(self, weight_version: str, deadline_s: float) -> tuple[list[Any], list[str]]:
-        """Write every engine's request (answered after the transfer); (pending calls, errors)."""
-        calls: list[Any] = []
+        """Write every engine's request (answered after the transfer); (pending calls, errors).
+
+        SGLang: open every engine's weight-update session first (at once, from the pool); an engine
+        that refuses gets no request."""
         errors: list[str] = []
+        opened = [True] * len(self.clients)
+        if self.sglang:
+            begins = [self._pool.submit(c.begin_weight_update) for c in self.clients]
+            for i, fut in enumerate(begins):
+                try:
+                    fut.result(timeout=self.timeout_s)
+                except Exception as exc:  # noqa: BLE001 - reported with the others by push
+                    opened[i] = False
+                    errors.append(f"engine {i} ({self.clients[i].base_url}): begin_weight_update: {exc}")
+        calls: list[Any] = []
         body = {**self.request_json, "weight_version": weight_version, "deadline_s": deadline_s}
         for i, c in enumerate(self.clients):
             try:
-                calls.append(c.start_update_weights_reshard({**body, "engine_rank": i}))
+                calls.append(self._start_request(i, body) if opened[i] else None)
             except Exception as exc:  # noqa: BLE001 - reported with the others by push
                 calls.append(None)
                 errors.append(f"engine {i} ({c.base_url}): {exc}")
         return calls, errors
+
+    def _start_request(self, i: int, body: dict[str, Any]) -> Any:
+        client = self.clients[i]
+        if self.sglang:  # one control payload per TP worker, read by hpcrl's loader inside SGLang
+            return client.start_update_weights_from_tensor(
+                tensor_request_body(body, i, self.plan.dst.tp, body["weight_version"]))
+        return client.start_update_weights_reshard({**body, "engine_rank": i})
 
     def push(self, weight_version: str) -> dict[str, float] | None:
         """Move the current weights into every engine; {"bytes", "seconds"} on rank 0, else None."""
@@ -200,6 +233,10 @@ class ShardSync:
                         pending.result()
                 except Exception as exc:  # noqa: BLE001 - every engine's failure is reported together
                     errors.append(f"engine {i} ({self.clients[i].base_url}): {exc}")
+            if self.rank == 0 and self.sglang:  # after a failure too: the next push must begin again
+                ends = [self._pool.submit(c.end_weight_update) for c in self.clients]
+                failed = call_failures(ends, self.clients, list(range(len(self.clients))), self.timeout_s)
+                errors += [] if errors else [f"end_weight_update on {e}" for e in failed]
             if errors:
                 raise RuntimeError("shard-to-shard weight sync failed: " + "; ".join(errors))
         if self.rank != 0:

@@ -14,14 +14,17 @@ import pytest
 
 from hpcrl.config import JobConfig
 from hpcrl.config.validate import SGLANG_OWNED_FLAGS
+from hpcrl.rollout.sglang_shard_loader import LOADER
 from hpcrl.rollout.worker import sglang_command
 
 PROBE = Path(__file__).parent / "_sglang_probe.py"
 API_KEY, ADMIN_KEY = "test-api-key", "test-admin-key"
 
 
-def _job(dtype: str, tp: int, model_path: str | None = None, server_args=(), env_setup=()) -> JobConfig:
+def _job(dtype: str, tp: int, model_path: str | None = None, server_args=(), env_setup=(),
+         weight_sync: str = "auto") -> JobConfig:
     job = JobConfig()
+    job.rollout.weight_sync = weight_sync
     job.model.dtype, job.model.path = dtype, model_path
     job.rollout.backend, job.rollout.tp_per_engine = "sglang", tp
     job.rollout.server_args, job.rollout.env_setup = list(server_args), list(env_setup)
@@ -38,6 +41,8 @@ CASES = [
      {"tp_size": 1, "base_gpu_id": 0, "model_path": "/models/qwen3", "dtype": "float32"}),
     (_job("bfloat16", 4, server_args=["--mem-fraction-static", "0.7"], env_setup=["module load cuda"]),
      (0, 1, 2, 3), {"tp_size": 4, "base_gpu_id": 0, "mem_fraction_static": 0.7}),
+    (_job("bfloat16", 2, weight_sync="shard"), (2, 3),  # the shard route: hpcrl's loader in the TP workers
+     {"tp_size": 2, "base_gpu_id": 2, "custom_weight_loader": [LOADER]}),
 ]
 
 
@@ -92,7 +97,7 @@ def test_reserved_flags_are_sglangs_spellings(parsed):
     options = parsed[0]["options"]
     missing = set(SGLANG_OWNED_FLAGS) - set(options)
     assert not missing, f"not SGLang 0.5.23 flags: {sorted(missing)}"
-    hpcrl_dests = {options[a] for a in _sglang_argv(sglang_command(CASES[0][0], parsed[1], "h", 1, (0, 1)))
-                   if a.startswith("--")}
+    hpcrl_dests = {options[a] for job, gpus, _ in CASES[::3]  # broadcast, shard
+                   for a in _sglang_argv(sglang_command(job, parsed[1], "h", 1, gpus)) if a.startswith("--")}
     spellings = {o for o, dest in options.items() if dest in hpcrl_dests}
     assert spellings <= set(SGLANG_OWNED_FLAGS), sorted(spellings - set(SGLANG_OWNED_FLAGS))

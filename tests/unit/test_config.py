@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from hf_fixtures import MIXTRAL
 from hpcrl.config import (ConfigError, JobConfig, job_from_dict, load_job, to_dict, valid_keys,
                           validate)
 
@@ -145,8 +146,11 @@ BAD = [
     ("reference-tp", "rollout: {tp_per_engine: 2}", [], None, "rollout.tp_per_engine", "2", "sglang"),
     ("bf16-on-cpu", "model: {dtype: bfloat16}", [], None, "model.dtype", "'bfloat16'", "device=cuda"),
     ("sglang-on-cpu", "rollout: {backend: sglang}", [], None, "rollout.backend", "'sglang'", "device=cuda"),
-    ("sglang-shard-sync", "rollout: {backend: sglang, weight_sync: shard}", [], None,
-     "rollout.weight_sync", "'shard'", "use broadcast or auto"),
+    ("sglang-shard-sync-mixtral",
+     "model: {config_path: model.json}\nrollout: {backend: sglang, weight_sync: shard}\n"
+     "resources: {device: cuda}",
+     [], lambda p: (p / "model.json").write_text(json.dumps(MIXTRAL)),
+     "rollout.weight_sync", "'shard'", "model_type 'mixtral': use rollout.weight_sync: broadcast"),
     ("shard-sync-on-cuda", "rollout: {weight_sync: shard}\nresources: {device: cuda}", [], None,
      "rollout.weight_sync", "'shard'", "gloo on CPU tensors"),
     ("sglang-tp-heads", "rollout: {backend: sglang, tp_per_engine: 3}\nresources: {device: cuda}", [], None,
@@ -188,6 +192,12 @@ def test_bad_input_names_key_value_and_fix(tmp_path, text, overrides, setup, pat
     assert shown in message, message
     assert hint.lower() in message.lower(), message
     assert "\n" not in message
+
+
+def test_sglang_engines_take_the_shard_route_for_qwen3_moe(tmp_path):
+    job = load_job(write(tmp_path, "rollout: {backend: sglang, weight_sync: shard, tp_per_engine: 2}\n"
+                                   "resources: {device: cuda}\n"))
+    assert job.rollout.weight_sync == "shard"
 
 
 def test_missing_file(tmp_path):

@@ -92,7 +92,8 @@ def test_json_report_has_the_required_keys_and_sane_values(json_report):
     assert o["optimizer_bytes_per_gpu"] == pytest.approx(2 * o["grads_bytes_per_gpu"])  # m, v replicated
     # The times, grouped by route: both examples use SGLang, which takes the broadcast route.
     assert r["weight_sync"] == {"rollout_backend": "sglang", "weight_sync": "auto", "route": "broadcast"}
-    assert r["routes"]["shard"]["engines"] == "hpcrl reference engine only"
+    assert r["routes"]["shard"]["engines"] == ("hpcrl reference engine; SGLang (Qwen3-MoE) through hpcrl's "
+                                               "loader")
     assert r["routes"]["shard"]["estimate_s"] == r["estimate_s"]
     assert r["routes"]["broadcast"]["sglang_broadcast_s"] == r["sglang_broadcast_s"]
     assert r["routes"]["broadcast"]["baseline_broadcast_s"] == r["baseline_broadcast_s"]
@@ -138,8 +139,9 @@ def test_text_report(name):
     assert broadcast.startswith("  broadcast      SGLang's update_weights_from_distributed")
     assert "hpcrl " in broadcast
     assert "broadcast baseline" in broadcast
-    assert shard.startswith("  shard          trainer shards straight to the engines (hpcrl's reference "
-                            "engine only): estimate ") and "line-rate lower bound" in shard
+    assert shard.startswith("  shard          trainer shards straight to the engines (reference engine; "
+                            "SGLang Qwen3-MoE via hpcrl's loader): estimate ")
+    assert "line-rate lower bound" in shard
 
 
 @pytest.mark.parametrize(("example", "override", "expected"), [
@@ -203,7 +205,7 @@ def test_the_route_the_run_takes_is_listed_first(overrides, first):
     second = lines[heading + 2]
     assert second.startswith("  broadcast      " if first == "shard" else "  shard          ")
     shard = next(line for line in lines if line.startswith("  shard          "))
-    assert "(hpcrl's reference engine only)" in shard
+    assert "(reference engine; SGLang Qwen3-MoE via hpcrl's loader)" in shard
 
 
 def test_tiny_plan_counts_the_reference_model_when_kl_coef_is_set():

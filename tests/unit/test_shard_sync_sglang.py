@@ -1,0 +1,176 @@
+"""The shard route's trainer side for `rollout.backend: sglang` (hpcrl/trainer/shard_sync.py) on CPU.
+
+Two trainer processes (TP 2 / EP 2, each holding its Megatron-named shards, built from full HF
+tensors by moe.hf_megatron's own mapping) run ShardSync as a run does: connect (group ranks
+T + engine index * tp + TP rank), then pushes, each a weight-update session with
+`/update_weights_from_tensor` naming hpcrl's loader. The engine is tests/sglang_server_stand_in.py:
+SGLang's routes and session rules around two TP worker processes that receive through the real
+loader (hpcrl/rollout/sglang_shard_loader.py) into SGLang-shaped parameters. Checked: both pushes
+land bit-exact (the second announced during the "update", on prepared rounds); an engine whose
+session is already open refuses, the push fails naming the engine and SGLang's message, and the
+failed push leaves the session closed. SGLang's own code is checked against the same request in
+tests/conformance/test_shard_loader.py; NCCL and real SGLang need a GPU (tests/gpu).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from hpcrl.rollout.reshard_route import spec_at_dtype
+from hpcrl.rollout.sglang_shard_loader import LOADER
+from sglang_server_stand_in import serve
+from sglang_stand_in import full_tensors, hf_config, sglang_params
+from stores import hosted_store, joined_store
+
+TRAINERS, ENGINES, ENGINE_TP = 2, 2, 2
+
+
+class _Policy:
+    """What ShardSync reads of a MegatronPolicy: Megatron-named params, the model dims, rank coords."""
+
+    def __init__(self, cfg: dict, rank: int) -> None:
+        from moe.hf_megatron import HFModelDims, RankCoords
+
+        self.dims = HFModelDims.from_hf_config(cfg)
+        self.coords = RankCoords(tp_rank=rank, tp=TRAINERS, ep_rank=rank, ep=TRAINERS)
+        self.gpt = self  # policy.gpt.named_parameters(): Megatron's names
+        self.params: dict[str, torch.Tensor] = {}
+
+    def hold(self, full: dict[str, torch.Tensor]) -> None:
+        """Write this rank's shards of `full` in place (as an optimizer step does)."""
+        from moe.hf_megatron import local_params
+
+        for lp in local_params(self.dims, self.coords):
+            self.params.setdefault(lp.name, torch.zeros(lp.shape))
+            for pc in lp.pieces:
+                self.params[lp.name][pc.local_box.index] = full[pc.hf_name][pc.hf_box.index]
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+
+def _job(cfg_path: str):
+    from hpcrl.config.load import job_from_dict
+
+    return job_from_dict({
+        "model": {"config_path": cfg_path},
+        "trainer": {"num_procs": TRAINERS, "tp": TRAINERS, "ep": TRAINERS, "etp": 1},
+        "rollout": {"backend": "sglang", "num_engines": ENGINES, "tp_per_engine": ENGINE_TP,
+                    "weight_sync": "shard", "sync_checksum": "full"}})
+
+
+def _trainer(rank: int, port: int, urls: list[str], cfg_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from hpcrl.rollout.client import EngineClient
+    from hpcrl.trainer.shard_sync import ShardSync
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=joined_store(port, TRAINERS), rank=rank, world_size=TRAINERS)
+    cfg = json.loads(open(cfg_path).read())
+    spec = spec_at_dtype(cfg, "float32")
+    policy = _Policy(cfg, rank)
+    policy.hold(full_tensors(spec, seed=1))
+    clients = [EngineClient(url, timeout_s=60) for url in urls]
+    sync = ShardSync(policy, _job(cfg_path), clients if rank == 0 else None, timeout_s=60)
+    sync.connect()
+    report = {"v1": sync.push("v1")}
+    policy.hold(full_tensors(spec, seed=2))
+    sync.announce("v2")  # as the controller does: requests written before the update
+    report["v2"] = sync.push("v2")
+    if rank == 0:
+        report["after_v2"] = [c.request("GET", "/server_info") for c in clients]
+        for i, c in enumerate(clients):
+            c.request("POST", "/stand_in/params", {"dir": f"{out_dir}/engine{i}"})
+        clients[1].begin_weight_update()  # a session left open: SGLang refuses a second begin
+    dist.barrier()
+    sync.timeout_s = 5.0  # the engine posts no receive: the trainer ranks' round deadline ends it
+    try:
+        sync.push("v3")
+        report["v3"] = None
+    except Exception as exc:  # noqa: BLE001 - the message is what the test reads
+        report["v3"] = f"{type(exc).__name__}: {exc}"
+    if rank == 0:
+        report["after_v3"] = [c.request("GET", "/server_info") for c in clients]
+    with open(os.path.join(out_dir, f"trainer{rank}.json"), "w") as f:
+        json.dump(report, f)
+    os._exit(0)  # leave without tearing down a group with unfinished sends
+
+
+@pytest.mark.timeout(240)
+def test_trainer_pushes_into_sglang_tp_workers_through_the_loader(tmp_path):
+    cfg = hf_config()
+    cfg_path = tmp_path / "config.json"
+    cfg_path.write_text(json.dumps(cfg))
+    ctx = mp.get_context("spawn")
+    engines, urls = [], []
+    for i in range(ENGINES):
+        (tmp_path / f"engine{i}").mkdir()
+        ports = ctx.Queue()
+        # not a daemon: its TP workers are
+        engines.append(ctx.Process(target=serve, args=(ENGINE_TP, 1, cfg, [LOADER], ports)))
+        engines[-1].start()
+        urls.append(f"http://127.0.0.1:{ports.get(timeout=120)}")
+    store = hosted_store(TRAINERS)
+    procs = [ctx.Process(target=_trainer, args=(r, store.port, urls, str(cfg_path), str(tmp_path)))
+             for r in range(TRAINERS)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(180)
+        assert [p.exitcode for p in procs] == [0] * TRAINERS
+    finally:
+        for p in [*procs, *engines]:
+            if p.is_alive():
+                p.kill()
+    reports = [json.loads((tmp_path / f"trainer{r}.json").read_text()) for r in range(TRAINERS)]
+    spec = spec_at_dtype(cfg, "float32")
+    model_bytes = sum(t.nbytes for t in spec.tensors)
+    for v in ("v1", "v2"):  # every byte once (EP 2 / TP 2 trainers hold no replicas of one box twice)
+        assert reports[0][v]["bytes"] >= model_bytes and reports[1][v] is None
+    assert reports[0]["after_v2"] == [{"weight_version": "v2", "weight_update_session": False}] * ENGINES
+
+    want_full = full_tensors(spec, seed=2)
+    for i in range(ENGINES):
+        for r in range(ENGINE_TP):
+            got = torch.load(tmp_path / f"engine{i}" / f"tp{r}.pt")
+            want = sglang_params(want_full, spec.dims, r, ENGINE_TP, 1)
+            assert got.keys() == want.keys()
+            bad = [n for n in want if not torch.equal(got[n], want[n])]
+            assert not bad, f"engine {i}, TP worker {r}: {bad}"  # vocab padding rows: still SENTINEL
+
+    refused = reports[0]["v3"]
+    assert refused is not None and f"engine 1 ({urls[1]}): begin_weight_update" in refused, refused
+    assert "a weight-update session is already open" in refused
+    assert reports[1]["v3"] is not None  # the other trainer rank fails too (its round deadline)
+    assert [e["weight_update_session"] for e in reports[0]["after_v3"]] == [False] * ENGINES  # closed
+
+
+def test_engine_env_puts_hpcrl_and_moe_and_nothing_else_first_on_the_engines_path(tmp_path):
+    import subprocess
+    import sys
+
+    from hpcrl.config import JobConfig
+    from hpcrl.rollout.worker import engine_env, sglang_command
+
+    job = JobConfig()
+    job.rollout.backend, job.resources.device = "sglang", "cuda"
+    assert engine_env(job, tmp_path, {"PYTHONPATH": "/x"}) == {"PYTHONPATH": "/x"}  # auto: broadcast
+    job.rollout.weight_sync = "shard"
+    (tmp_path / "model_config.json").write_text("{}")
+    assert sglang_command(job, tmp_path, "h", 1)[-2:] == ["--custom-weight-loader", LOADER]
+    env = engine_env(job, tmp_path, {"PYTHONPATH": "/x", "PATH": os.environ["PATH"]})
+    first, rest = env["PYTHONPATH"].split(os.pathsep)
+    assert rest == "/x" and sorted(os.listdir(first)) == ["hpcrl", "moe"]
+    probe = ("import hpcrl.rollout.sglang_shard_loader as m, moe.runtime as r; "
+             "print(m.__file__); print(r.__file__)")
+    out = subprocess.run([sys.executable, "-c", probe],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert all(line.startswith(first) for line in out.stdout.split()), out.stdout

@@ -1,6 +1,8 @@
 """The SGLang production path on a user's GPU cluster: the tiny example with `rollout.backend: sglang`,
 2 engines, bf16, GPU placement from hpcrl (each engine its own GPU when the machine has 3+), and the
-sync check at bf16 tolerance (rollout.logprob_tolerance 5e-2) from step 0.
+sync check at bf16 tolerance (rollout.logprob_tolerance 5e-2) from step 0; once with the broadcast
+(`rollout.weight_sync: auto`), once with the shard route through hpcrl's `--custom-weight-loader`
+over NCCL (docs/sglang_shard_route.md).
 
 SGLang runs from its own environment (docs/sglang_install.md): set HPCRL_SGLANG_PYTHON to that
 environment's python, or run this test with a python that imports sglang. Skips, saying why, where
@@ -44,13 +46,15 @@ pytestmark = [
 
 
 @pytest.mark.timeout(1800)
-def test_example_with_sglang_engines(tmp_path):
+@pytest.mark.parametrize("weight_sync", ["auto", "shard"])
+def test_example_with_sglang_engines(tmp_path, weight_sync):
     run_dir = tmp_path / "sglang"
     share = torch.cuda.device_count() < 3  # 1 trainer rank + 2 engines of TP 1
     out, wall = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), "--set", "resources.device=cuda",
                       "--set", "rollout.backend=sglang", "--set", "rollout.num_engines=2",
                       "--set", "model.dtype=bfloat16", "--set", f"rollout.logprob_tolerance={BF16_TOLERANCE}",
                       "--set", f"rollout.python={SGLANG_PYTHON}",
+                      "--set", f"rollout.weight_sync={weight_sync}",
                       "--set", f"resources.share_gpus={str(share).lower()}",
                       "--set", "algorithm.num_steps=10", "--set", "logging.progress=false", timeout_s=1700)
     logs = "".join(p.read_text()[-2000:] for p in sorted((run_dir / "logs").glob("engine*.log")))
@@ -59,4 +63,4 @@ def test_example_with_sglang_engines(tmp_path):
     assert len(records) == 10
     assert all(r["sync/logprob_max_abs_diff"] < BF16_TOLERANCE for r in records)
     steps = sorted(r["timing/step_s"] for r in records[2:])
-    print(f"sglang: median step {steps[len(steps) // 2]:.3f} s, wall {wall:.0f} s")
+    print(f"sglang, weight_sync {weight_sync}: median step {steps[len(steps) // 2]:.3f} s, wall {wall:.0f} s")

@@ -630,8 +630,46 @@ def check_rollout_layout(job: JobConfig) -> None:
                               "model.dtype, the GPU placement and the job's engine keys); remove it from "
                               "server_args")
     check_sglang_determinism(job)
+    if r.weight_sync == "shard":
+        _check_sglang_shard_args(job)
     if r.python is not None:
         _check_engine_python(r.python, bool(r.env_setup))
+
+
+SGLANG_SHARD_LAYOUT_FLAGS = {
+    "--quantization": "quantized weights",
+    "--enable-eplb": "EPLB (remapped expert ids)", "--ep-num-redundant-experts": "redundant experts",
+    "--ep-size": "expert parallelism", "--expert-parallel-size": "expert parallelism",
+    "--ep": "expert parallelism", "--moe-dp-size": "MoE data parallelism",
+    "--moe-data-parallel-size": "MoE data parallelism", "--pp-size": "pipeline parallelism",
+    "--pipeline-parallel-size": "pipeline parallelism", "--dp-size": "data parallelism",
+    "--data-parallel-size": "data parallelism", "--enable-dp-attention": "DP attention",
+}
+"""SGLang 0.5.23 flags (aliases included) whose engines hold parameters in another layout or
+place than hpcrl's shard loader and plan assume (docs/sglang_shard_route.md, "Limits");
+tests/conformance/test_launch_args.py checks the spellings against SGLang's parser."""
+
+SGLANG_SHARD_MOE_RUNNERS = ("auto", "triton")
+"""--moe-runner-backend values whose fused-MoE weights keep the default layout the loader writes
+(w13 gate then up, no transposition or padding)."""
+
+
+def _check_sglang_shard_args(job: JobConfig) -> None:
+    """rollout.server_args that change what SGLang's TP workers hold, refused for the shard route."""
+    args = job.rollout.server_args
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        what = SGLANG_SHARD_LAYOUT_FLAGS.get(flag)
+        if flag == "--moe-runner-backend" and value not in SGLANG_SHARD_MOE_RUNNERS:
+            what = f"the {value!r} MoE runner (its w13/w2 layout)"
+        if what is not None:
+            raise ConfigError(f"rollout.server_args[{i}]", arg,
+                              f"{what} changes the parameters hpcrl's shard loader writes into (it knows "
+                              f"SGLang's default Qwen3-MoE layout with --moe-runner-backend "
+                              f"{' or '.join(SGLANG_SHARD_MOE_RUNNERS)}); remove it, or use "
+                              f"rollout.weight_sync: broadcast")
 
 
 SGLANG_DETERMINISTIC_ATTENTION = ("ascend", "fa3", "fa4", "flashinfer", "intel_xpu", "triton")

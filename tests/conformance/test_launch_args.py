@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.config import JobConfig
-from hpcrl.config.validate import SGLANG_OWNED_FLAGS
+from hpcrl.config.validate import SGLANG_OWNED_FLAGS, SGLANG_SHARD_LAYOUT_FLAGS
 from hpcrl.rollout.sglang_shard_loader import LOADER
 from hpcrl.rollout.worker import sglang_command
 
@@ -101,3 +101,15 @@ def test_reserved_flags_are_sglangs_spellings(parsed):
                    for a in _sglang_argv(sglang_command(job, parsed[1], "h", 1, gpus)) if a.startswith("--")}
     spellings = {o for o, dest in options.items() if dest in hpcrl_dests}
     assert spellings <= set(SGLANG_OWNED_FLAGS), sorted(spellings - set(SGLANG_OWNED_FLAGS))
+
+
+def test_shard_layout_flags_are_sglangs_spellings(parsed):
+    """validate.SGLANG_SHARD_LAYOUT_FLAGS (refused in rollout.server_args with the shard route) are
+    SGLang flags, with every spelling of each setting they name."""
+    options = parsed[0]["options"]
+    flags = set(SGLANG_SHARD_LAYOUT_FLAGS)
+    assert flags <= set(options), f"not SGLang 0.5.23 flags: {sorted(flags - set(options))}"
+    dests = {options[f] for f in flags}
+    spellings = {o for o, dest in options.items() if dest in dests}
+    assert spellings <= flags, sorted(spellings - flags)
+    assert "--moe-runner-backend" in options

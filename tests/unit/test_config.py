@@ -153,6 +153,13 @@ BAD = [
      "rollout.weight_sync", "'shard'", "model_type 'mixtral': use rollout.weight_sync: broadcast"),
     ("shard-sync-on-cuda", "rollout: {weight_sync: shard}\nresources: {device: cuda}", [], None,
      "rollout.weight_sync", "'shard'", "gloo on CPU tensors"),
+    ("sglang-shard-quantized",
+     "rollout: {backend: sglang, weight_sync: shard, server_args: [--quantization, fp8]}\n"
+     "resources: {device: cuda}",
+     [], None, "rollout.server_args[0]", "'--quantization'", "weight_sync: broadcast"),
+    ("sglang-shard-moe-runner", "rollout: {backend: sglang, weight_sync: shard, server_args: "
+     "['--moe-runner-backend=triton_kernel']}\nresources: {device: cuda}", [], None, "rollout.server_args[0]",
+     "triton_kernel", "'triton_kernel' MoE runner"),
     ("sglang-tp-heads", "rollout: {backend: sglang, tp_per_engine: 3}\nresources: {device: cuda}", [], None,
      "rollout.tp_per_engine", "3", "valid tp_per_engine: 1, 2, 4"),
     ("gpus-on-cpu", "resources: {gpus_per_node: 4}", [], None, "resources.gpus_per_node", "4", "device=cuda"),
@@ -198,6 +205,10 @@ def test_sglang_engines_take_the_shard_route_for_qwen3_moe(tmp_path):
     job = load_job(write(tmp_path, "rollout: {backend: sglang, weight_sync: shard, tp_per_engine: 2}\n"
                                    "resources: {device: cuda}\n"))
     assert job.rollout.weight_sync == "shard"
+    load_job(write(tmp_path, "rollout: {backend: sglang, weight_sync: shard, server_args: "
+                             "[--moe-runner-backend, triton]}\nresources: {device: cuda}\n"))
+    load_job(write(tmp_path, "rollout: {backend: sglang, server_args: [--quantization, fp8]}\n"  # broadcast
+                             "resources: {device: cuda}\n"))
 
 
 def test_missing_file(tmp_path):

@@ -76,9 +76,10 @@ def engine_env(job: JobConfig, run_dir: Path, environ: dict[str, str] | None = N
     path = run_dir / "engine_python"
     path.mkdir(exist_ok=True)
     for pkg in (Path(__file__).resolve().parents[1], Path(moe.__file__).resolve().parent):
-        link = path / pkg.name
-        if not link.is_symlink():
-            link.symlink_to(pkg, target_is_directory=True)
+        try:  # every rollout rank of the node makes the same links
+            (path / pkg.name).symlink_to(pkg, target_is_directory=True)
+        except FileExistsError:
+            pass
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(path), env.get("PYTHONPATH")) if p)
     return env
 

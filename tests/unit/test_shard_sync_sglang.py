@@ -166,6 +166,7 @@ def test_engine_env_puts_hpcrl_and_moe_and_nothing_else_first_on_the_engines_pat
     (tmp_path / "model_config.json").write_text("{}")
     assert sglang_command(job, tmp_path, "h", 1)[-2:] == ["--custom-weight-loader", LOADER]
     env = engine_env(job, tmp_path, {"PYTHONPATH": "/x", "PATH": os.environ["PATH"]})
+    assert engine_env(job, tmp_path, {}) == {"PYTHONPATH": f"{tmp_path}/engine_python"}  # links kept
     first, rest = env["PYTHONPATH"].split(os.pathsep)
     assert rest == "/x" and sorted(os.listdir(first)) == ["hpcrl", "moe"]
     probe = ("import hpcrl.rollout.sglang_shard_loader as m, moe.runtime as r; "

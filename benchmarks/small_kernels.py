@@ -1,6 +1,6 @@
-"""Two small costs of the tiny step, each against its baseline side by side in one process:
-softmax_cpu against torch's softmax (compat patch 14), and the reward pool's one-chunk call against
-its spread over every worker.
+"""Three small costs of the tiny step, each against its baseline side by side in one process:
+softmax_cpu against torch's softmax (compat patch 14), the reward pool's one-chunk call against its
+spread over every worker, and a step's TensorBoard scalars as one event against one per key.
 
     .venv/bin/python benchmarks/small_kernels.py [--reps 200] [--results benchmarks/RESULTS.md]
 
@@ -13,6 +13,10 @@ completions), alternating per call between the pool's own choice (one chunk for 
 the measured cost is far under SPREAD_MIN_S) and the spread it made before (CHUNKS_PER_WORKER chunks
 per worker); each call after a 30 ms idle (as in a run: the controller scores after the engines'
 generation) and back to back.
+
+TensorBoard: the tiny example's 22 numeric metrics of a step, written by `MetricsLogger`'s
+`FileWriter.add_summary(tensorboard_summary(...))` (one event) and by `SummaryWriter.add_scalar` per
+key (what MetricsLogger did before), alternating per step, each after a 30 ms idle.
 """
 
 from __future__ import annotations
@@ -85,6 +89,34 @@ def _pool_rows(calls: int) -> list[str]:
     return rows
 
 
+def _tensorboard_rows(steps: int) -> list[str]:
+    import tempfile
+
+    from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard.writer import FileWriter
+
+    from hpcrl.controller.metrics import tensorboard_summary
+
+    metrics = {f"group/metric{i}": 0.5 + i for i in range(22)}
+    times: dict[str, list[float]] = {"add_scalar per key": [], "one event": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        per_key, one = SummaryWriter(log_dir=f"{tmp}/a"), FileWriter(f"{tmp}/b")
+        for step in range(2 * steps):
+            name = "one event" if step % 2 else "add_scalar per key"
+            time.sleep(0.03)
+            t0 = time.perf_counter()
+            if step % 2:
+                one.add_summary(tensorboard_summary(metrics), step)
+            else:
+                for key, value in metrics.items():
+                    per_key.add_scalar(key, value, step)
+            times[name].append(time.perf_counter() - t0)
+        per_key.close()
+        one.close()
+    base, new = (statistics.median(times[k]) * 1e3 for k in ("add_scalar per key", "one event"))
+    return [f"| 22 scalars, after a 30 ms idle | {base:.3f} | {new:.3f} | {base / new:.1f}x |"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=200,
@@ -95,6 +127,7 @@ def main() -> int:
     load0 = os.getloadavg()[0]
     softmax = _softmax_rows(args.reps)
     pool = _pool_rows(max(args.reps // 4, 10))
+    tensorboard = _tensorboard_rows(max(args.reps // 2, 10))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -107,7 +140,9 @@ def main() -> int:
         "| shape | path | torch | softmax_cpu | speed-up | bit-identical |", "|---|---|---|---|---|---|",
         *softmax, "",
         "Reward pool, 64 token_match completions, 2 workers (median ms per call):", "",
-        "| calls | spread (4 chunks) | one chunk | speed-up |", "|---|---|---|---|", *pool, ""])
+        "| calls | spread (4 chunks) | one chunk | speed-up |", "|---|---|---|---|", *pool, "",
+        "A step's TensorBoard scalars (median ms per step):", "",
+        "| write | add_scalar per key | one event | speed-up |", "|---|---|---|---|", *tensorboard, ""])
     print(text)
     if args.results:
         append_to_section(args.results, "## small_kernels", text)

@@ -5,7 +5,9 @@ One JSON object per step, flushed at once (a crash loses nothing already logged)
 raised or timed out, scored 0), `data/dropped_prompts` (overlong rows skipped while drawing the
 step's prompts, `data.overlong_prompts: drop`), `dynamic_sampling/*` (dapo), `rollout/*`, `train/*`, `sync/*`, `timing/*_s`; at evaluation steps
 also `val/reward_mean`, `val/pass@k`, `val/reward_errors`, `val/response_len` and `timing/eval_s`
-(hpcrl/controller/evaluation.py). TensorBoard gets every numeric key as a scalar at its step.
+(hpcrl/controller/evaluation.py). TensorBoard gets every numeric key as a scalar at its step,
+all of a step's scalars in one event (`tensorboard_summary`: one `add_scalar` per key cost ~0.5-1 ms
+per step on the controller's critical path, one event ~0.06 ms; benchmarks/small_kernels.py).
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ class MetricsLogger:
         self._file = self.path.open("a")
         self._tb = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard.writer import FileWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            self._tb = FileWriter(str(run_dir / "tensorboard"))
         self._bar = None
         self._val = ""  # the last evaluation's val/reward_mean, shown until the next one
         if progress:
@@ -42,9 +44,7 @@ class MetricsLogger:
         self._file.write(json.dumps(record, sort_keys=False) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
+            self._tb.add_summary(tensorboard_summary(metrics), step)
         if self._bar is not None:
             postfix = {"reward": f"{metrics.get('reward/mean', float('nan')):.3f}",
                        "step_s": f"{metrics.get('timing/step_s', float('nan')):.2f}"}
@@ -61,6 +61,15 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
         self._file.close()
+
+
+def tensorboard_summary(metrics: dict[str, Any]):
+    """One TensorBoard `Summary` holding every numeric (not bool) metric as a scalar under its key:
+    what `SummaryWriter.add_scalar` writes per key (`simple_value`), in a single event."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    return Summary(value=[Summary.Value(tag=key, simple_value=float(value)) for key, value in metrics.items()
+                          if isinstance(value, (int, float)) and not isinstance(value, bool)])
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -1,0 +1,43 @@
+"""MetricsLogger (hpcrl/controller/metrics.py): metrics.jsonl as logged, and TensorBoard scalars
+written as one event per step that TensorBoard reads exactly as it reads `add_scalar`'s one event
+per key (same tags, steps and values)."""
+
+from __future__ import annotations
+
+from torch.utils.tensorboard import SummaryWriter
+
+from hpcrl.controller.metrics import MetricsLogger, read_metrics
+
+RECORDS = [{"reward/mean": 0.25, "train/loss": -1.5e-3, "rollout/tokens": 256, "sync/ok": True,
+            "note": "text", "timing/step_s": 0.047},
+           {"reward/mean": 0.5, "train/loss": 2.0, "rollout/tokens": 250, "sync/ok": False,
+            "note": "more", "timing/step_s": 0.045, "val/reward_mean": 0.75}]
+
+
+def _scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_reads_one_event_per_step_as_it_reads_add_scalar(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    logger = MetricsLogger(run, num_steps=2, progress=False)
+    for step, record in enumerate(RECORDS):
+        logger.log(step, record)
+    logger.close()
+    assert [{k: v for k, v in r.items() if k not in ("step", "time")} for r in read_metrics(run)] == RECORDS
+
+    baseline = SummaryWriter(log_dir=str(tmp_path / "add_scalar"))
+    for step, record in enumerate(RECORDS):
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                baseline.add_scalar(key, value, step)
+    baseline.close()
+    got, want = _scalars(run / "tensorboard"), _scalars(tmp_path / "add_scalar")
+    assert got == want
+    assert sorted(got) == ["reward/mean", "rollout/tokens", "timing/step_s", "train/loss", "val/reward_mean"]
+    assert got["val/reward_mean"] == [(1, 0.75)]

@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
@@ -131,8 +132,12 @@ def run_once(backend: str, cmd: list[str], run_dir: Path, env: dict[str, str], c
              timeout_s: float, rep: int) -> RunResult:
     """Run `cmd` in its own session (killed as a group on timeout); read RUN_DIR/metrics.jsonl.
 
-    `cwd` matters: `python -m` puts it first on sys.path, ahead of PYTHONPATH."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    `cwd` matters: `python -m` puts it first on sys.path, ahead of PYTHONPATH. A run dir left by an
+    earlier invocation is removed first: `hpcrl run` would resume from it (and measure a few steps
+    against an old start time)."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
     log = run_dir.parent / f"{run_dir.name}.log"
     load0, cpu0, t0 = os.getloadavg()[0], children_cpu_s(), time.time()
     with log.open("w") as out:

@@ -122,12 +122,14 @@ def join_world(num_trainer: int) -> World:
 
 
 def _receive(world: World, sources: list[int], tag: int, deadline: float,
-             gone: Callable[[list[int]], list[int]] | None = None) -> dict[int, Any]:
+             gone: Callable[[list[int]], list[int]] | None = None,
+             watch: Callable[[], None] | None = None) -> dict[int, Any]:
     """Receive one pickled message from each source until the monotonic deadline; return what
     arrived. Matched probes (improbe) size the buffer, so payloads of any size work. Between polls
     the rank naps on its doorbell (back-off 50 us to 5 ms, reset by a ring or a message), so waiting
     ranks leave the CPU to working ones and still wake as soon as a sender rings. `gone` (checked
-    twice a second) returns awaited sources known to be dead, which ends the wait early."""
+    twice a second) returns awaited sources known to be dead, which ends the wait early. `watch`
+    runs after every poll that leaves sources to wait for; what it raises ends the wait."""
     done: dict[int, Any] = {}
     nap = NAP_MIN_S
     next_check = time.monotonic() + 0.5
@@ -145,6 +147,8 @@ def _receive(world: World, sources: list[int], tag: int, deadline: float,
                 nap = NAP_MIN_S
         if len(done) == len(sources) or time.monotonic() > deadline:
             break
+        if watch is not None:
+            watch()
         nap = NAP_MIN_S if world.nap(nap) else min(nap * 2, NAP_MAX_S)
     return done
 
@@ -198,9 +202,11 @@ class PendingCall:
     def __init__(self, world: World, op: str, step: int, sources: list[int]) -> None:
         self.world, self.op, self.step, self.sources = world, op, step, sources
 
-    def wait(self, timeout_s: float) -> dict[int, Any]:
+    def wait(self, timeout_s: float, watch: Callable[[], None] | None = None) -> dict[int, Any]:
+        """{rank: reply payload}; RankFailure for a failed, dead or silent rank. `watch` runs between
+        polls (see `_receive`)."""
         replies: dict[int, Reply] = _receive(self.world, self.sources, TAG_REPLY,
-                                             time.monotonic() + timeout_s, self.world.gone)
+                                             time.monotonic() + timeout_s, self.world.gone, watch)
         for rank, reply in sorted(replies.items()):
             if not reply.ok:
                 raise RankFailure(f"{self.world.ranks[rank].describe()} failed in phase "

@@ -18,6 +18,7 @@ import numpy as np
 
 from hpcrl.controller.comm import PendingCall, RankFailure, RoleGroup, World
 from hpcrl.rollout.client import EngineClient, EngineError, PendingResponse
+from hpcrl.rollout.shard_requests import ShardRequests
 from hpcrl.tasks import Example
 
 
@@ -109,13 +110,16 @@ class PolicyGroup:
     `train` queues the step's weight sync right behind the train command, so the trainer ranks start
     pushing weights as soon as the update is done, with no controller round trip in between;
     `push_weights` collects that sync. A queued sync is always collected before any other command
-    is sent, so replies can never be taken for another command's.
+    is sent, so replies can never be taken for another command's. With the shard route the engines'
+    requests are this side's (`ShardRequests`): written with the queued sync, before the update,
+    and answered here while the trainer ranks send.
     """
 
     def __init__(self, world: World, timeout_s: float) -> None:
         self.group = RoleGroup(world, "trainer")
         self.timeout_s = timeout_s
         self._queued_sync: tuple[int, _Handle] | None = None  # (step, handle)
+        self._shard_requests: ShardRequests | None = None  # the shard route's engine requests
 
     def _async(self, op: str, step: int, payload: object = None) -> _Handle:
         self._collect_queued_sync()
@@ -129,14 +133,34 @@ class PolicyGroup:
         """Wait for the queued sync, if any (its reply is only metrics)."""
         if self._queued_sync is not None:
             (_, handle), self._queued_sync = self._queued_sync, None
-            handle.wait()
+            self._wait_sync(handle)
+
+    def _send_sync(self, step: int, deadline_s: float) -> _Handle:
+        """The sync command of `step`, the engines' shard-route requests written first."""
+        if self._shard_requests is not None:
+            self._shard_requests.start(str(step), deadline_s)
+        return self._send("sync", step, {"weight_version": str(step)})
+
+    def _wait_sync(self, handle: _Handle) -> dict[str, float]:
+        """The trainer ranks' sync replies, then the engines' answers (a refusal ends the wait)."""
+        requests = self._shard_requests
+        if requests is None:
+            return handle.wait()
+        out = handle.merge(handle.call.wait(handle.timeout_s, watch=requests.watch))
+        requests.finish()
+        return out
 
     def async_init(self, startup_timeout_s: float) -> _Handle:
         return _Handle(self.group.async_call("init", -1, None, timeout_s=startup_timeout_s),
                        startup_timeout_s, lambda replies: None)
 
     def connect_engines(self, engine_urls: list[str]) -> None:
-        self._async("connect", -1, engine_urls).wait()
+        """Join the trainer ranks and the engines for weight syncs (the shard route's trainer rank 0
+        answers what the engines' requests need: ShardSync.engine_request)."""
+        info = self._async("connect", -1, engine_urls).wait()
+        if info is not None:
+            self._shard_requests = ShardRequests(engine_urls, info["request"], info["tp"], info["sglang"],
+                                                 self.timeout_s)
 
     def ref_logprobs(self, step: int, rollout: Rollout, temperature: float) -> np.ndarray:
         """Log-probs of the response tokens under the frozen reference policy, [B, T]."""
@@ -157,13 +181,14 @@ class PolicyGroup:
               temperature: float, loss: str = "grpo", tensors: dict[str, np.ndarray] | None = None,
               epochs: int = 1, mini_batch_size: int = 0) -> TrainResult:
         """The updates of `loss` on the rollout (one on-policy optimizer step, or `epochs` passes in
-        mini-batches: MegatronPolicy.update). The trainer learns that a sync follows (`sync_version`), so it can prepare the engines for it while
-        it trains."""
+        mini-batches: MegatronPolicy.update). The step's sync is queued behind it, its engine requests
+        (shard route) written now: the engines prepare while the trainer trains, and wait out the
+        update (twice the phase timeout)."""
         payload = {**rollout.token_batch(), "advantages": advantages, "ref_logprobs": ref_BT,
-                   "temperature": temperature, "sync_version": str(step), "loss": loss,
+                   "temperature": temperature, "loss": loss,
                    "tensors": tensors or {}, "epochs": epochs, "mini_batch_size": mini_batch_size}
         train = self._async("train", step, payload)
-        self._queued_sync = (step, self._send("sync", step, {"weight_version": str(step)}))
+        self._queued_sync = (step, self._send_sync(step, 2 * self.timeout_s))
         out = train.wait()
         return TrainResult(out["metrics"], out["logprobs"])
 
@@ -172,8 +197,9 @@ class PolicyGroup:
         queued for this step, else a new one)."""
         if self._queued_sync is not None and self._queued_sync[0] == step:
             (_, handle), self._queued_sync = self._queued_sync, None
-            return handle.wait()
-        return self._async("sync", step, {"weight_version": str(step)}).wait()
+            return self._wait_sync(handle)
+        self._collect_queued_sync()
+        return self._wait_sync(self._send_sync(step, self.timeout_s))
 
     def save_checkpoint(self, ckpt_dir: str, step: int, attempt_id: str, keep: int, metadata: dict) -> None:
         """Collective save of policy, reference, Adam state and RNG; committed when this returns."""

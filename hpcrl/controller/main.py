@@ -12,6 +12,7 @@ from hpcrl.controller.checkpointing import ResumeError
 from hpcrl.controller.comm import RankFailure, World
 from hpcrl.controller.preemption import EXIT_REQUEUE, Preempted
 from hpcrl.controller.sync_check import WeightSyncError
+from hpcrl.rollout.shard_requests import ShardPushError
 
 EXIT_FAILURE = 1
 
@@ -68,7 +69,7 @@ def controller_main(job: JobConfig, run_dir: Path, world: World) -> int:
             _abort(world, EXIT_REQUEUE)
         _report(run_dir, f"hpcrl run failed: {exc}")
         _abort(world, EXIT_FAILURE)
-    except (WeightSyncError, ResumeError) as exc:
+    except (WeightSyncError, ShardPushError, ResumeError) as exc:
         _report(run_dir, f"hpcrl run failed: {exc}")
         _abort(world, EXIT_FAILURE)
     except BaseException as exc:  # the controller itself failed: say where, then stop every rank

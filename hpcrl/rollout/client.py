@@ -313,6 +313,11 @@ class PendingResponse:
     def __init__(self, client: EngineClient, conn: http.client.HTTPConnection, route: str) -> None:
         self.client, self.conn, self.route = client, conn, route
 
+    def ready(self) -> bool:
+        """Whether the answer (or the end of the connection) has arrived: `result()` will not wait."""
+        sock = self.conn.sock
+        return sock is None or bool(select.select([sock], [], [], 0)[0])
+
     def result(self):
         """Read and decode the answer (the connection's timeout applies); EngineError on failure."""
         try:

@@ -164,10 +164,6 @@ class BroadcastSync:
                     error = str(exc)
             self._agree(error, f"connect turn {k + 1}/{len(self.blocks)}")
 
-    def announce(self, weight_version: str) -> None:
-        """Nothing to send ahead of a push: SGLang's update routes are driven bucket by bucket once
-        the weights are ready (the shard path writes its engine requests early, ShardSync.announce)."""
-
     def push(self, weight_version: str) -> dict[str, float] | None:
         """Move the current weights into every engine; {"bytes", "seconds"} on rank 0, else None."""
         if self.position is not None and not self._connected():

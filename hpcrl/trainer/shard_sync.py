@@ -9,11 +9,12 @@ the least-loaded trainer rank that holds it and lands in the engine GPU that nee
 rounds with per-peer checksums. Nothing is gathered on trainer rank 0, unlike the broadcast path
 (hpcrl/rollout/weight_sender.py).
 
-The engine side: the reference server's extension route `/hpcrl/update_weights_reshard`
-(hpcrl/rollout/reshard_route.py), or, for SGLang, `/update_weights_from_tensor` naming hpcrl's
-`--custom-weight-loader` (hpcrl/rollout/sglang_shard_loader.py), which runs inside every TP worker
-within a begin/end weight-update session. The group is gloo on CPU and NCCL with
-`resources.device: cuda`.
+The trainer ranks only send. The engines receive when the controller asks them
+(hpcrl/rollout/shard_requests.py): the reference server's extension route
+`/hpcrl/update_weights_reshard` (hpcrl/rollout/reshard_route.py), or, for SGLang,
+`/update_weights_from_tensor` naming hpcrl's `--custom-weight-loader`
+(hpcrl/rollout/sglang_shard_loader.py), which runs inside every TP worker within a begin/end
+weight-update session. The group is gloo on CPU and NCCL with `resources.device: cuda`.
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ import torch.distributed as dist
 from hpcrl.config.schema import JobConfig, engine_dtype
 from hpcrl.dist import master_store, routable_host
 from hpcrl.rollout.reshard_route import PlanRequest, spec_fingerprint
-from hpcrl.rollout.sglang_shard_loader import tensor_request_body
-from hpcrl.rollout.weight_sender import call_failures, init_custom_process_group
+from hpcrl.rollout.weight_sender import init_custom_process_group
 from moe.hf_megatron import local_params
 from moe.network import Topology
 from moe.runtime import Shards, Staging, reshard
@@ -89,11 +89,9 @@ class LocalHFShards:
 class ShardSync:
     """Trainer side of the shard-to-shard sync; every trainer rank holds one (collective calls).
 
-    `clients` are the engines' EngineClients on trainer rank 0 (None elsewhere): rank 0 drives the
-    engines over HTTP while every rank takes part in the transfer. With `rollout.backend: sglang`
-    each push is one weight-update session per engine: begin, `/update_weights_from_tensor` naming
-    the loader (answered once the engine's TP workers have received), end; a failed push closes
-    the sessions too.
+    `clients` are the engines' EngineClients on trainer rank 0 (None elsewhere), which asks them to
+    join the group at `connect`. The pushes' requests to the engines are the controller's
+    (hpcrl/rollout/shard_requests.py, from `engine_request`); the trainer ranks only send.
     """
 
     def __init__(self, policy: Any, job: JobConfig, clients: list | None, timeout_s: float) -> None:
@@ -114,7 +112,6 @@ class ShardSync:
         self.backend = "nccl" if job.resources.device == "cuda" else "gloo"
         self.request_json = {**self.request.to_json(), "group_name": GROUP_NAME,
                              "spec_sha256": self.fingerprint, "verify": job.rollout.sync_checksum}
-        self._announced: tuple[str, tuple[list[Any], list[str]]] | None = None
         self.dtype = getattr(torch, engine_dtype(job))
         self.group: dist.ProcessGroup | None = None
         self.staging = Staging()
@@ -160,85 +157,21 @@ class ShardSync:
                 raise RuntimeError(f"engine {i} ({self.clients[i].base_url}) could not join the reshard group: "
                                    f"{exc}") from exc
 
-    def announce(self, weight_version: str) -> None:
-        """Write the engines' requests for the next push now (rank 0; nothing elsewhere).
-
-        Called before the update whose weights that push sends: the engines parse the request and
-        find their plan while this rank trains (they are idle then: generation is over), then wait
-        in their receives, so the push starts sending at once (~1 ms of the tiny run's sync). The
-        caller guarantees that `push(weight_version)` follows, as the controller does by queueing
-        the sync right behind the train command. The engines' first round then also waits out the
-        update, so its deadline is twice the phase timeout: the update's phase has its own.
-        """
-        if self.rank == 0:
-            assert self._announced is None, "announce() twice without a push in between"
-            self._announced = (weight_version, self._start_requests(weight_version, 2 * self.timeout_s))
-
-    def _start_requests(self, weight_version: str, deadline_s: float) -> tuple[list[Any], list[str]]:
-        """Write every engine's request (answered after the transfer); (pending calls, errors).
-
-        SGLang: open every engine's weight-update session first (at once, from the pool); an engine
-        that refuses gets no request."""
-        errors: list[str] = []
-        opened = [True] * len(self.clients)
-        if self.sglang:
-            begins = [self._pool.submit(c.begin_weight_update) for c in self.clients]
-            for i, fut in enumerate(begins):
-                try:
-                    fut.result(timeout=self.timeout_s)
-                except Exception as exc:  # noqa: BLE001 - reported with the others by push
-                    opened[i] = False
-                    errors.append(f"engine {i} ({self.clients[i].base_url}): begin_weight_update: {exc}")
-        calls: list[Any] = []
-        body = {**self.request_json, "weight_version": weight_version, "deadline_s": deadline_s}
-        for i, c in enumerate(self.clients):
-            try:
-                calls.append(self._start_request(i, body) if opened[i] else None)
-            except Exception as exc:  # noqa: BLE001 - reported with the others by push
-                calls.append(None)
-                errors.append(f"engine {i} ({c.base_url}): {exc}")
-        return calls, errors
-
-    def _start_request(self, i: int, body: dict[str, Any]) -> Any:
-        client = self.clients[i]
-        if self.sglang:  # one control payload per TP worker, read by hpcrl's loader inside SGLang
-            return client.start_update_weights_from_tensor(
-                tensor_request_body(body, i, self.plan.dst.tp, body["weight_version"]))
-        return client.start_update_weights_reshard({**body, "engine_rank": i})
+    def engine_request(self) -> dict[str, Any]:
+        """What the controller's ShardRequests (hpcrl/rollout/shard_requests.py) needs to write the
+        engines' requests of every push: the plan request, the engines' TP size, SGLang or not."""
+        return {"request": self.request_json, "tp": self.plan.dst.tp, "sglang": self.sglang}
 
     def push(self, weight_version: str) -> dict[str, float] | None:
-        """Move the current weights into every engine; {"bytes", "seconds"} on rank 0, else None."""
+        """Send this rank's planned slices of the current weights (collective over the trainer ranks
+        and the engines, which the controller has asked to receive: ShardRequests); {"bytes",
+        "seconds"} on rank 0, else None. moe.runtime.ReshardError when a round misses its deadline
+        or a checksum fails."""
         if self.group is None:
             raise RuntimeError("ShardSync.push before connect()")
         t0 = time.perf_counter()
-        shards = self.local.refresh()
-        calls: list[Any] = []
-        errors: list[str] = []
-        if self.rank == 0:
-            if self._announced is not None:
-                (version, (calls, errors)), self._announced = self._announced, None
-                assert version == weight_version, f"announced version {version}, pushing {weight_version}"
-            else:
-                # Written from this thread and answered after the transfer: no thread hand-off
-                # between the request and this rank's sends (it cost ~1 ms per sync on the tiny run).
-                calls, errors = self._start_requests(weight_version, self.timeout_s)
-        try:
-            reshard(self.plan, "trainer", self.rank, shards, group=self.group, deadline_s=self.timeout_s,
-                    verify=self.job.rollout.sync_checksum,
-                    staging=self.staging)
-        finally:
-            for i, pending in enumerate(calls):
-                try:
-                    if pending is not None:
-                        pending.result()
-                except Exception as exc:  # noqa: BLE001 - every engine's failure is reported together
-                    errors.append(f"engine {i} ({self.clients[i].base_url}): {exc}")
-            if self.rank == 0 and self.sglang:  # after a failure too: the next push must begin again
-                ends = [self._pool.submit(c.end_weight_update) for c in self.clients]
-                failed = call_failures(ends, self.clients, list(range(len(self.clients))), self.timeout_s)
-                errors += [] if errors else [f"end_weight_update on {e}" for e in failed]
-            if errors:
-                raise RuntimeError("shard-to-shard weight sync failed: " + "; ".join(errors))
+        reshard(self.plan, "trainer", self.rank, self.local.refresh(), group=self.group,
+                deadline_s=self.timeout_s, verify=self.job.rollout.sync_checksum, staging=self.staging)
         if self.rank != 0:
             return None
         return {"bytes": float(self.plan.nbytes.sum()), "seconds": time.perf_counter() - t0}

@@ -104,6 +104,7 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
             state["weight_sync"] = sync
             print(f"weight sync: shard, {len(sync.plan)} transfers in {sync.plan.num_rounds} rounds, "
                   f"{int(sync.plan.sent_bytes()[sync.rank])} bytes sent by this rank", flush=True)
+            return sync.engine_request() if is_leader else None  # the controller writes the requests
         else:
             from hpcrl.trainer.broadcast_sync import BroadcastSync
 
@@ -145,8 +146,6 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         import torch
 
         p = cmd.payload
-        if p.get("sync_version") is not None:  # the controller queued a sync right behind this step
-            state["weight_sync"].announce(p["sync_version"])
         ref = None if p["ref_logprobs"] is None else torch.from_numpy(p["ref_logprobs"])
         tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in p.get("tensors", {}).items()}
         loss = p.get("loss", "grpo")

@@ -1,21 +1,25 @@
-"""The shard route's trainer side for `rollout.backend: sglang` (hpcrl/trainer/shard_sync.py) on CPU.
+"""The shard route into SGLang engines, trainer and controller side (hpcrl/trainer/shard_sync.py,
+hpcrl/rollout/shard_requests.py), on CPU.
 
 Two trainer processes (TP 2 / EP 2, each holding its Megatron-named shards, built from full HF
 tensors by moe.hf_megatron's own mapping) run ShardSync as a run does: connect (group ranks
-T + engine index * tp + TP rank), then pushes, each a weight-update session with
-`/update_weights_from_tensor` naming hpcrl's loader. The engine is tests/sglang_server_stand_in.py:
-SGLang's routes and session rules around two TP worker processes that receive through the real
-loader (hpcrl/rollout/sglang_shard_loader.py) into SGLang-shaped parameters. Checked: both pushes
-land bit-exact (the second announced during the "update", on prepared rounds); an engine whose
-session is already open refuses, the push fails naming the engine and SGLang's message, and the
-failed push leaves the session closed. SGLang's own code is checked against the same request in
-tests/conformance/test_shard_loader.py; NCCL and real SGLang need a GPU (tests/gpu).
+T + engine index * tp + TP rank), then pushes; trainer rank 0 also plays the controller's part,
+ShardRequests: each push one weight-update session per engine with `/update_weights_from_tensor`
+naming hpcrl's loader. The engines are tests/sglang_server_stand_in.py: SGLang's routes and
+session rules around two TP worker processes that receive through the real loader
+(hpcrl/rollout/sglang_shard_loader.py) into SGLang-shaped parameters. Checked: both pushes land
+bit-exact (the second's requests written before a stand-in update, received on prepared rounds);
+an engine whose session is already open refuses, the push fails at once naming the engine and
+SGLang's message, and the failed push leaves every session closed. SGLang's own code is checked
+against the same request in tests/conformance/test_shard_loader.py; NCCL and real SGLang need a GPU
+(tests/gpu).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -65,9 +69,11 @@ def _job(cfg_path: str):
 
 
 def _trainer(rank: int, port: int, urls: list[str], cfg_path: str, out_dir: str) -> None:
+    """Trainer rank `rank`; rank 0 also plays the controller's part (ShardRequests), as in a run."""
     import torch.distributed as dist
 
     from hpcrl.rollout.client import EngineClient
+    from hpcrl.rollout.shard_requests import ShardRequests
     from hpcrl.trainer.shard_sync import ShardSync
 
     torch.set_num_threads(1)
@@ -79,19 +85,31 @@ def _trainer(rank: int, port: int, urls: list[str], cfg_path: str, out_dir: str)
     clients = [EngineClient(url, timeout_s=60) for url in urls]
     sync = ShardSync(policy, _job(cfg_path), clients if rank == 0 else None, timeout_s=60)
     sync.connect()
-    report = {"v1": sync.push("v1")}
+    info = sync.engine_request()
+    requests = ShardRequests(urls, info["request"], info["tp"], info["sglang"], 60) if rank == 0 else None
+
+    def push(version: str, deadline_s: float, update_s: float = 0.0):
+        if requests is not None:
+            requests.start(version, deadline_s)
+            requests.watch()  # a refusal ends the push here, before any byte is sent
+        time.sleep(update_s)
+        out = sync.push(version)
+        if requests is not None:
+            requests.finish()
+        return out
+
+    report = {"v1": push("v1", 60)}
     policy.hold(full_tensors(spec, seed=2))
-    sync.announce("v2")  # as the controller does: requests written before the update
-    report["v2"] = sync.push("v2")
+    report["v2"] = push("v2", 120, update_s=0.3)  # as a queued sync: requests written before the update
     if rank == 0:
         report["after_v2"] = [c.request("GET", "/server_info") for c in clients]
         for i, c in enumerate(clients):
             c.request("POST", "/stand_in/params", {"dir": f"{out_dir}/engine{i}"})
         clients[1].begin_weight_update()  # a session left open: SGLang refuses a second begin
     dist.barrier()
-    sync.timeout_s = 5.0  # the engine posts no receive: the trainer ranks' round deadline ends it
+    sync.timeout_s = 5.0  # rank 0 sends nothing: the other trainer rank's round deadline ends it
     try:
-        sync.push("v3")
+        push("v3", 5.0)
         report["v3"] = None
     except Exception as exc:  # noqa: BLE001 - the message is what the test reads
         report["v3"] = f"{type(exc).__name__}: {exc}"
@@ -145,8 +163,9 @@ def test_trainer_pushes_into_sglang_tp_workers_through_the_loader(tmp_path):
             bad = [n for n in want if not torch.equal(got[n], want[n])]
             assert not bad, f"engine {i}, TP worker {r}: {bad}"  # vocab padding rows: still SENTINEL
 
-    refused = reports[0]["v3"]
-    assert refused is not None and f"engine 1 ({urls[1]}): begin_weight_update" in refused, refused
+    refused = reports[0]["v3"]  # raised by ShardRequests.watch, before rank 0 sent anything
+    assert refused is not None and refused.startswith("ShardPushError: shard-to-shard weight push v3 failed: "
+                                                      f"engine 1 ({urls[1]}): begin_weight_update"), refused
     assert "a weight-update session is already open" in refused
     assert reports[1]["v3"] is not None  # the other trainer rank fails too (its round deadline)
     assert [e["weight_update_session"] for e in reports[0]["after_v3"]] == [False] * ENGINES  # closed

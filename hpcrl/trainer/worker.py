@@ -95,8 +95,7 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
 
         clients = [EngineClient(url, timeout_s=job.resources.timeout_s) for url in cmd.payload] if is_leader \
             else None
-        mode = weight_sync_mode(job)
-        if mode == "shard":
+        if weight_sync_mode(job) == "shard":
             from hpcrl.trainer.shard_sync import ShardSync
 
             sync = ShardSync(state["policy"], job, clients, job.resources.timeout_s)
@@ -105,13 +104,12 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
             print(f"weight sync: shard, {len(sync.plan)} transfers in {sync.plan.num_rounds} rounds, "
                   f"{int(sync.plan.sent_bytes()[sync.rank])} bytes sent by this rank", flush=True)
             return sync.engine_request() if is_leader else None  # the controller writes the requests
-        else:
-            from hpcrl.trainer.broadcast_sync import BroadcastSync
+        from hpcrl.trainer.broadcast_sync import BroadcastSync
 
-            sync = BroadcastSync.for_policy(state["policy"], job, cmd.payload, job.resources.timeout_s)
-            sync.connect()
-            state["weight_sync"] = sync
-            print(f"weight sync: broadcast, {sync.describe()}", flush=True)
+        sync = BroadcastSync.for_policy(state["policy"], job, cmd.payload, job.resources.timeout_s)
+        sync.connect()
+        state["weight_sync"] = sync
+        print(f"weight sync: broadcast, {sync.describe()}", flush=True)
         return None
 
     def batch_of(payload):

@@ -97,6 +97,28 @@ _SILENT_ENGINE = textwrap.dedent("""
 """)
 
 
+def test_shard_route_refusal_is_read_by_the_controller_at_its_next_poll(server):
+    """The controller's side of the shard route (hpcrl/rollout/shard_requests.py): a request the
+    engine refuses before receiving (a plan for another model) fails the push at the first `watch`
+    after the answer, naming the engine and its message, with no trainer rank involved."""
+    from hpcrl.rollout.reshard_route import PlanRequest
+    from hpcrl.rollout.shard_requests import ShardPushError, ShardRequests
+    from moe.layouts import RolloutLayout, TrainerLayout
+
+    plan = PlanRequest(TrainerLayout(vocab_divisible_by=1), RolloutLayout(num_engines=1), 1 << 20)
+    request = {**plan.to_json(), "group_name": "hpcrl_reshard", "spec_sha256": "0" * 64, "verify": "sampled"}
+    requests = ShardRequests([server.base_url], request, tp=1, sglang=False, timeout_s=60)
+    requests.start("refused", deadline_s=60)
+    with pytest.raises(ShardPushError) as info:
+        for _ in range(3000):  # the controller's polls; the engine answers within milliseconds
+            requests.watch()
+            time.sleep(0.01)
+    message = str(info.value)
+    assert message.startswith(f"shard-to-shard weight push refused failed: engine 0 ({server.base_url}): ")
+    assert "spec_sha256 '0000" in message and "would plan different models" in message
+    requests.finish()  # the failed push is over: nothing left to read
+
+
 def test_an_engine_that_never_answers_fails_the_push_at_the_deadline():
     proc = subprocess.Popen([sys.executable, "-c", _SILENT_ENGINE], stdout=subprocess.PIPE, text=True)
     try:

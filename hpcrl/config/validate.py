@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -654,13 +654,19 @@ SGLANG_SHARD_MOE_RUNNERS = ("auto", "triton")
 (w13 gate then up, no transposition or padding)."""
 
 
-def _check_sglang_shard_args(job: JobConfig) -> None:
-    """rollout.server_args that change what SGLang's TP workers hold, refused for the shard route."""
-    args = job.rollout.server_args
+def _flag_values(args: list[str]) -> Iterator[tuple[int, str, str, str]]:
+    """(index, item, flag, value) of each item of an argv list: `--flag=value`, or `--flag` and the
+    next item as its value ("" at the end)."""
     for i, arg in enumerate(args):
         flag, eq, value = arg.partition("=")
         if not eq:
             value = args[i + 1] if i + 1 < len(args) else ""
+        yield i, arg, flag, value
+
+
+def _check_sglang_shard_args(job: JobConfig) -> None:
+    """rollout.server_args that change what SGLang's TP workers hold, refused for the shard route."""
+    for i, arg, flag, value in _flag_values(job.rollout.server_args):
         what = SGLANG_SHARD_LAYOUT_FLAGS.get(flag)
         if flag == "--moe-runner-backend" and value not in SGLANG_SHARD_MOE_RUNNERS:
             what = f"the {value!r} MoE runner (its w13/w2 layout)"
@@ -683,11 +689,7 @@ def check_sglang_determinism(job: JobConfig) -> None:
     batch-invariant attention backend. Refuses rollout.server_args it cannot serve: another
     --sampling-backend (SGLang would replace it with pytorch, with a warning only) and an
     --attention-backend outside SGLANG_DETERMINISTIC_ATTENTION."""
-    args = job.rollout.server_args
-    for i, arg in enumerate(args):
-        flag, eq, value = arg.partition("=")
-        if not eq:
-            value = args[i + 1] if i + 1 < len(args) else ""
+    for i, arg, flag, value in _flag_values(job.rollout.server_args):
         if flag == "--sampling-backend" and value != "pytorch":
             raise ConfigError(f"rollout.server_args[{i}]", arg,
                               "hpcrl runs SGLang with --enable-deterministic-inference (seeded, reproducible "

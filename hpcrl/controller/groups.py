@@ -100,8 +100,8 @@ class _Handle:
     def __init__(self, call: PendingCall, timeout_s: float, merge) -> None:
         self.call, self.timeout_s, self.merge = call, timeout_s, merge
 
-    def wait(self):
-        return self.merge(self.call.wait(self.timeout_s))
+    def wait(self, watch=None):
+        return self.merge(self.call.wait(self.timeout_s, watch))
 
 
 class PolicyGroup:
@@ -146,7 +146,7 @@ class PolicyGroup:
         requests = self._shard_requests
         if requests is None:
             return handle.wait()
-        out = handle.merge(handle.call.wait(handle.timeout_s, watch=requests.watch))
+        out = handle.wait(requests.watch)
         requests.finish()
         return out
 

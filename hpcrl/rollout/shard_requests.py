@@ -23,7 +23,7 @@ from typing import Any
 from hpcrl import faults
 from hpcrl.rollout.client import EngineClient, PendingResponse
 from hpcrl.rollout.sglang_shard_loader import tensor_request_body
-from hpcrl.rollout.weight_sender import call_failures
+from hpcrl.rollout.weight_sender import end_sessions
 
 
 class ShardPushError(RuntimeError):
@@ -114,8 +114,7 @@ class ShardRequests:
             self._fail()
         self._push = None
         if self.sglang and faults.planned_sync(push.version) != "skip":
-            failed = call_failures([self._pool.submit(c.end_weight_update) for c in self.clients],
-                                   self.clients, list(range(len(self.clients))), self.timeout_s)
+            failed = self._end_sessions(self.timeout_s)
             if failed:
                 raise ShardPushError(f"weight push {push.version}: end_weight_update failed on "
                                      + "; ".join(failed))
@@ -125,13 +124,11 @@ class ShardRequests:
         push, self._push = self._push, None
         assert push is not None
         if self.sglang:
-            call_failures([self._pool.submit(c.end_weight_update) for c in self.clients], self.clients,
-                          list(range(len(self.clients))), min(self.timeout_s, 30.0))
+            self._end_sessions(min(self.timeout_s, 30.0))
         raise ShardPushError(f"shard-to-shard weight push {push.version} failed: " + "; ".join(push.errors))
+
+    def _end_sessions(self, timeout_s: float) -> list[str]:
+        return end_sessions(self._pool, self.clients, list(range(len(self.clients))), timeout_s)
 
     def _name(self, i: int) -> str:
         return f"engine {i} ({self.clients[i].base_url})"
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False)
-

@@ -38,8 +38,8 @@ from hpcrl.dist import master_store
 from hpcrl.rollout.client import EngineClient, EngineError
 from moe.fused import fused_groups
 
-__all__ = ["WeightSender", "dtype_name", "flatten_bucket", "init_custom_process_group", "parse_dtype",
-           "unflatten_bucket"]
+__all__ = ["WeightSender", "dtype_name", "end_sessions", "flatten_bucket", "init_custom_process_group",
+           "parse_dtype", "unflatten_bucket"]
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
@@ -217,8 +217,7 @@ class WeightSender:
     def end_sessions(self) -> list[str]:
         """Best effort after a failed push: /end_weight_update on every engine at once (an engine
         whose session is not open refuses, harmlessly). Returns the failures, for messages."""
-        calls = [self._pool.submit(c.end_weight_update) for c in self.clients]
-        return call_failures(calls, self.clients, self.engine_ids, min(self.timeout_s, 30.0))
+        return end_sessions(self._pool, self.clients, self.engine_ids, min(self.timeout_s, 30.0))
 
     def _send_bucket(self, k: int, num_buckets: int, bucket, device, flattened: bool,
                      weight_version: str | None) -> int:
@@ -327,6 +326,13 @@ class WeightSender:
         if errors:
             raise RuntimeError(f"{what} failed on {len(errors)} of {len(calls)} engines: "
                                + "; ".join(errors))
+
+
+def end_sessions(pool: ThreadPoolExecutor, clients: list, engine_ids: list[int],
+                 timeout_s: float) -> list[str]:
+    """/end_weight_update on every engine at once (from `pool`); "engine i (url): error" for each
+    that failed (an engine whose session is not open refuses, harmlessly after a failed push)."""
+    return call_failures([pool.submit(c.end_weight_update) for c in clients], clients, engine_ids, timeout_s)
 
 
 def call_failures(calls: list, clients: list, engine_ids: list[int], timeout_s: float) -> list[str]:

@@ -8,6 +8,14 @@ with a reference model, `ref/<hf>`; with PPO's critic (hpcrl/trainer/critic.py),
 `critic/<hf>` and `critic_adam/<moment>/<hf>` (no `lm_head`) and its value head as
 `critic/value_head.{weight,bias}`, resharded on load the same way. Per rank: the RNG states (torch CPU/CUDA, Python, numpy) as a
 blob; they are restored only when the world size is unchanged (else re-seeded deterministically).
+
+bf16 parameters (model.dtype bfloat16) are stored as they are under `policy/` (what export and
+the hash read), their fp32 main parameters under `main/<hf>` (`critic_main/<hf>`) and the Adam
+moments, which Megatron's distributed optimizer keeps as flat shards spread over the DP group,
+at fp32 under the same names as above: each parameter's shards are joined over its DP group
+(one all-reduce of the owner's values and -0.0 elsewhere: exact) before its boxes are written,
+and on load each rank cuts its own flat range from the boxes it reads. A bf16 run resumes a
+float32 checkpoint (its parameters become the main parameters) and the other way round.
 """
 
 from __future__ import annotations
@@ -26,6 +34,54 @@ from checkpoints import CheckpointWriter, open_checkpoint
 from moe.hf_megatron import local_params
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class _Main:
+    """The distributed optimizer's part of one model parameter on this rank: its fp32 main shard
+    (None when this rank owns none of it), the flat range of the parameter that shard covers, the
+    shard's Adam state dict, and the DP group the parameter's shards are spread over."""
+
+    shard: torch.Tensor | None
+    flat: slice
+    state: dict
+    group: Any
+
+
+def _main_params(ddp: Any, optimizer: Any) -> dict[torch.nn.Parameter, _Main]:
+    """param -> its `_Main`, for every trainable parameter of `ddp` when `optimizer` is Megatron's
+    distributed optimizer (bf16 parameters); {} otherwise."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    if optimizer is None or not any(hasattr(opt, "shard_fp32_from_float16_groups") for opt in inner):
+        return {}
+    out: dict[torch.nn.Parameter, _Main] = {}
+    for opt in inner:
+        pairs = [*zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+                 *zip(opt.model_fp32_groups, opt.shard_fp32_groups)]
+        for model_group, shard_group in pairs:
+            for param, shard in zip(model_group, shard_group):
+                r = opt._get_model_param_range_map(param)["param"]
+                out[param] = _Main(shard, slice(r.start, r.end), opt.optimizer.state[shard], None)
+    for param in ddp.module.parameters():
+        if param.requires_grad:
+            # DDP's rule (distributed_data_parallel.py broadcast_params): experts over the expert DP group
+            group = ddp.dp_cp_group if getattr(param, "allreduce", True) else ddp.expt_dp_group
+            out.setdefault(param, _Main(None, slice(0, 0), {}, None)).group = group
+    return out
+
+
+def _join_main(param: torch.nn.Parameter, main: _Main, with_adam: bool) -> dict[str, torch.Tensor]:
+    """The full fp32 main parameter (and Adam moments) of `param` on every rank of its DP group,
+    shaped like `param`. Collective over main.group; exact: the owner's values plus -0.0 elsewhere."""
+    keys = ("main", *(ADAM_KEYS if with_adam else ()))
+    buf = torch.full((len(keys), param.numel()), -0.0, dtype=torch.float32, device=param.device)
+    if main.shard is not None:
+        buf[0, main.flat] = main.shard.detach()
+        for k, key in enumerate(keys[1:], 1):
+            buf[k, main.flat] = main.state[key]
+    if main.group.size() > 1:
+        dist.all_reduce(buf, group=main.group)
+    return {key: buf[k].view(param.shape) for k, key in enumerate(keys)}
 
 
 def _adam_states(optimizer: Any) -> dict[torch.nn.Parameter, dict]:
@@ -68,6 +124,8 @@ class _Model:
     optimizer: Any = None
     adam_prefix: str = ""
     step_key: str = ""
+    ddp: Any = None
+    main_prefix: str = ""
 
 
 def _models(policy: Any) -> list[_Model]:
@@ -85,7 +143,8 @@ def _models(policy: Any) -> list[_Model]:
                 for lp in local if lp.name in names for pc in lp.pieces]
 
     everything = {lp.name for lp in local}
-    models = [_Model("policy", pieces(policy.gpt, everything), policy.optimizer, "adam", "adam_step")]
+    models = [_Model("policy", pieces(policy.gpt, everything), policy.optimizer, "adam", "adam_step",
+                     policy.ddp, "main")]
     if policy.ref is not None:
         models.append(_Model("ref", pieces(policy.ref, everything)))
     critic = policy.critic
@@ -100,7 +159,8 @@ def _models(policy: Any) -> list[_Model]:
             for name, param in zip(HEAD_NAMES, (head.weight, head.bias)):
                 full = Box.full(tuple(param.shape))
                 body.append((name, param, full.index, full, tuple(param.shape)))
-        models.append(_Model("critic", body, critic.optimizer, "critic_adam", "critic_adam_step"))
+        models.append(_Model("critic", body, critic.optimizer, "critic_adam", "critic_adam_step",
+                             critic.ddp, "critic_main"))
     return models
 
 
@@ -115,20 +175,30 @@ def save(policy: Any, ckpt_dir: str, step: int, attempt_id: str, keep: int,
     nbytes = 0
     for m in _models(policy):
         states = _adam_states(m.optimizer) if m.optimizer is not None else {}
+        mains = _main_params(m.ddp, m.optimizer)
+        with_adam = _adam_started(mains)
         steps = set()
-        for name, param, index, box, shape in m.pieces:
+        for param, pieces in _by_param(m.pieces):
             sources = {m.prefix: param.detach()}
+            if param in mains:  # bf16: fp32 main parameter and moments, joined over the DP group
+                main = mains[param]
+                if "step" in main.state:
+                    steps.add(float(main.state["step"]))
+                joined = _join_main(param, main, with_adam)
+                sources[m.main_prefix] = joined.pop("main")
+                sources.update({f"{m.adam_prefix}/{k}": v for k, v in joined.items()})
             st = states.get(param)
             if st and "exp_avg" in st:
                 steps.add(float(st["step"]))
                 sources.update({f"{m.adam_prefix}/{k}": st[k] for k in ADAM_KEYS})
-            for prefix, tensor in sources.items():
-                part = tensor[index].contiguous()
-                writer.write(f"{prefix}/{name}", part, box=box, global_shape=shape)
-                nbytes += part.numel() * part.element_size()
+            for name, index, box, shape in pieces:
+                for prefix, tensor in sources.items():
+                    part = tensor[index].contiguous()
+                    writer.write(f"{prefix}/{name}", part, box=box, global_shape=shape)
+                    nbytes += part.numel() * part.element_size()
         assert len(steps) <= 1, f"{m.prefix} params at different Adam steps: {steps}"
         if m.step_key:
-            adam_steps[m.step_key] = steps.pop() if steps else 0.0
+            adam_steps[m.step_key] = _max_over_ranks(steps.pop() if steps else 0.0)
     writer.write_blob("rng", _rng_blob())
     writer.commit({**(metadata or {}), **adam_steps} if rank == 0 else None)
     writer.wait(for_commit=True)
@@ -156,12 +226,46 @@ def load(policy: Any, ckpt_dir: str, step: int) -> dict:
     return meta
 
 
+def _by_param(pieces: list) -> list[tuple[torch.nn.Parameter, list]]:
+    """The pieces of each parameter together, in the order the parameters first appear (the same
+    order on every rank of a DP group, which `_join_main`'s collectives need)."""
+    out: dict[torch.nn.Parameter, list] = {}
+    for name, param, index, box, shape in pieces:
+        out.setdefault(param, []).append((name, index, box, shape))
+    return list(out.items())
+
+
+def _adam_started(mains: dict[torch.nn.Parameter, _Main]) -> bool:
+    """Whether the distributed optimizer has taken a step (its moments exist), agreed by all ranks:
+    a rank that owns no shard has no state to look at."""
+    here = any("exp_avg" in main.state for main in mains.values())
+    return bool(mains) and _max_over_ranks(float(here)) > 0
+
+
+def _max_over_ranks(value: float) -> float:
+    """`value`'s maximum over the trainer ranks (a rank without optimizer state reports 0)."""
+    if dist.get_world_size() == 1:
+        return value
+    out = torch.tensor([value], dtype=torch.float64, device=_device())
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return float(out.cpu()[0])
+
+
+def _device() -> torch.device:
+    """The device the trainer's collectives run on (NCCL needs CUDA tensors)."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 @torch.no_grad()
 def _load_model(m: _Model, reader: Any, adam_step: float) -> None:
     """Fill the pieces of `m` this rank holds, and their Adam moments when the checkpoint has them."""
+    mains = _main_params(m.ddp, m.optimizer)
+    if mains:
+        return _load_main(m, reader, adam_step, mains)
     states = _adam_states(m.optimizer) if adam_step > 0 else {}
+    source = _param_source(m, reader)
     for name, param, index, box, _ in m.pieces:
-        targets = {m.prefix: param.data}
+        targets = {source: param.data}
         if adam_step > 0:
             st = states[param]
             for k in ADAM_KEYS:
@@ -170,3 +274,34 @@ def _load_model(m: _Model, reader: Any, adam_step: float) -> None:
             st["step"] = torch.tensor(adam_step, dtype=torch.float32)
         for prefix, target in targets.items():
             target[index] = reader.read(f"{prefix}/{name}", box).to(target.dtype)
+
+
+def _param_source(m: _Model, reader: Any) -> str:
+    """Where `m`'s fp32 values are: its main parameters when a bf16 run saved them, else itself."""
+    if m.main_prefix and any(n.startswith(f"{m.main_prefix}/") for n in reader.tensor_names()):
+        return m.main_prefix
+    return m.prefix
+
+
+def _load_main(m: _Model, reader: Any, adam_step: float, mains: dict[torch.nn.Parameter, _Main]) -> None:
+    """`_load_model` for the distributed optimizer: the bf16 parameters from `prefix/`, and this
+    rank's flat range of each fp32 main parameter (from `main_prefix/`, or the parameter itself in
+    a float32 checkpoint) and of its moments."""
+    source = _param_source(m, reader)
+    for param, pieces in _by_param(m.pieces):
+        full = {"main": torch.empty(param.shape, dtype=torch.float32, device=param.device)}
+        if adam_step > 0:
+            full.update({k: torch.empty_like(full["main"]) for k in ADAM_KEYS})
+        for name, index, box, _ in pieces:
+            param.data[index] = reader.read(f"{m.prefix}/{name}", box).to(param.dtype)
+            full["main"][index] = reader.read(f"{source}/{name}", box).float()
+            for k in ADAM_KEYS if adam_step > 0 else ():
+                full[k][index] = reader.read(f"{m.adam_prefix}/{k}/{name}", box).float()
+        main = mains.get(param)
+        if main is None or main.shard is None:
+            continue
+        main.shard.copy_(full["main"].view(-1)[main.flat])
+        if adam_step > 0:
+            for k in ADAM_KEYS:
+                main.state[k] = full[k].view(-1)[main.flat].clone()
+            main.state["step"] = torch.tensor(adam_step, dtype=torch.float32)

@@ -5,7 +5,9 @@
 RMSNorm over the head dim (Qwen3), non-interleaved RoPE with the HF theta, grouped-query
 attention, a softmax router (top-k logits then softmax == HF's renormalised top-k softmax when
 `norm_topk_prob`; softmax then top-k otherwise), SwiGLU experts, no biases, no dropout. Every
-fusion is off (they need CUDA kernels); parameters are fp32 on CPU. `build_gpt_model` builds the
+fusion is off (they need CUDA kernels). Parameters are fp32, or bf16 with `dtype="bfloat16"` (Megatron's
+mixed precision: the policy trains them through Float16Module with fp32 main parameters,
+hpcrl/trainer/policy.py `ddp_and_adam`). `build_gpt_model` builds the
 module of this rank's pipeline stage with Megatron's own random init, which the policy then
 overwrites with HF weights (`MegatronPolicy.init_from_seed` / `load_hf_state_dict`).
 """
@@ -20,6 +22,8 @@ import torch.nn.functional as F
 from moe.hf_megatron import HFModelDims, RankCoords
 
 DISPATCHERS = ("alltoall", "allgather")
+PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""`model.dtype` -> the Megatron parameter dtype the trainer builds."""
 
 
 def check_layout(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: int, dispatcher: str,
@@ -44,8 +48,9 @@ def check_layout(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: int, dis
 
 
 def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: int, dispatcher: str,
-                       aux_loss_coef: float, device: str = "cpu"):  # -> TransformerConfig
-    """The TransformerConfig of `hf_config` under the layout (tp, pp, ep, etp).
+                       aux_loss_coef: float, device: str = "cpu", dtype: str = "float32"):  # -> TransformerConfig
+    """The TransformerConfig of `hf_config` under the layout (tp, pp, ep, etp), with parameters
+    of `dtype` ("float32" or "bfloat16"; the router and softmax compute in fp32 either way).
 
     Sequence parallelism is on whenever tp > 1 (Megatron requires it for MoE with TP).
     Raises ValueError for an unknown dispatcher or a model that does not split over the layout.
@@ -53,6 +58,9 @@ def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: in
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_layout(hf_config, tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=dispatcher, device=device)
+    if dtype not in PARAM_DTYPES:
+        raise ValueError(f"model.dtype={dtype!r}; valid: {', '.join(PARAM_DTYPES)}")
+    params_dtype = PARAM_DTYPES[dtype]
     dims = HFModelDims.from_hf_config(hf_config)
     return TransformerConfig(
         num_layers=dims.num_layers,
@@ -88,9 +96,12 @@ def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: in
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
         sequence_parallel=tp > 1,
-        # numerics: fp32 everywhere, every CUDA fusion off
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
+        # numerics: fp32 or bf16 params (bf16: fp32 softmax, router and main params), every CUDA fusion off
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        attention_softmax_in_fp32=True,
+        moe_router_dtype="fp32" if params_dtype == torch.bfloat16 else None,
         use_cpu_initialization=device == "cpu",
         # The init functions also set the `tensor_model_parallel` attributes that the grad-norm
         # dedup reads; without them TP shards count as replicas. The values are overwritten.

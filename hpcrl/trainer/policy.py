@@ -19,8 +19,10 @@ over the M * D micro-batches). Pad tokens are masked out of the aux loss (`paddi
 the update does not depend on how much padding a layout adds (L is rounded up to a multiple of tp).
 
 Optimizer: megatron's `get_megatron_optimizer` (torch AdamW with decoupled weight decay when TE
-and Apex are absent; no weight decay on 1-D params, Megatron's standard), non-distributed, fp32,
-with Megatron's model-parallel-aware grad-norm clipping (`grad_clip`, 0 disables).
+and Apex are absent; no weight decay on 1-D params, Megatron's standard) with Megatron's
+model-parallel-aware grad-norm clipping (`grad_clip`, 0 disables): non-distributed over fp32
+parameters, or (model.dtype bfloat16) Megatron's distributed optimizer over fp32 main parameters
+of the bf16 ones (`ddp_and_adam`).
 """
 
 from __future__ import annotations
@@ -90,22 +92,35 @@ def _logp_and_entropy(logits_BLv: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: to
 
 def ddp_and_adam(gpt: torch.nn.Module, config: Any, device: torch.device, *, lr: float, weight_decay: float,
                  betas: tuple[float, float], eps: float, grad_clip: float) -> tuple[Any, Any]:
-    """`gpt` wrapped for training as hpcrl trains (the policy, and PPO's critic): Megatron DDP with
-    fp32 grad buffers, and Megatron's (non-distributed) Adam at a constant learning rate."""
+    """`gpt` wrapped for training as hpcrl trains (the policy, and PPO's critic) at a constant
+    learning rate, with Megatron DDP's fp32 grad buffers.
+
+    fp32 parameters (`config.bf16` off): Megatron's non-distributed Adam on them. bf16 parameters:
+    Megatron's mixed precision as its trainers run it: the model under `Float16Module` (bf16
+    compute, fp32 logits out of the last stage), Megatron's distributed optimizer with fp32 main
+    parameters and Adam moments sharded over the data-parallel group (each DP rank keeps 1/D of
+    them), grads reduce-scattered to the owners and the updated bf16 parameters all-gathered back.
+    """
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                            finalize_model_grads)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    bf16 = bool(config.bf16)
+    module = gpt
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        module = Float16Module(config, gpt)
     ddp = DistributedDataParallel(
-        config=config, module=gpt,
+        config=config, module=module,
         ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                 use_distributed_optimizer=False))
+                                                 use_distributed_optimizer=bf16))
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
-                        adam_beta2=betas[1], adam_eps=eps, clip_grad=grad_clip, params_dtype=torch.float32,
-                        bf16=False, fp16=False, use_distributed_optimizer=False),
+                        adam_beta2=betas[1], adam_eps=eps, clip_grad=grad_clip, params_dtype=config.params_dtype,
+                        bf16=bf16, fp16=False, use_distributed_optimizer=bf16),
         [ddp])
     # Megatron applies wd_mult (0 for norms and biases) through its LR scheduler, which hpcrl
     # does not use (constant LR); apply it to the param groups once here. torch's Adam takes
@@ -125,10 +140,12 @@ class MegatronPolicy:
     Construct on every trainer rank (collective). Weights start at Megatron's random init, not
     HF's: call `load_hf_dir`, `init_from_seed` or `load_hf_state_dict` before computing anything. `gpu` is this
     rank's CUDA device (hpcrl.rollout.placement) with device cuda; None: rank % visible GPUs.
+    `dtype` is `model.dtype`: "float32", or "bfloat16" (bf16 parameters, reference and critic;
+    fp32 main parameters in Megatron's distributed optimizer: `ddp_and_adam`).
     """
 
     def __init__(self, hf_config: dict, trainer: TrainerConfig, algorithm: AlgorithmConfig,
-                 device: str = "cpu", gpu: int | None = None) -> None:
+                 device: str = "cpu", gpu: int | None = None, dtype: str = "float32") -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}; valid: 'cpu', 'cuda'")
         if not dist.is_initialized():
@@ -182,7 +199,7 @@ class MegatronPolicy:
         self._export_plan = self._make_export_plan(all_coords)
 
         self.layout = layout = dict(tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=trainer.dispatcher,
-                                    aux_loss_coef=algorithm.aux_loss_coef, device=device)
+                                    aux_loss_coef=algorithm.aux_loss_coef, device=device, dtype=dtype)
         self._build_policy(layout)
         self.critic: Any = None  # PPO's value model on these ranks (hpcrl/trainer/critic.py), if any
         self.ref: torch.nn.Module | None = None
@@ -236,6 +253,7 @@ class MegatronPolicy:
         else:
             raise ValueError(f"random_init={random_init!r}; valid: 'auto', 'hf', 'sharded'")
         self._loaded.update(policy=True, ref=True)
+        self.weights_changed()
 
     def load_hf_dir(self, model_dir: str) -> None:
         """Load a HF model directory's weights into policy and ref, each rank reading only the
@@ -247,6 +265,7 @@ class MegatronPolicy:
             weight_init.load(self, source, [m for _, m in self._models("both" if self.ref is not None
                                                                           else "policy")])
         self._loaded.update(policy=True, ref=True)
+        self.weights_changed()
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor], model: str = "policy") -> None:
@@ -258,6 +277,14 @@ class MegatronPolicy:
             for name, tensor in local.items():
                 params[name].copy_(tensor)
             self._loaded[which] = True
+        self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """Call after writing the policy's parameters from outside the optimizer: with bf16
+        parameters the optimizer's fp32 main parameters are set from them (Megatron's
+        `reload_model_params`); fp32 parameters are their own main parameters."""
+        if self.layout["dtype"] != "float32":
+            self.optimizer.reload_model_params()
 
     def _make_export_plan(self, all_coords: list[RankCoords]) -> list[list[tuple[str, Any]]]:
         """Per global rank, the (param name, Piece) it sends to rank 0: each HF region once,

@@ -77,7 +77,7 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         # Dr. GRPO's constant defaults to the generation budget (algorithm.loss_agg_norm: 0)
         algorithm = dataclasses.replace(job.algorithm,
                                         loss_agg_norm=job.algorithm.loss_agg_norm or job.rollout.max_new_tokens)
-        policy = MegatronPolicy(hf_config, job.trainer, algorithm, device=device, gpu=gpu)
+        policy = MegatronPolicy(hf_config, job.trainer, algorithm, device=device, gpu=gpu, dtype=job.model.dtype)
         if job.model.path:
             policy.load_hf_dir(job.model.path)  # each rank reads only its slices
         else:

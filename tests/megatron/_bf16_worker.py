@@ -1,0 +1,110 @@
+"""mpiexec worker for tests/megatron/test_bf16_training.py: a bfloat16 MegatronPolicy (bf16
+parameters, fp32 main parameters in Megatron's distributed optimizer) trains, checkpoints and resumes.
+
+Usage: mpiexec -n N python _bf16_worker.py [--ep E] [--resume CKPT_DIR] CKPT_DIR OUT.pt
+Without --resume: init from SEED, two GRPO steps, save the checkpoint at step 2 into CKPT_DIR, a
+third step; then load step 2 back and take the third step again (resume), and once more after
+resetting the main parameters from the bf16 ones (what a resume that lost them would do).
+With --resume: load step 2 of that directory (saved under another layout), save it again into
+CKPT_DIR, then take the third step. Rank 0 saves hashes, metrics and checks to OUT.pt.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from _policy_worker import SEED, make_batch
+
+
+def main_matches_params(policy) -> bool:
+    """Whether every fp32 main shard this rank owns rounds to the bf16 parameter it belongs to,
+    and each main shard is fp32 while the parameters are bf16. Collective."""
+    import torch.distributed as dist
+
+    from hpcrl.trainer.checkpoint_io import _main_params
+
+    ok, owned = True, 0
+    for param, main in _main_params(policy.ddp, policy.optimizer).items():
+        ok &= param.dtype == torch.bfloat16
+        if main.shard is not None:
+            owned += main.shard.numel()
+            ok &= main.shard.dtype == torch.float32
+            ok &= torch.equal(main.shard.to(torch.bfloat16), param.detach().view(-1)[main.flat])
+    total = torch.tensor([owned, int(ok)], dtype=torch.int64)
+    dist.all_reduce(total[:1])
+    dist.all_reduce(total[1:], op=dist.ReduceOp.MIN)
+    return bool(total[1]) and int(total[0]) > 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--resume", default=None)
+    ap.add_argument("ckpt")
+    ap.add_argument("out")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    from mpi4py import MPI
+
+    from hpcrl.dist import init_torch_distributed
+
+    init_torch_distributed(MPI.COMM_WORLD, "gloo")
+    import torch.distributed as dist
+
+    from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
+    from hpcrl.models.presets import load_hf_config
+    from hpcrl.trainer import checkpoint_io
+    from hpcrl.trainer.policy import MegatronPolicy
+
+    trainer = TrainerConfig(ep=args.ep, num_procs=dist.get_world_size(), micro_batch_size=3, seed=3)
+    algorithm = AlgorithmConfig(lr=1e-2, kl_coef=0.05, grad_clip=0.5, aux_loss_coef=0.01, adam_eps=1e-6)
+    policy = MegatronPolicy(load_hf_config("tiny-qwen3-moe", None), trainer, algorithm, dtype="bfloat16")
+    policy.init_from_seed(SEED)
+    rank0 = dist.get_rank() == 0
+    batch = make_batch()
+    adv = torch.linspace(-1.0, 1.0, batch.batch_size)
+    out: dict = {"sha0": policy.policy_sha256(), "main_ok0": main_matches_params(policy)}
+    ref = policy.compute_logprobs(batch, "ref")
+
+    def step() -> dict | None:
+        m = policy.train_step(batch, adv, None, ref, on_policy=True)
+        if m is not None:
+            m.pop("logprobs_BT")
+        return m
+
+    if args.resume:
+        out["meta"] = checkpoint_io.load(policy, args.resume, 2)
+        out["sha2"] = policy.policy_sha256()
+        checkpoint_io.save(policy, args.ckpt, 2, "resaved", 2, {"resaved": 1})
+        out["m3"] = step()
+        out["sha3"] = policy.policy_sha256()
+    else:
+        out["logp0"] = policy.compute_logprobs(batch)
+        out["m1"], out["m2"] = step(), step()
+        out["sha2"] = policy.policy_sha256()
+        out["main_ok2"] = main_matches_params(policy)
+        checkpoint_io.save(policy, args.ckpt, 2, "first", 2, {"step": 2})
+        out["m3"] = step()
+        out["sha3"] = policy.policy_sha256()
+        out["sd3"] = policy.export_hf_state_dict()
+        checkpoint_io.load(policy, args.ckpt, 2)
+        out["sha2_loaded"] = policy.policy_sha256()
+        out["m3_resumed"] = step()
+        out["sha3_resumed"] = policy.policy_sha256()
+        checkpoint_io.load(policy, args.ckpt, 2)
+        policy.weights_changed()  # main parameters from the bf16 ones: fp32 precision lost
+        step()
+        out["sha3_main_lost"] = policy.policy_sha256()
+    if rank0:
+        torch.save(out, args.out)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    from hpcrl.worker_main import finalize_and_exit
+
+    main()
+    finalize_and_exit(0)  # as hpcrl's ranks end: no gloo/Megatron teardown at interpreter exit

@@ -78,10 +78,10 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
     other = megatron_build("bfloat16" if build.param_dtype == "float32" else "float32", build.reference_model,
                            build.critic_model)
     t["other_build"] = trainer_memory_summary(spec, trainer, other, gpu_bytes)
-    for summary in (t, t["other_build"]):
+    for summary, note in ((t, "what hpcrl run builds"),
+                          (t["other_build"], f"what hpcrl run builds with model.dtype: {other.param_dtype}")):
         today = summary["build"]["built_by_run_today"] = summary["build"]["param_dtype"] in RUN_PARAM_DTYPES
-        summary["build"]["note"] = ("what hpcrl run builds" if today else
-                                    "the CUDA build as planned; hpcrl run builds float32 params today")
+        summary["build"]["note"] = note if today else f"{note}; not built by hpcrl run"
     report["weight_sync"] = {"rollout_backend": job.rollout.backend, "weight_sync": job.rollout.weight_sync,
                              "route": weight_sync_mode(job)}
     moved = report["plan"]["nic_bytes"] + report["plan"]["nvlink_bytes"]

@@ -30,7 +30,8 @@ class ModelConfig:
     counter-based generator keyed by tensor name and element index) | auto (hf up to 1B parameters,
     sharded above). Both are the same under every trainer layout."""
     dtype: str = "float32"
-    """Parameter dtype: float32 | bfloat16 (bfloat16 needs a GPU)."""
+    """Parameter dtype: float32 | bfloat16 (bf16 params, fp32 main params in Megatron's
+    distributed optimizer; runs on CPU too, but GPUs are where it pays)."""
 
 
 @dataclass(kw_only=True)

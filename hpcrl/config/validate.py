@@ -266,16 +266,21 @@ def _check_critic(job: JobConfig) -> None:
 
 
 def _check_engine_dtype(job: JobConfig) -> None:
-    """A bfloat16 engine against a float32 trainer needs the bf16 sync check (docs/config.md)."""
+    """bfloat16 on either side of the sync check needs the bf16 check (docs/config.md): engine and
+    trainer round differently, so single tokens' log-probs move though the weights are the same."""
     r = job.rollout
-    if engine_dtype(job) == "bfloat16" and job.model.dtype == "float32" and (
-            r.logprob_tolerance < 0.1 or r.logprob_mean_tolerance == 0):
-        raise ConfigError("rollout.dtype", r.dtype,
-                          "a bfloat16 engine against the float32 trainer rounds single tokens' log-probs by "
-                          f"up to ~0.5, so rollout.logprob_tolerance={r.logprob_tolerance:g} would stop the run "
-                          "while the mean check is off; set rollout.logprob_tolerance: 1.0 and "
-                          "rollout.logprob_mean_tolerance: 0.02 (a wrong weight moves every token: "
-                          "benchmarks/RESULTS.md, bf16_sync_check)")
+    if "bfloat16" not in (engine_dtype(job), job.model.dtype) or (
+            r.logprob_tolerance >= 0.1 and r.logprob_mean_tolerance > 0):
+        return
+    if job.model.dtype == "bfloat16":
+        key, value, what = "model.dtype", job.model.dtype, "bfloat16 training (engines and trainer round apart)"
+    else:
+        key, value, what = "rollout.dtype", r.dtype, "a bfloat16 engine against the float32 trainer"
+    raise ConfigError(key, value,
+                      f"{what} moves single tokens' log-probs by up to ~0.5, so "
+                      f"rollout.logprob_tolerance={r.logprob_tolerance:g} would stop the run while the mean "
+                      "check is off; set rollout.logprob_tolerance: 1.0 and rollout.logprob_mean_tolerance: "
+                      "0.02 (a wrong weight moves every token: benchmarks/RESULTS.md, bf16_sync_check)")
 
 
 def _check_eval(job: JobConfig) -> None:
@@ -369,9 +374,6 @@ SGLANG_SHARD_MODEL_TYPES = ("qwen3_moe",)
 def _check_devices(job: JobConfig, m: ModelDims) -> None:
     """dtype/backend/device consistency and GPU counts; nothing here touches the hardware."""
     r, res = job.rollout, job.resources
-    if job.model.dtype == "bfloat16" and res.device != "cuda":
-        raise ConfigError("model.dtype", job.model.dtype, f"bfloat16 needs resources.device=cuda "
-                                                          f"(device is {res.device!r}); use float32 on CPU")
     if r.backend == "reference" and r.tp_per_engine != 1:
         raise ConfigError("rollout.tp_per_engine", r.tp_per_engine,
                           "the reference engine runs one process per engine: use tp_per_engine=1, "

@@ -49,10 +49,6 @@ class Session:
         self._prepared: dict[int, GenerateRequest] = {}  # the next block's requests, built ahead
         self.last_block = -1  # the prompt block of the last generate
         self._write_json(".ranks.json", [r.__dict__ for r in world.ranks])
-        if job.model.dtype != "float32":  # TODO(issue 15): bf16 params + fp32 main params on CUDA
-            print(f"hpcrl: warning: model.dtype={job.model.dtype}: the engines run in {job.model.dtype}, the "
-                  "trainer still keeps float32 parameters and Adam state (bf16 training is not built yet)",
-                  flush=True)
         roles = {role: [r for r in world.ranks if r.role == role] for role in ("controller", "trainer", "rollout")}
         print(f"hpcrl: MPI world of {len(world.ranks)} ranks: " + "; ".join(
             f"{role} {','.join(str(r.rank) for r in rs)} on {','.join(sorted({r.host for r in rs}))}"

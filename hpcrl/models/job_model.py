@@ -33,10 +33,9 @@ TRAINER_KEYS = {"tp": "trainer.tp", "pp": "trainer.pp", "ep": "trainer.ep", "etp
                 "last_stage_layers": "trainer.last_stage_layers"}
 ROLLOUT_KEYS = {"num_engines": "rollout.num_engines", "tp": "rollout.tp_per_engine", "ep": "rollout.ep",
                 "dp_attention": "rollout.dp_attention"}
-RUN_PARAM_DTYPES = ("float32",)
-"""Parameter dtypes hpcrl/trainer/policy.py builds today (fp32 params, non-distributed Adam). The
-bfloat16 build (bf16 params, fp32 main params, distributed optimizer on CUDA) is planned; add
-"bfloat16" here when the trainer builds it."""
+RUN_PARAM_DTYPES = ("float32", "bfloat16")
+"""Parameter dtypes hpcrl/trainer/policy.py builds: fp32 params with non-distributed Adam; bf16
+params with fp32 main params and Adam in Megatron's distributed optimizer (`moe.trainer_memory`)."""
 RUN_VOCAB_DIVISIBLE_BY = 1
 """hpcrl's Megatron model does not pad the vocab (hpcrl/trainer/model.py), so neither do its layouts."""
 

@@ -125,7 +125,7 @@ def build_gpt_model(hf_config: Mapping, config) -> torch.nn.Module:  # config: T
     dims = HFModelDims.from_hf_config(hf_config)
     spec = get_gpt_layer_local_spec(num_experts=dims.num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=dims.qk_norm, normalization="RMSNorm")
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=dims.vocab_size,
@@ -138,6 +138,9 @@ def build_gpt_model(hf_config: Mapping, config) -> torch.nn.Module:  # config: T
         rotary_percent=1.0,
         rotary_base=dims.rope_theta,
     )
+    # Norms without TE are torch modules made in fp32 whatever params_dtype says; a bf16 model is
+    # bf16 throughout (Float16Module would convert the policy's; the reference's too, here).
+    return gpt.bfloat16() if config.bf16 else gpt
 
 
 def build_hf_model(hf_config: Mapping, seed: int) -> torch.nn.Module:

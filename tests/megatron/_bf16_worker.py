@@ -38,6 +38,29 @@ def main_matches_params(policy) -> bool:
     return bool(total[1]) and int(total[0]) > 0
 
 
+def held_bytes(policy) -> dict[str, list[int]]:
+    """Bytes this build holds per rank, [sum, max] over the trainer ranks: bf16 parameters, the DDP
+    grad buffers (fp32, padded for the distributed optimizer), fp32 main shards, Adam moments, the
+    reference model. Collective."""
+    import torch.distributed as dist
+
+    from hpcrl.trainer.checkpoint_io import ADAM_KEYS, _main_params
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    owned = [m for m in _main_params(policy.ddp, policy.optimizer).values() if m.shard is not None]
+    buffers = [*policy.ddp.buffers, *policy.ddp.expert_parallel_buffers]
+    held = {"params": nbytes(policy.gpt.parameters()), "grads": nbytes(b.grad_data for b in buffers),
+            "main": nbytes(m.shard for m in owned), "adam": nbytes(m.state[k] for m in owned for k in ADAM_KEYS),
+            "reference": nbytes(policy.ref.parameters())}
+    local = torch.tensor(list(held.values()), dtype=torch.int64)
+    total, most = local.clone(), local.clone()
+    dist.all_reduce(total)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return {k: [int(total[i]), int(most[i])] for i, k in enumerate(held)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, default=1)
@@ -82,10 +105,11 @@ def main() -> None:
         out["m3"] = step()
         out["sha3"] = policy.policy_sha256()
     else:
-        out["logp0"] = policy.compute_logprobs(batch)
+        out["logp0"], out["ref0"] = policy.compute_logprobs(batch), ref
         out["m1"], out["m2"] = step(), step()
         out["sha2"] = policy.policy_sha256()
         out["main_ok2"] = main_matches_params(policy)
+        out["held"] = held_bytes(policy)
         checkpoint_io.save(policy, args.ckpt, 2, "first", 2, {"step": 2})
         out["m3"] = step()
         out["sha3"] = policy.policy_sha256()

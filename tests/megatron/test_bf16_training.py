@@ -2,7 +2,7 @@
 Megatron's Float16Module, fp32 main parameters and Adam moments in Megatron's distributed optimizer
 sharded over two DP ranks, the checkpoint that keeps them, and resume under other layouts.
 
-Three launches of `_bf16_worker.py`: 2 ranks at DP2 train, save and resume in place; 1 rank and 2
+`hpcrl plan`'s bfloat16 build is what the 2-rank run holds. Three launches of `_bf16_worker.py`: 2 ranks at DP2 train, save and resume in place; 1 rank and 2
 ranks at EP2 (experts not data-parallel) resume that checkpoint and save it again, which must give
 the same tensors bit for bit. The same code runs on GPUs (tests/gpu/test_bf16_training.py).
 """
@@ -58,6 +58,7 @@ def test_bf16_trains_with_fp32_main_params_and_resumes_bit_identical(dp2: tuple[
     diff = (run["logp0"] - hf_logprobs(batch, 1.0)).abs().max().item()
     assert 0 < diff < BF16_LOGP_TOL, f"bf16 log-probs {diff} from HF's fp32 ones"
     assert run["sd3"]["lm_head.weight"].dtype == torch.bfloat16
+    assert torch.equal(run["ref0"], run["logp0"])  # the reference is the same bf16 model
     assert len({run["sha0"], run["sha2"], run["sha3"]}) == 3  # the steps move the bf16 weights
     assert run["m2"]["kl"] > 0 and run["m1"]["grad_norm"] > 0.5
     # resume in place: the same bf16 params, then the same step bit for bit
@@ -84,3 +85,24 @@ def test_bf16_checkpoint_resumes_under_another_layout(ranks: int, dp2: tuple[dic
         assert [n for n in names if not torch.equal(a.read(n), b.read(n))] == []
     # the third step from there agrees with the original run's up to reduction order
     assert abs(other["m3"]["loss"] - run["m3"]["loss"]) < 1e-5
+
+
+def test_plan_of_the_bf16_build_is_what_the_ranks_hold(dp2: tuple[dict, Path]) -> None:
+    """Per rank: bf16 params and reference, fp32 grads, fp32 main params and Adam m, v sharded over
+    the 2 DP ranks. Megatron pads the distributed optimizer's buffers (each param to 64 elements, each
+    bucket to the DP size): grads and the larger shard are a little above the plan's even split."""
+    from hpcrl.config import job_from_dict
+    from hpcrl.plan_cmd import plan_job
+
+    held = dp2[0]["held"]  # name -> [sum over the 2 ranks, max]
+    job = job_from_dict({"model": {"preset": "tiny-qwen3-moe", "dtype": "bfloat16"}, "trainer": {"num_procs": 2},
+                         "algorithm": {"kl_coef": 0.05},
+                         "rollout": {"logprob_tolerance": 1.0, "logprob_mean_tolerance": 0.02}})
+    t = plan_job(job)["trainer"]
+    assert t["build"]["param_dtype"] == "bfloat16" and t["build"]["built_by_run_today"]
+    assert held["params"][1] == t["params_bytes_per_gpu"] and held["reference"][1] == t["reference_bytes_per_gpu"]
+    assert held["main"][0] == 2 * t["main_params_bytes_per_gpu"]  # each element on exactly one DP rank
+    assert held["adam"][0] == 2 * t["adam_state_bytes_per_gpu"]
+    for name, planned in (("grads", t["grads_bytes_per_gpu"]), ("main", t["main_params_bytes_per_gpu"]),
+                          ("adam", t["adam_state_bytes_per_gpu"])):
+        assert planned <= held[name][1] <= 1.01 * planned, (name, held[name], planned)

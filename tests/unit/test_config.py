@@ -144,7 +144,8 @@ BAD = [
      [],
      None, "data.num_prompts_per_step", "3", "valid num_prompts_per_step: 2, 4"),
     ("reference-tp", "rollout: {tp_per_engine: 2}", [], None, "rollout.tp_per_engine", "2", "sglang"),
-    ("bf16-on-cpu", "model: {dtype: bfloat16}", [], None, "model.dtype", "'bfloat16'", "device=cuda"),
+    ("bf16-sync-check", "model: {dtype: bfloat16}", [], None, "model.dtype", "'bfloat16'",
+     "rollout.logprob_tolerance: 1.0"),
     ("sglang-on-cpu", "rollout: {backend: sglang}", [], None, "rollout.backend", "'sglang'", "device=cuda"),
     ("sglang-shard-sync-mixtral",
      "model: {config_path: model.json}\nrollout: {backend: sglang, weight_sync: shard}\n"
@@ -307,7 +308,8 @@ def test_cuda_layout_validates_without_a_gpu(tmp_path):
     job = load_job(write(tmp_path, """
         model: {config_path: model.json, dtype: bfloat16}
         trainer: {tp: 2, pp: 2, ep: 4, etp: 1, num_procs: 8}
-        rollout: {backend: sglang, num_engines: 2, tp_per_engine: 4}
+        rollout: {backend: sglang, num_engines: 2, tp_per_engine: 4, logprob_tolerance: 1.0,
+                  logprob_mean_tolerance: 0.02}
         resources: {device: cuda, nodes: 2, gpus_per_node: 4, rollout_nodes: 2}
     """))
     assert job.world_size == 1 + 8 + 2

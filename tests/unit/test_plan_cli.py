@@ -77,9 +77,10 @@ def test_json_report_has_the_required_keys_and_sane_values(json_report):
     parts = (t["params_bytes_per_gpu"], t["grads_bytes_per_gpu"], t["optimizer_bytes_per_gpu"])
     assert min(parts) > 0 and max(parts) < t["total_bytes_per_gpu"] <= sum(parts)
     # model.dtype bfloat16: bf16 params, fp32 grads, fp32 main params + Adam m, v sharded over DP; no
-    # reference model (kl_coef 0). The float32 build, what hpcrl run builds today, is shown beside it.
+    # reference model (kl_coef 0). The float32 build (model.dtype: float32) is shown beside it.
     assert t["build"]["param_dtype"] == "bfloat16" and t["build"]["distributed_optimizer"]
-    assert t["build"]["main_params"] and not t["build"]["built_by_run_today"]
+    assert t["build"]["main_params"] and t["build"]["built_by_run_today"]
+    assert t["build"]["note"] == "what hpcrl run builds"
     assert t["reference_bytes_per_gpu"] == 0
     assert t["grads_bytes_per_gpu"] == pytest.approx(2 * t["params_bytes_per_gpu"])
     assert t["adam_state_bytes_per_gpu"] == pytest.approx(2 * t["main_params_bytes_per_gpu"])
@@ -87,6 +88,7 @@ def test_json_report_has_the_required_keys_and_sane_values(json_report):
                                                          + t["main_params_bytes_per_gpu"])
     o = t["other_build"]
     assert o["build"]["param_dtype"] == "float32" and o["build"]["built_by_run_today"]
+    assert o["build"]["note"] == "what hpcrl run builds with model.dtype: float32"
     assert not o["build"]["distributed_optimizer"] and o["main_params_bytes_per_gpu"] == 0
     assert o["params_bytes_per_gpu"] == pytest.approx(2 * t["params_bytes_per_gpu"])
     assert o["optimizer_bytes_per_gpu"] == pytest.approx(2 * o["grads_bytes_per_gpu"])  # m, v replicated
@@ -125,7 +127,7 @@ def test_text_report(name):
                    "params ", "grads ", "optimizer ", "weights ", "(fits)", "line-rate lower bound",
                    "broadcast baseline", "send max", "mean", "receive max",
                    "  build          bfloat16 params, fp32 grads", "(distributed optimizer)",
-                   "the CUDA build as planned", "  float32 build  params ", "what hpcrl run builds",
+                   "  float32 build  params ", "what hpcrl run builds with model.dtype: float32",
                    "this job's run takes the broadcast route (rollout.backend sglang"):
         assert needle in text, needle
     assert "DOES NOT FIT" not in text

@@ -13,6 +13,7 @@ from hpcrl.rollout.worker import sglang_command
 def _sglang_job(server_args: list[str]) -> JobConfig:
     job = JobConfig()
     job.model.dtype = "bfloat16"
+    job.rollout.logprob_tolerance, job.rollout.logprob_mean_tolerance = 1.0, 0.02  # the bf16 sync check
     job.resources.device = "cuda"
     job.rollout.backend = "sglang"
     job.rollout.server_args = server_args

@@ -1,12 +1,13 @@
 """mpiexec worker for tests/megatron/test_bf16_training.py: a bfloat16 MegatronPolicy (bf16
 parameters, fp32 main parameters in Megatron's distributed optimizer) trains, checkpoints and resumes.
 
-Usage: mpiexec -n N python _bf16_worker.py [--ep E] [--resume CKPT_DIR] CKPT_DIR OUT.pt
+Usage: mpiexec -n N python _bf16_worker.py [--ep E] [--dtype float32] [--resume CKPT_DIR] CKPT_DIR OUT.pt
 Without --resume: init from SEED, two GRPO steps, save the checkpoint at step 2 into CKPT_DIR, a
 third step; then load step 2 back and take the third step again (resume), and once more after
 resetting the main parameters from the bf16 ones (what a resume that lost them would do).
 With --resume: load step 2 of that directory (saved under another layout), save it again into
-CKPT_DIR, then take the third step. Rank 0 saves hashes, metrics and checks to OUT.pt.
+CKPT_DIR, then take the third step; `--dtype float32` builds a float32 policy for that. Rank 0 saves
+hashes, metrics and checks to OUT.pt.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--resume", default=None)
+    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("ckpt")
     ap.add_argument("out")
     args = ap.parse_args()
@@ -84,7 +86,7 @@ def main() -> None:
 
     trainer = TrainerConfig(ep=args.ep, num_procs=dist.get_world_size(), micro_batch_size=3, seed=3)
     algorithm = AlgorithmConfig(lr=1e-2, kl_coef=0.05, grad_clip=0.5, aux_loss_coef=0.01, adam_eps=1e-6)
-    policy = MegatronPolicy(load_hf_config("tiny-qwen3-moe", None), trainer, algorithm, dtype="bfloat16")
+    policy = MegatronPolicy(load_hf_config("tiny-qwen3-moe", None), trainer, algorithm, dtype=args.dtype)
     policy.init_from_seed(SEED)
     rank0 = dist.get_rank() == 0
     batch = make_batch()

@@ -106,3 +106,22 @@ def test_plan_of_the_bf16_build_is_what_the_ranks_hold(dp2: tuple[dict, Path]) -
     for name, planned in (("grads", t["grads_bytes_per_gpu"]), ("main", t["main_params_bytes_per_gpu"]),
                           ("adam", t["adam_state_bytes_per_gpu"])):
         assert planned <= held[name][1] <= 1.01 * planned, (name, held[name], planned)
+
+
+def test_bf16_and_float32_checkpoints_resume_each_other(dp2: tuple[dict, Path], tmp_path: Path) -> None:
+    """A float32 run resumes the bf16 checkpoint from its fp32 main parameters; a bf16 run resumes
+    that float32 checkpoint into the very state the first bf16 run saved."""
+    from checkpoints import open_checkpoint
+
+    _, ckpt = dp2
+    launch(1, tmp_path / "fp32", tmp_path / "fp32.pt", "--dtype", "float32", "--resume", str(ckpt))
+    launch(1, tmp_path / "bf16", tmp_path / "bf16.pt", "--resume", str(tmp_path / "fp32"))
+    with (open_checkpoint(str(ckpt), 2) as bf16, open_checkpoint(str(tmp_path / "fp32"), 2) as fp32,
+          open_checkpoint(str(tmp_path / "bf16"), 2) as again):
+        names = sorted(bf16.tensor_names())
+        for name in fp32.tensor_names():  # policy/ from main/, moments as they were; no main/
+            first = bf16.read(name.replace("policy/", "main/", 1))
+            assert fp32.dtype(name) == torch.float32 or name.startswith("ref/"), name
+            assert torch.equal(fp32.read(name).to(first.dtype), first), name
+        assert sorted(again.tensor_names()) == names
+        assert [n for n in names if not torch.equal(bf16.read(n), again.read(n))] == []

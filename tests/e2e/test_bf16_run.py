@@ -50,20 +50,41 @@ def test_bf16_run_checks_every_sync_and_exports_what_it_hashed(uninterrupted, tm
     assert dir_digest(exported) == sha
 
 
-def test_bf16_resume_after_a_signal_is_bit_identical(uninterrupted, tmp_path):
-    _, records, sha = uninterrupted
-    run_dir = tmp_path / "run"
-    proc = start_run(run_dir, *ARGS)
-    wait_for_step(proc, run_dir, 5)  # checkpoints at steps 2 and 5
+def _preempt_then_resume(run_dir, args: list[str], at_step: int) -> None:
+    """Run, send SIGUSR1 once `at_step` steps are done (checkpoint, exit for requeue), run again."""
+    proc = start_run(run_dir, *args)
+    wait_for_step(proc, run_dir, at_step)
     proc.send_signal(signal.SIGUSR1)
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == EXIT_REQUEUE, out[-3000:]
-    resumed, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, timeout_s=400)
+    resumed, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *args, timeout_s=400)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert "resumed from checkpoint step" in resumed.stdout
+
+
+def test_bf16_resume_after_a_signal_is_bit_identical(uninterrupted, tmp_path):
+    _, records, sha = uninterrupted
+    run_dir = tmp_path / "run"
+    _preempt_then_resume(run_dir, ARGS, at_step=5)
     again, sha_again = _result(run_dir)
     assert sha_again == sha
     assert [(r["step"], r["reward/mean"]) for r in again] == [(r["step"], r["reward/mean"]) for r in records]
+
+
+def test_bf16_ppo_resumes_policy_and_critic_bit_identical(tmp_path):
+    """PPO's critic is bf16 too, with its own fp32 main parameters in the checkpoint."""
+    args = [*BF16, "--set", "algorithm.name=ppo", "--set", "algorithm.ppo_epochs=2",
+            "--set", "algorithm.mini_batch_size=64", "--set", "algorithm.num_steps=6",
+            "--set", "checkpoint.interval_steps=3"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(whole), *args, timeout_s=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    _preempt_then_resume(cut, args, at_step=4)
+    keys = ("reward/mean", "train/loss", "critic/vf_loss", "critic/values_mean")
+    first, again = (_result(d)[0] for d in (whole, cut))
+    assert [[r[k] for k in keys] for r in again] == [[r[k] for k in keys] for r in first]
+    final, resumed = (json.loads((d / "final.json").read_text()) for d in (whole, cut))
+    assert resumed == final and len(final["critic_sha256"]) == 64
 
 
 def test_bf16_sync_check_stops_a_push_with_one_wrong_tensor(tmp_path):

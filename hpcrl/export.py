@@ -55,6 +55,7 @@ def export_checkpoint(run_dir: str, step: int | None, out_dir: str,
     from checkpoints._dtypes import dtype_name, to_storage
     from checkpoints.hf_safetensors import (ShardWriter, create_files, parse_size, plan_shards, remove_stale,
                                             write_index)
+    from hpcrl.trainer.hf_export import config_at_dtype
     from moe.slices import Box
 
     try:
@@ -81,6 +82,7 @@ def export_checkpoint(run_dir: str, step: int | None, out_dir: str,
                               f"{POLICY_PREFIX} tensors (not a policy checkpoint)")
         plan = plan_shards([(n[len(POLICY_PREFIX):], dtype_name(reader.dtype(n)), reader.global_shape(n))
                             for n in names], max_shard_bytes, {"hpcrl_step": str(reader.step)})
+        dtypes = {dtype_name(reader.dtype(n)) for n in names}
         remove_stale(out)
         create_files(out, plan)
         with ShardWriter(out, plan) as writer:
@@ -94,7 +96,8 @@ def export_checkpoint(run_dir: str, step: int | None, out_dir: str,
                     if not s.box.shape:
                         writer.write(n[len(POLICY_PREFIX):], s.box, to_storage(reader.read(n, s.box)))
         write_index(out, plan)
-    (out / "config.json").write_text((run / "model_config.json").read_text())
+    (out / "config.json").write_text(config_at_dtype(json.loads((run / "model_config.json").read_text()),
+                                                     dtypes))
     source = (config.get("model") or {}).get("path")
     if source:
         if Path(source).is_dir():

@@ -18,6 +18,7 @@ written last, so a directory whose export died midway has no index (or a stale s
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,16 @@ from moe.hf_megatron import HFModelDims, Piece
 from moe.slices import Box
 
 BLOCK_BYTES = 16 << 20  # rows copied to the CPU and written per pwrite batch
+
+
+def config_at_dtype(hf_config: dict, dtypes: set[str]) -> str:
+    """config.json's text for weights stored at `dtypes`: one dtype ("bfloat16") becomes `dtype`,
+    which transformers reads (5.x; `torch_dtype` before) to choose what `from_pretrained(...,
+    dtype="auto")` loads in; mixed dtypes leave the config as it is."""
+    if len(dtypes) != 1:
+        return json.dumps(hf_config, indent=2) + "\n"
+    clean = {k: v for k, v in hf_config.items() if k != "torch_dtype"}
+    return json.dumps({**clean, "dtype": next(iter(dtypes))}, indent=2) + "\n"
 
 
 def _row_blocks(box: Box, itemsize: int) -> list[tuple[int, int]]:
@@ -49,8 +60,6 @@ def export_hf_dir(gpt: torch.nn.Module, dims: HFModelDims, hf_config: dict,
     """Write the HF directory `out_dir` (see the module docstring); `mine` is this rank's part of
     the export plan: (Megatron param name, Piece) pairs, each HF region held by exactly one rank.
     Returns out_dir on rank 0, None elsewhere. Every rank must see `out_dir` (a shared file system)."""
-    import json
-
     from hpcrl.export import copy_model_files
 
     rank = dist.get_rank()
@@ -79,7 +88,7 @@ def export_hf_dir(gpt: torch.nn.Module, dims: HFModelDims, hf_config: dict,
     dist.barrier()
     if rank == 0:
         write_index(out, plan)
-        (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        (out / "config.json").write_text(config_at_dtype(hf_config, {dtype_name(dtype)}))
         if source_dir is not None:
             copy_model_files(source_dir, out)
     dist.barrier()  # every rank returns once the directory is complete

@@ -48,6 +48,7 @@ def test_bf16_run_checks_every_sync_and_exports_what_it_hashed(uninterrupted, tm
     with safe_open(str(files[0]), "pt") as f:
         assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"BF16"}
     assert dir_digest(exported) == sha
+    assert json.loads((exported / "config.json").read_text())["dtype"] == "bfloat16"  # from_pretrained's "auto"
 
 
 def _preempt_then_resume(run_dir, args: list[str], at_step: int) -> None:

@@ -9,16 +9,12 @@ the same tensors bit for bit. The same code runs on GPUs (tests/gpu/test_bf16_tr
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from mpi_launch import run_mpiexec
 
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 WORKER = Path(__file__).with_name("_bf16_worker.py")
 LAUNCH_TIMEOUT_S = 300  # a hang guard: each launch takes ~10 s alone
 BF16_LOGP_TOL = 0.02  # bf16 weights and matmuls against HF's fp32 model; measured max 0.0025
@@ -26,19 +22,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.mpi, pytest.mark.timeout(900)]
 
 
 def launch(ranks: int, ckpt: Path, out: Path, *flags: str) -> dict:
-    # -disable-auto-cleanup: else hydra SIGKILLs ranks still running once one exits (dev/LOG.md, session 13)
-    cmd = [str(MPIEXEC), "-disable-auto-cleanup", "-n", str(ranks), sys.executable, str(WORKER), *flags,
-           str(ckpt), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True, cwd=WORKER.parent)
-    try:
-        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"{cmd}: mpiexec timed out after {LAUNCH_TIMEOUT_S}s\n{log[-4000:]}")
-    assert proc.returncode == 0, f"{cmd}: mpiexec rc={proc.returncode}\n{log[-6000:]}"
+    run_mpiexec(ranks, WORKER, *flags, str(ckpt), str(out), timeout_s=LAUNCH_TIMEOUT_S)
     return torch.load(out, weights_only=False)
 
 

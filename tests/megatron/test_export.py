@@ -4,15 +4,13 @@ digest equal to the policy hash; the tokenizer of the run's model.path comes alo
 exit 2 with one message."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from mpi_launch import run_mpiexec
 
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 LAUNCH_TIMEOUT_S = 280  # a hang guard: 2 ranks on 2 shared cores train, save and export in ~60 s
 pytestmark = [pytest.mark.megatron, pytest.mark.mpi, pytest.mark.timeout(330)]
 MB = 1 << 20
@@ -20,19 +18,7 @@ MB = 1 << 20
 
 def test_export_matches_trainer(tmp_path):
     script = Path(__file__).with_name("_export_check.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    # -disable-auto-cleanup: else hydra SIGKILLs ranks still running once one exits (dev/LOG.md, session 13)
-    proc = subprocess.Popen([str(MPIEXEC), "-disable-auto-cleanup", "-n", "2", sys.executable, str(script),
-                             str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"mpiexec timed out after {LAUNCH_TIMEOUT_S}s\n{log[-4000:]}")
-    assert proc.returncode == 0, log[-6000:]
+    log = run_mpiexec(2, script, str(tmp_path), timeout_s=LAUNCH_TIMEOUT_S)
     r = json.loads(next(line for line in log.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
     assert r["changed"] and len(r["sha"]) == 64
     assert json.loads((tmp_path / "run" / "final.json").read_text())["policy_sha256"] == r["sha"]

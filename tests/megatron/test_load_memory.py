@@ -11,15 +11,11 @@ the figures are printed (pytest -s) and recorded in benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from mpi_launch import run_mpiexec
 
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 WORKER = Path(__file__).with_name("_memory_worker.py")
 pytestmark = [pytest.mark.megatron, pytest.mark.mpi, pytest.mark.timeout(600)]
 LIMIT = 0.5
@@ -36,19 +32,7 @@ def test_loading_and_exporting_stay_below_half_the_model_per_rank(tmp_path: Path
     full_bytes = 4 * sum(int(__import__("math").prod(s)) for s in dims.hf_shapes().values())
     source = model_dir(tmp_path / "small", config=cfg, seed=3, tokenizer=False, max_shard_size="20MB")
     result = tmp_path / "result.json"
-    # -disable-auto-cleanup: else hydra SIGKILLs ranks still running once one exits (dev/LOG.md, session 13)
-    cmd = [str(MPIEXEC), "-disable-auto-cleanup", "-n", "4", sys.executable, str(WORKER), str(source),
-           str(tmp_path / "export"), str(result)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=480)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"mpiexec timed out\n{log[-4000:]}")
-    assert proc.returncode == 0, log[-6000:]
+    log = run_mpiexec(4, WORKER, str(source), str(tmp_path / "export"), str(result), timeout_s=480)
     out = json.loads(result.read_text())
     # The weights arrived whole and in place: the trainer's hash is the directory's, and the export
     # of the sharded init hashes to the trainer's hash of it.

@@ -13,16 +13,12 @@ trip); the 1-rank run is the baseline the others must match.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from mpi_launch import run_mpiexec
 
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 WORKER = Path(__file__).with_name("_policy_worker.py")
 LAUNCH_TIMEOUT_S = 420  # a hang guard, generous: 4 ranks on 2 shared cores import for ~40 s
 pytestmark = [pytest.mark.megatron, pytest.mark.mpi, pytest.mark.timeout(900)]
@@ -60,19 +56,7 @@ def launch(name: str, out: Path, model_dirs: dict[str, Path]) -> dict:
     ranks, flags, weights = LAYOUTS[name]
     if weights != "seed":
         flags = [*flags, "--model-dir", str(model_dirs[weights])]
-    # -disable-auto-cleanup: else hydra SIGKILLs ranks still running once one exits (dev/LOG.md, session 13)
-    cmd = [str(MPIEXEC), "-disable-auto-cleanup", "-n", str(ranks), sys.executable, str(WORKER), *flags,
-           str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"{name}: mpiexec timed out after {LAUNCH_TIMEOUT_S}s\n{log[-4000:]}")
-    assert proc.returncode == 0, f"{name}: mpiexec rc={proc.returncode}\n{log[-6000:]}"
+    run_mpiexec(ranks, WORKER, *flags, str(out), timeout_s=LAUNCH_TIMEOUT_S, label=name)
     return torch.load(out, weights_only=False)
 
 

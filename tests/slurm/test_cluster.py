@@ -29,6 +29,8 @@ from mpi4py import MPI
 comm = MPI.COMM_WORLD
 rec = {"rank": comm.Get_rank(), "size": comm.Get_size(), "node": os.environ["SLURMD_NODENAME"],
        "sum": comm.allreduce(comm.Get_rank()), "attempt": os.environ.get("HPCRL_ATTEMPT")}
+if rec["rank"] == 0:
+    open(".hpcrl_world_formed", "w").close()  # see with_world_retry
 with open(os.path.join(sys.argv[1], f"rank-{rec['rank']}-attempt-{rec['attempt']}.json"), "w") as f:
     json.dump(rec, f)
 """
@@ -147,6 +149,14 @@ def test_preemption_signals_batch_shell_and_requeues(slurm, job_dir: Path) -> No
     assert slurm.wait_final(high_id, timeout_s=60)["JobState"] == "COMPLETED"
 
 
+def with_world_retry(spec: SlurmJobSpec) -> SlurmJobSpec:
+    """`spec` retried as hpcrl submit retries a step whose MPI world never formed (srun's pmi2 plugin
+    cuts a long PMI-1 put and a rank aborts in MPI_Init: dev/LOG.md, session 11); the program's rank
+    0 writes .hpcrl_world_formed once it has. kill-on-bad-exit ends the step when that rank aborts,
+    instead of leaving the others waiting in MPI_Init (these programs never exit to be requeued)."""
+    return dataclasses.replace(spec, world_retries=2, extra_srun_options=("--kill-on-bad-exit=1",))
+
+
 def make_spec(job_dir: Path, components: tuple[SlurmComponent, ...], command: str) -> SlurmJobSpec:
     (job_dir / "logs").mkdir(exist_ok=True)
     return SlurmJobSpec(job_name="hpcrl-test", partition="debug", time_limit_min=5, components=components,
@@ -190,7 +200,8 @@ def test_rendered_hetjob_forwards_preemption_and_resumes(slurm, job_dir: Path) -
 @pytest.mark.timeout(120)
 def test_rendered_single_job_runs_world_and_propagates_failure(slurm, job_dir: Path) -> None:
     (job_dir / "world.py").write_text(WORLD_PROGRAM)
-    spec = make_spec(job_dir, (SlurmComponent(nodes=2, ntasks_per_node=2),), f"{PYTHON} {job_dir}/world.py {job_dir}")
+    spec = with_world_retry(make_spec(job_dir, (SlurmComponent(nodes=2, ntasks_per_node=2),),
+                                      f"{PYTHON} {job_dir}/world.py {job_dir}"))
     ok = job_dir / "ok.sbatch"
     ok.write_text(render(spec))
     bad = job_dir / "bad.sbatch"
@@ -280,6 +291,8 @@ from hpcrl.rollout.placement import rank_gpus, sglang_gpu_args
 job = job_from_dict({"trainer": {"num_procs": 1}, "resources": {"device": "cuda"},
                      "rollout": {"backend": "sglang", "num_engines": 2, "tp_per_engine": 1}})
 world = join_world(1)
+if world.rank == 0:
+    open(".hpcrl_world_formed", "w").close()  # see with_world_retry
 gpus = rank_gpus(world, job)
 rec = {"rank": world.rank, "role": world.role, "node": os.environ["SLURMD_NODENAME"],
        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "gpus": list(gpus),
@@ -300,7 +313,8 @@ def test_gpu_placement_under_slurm_gres(slurm, job_dir: Path) -> None:
     (job_dir / "place.py").write_text(PLACEMENT_PROGRAM)
     repo = Path(__file__).resolve().parents[2]
     comp = (SlurmComponent(nodes=2, ntasks_per_node=2, gpus_per_node=2),)
-    (job_dir / "place.sbatch").write_text(render(make_spec(job_dir, comp, f"{PYTHON} {job_dir}/place.py {job_dir} {repo}")))
+    spec = with_world_retry(make_spec(job_dir, comp, f"{PYTHON} {job_dir}/place.py {job_dir} {repo}"))
+    (job_dir / "place.sbatch").write_text(render(spec))
     job_id = slurm.submit(job_dir / "place.sbatch")
     record = slurm.wait_final(job_id, timeout_s=90)
     assert record["JobState"] == "COMPLETED", (record, (job_dir / "logs" / f"{job_id}-attempt0.log").read_text())

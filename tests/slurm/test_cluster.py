@@ -22,15 +22,18 @@ from launch.slurm_spec import SlurmComponent, SlurmJobSpec, render
 
 pytestmark = pytest.mark.slurm
 PYTHON = sys.executable  # the project venv: mpi4py + PyPI mpich, usable by jobs on this host
+WORLD_DEADLINE_S = 30  # MPI_Init of the programs below takes a few seconds; see with_world_retry
 
 WORLD_PROGRAM = """
-import json, os, sys
+import faulthandler, json, os, sys
+faulthandler.dump_traceback_later({deadline}, exit=True)  # see with_world_retry
 from mpi4py import MPI
 comm = MPI.COMM_WORLD
 rec = {"rank": comm.Get_rank(), "size": comm.Get_size(), "node": os.environ["SLURMD_NODENAME"],
        "sum": comm.allreduce(comm.Get_rank()), "attempt": os.environ.get("HPCRL_ATTEMPT")}
+faulthandler.cancel_dump_traceback_later()
 if rec["rank"] == 0:
-    open(".hpcrl_world_formed", "w").close()  # see with_world_retry
+    open(os.path.join(sys.argv[1], ".hpcrl_world_formed"), "w").close()
 with open(os.path.join(sys.argv[1], f"rank-{rec['rank']}-attempt-{rec['attempt']}.json"), "w") as f:
     json.dump(rec, f)
 """
@@ -95,7 +98,7 @@ def test_fake_gpus_are_bound_by_gres(slurm, job_dir: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_hetjob_step_is_one_mpi_world_over_both_components(slurm, job_dir: Path) -> None:
-    (job_dir / "world.py").write_text(WORLD_PROGRAM)
+    (job_dir / "world.py").write_text(WORLD_PROGRAM.replace("{deadline}", str(WORLD_DEADLINE_S)))
     script = job_dir / "het.sbatch"
     script.write_text(
         "#!/bin/bash\n"
@@ -150,10 +153,12 @@ def test_preemption_signals_batch_shell_and_requeues(slurm, job_dir: Path) -> No
 
 
 def with_world_retry(spec: SlurmJobSpec) -> SlurmJobSpec:
-    """`spec` retried as hpcrl submit retries a step whose MPI world never formed (srun's pmi2 plugin
-    cuts a long PMI-1 put and a rank aborts in MPI_Init: dev/LOG.md, session 11); the program's rank
-    0 writes .hpcrl_world_formed once it has. kill-on-bad-exit ends the step when that rank aborts,
-    instead of leaving the others waiting in MPI_Init (these programs never exit to be requeued)."""
+    """`spec` retried as hpcrl submit retries a step whose MPI world never formed: srun's pmi2 plugin
+    cuts a long PMI-1 put (dev/LOG.md, session 11), and then a rank aborts in MPI_Init or every rank
+    waits there for good. As hpcrl's ranks do (`worker_main.join_world_within`), the programs end
+    themselves when MPI_Init has not returned within WORLD_DEADLINE_S, and rank 0 writes
+    .hpcrl_world_formed once it has; kill-on-bad-exit ends the step at the first rank that fails
+    (these programs never exit to be requeued)."""
     return dataclasses.replace(spec, world_retries=2, extra_srun_options=("--kill-on-bad-exit=1",))
 
 
@@ -197,9 +202,9 @@ def test_rendered_hetjob_forwards_preemption_and_resumes(slurm, job_dir: Path) -
     assert all(f"rank={r} size=3 " in second for r in range(3))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_rendered_single_job_runs_world_and_propagates_failure(slurm, job_dir: Path) -> None:
-    (job_dir / "world.py").write_text(WORLD_PROGRAM)
+    (job_dir / "world.py").write_text(WORLD_PROGRAM.replace("{deadline}", str(WORLD_DEADLINE_S)))
     spec = with_world_retry(make_spec(job_dir, (SlurmComponent(nodes=2, ntasks_per_node=2),),
                                       f"{PYTHON} {job_dir}/world.py {job_dir}"))
     ok = job_dir / "ok.sbatch"
@@ -207,7 +212,7 @@ def test_rendered_single_job_runs_world_and_propagates_failure(slurm, job_dir: P
     bad = job_dir / "bad.sbatch"
     bad.write_text(render(make_spec(job_dir, spec.components, "bash -c 'exit 5'")))
     ok_id, bad_id = slurm.submit(ok), slurm.submit(bad)
-    ok_record, bad_record = slurm.wait_final(ok_id, 90), slurm.wait_final(bad_id, 90)
+    ok_record, bad_record = slurm.wait_final(ok_id, 150), slurm.wait_final(bad_id, 90)  # 150: room for a retry
     assert ok_record["JobState"] == "COMPLETED", ok_record
     ranks = read_json_records(job_dir, "rank-*-attempt-0.json")
     assert [(r["rank"], r["size"]) for r in ranks] == [(i, 4) for i in range(4)]
@@ -286,13 +291,13 @@ PLACEMENT_PROGRAM = """
 import json, os, sys
 sys.path.insert(0, sys.argv[2])
 from hpcrl.config import job_from_dict
-from hpcrl.controller.comm import join_world
 from hpcrl.rollout.placement import rank_gpus, sglang_gpu_args
+from hpcrl.worker_main import join_world_within
 job = job_from_dict({"trainer": {"num_procs": 1}, "resources": {"device": "cuda"},
                      "rollout": {"backend": "sglang", "num_engines": 2, "tp_per_engine": 1}})
-world = join_world(1)
+world = join_world_within(1, {deadline})  # see with_world_retry
 if world.rank == 0:
-    open(".hpcrl_world_formed", "w").close()  # see with_world_retry
+    open(os.path.join(sys.argv[1], ".hpcrl_world_formed"), "w").close()
 gpus = rank_gpus(world, job)
 rec = {"rank": world.rank, "role": world.role, "node": os.environ["SLURMD_NODENAME"],
        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "gpus": list(gpus),
@@ -303,20 +308,20 @@ world.comm.Barrier()
 """
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_gpu_placement_under_slurm_gres(slurm, job_dir: Path) -> None:
     """Controller + trainer on one node, two 1-GPU engines on the other (2 fake GPUs each, bound by
     --gpus-per-node): the trainer takes its node's GPU 0, the engines GPUs 0 and 1 of theirs
     (SGLang's --base-gpu-id 0 and 1), and no two processes of a node share a GPU."""
     if not any(g.startswith("gpu:2") for g in slurm.gres()):
         pytest.skip(f"needs 2 gpu gres per node (sinfo %G: {sorted(slurm.gres())})")
-    (job_dir / "place.py").write_text(PLACEMENT_PROGRAM)
+    (job_dir / "place.py").write_text(PLACEMENT_PROGRAM.replace("{deadline}", str(WORLD_DEADLINE_S)))
     repo = Path(__file__).resolve().parents[2]
     comp = (SlurmComponent(nodes=2, ntasks_per_node=2, gpus_per_node=2),)
     spec = with_world_retry(make_spec(job_dir, comp, f"{PYTHON} {job_dir}/place.py {job_dir} {repo}"))
     (job_dir / "place.sbatch").write_text(render(spec))
     job_id = slurm.submit(job_dir / "place.sbatch")
-    record = slurm.wait_final(job_id, timeout_s=90)
+    record = slurm.wait_final(job_id, timeout_s=150)  # room for a retry
     assert record["JobState"] == "COMPLETED", (record, (job_dir / "logs" / f"{job_id}-attempt0.log").read_text())
     placed = {r["rank"]: r for r in read_json_records(job_dir, "placed-*.json")}
     assert {r: (p["role"], p["gpus"]) for r, p in placed.items()} == {

@@ -176,7 +176,7 @@ def save(policy: Any, ckpt_dir: str, step: int, attempt_id: str, keep: int,
     for m in _models(policy):
         states = _adam_states(m.optimizer) if m.optimizer is not None else {}
         mains = _main_params(m.ddp, m.optimizer)
-        with_adam = _adam_started(mains)
+        with_adam = _adam_started(mains, policy.device)
         steps = set()
         for param, pieces in _by_param(m.pieces):
             sources = {m.prefix: param.detach()}
@@ -198,7 +198,7 @@ def save(policy: Any, ckpt_dir: str, step: int, attempt_id: str, keep: int,
                     nbytes += part.numel() * part.element_size()
         assert len(steps) <= 1, f"{m.prefix} params at different Adam steps: {steps}"
         if m.step_key:
-            adam_steps[m.step_key] = _max_over_ranks(steps.pop() if steps else 0.0)
+            adam_steps[m.step_key] = _max_over_ranks(steps.pop() if steps else 0.0, policy.device)
     writer.write_blob("rng", _rng_blob())
     writer.commit({**(metadata or {}), **adam_steps} if rank == 0 else None)
     writer.wait(for_commit=True)
@@ -235,25 +235,21 @@ def _by_param(pieces: list) -> list[tuple[torch.nn.Parameter, list]]:
     return list(out.items())
 
 
-def _adam_started(mains: dict[torch.nn.Parameter, _Main]) -> bool:
+def _adam_started(mains: dict[torch.nn.Parameter, _Main], device: torch.device) -> bool:
     """Whether the distributed optimizer has taken a step (its moments exist), agreed by all ranks:
     a rank that owns no shard has no state to look at."""
     here = any("exp_avg" in main.state for main in mains.values())
-    return bool(mains) and _max_over_ranks(float(here)) > 0
+    return bool(mains) and _max_over_ranks(float(here), device) > 0
 
 
-def _max_over_ranks(value: float) -> float:
-    """`value`'s maximum over the trainer ranks (a rank without optimizer state reports 0)."""
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    """`value`'s maximum over the trainer ranks (a rank without optimizer state reports 0);
+    `device` is the policy's, where its collectives run."""
     if dist.get_world_size() == 1:
         return value
-    out = torch.tensor([value], dtype=torch.float64, device=_device())
+    out = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return float(out.cpu()[0])
-
-
-def _device() -> torch.device:
-    """The device the trainer's collectives run on (NCCL needs CUDA tensors)."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 @torch.no_grad()
@@ -286,20 +282,19 @@ def _param_source(m: _Model, reader: Any) -> str:
 def _load_main(m: _Model, reader: Any, adam_step: float, mains: dict[torch.nn.Parameter, _Main]) -> None:
     """`_load_model` for the distributed optimizer: the bf16 parameters from `prefix/`, and this
     rank's flat range of each fp32 main parameter (from `main_prefix/`, or the parameter itself in
-    a float32 checkpoint) and of its moments."""
+    a float32 checkpoint) and of its moments, read only where this rank owns part of them."""
     source = _param_source(m, reader)
     for param, pieces in _by_param(m.pieces):
-        full = {"main": torch.empty(param.shape, dtype=torch.float32, device=param.device)}
-        if adam_step > 0:
-            full.update({k: torch.empty_like(full["main"]) for k in ADAM_KEYS})
         for name, index, box, _ in pieces:
             param.data[index] = reader.read(f"{m.prefix}/{name}", box).to(param.dtype)
-            full["main"][index] = reader.read(f"{source}/{name}", box).float()
-            for k in ADAM_KEYS if adam_step > 0 else ():
-                full[k][index] = reader.read(f"{m.adam_prefix}/{k}/{name}", box).float()
         main = mains.get(param)
         if main is None or main.shard is None:
             continue
+        keys = {"main": source, **({k: f"{m.adam_prefix}/{k}" for k in ADAM_KEYS} if adam_step > 0 else {})}
+        full = {k: torch.empty(param.shape, dtype=torch.float32, device=param.device) for k in keys}
+        for name, index, box, _ in pieces:
+            for k, prefix in keys.items():
+                full[k][index] = reader.read(f"{prefix}/{name}", box).float()
         main.shard.copy_(full["main"].view(-1)[main.flat])
         if adam_step > 0:
             for k in ADAM_KEYS:

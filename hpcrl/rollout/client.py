@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import orjson
+
 from hpcrl.rollout.engine_auth import ADMIN_ROUTES, EngineKeys, process_keys
 from launch.procs import die_with_parent
 
@@ -333,10 +335,11 @@ def _decode(data: bytes, content_type: str):
     if not data:
         return None
     if "json" in content_type:
-        try:
-            return json.loads(data)
-        except ValueError:
-            pass
+        for loads in (orjson.loads, json.loads):  # json's also reads NaN / Infinity, which orjson refuses
+            try:
+                return loads(data)
+            except ValueError:
+                pass
     return data.decode(errors="replace")
 
 

@@ -20,7 +20,7 @@ from hpcrl.controller.evaluation import Evaluator, read_val_examples
 from hpcrl.controller.groups import GenerateRequest, PolicyGroup, Rollout, RolloutGroup
 from hpcrl.controller.metrics import MetricsLogger
 from hpcrl.controller.phase_file import PhaseFile
-from hpcrl.rewards.pool import RewardPool, Scores
+from hpcrl.rewards.pool import Scores, reward_scorer
 from hpcrl.tasks import build_sampler, load_tokenizer, open_examples, prompt_format
 
 
@@ -41,7 +41,7 @@ class Session:
         self.sampler = build_sampler(job, self.prompts)
         print(f"hpcrl: prompts from {job.data.path or 'data.task=' + str(job.data.task)}, tokenized by "
               f"{self.tokenizer.name} (stop ids {self.tokenizer.stop_token_ids})", flush=True)
-        self.reward_pool = RewardPool(job.reward.fn, job.reward.num_workers, job.reward.timeout_s)
+        self.reward_pool = reward_scorer(job.reward.fn, job.reward.num_workers, job.reward.timeout_s)
         self.checkpointer = Checkpointer(job, run_dir, self.policy, resume_mode_from_env())
         self.evaluator = self._evaluator()
         self.metrics: MetricsLogger | None = None

@@ -65,13 +65,21 @@ def serve(conn: Connection, spec: str, progress: Any, parent_pid: int) -> None:
         for k, (prompt, completion, answer, extra) in enumerate(items):
             progress[1] = start + k
             progress[0] = time.monotonic()
-            try:
-                score = float(fn(prompt, completion, answer, extra))
-                if not math.isfinite(score):
-                    raise ValueError(f"returned {score}")
-            except BaseException as exc:  # SystemExit too: a reward must not end the worker
-                score = 0.0
-                errors.append((start + k, f"{type(exc).__name__}: {exc}"))
+            score, error = score_item(fn, prompt, completion, answer, extra)
+            if error is not None:
+                errors.append((start + k, error))
             progress[0] = IDLE
             scores.append(score)
         conn.send((start, scores, errors, time.perf_counter() - began))
+
+
+def score_item(fn: Any, prompt: str, completion: str, answer: str, extra: Any) -> tuple[float, str | None]:
+    """One completion's reward, or 0.0 and the error when the reward raises or returns a non-number
+    or a non-finite one."""
+    try:
+        score = float(fn(prompt, completion, answer, extra))
+        if not math.isfinite(score):
+            raise ValueError(f"returned {score}")
+    except BaseException as exc:  # SystemExit too: a reward must not end the worker
+        return 0.0, f"{type(exc).__name__}: {exc}"
+    return score, None

@@ -19,6 +19,9 @@ the controller (PR_SET_PDEATHSIG) and ignore SIGINT/SIGTERM/SIGUSR1/2 (the contr
 shutdown and preemption); `close` stops them. Each worker has at most one chunk in flight, so
 neither side can block on a full pipe while the other does.
 
+`reward_scorer` gives the pool, or for the built-ins of INLINE_REWARDS an `InlineRewards` with the
+same `score` contract that scores in the calling process, without workers.
+
 A call is cut into CHUNKS_PER_WORKER chunks per worker, except when the workers' measured time per
 item says the whole call scores in under SPREAD_MIN_S: then it is one chunk for one worker, since a
 second worker's wake-up and answer cost more than they save (a cheap reward on a small batch, as
@@ -39,7 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from hpcrl.rewards._worker import IDLE, serve
+from hpcrl.rewards._worker import IDLE, score_item, serve
+from hpcrl.rewards.builtin import BUILTIN_REWARDS
 
 RewardItem = tuple[str, str, str, dict[str, Any]]
 """(prompt, completion, answer, extra) of one completion."""
@@ -51,6 +55,12 @@ SPREAD_MIN_S = 2e-3
 """A call whose items the workers' measured cost puts under this much scoring in all goes to one
 worker as one chunk: waking and answering a second worker costs ~0.5 ms more on 2 busy cores
 (benchmarks/RESULTS.md, small_kernels), more than it can save there."""
+
+
+INLINE_REWARDS = frozenset({"exact_match", "token_match"})
+"""Built-ins scored in the calling process: comparisons of two strings, bounded by their lengths, that
+can neither hang nor take the process down, so a worker's deadline and isolation buy nothing there,
+and its wake-up costs more than the scoring (tiny example: 0.1 against 0.5-0.9 ms a step)."""
 
 
 class RewardPoolError(RuntimeError):
@@ -227,6 +237,27 @@ class RewardPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class InlineRewards:
+    """`RewardPool.score`'s contract for a reward of INLINE_REWARDS, scored in this process."""
+
+    def __init__(self, spec: str) -> None:
+        assert spec in INLINE_REWARDS, spec
+        self.spec, self._fn = spec, BUILTIN_REWARDS[spec]
+
+    def score(self, items: Sequence[RewardItem]) -> Scores:
+        scored = [score_item(self._fn, *item) for item in items]
+        return Scores(np.array([s for s, _ in scored], dtype=np.float32),
+                      {i: e for i, (_, e) in enumerate(scored) if e is not None})
+
+    def close(self) -> None:
+        """Nothing to stop (RewardPool's interface)."""
+
+
+def reward_scorer(spec: str, num_workers: int, timeout_s: float) -> RewardPool | InlineRewards:
+    """What scores `reward.fn`: InlineRewards for INLINE_REWARDS, else a RewardPool."""
+    return InlineRewards(spec) if spec in INLINE_REWARDS else RewardPool(spec, num_workers, timeout_s)
 
 
 def score_in_process(fn: Any, items: Sequence[RewardItem]) -> np.ndarray:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hpcrl.rewards import load_reward_fn
-from hpcrl.rewards.pool import RewardPool, RewardPoolError, score_in_process
+from hpcrl.rewards.pool import INLINE_REWARDS, InlineRewards, RewardPool, RewardPoolError, reward_scorer, score_in_process
 
 TIMEOUT_S = 1.0
 
@@ -197,3 +197,22 @@ def test_a_hang_in_a_single_chunk_call():
         assert sorted(scores.errors) == [2]
         good = [0, 1, 3, 4, 5]
         assert np.array_equal(scores.rewards[good], score_in_process(misbehaving, [items[i] for i in good]))
+
+
+@pytest.mark.timeout(60)
+def test_inline_builtins_score_as_the_pool_does_without_workers():
+    import multiprocessing
+
+    items = [*_good(8), ("p", "abc", None, {}), ("p", "x", 7, {})]  # answers a dataset should not hold
+    for spec in sorted(INLINE_REWARDS):
+        before = len(multiprocessing.active_children())
+        inline = reward_scorer(spec, num_workers=2, timeout_s=TIMEOUT_S)
+        assert isinstance(inline, InlineRewards) and len(multiprocessing.active_children()) == before
+        got = inline.score(items)
+        with RewardPool(spec, num_workers=1, timeout_s=TIMEOUT_S) as pool:
+            want = pool.score(items)
+        assert got.rewards.dtype == np.float32 and np.array_equal(got.rewards, want.rewards)
+        assert np.array_equal(got.rewards[:8], score_in_process(load_reward_fn(spec), items[:8]))
+        assert got.errors == want.errors and sorted(got.errors) == [8, 9], got.errors
+        assert got.errors[8].startswith("TypeError") or got.errors[8].startswith("AttributeError")
+    assert isinstance(reward_scorer("math", 1, TIMEOUT_S), RewardPool)  # math-verify can hang: workers

@@ -1,6 +1,8 @@
-"""Three small costs of the tiny step, each against its baseline side by side in one process:
+"""Small costs of the tiny step, each against its baseline side by side in one process:
 softmax_cpu against torch's softmax (compat patch 14), the reward pool's one-chunk call against its
-spread over every worker, and a step's TensorBoard scalars as one event against one per key.
+spread over every worker, a step's TensorBoard scalars as one event against one per key, and the
+reference engine's per-batch costs: its answers encoded and decoded by orjson against json, and
+its requests' uniforms from one reseeded generator against a new generator per request.
 
     .venv/bin/python benchmarks/small_kernels.py [--reps 200] [--results benchmarks/RESULTS.md]
 
@@ -10,13 +12,20 @@ the values and gradients are equal bit for bit.
 
 Reward pool: one `RewardPool("token_match", 2 workers)` scoring the tiny example's batch (64
 completions), alternating per call between the pool's own choice (one chunk for one worker, since
-the measured cost is far under SPREAD_MIN_S) and the spread it made before (CHUNKS_PER_WORKER chunks
-per worker); each call after a 30 ms idle (as in a run: the controller scores after the engines'
-generation) and back to back.
+the measured cost is far under SPREAD_MIN_S), the spread it made before (CHUNKS_PER_WORKER chunks
+per worker) and `InlineRewards`, which scores the built-in in this process (what a run uses for
+token_match now); each call after a 30 ms idle (as in a run: the controller scores after the
+engines' generation) and back to back.
 
 TensorBoard: the tiny example's 22 numeric metrics of a step, written by `MetricsLogger`'s
 `FileWriter.add_summary(tensorboard_summary(...))` (one event) and by `SummaryWriter.add_scalar` per
 key (what MetricsLogger did before), alternating per step, each after a 30 ms idle.
+
+Engine: 64 answers in the shape `/generate` returns for the tiny example (4 output ids with their
+log-probs each), encoded as the server did (json's C encoder, compact) and does (orjson), and
+decoded as the client did (json.loads) and does (orjson.loads); the uniforms of 64 seeded requests
+of 4 tokens drawn as `ReferenceModel` did (a new torch.Generator per request) and does (one
+generator reseeded), with whether the values are identical. Alternating per call, back to back.
 """
 
 from __future__ import annotations
@@ -73,18 +82,19 @@ def _pool_rows(calls: int) -> list[str]:
             time.sleep(0.05)
         own = pool._chunks
         spread = lambda n: pool_mod.CHUNKS_PER_WORKER * len(pool._slots)  # noqa: E731
+        inline = pool_mod.InlineRewards("token_match")
         for idle in (0.03, 0.0):
-            times: dict[str, list[float]] = {"spread": [], "one chunk": []}
-            for i in range(2 * calls):
-                name = "spread" if i % 2 else "one chunk"
+            times: dict[str, list[float]] = {"spread": [], "one chunk": [], "inline": []}
+            for i in range(3 * calls):
+                name = ("spread", "one chunk", "inline")[i % 3]
                 pool._chunks = spread if name == "spread" else own
                 time.sleep(idle)
                 t0 = time.perf_counter()
-                pool.score(items)
+                (inline if name == "inline" else pool).score(items)
                 times[name].append(time.perf_counter() - t0)
-            base, new = (statistics.median(times[k]) * 1e3 for k in ("spread", "one chunk"))
+            base, new, here = (statistics.median(times[k]) * 1e3 for k in ("spread", "one chunk", "inline"))
             rows.append(f"| {'after a 30 ms idle' if idle else 'back to back'} | {base:.2f} | {new:.2f} | "
-                        f"{base / new:.2f}x |")
+                        f"{base / new:.2f}x | {here:.3f} |")
         pool._chunks = own
     return rows
 
@@ -117,6 +127,53 @@ def _tensorboard_rows(steps: int) -> list[str]:
     return [f"| 22 scalars, after a 30 ms idle | {base:.3f} | {new:.3f} | {base / new:.1f}x |"]
 
 
+def _engine_rows(calls: int) -> list[str]:
+    import json
+
+    import orjson
+
+    g = torch.Generator().manual_seed(0)
+    answers = [{"text": "abc", "output_ids": ids, "meta_info": {
+        "id": f"{i:032x}", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 2,
+        "completion_tokens": 4, "cached_tokens": 0, "weight_version": "3", "e2e_latency": 0.0123456789,
+        "output_token_logprobs": [[lp, t, None] for lp, t in zip((-torch.rand(4, generator=g) * 4).tolist(), ids)]}}
+        for i, ids in enumerate(torch.randint(3, 60, (64, 4), generator=g).tolist())]
+    encoder = json.JSONEncoder(check_circular=False, separators=(",", ":"))
+    body = orjson.dumps(answers)
+    seeds = torch.randint(0, 1 << 62, (64,), generator=g).tolist()
+
+    def each_new() -> torch.Tensor:
+        u = torch.zeros(64, 4)
+        for b, seed in enumerate(seeds):
+            u[b, :4] = torch.rand(4, generator=torch.Generator().manual_seed(seed))
+        return u
+
+    reseeded = torch.Generator()
+
+    def one_reseeded() -> torch.Tensor:
+        u = torch.zeros(64, 4)
+        for b, seed in enumerate(seeds):
+            torch.rand(4, generator=reseeded.manual_seed(seed), out=u[b, :4])
+        return u
+
+    cases = (("64 answers encoded", lambda: encoder.encode(answers).encode(), lambda: orjson.dumps(answers),
+              json.loads(encoder.encode(answers)) == orjson.loads(orjson.dumps(answers))),
+             ("64 answers decoded", lambda: json.loads(body), lambda: orjson.loads(body),
+              json.loads(body) == orjson.loads(body)),
+             ("uniforms of 64 requests", each_new, one_reseeded, torch.equal(each_new(), one_reseeded())))
+    rows = []
+    for name, before, now, same in cases:
+        times: dict[str, list[float]] = {"before": [], "now": []}
+        for i in range(2 * calls):
+            key, fn = ("now", now) if i % 2 else ("before", before)
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+        base, new = (statistics.median(times[k]) * 1e3 for k in ("before", "now"))
+        rows.append(f"| {name} | {base:.3f} | {new:.3f} | {base / new:.1f}x | {'yes' if same else 'NO'} |")
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=200,
@@ -128,6 +185,7 @@ def main() -> int:
     softmax = _softmax_rows(args.reps)
     pool = _pool_rows(max(args.reps // 4, 10))
     tensorboard = _tensorboard_rows(max(args.reps // 2, 10))
+    engine = _engine_rows(args.reps)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -140,9 +198,13 @@ def main() -> int:
         "| shape | path | torch | softmax_cpu | speed-up | bit-identical |", "|---|---|---|---|---|---|",
         *softmax, "",
         "Reward pool, 64 token_match completions, 2 workers (median ms per call):", "",
-        "| calls | spread (4 chunks) | one chunk | speed-up |", "|---|---|---|---|", *pool, "",
+        "| calls | spread (4 chunks) | one chunk | speed-up | in the controller (InlineRewards, what "
+        "token_match uses now) |", "|---|---|---|---|---|", *pool, "",
         "A step's TensorBoard scalars (median ms per step):", "",
-        "| write | add_scalar per key | one event | speed-up |", "|---|---|---|---|", *tensorboard, ""])
+        "| write | add_scalar per key | one event | speed-up |", "|---|---|---|---|", *tensorboard, "",
+        "Reference engine, per generate call of the tiny step (median ms; before: json / a new generator "
+        "per request, now: orjson / one reseeded generator):", "",
+        "| cost | before | now | speed-up | same result |", "|---|---|---|---|---|", *engine, ""])
     print(text)
     if args.results:
         append_to_section(args.results, "## small_kernels", text)

@@ -133,11 +133,13 @@ def _engine_rows(calls: int) -> list[str]:
     import orjson
 
     g = torch.Generator().manual_seed(0)
+    ids_B4 = torch.randint(3, 60, (64, 4), generator=g).tolist()
+    logprobs_B4 = (-torch.rand(64, 4, generator=g) * 4).tolist()
     answers = [{"text": "abc", "output_ids": ids, "meta_info": {
         "id": f"{i:032x}", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 2,
         "completion_tokens": 4, "cached_tokens": 0, "weight_version": "3", "e2e_latency": 0.0123456789,
-        "output_token_logprobs": [[lp, t, None] for lp, t in zip((-torch.rand(4, generator=g) * 4).tolist(), ids)]}}
-        for i, ids in enumerate(torch.randint(3, 60, (64, 4), generator=g).tolist())]
+        "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}}
+        for i, (ids, lps) in enumerate(zip(ids_B4, logprobs_B4))]
     encoder = json.JSONEncoder(check_circular=False, separators=(",", ":"))
     body = orjson.dumps(answers)
     seeds = torch.randint(0, 1 << 62, (64,), generator=g).tolist()

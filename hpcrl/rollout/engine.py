@@ -119,7 +119,6 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-
 class ReferenceModel:
     """A transformers causal LM built from an HF config dict, with SGLang-style batched generation.
 
@@ -238,7 +237,8 @@ class ReferenceModel:
         tokens_BT, logprobs_BT, lengths_B, stopped_B = self._decode(prompts, params, max_new, seeds,
                                                                     num_steps)
         out = []
-        for b, (n, ids, logprobs) in enumerate(zip(lengths_B.tolist(), tokens_BT.tolist(), logprobs_BT.tolist())):
+        rows = zip(lengths_B.tolist(), tokens_BT.tolist(), logprobs_BT.tolist())
+        for b, (n, ids, logprobs) in enumerate(rows):
             ids = ids[:n]
             reason = {"type": "stop", "matched": ids[-1]} if stopped_B[b] else {"type": "length", "length": n}
             out.append(_result(ids, logprobs[:n], reason))

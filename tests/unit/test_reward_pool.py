@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from hpcrl.rewards import load_reward_fn
-from hpcrl.rewards.pool import INLINE_REWARDS, InlineRewards, RewardPool, RewardPoolError, reward_scorer, score_in_process
+from hpcrl.rewards.pool import (INLINE_REWARDS, InlineRewards, RewardPool, RewardPoolError, reward_scorer,
+                                score_in_process)
 
 TIMEOUT_S = 1.0
 

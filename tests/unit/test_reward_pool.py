@@ -216,4 +216,5 @@ def test_inline_builtins_score_as_the_pool_does_without_workers():
         assert np.array_equal(got.rewards[:8], score_in_process(load_reward_fn(spec), items[:8]))
         assert got.errors == want.errors and sorted(got.errors) == [8, 9], got.errors
         assert got.errors[8].startswith("TypeError") or got.errors[8].startswith("AttributeError")
-    assert isinstance(reward_scorer("math", 1, TIMEOUT_S), RewardPool)  # math-verify can hang: workers
+    with reward_scorer("math", 1, TIMEOUT_S) as math_pool:  # math-verify can hang: workers
+        assert isinstance(math_pool, RewardPool)

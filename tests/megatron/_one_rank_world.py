@@ -120,6 +120,8 @@ def check_grad_sync() -> None:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from hpcrl.trainer import megatron_compat
+
     patched = _ParamAndGradBucketGroup.start_grad_sync
     original = next(c.cell_contents for c in patched.__closure__
                     if getattr(c.cell_contents, "__name__", "") == "start_grad_sync")
@@ -133,6 +135,7 @@ def check_grad_sync() -> None:
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
     ddp(tokens, torch.arange(8).expand(2, 8), None).float().square().mean().backward()
+    megatron_compat._fold_deferred_grads(ddp)  # the grads into the buffers, as Megatron's hooks add them (patch 17)
     before = [b.grad_data.clone() for b in ddp.buffers + ddp.expert_parallel_buffers]
     assert all(g.abs().sum() > 0 for g in before)
     for sync in (patched, original):
@@ -142,6 +145,59 @@ def check_grad_sync() -> None:
         assert reduce.called == (sync is original), (sync, reduce.called)
         after = [b.grad_data for b in ddp.buffers + ddp.expert_parallel_buffers]
         assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+def check_deferred_grads() -> None:
+    """Patch 17: with no-op grad hooks and the deferred fold, DDP's fp32 grad buffers after three
+    accumulated backward passes (micro-batches) are Megatron's hooks' buffers bit for bit, no
+    param.grad is left, and overlapped reduction keeps Megatron's hook."""
+    from unittest import mock
+
+    import torch.nn.functional as F
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from hpcrl.trainer import megatron_compat
+
+    patched = DistributedDataParallel._make_backward_post_hook
+    original = next(c.cell_contents for c in patched.__closure__
+                    if getattr(c.cell_contents, "__name__", "") == "_make_backward_post_hook")
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=8,
+                               moe_ffn_hidden_size=8, num_moe_experts=2, moe_router_topk=2,
+                               gated_linear_unit=True,
+                               activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False,
+                               gradient_accumulation_fusion=False, use_cpu_initialization=True,
+                               hidden_dropout=0.0, attention_dropout=0.0)
+    tokens = torch.randint(0, 32, (3, 2, 8), generator=torch.Generator().manual_seed(1))
+    init_model = GPTModel(config, get_gpt_layer_local_spec(num_experts=2), vocab_size=32, max_sequence_length=8)
+    init, num_params = init_model.state_dict(), len(list(init_model.parameters()))
+
+    def buffers_after_backward(make_hook, overlap: bool = False) -> tuple[list[torch.Tensor], int]:
+        torch.manual_seed(0)
+        model = GPTModel(config, get_gpt_layer_local_spec(num_experts=2), vocab_size=32, max_sequence_length=8)
+        model.load_state_dict(init)  # Megatron's init draws from its own RNG tracker, not torch's seed
+        with mock.patch.object(DistributedDataParallel, "_make_backward_post_hook", make_hook):
+            ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=overlap), model)
+        ddp.zero_grad_buffer()
+        for t in tokens:
+            ddp(t, torch.arange(8).expand(2, 8), None).float().square().mean().backward()
+        ddp.finish_grad_sync()
+        assert all(p.grad is None for p in model.parameters()), "a grad was left outside main_grad"
+        grads = [b.grad_data.clone() for b in ddp.buffers + ddp.expert_parallel_buffers]
+        return grads, len(ddp.__dict__.get("_hpcrl_deferred_grads", ()))
+
+    want, none = buffers_after_backward(original)
+    got, deferred = buffers_after_backward(patched)
+    assert none == 0 and deferred == num_params, (none, deferred, num_params)
+    assert all(g.abs().sum() > 0 for g in want)
+    assert all(torch.equal(x, y) for x, y in zip(want, got))
+    _, overlapped = buffers_after_backward(patched, overlap=True)
+    assert overlapped == 0, "overlapped grad reduction must keep Megatron's hook"
+    assert megatron_compat._no_hook() is None
+
 
 if __name__ == "__main__":
     from hpcrl.trainer import megatron_compat
@@ -155,7 +211,7 @@ if __name__ == "__main__":
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     name = sys.argv[1]
     {"mappings": check_mappings, "experts": check_experts, "grad_norm": check_grad_norm,
-     "grad_sync": check_grad_sync}[name]()
+     "grad_sync": check_grad_sync, "deferred_grads": check_deferred_grads}[name]()
     print(f"{name} OK", flush=True)
     # As hpcrl's workers do (worker_main.finalize_and_exit): skip interpreter teardown, where a gloo
     # run-loop thread that still holds a Python thread state aborts the process (exit -6, seen in CI).

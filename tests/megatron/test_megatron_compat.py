@@ -129,9 +129,9 @@ def test_foreach_grad_norm_matches_megatrons_local_norm() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU patches")
-@pytest.mark.parametrize("name", ["mappings", "experts", "grad_norm", "grad_sync"])
+@pytest.mark.parametrize("name", ["mappings", "experts", "grad_norm", "grad_sync", "deferred_grads"])
 def test_one_rank_world_checks(name: str) -> None:
-    """Patches 9, 10, 11 and 13 and patch 7's fallback, checked in a fresh one-rank gloo world
+    """Patches 9, 10, 11, 13 and 17 and patch 7's fallback, checked in a fresh one-rank gloo world
     (tests/megatron/_one_rank_world.py says what each check asserts)."""
     import subprocess
     import sys

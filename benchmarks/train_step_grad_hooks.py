@@ -101,7 +101,8 @@ def main() -> int:
         f"`.venv/bin/python benchmarks/train_step_grad_hooks.py --steps {args.steps}`", "",
         f"Tiny train step (64 rows), {args.steps} alternating steps of each policy, one torch thread; "
         f"load average (1 min) {load0:.1f} before, {os.getloadavg()[0]:.1f} after.", "",
-        "| micro-batch size | Megatron's grad hooks, ms | patch 17, ms | ratio | metrics and hash identical |",
+        "| micro-batch size | Megatron's grad hooks, ms | patch 17, ms | ratio "
+        "| metrics and hash identical |",
         "|---|---|---|---|---|", *rows, ""])
     print(text)
     if args.results:

@@ -135,7 +135,7 @@ def check_grad_sync() -> None:
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
     ddp(tokens, torch.arange(8).expand(2, 8), None).float().square().mean().backward()
-    megatron_compat._fold_deferred_grads(ddp)  # the grads into the buffers, as Megatron's hooks add them (patch 17)
+    megatron_compat._fold_deferred_grads(ddp)  # the grads into the buffers, as Megatron's hooks do (patch 17)
     before = [b.grad_data.clone() for b in ddp.buffers + ddp.expert_parallel_buffers]
     assert all(g.abs().sum() > 0 for g in before)
     for sync in (patched, original):
@@ -171,12 +171,12 @@ def check_deferred_grads() -> None:
                                gradient_accumulation_fusion=False, use_cpu_initialization=True,
                                hidden_dropout=0.0, attention_dropout=0.0)
     tokens = torch.randint(0, 32, (3, 2, 8), generator=torch.Generator().manual_seed(1))
-    init_model = GPTModel(config, get_gpt_layer_local_spec(num_experts=2), vocab_size=32, max_sequence_length=8)
+    spec = get_gpt_layer_local_spec(num_experts=2)
+    init_model = GPTModel(config, spec, vocab_size=32, max_sequence_length=8)
     init, num_params = init_model.state_dict(), len(list(init_model.parameters()))
 
     def buffers_after_backward(make_hook, overlap: bool = False) -> tuple[list[torch.Tensor], int]:
-        torch.manual_seed(0)
-        model = GPTModel(config, get_gpt_layer_local_spec(num_experts=2), vocab_size=32, max_sequence_length=8)
+        model = GPTModel(config, spec, vocab_size=32, max_sequence_length=8)
         model.load_state_dict(init)  # Megatron's init draws from its own RNG tracker, not torch's seed
         with mock.patch.object(DistributedDataParallel, "_make_backward_post_hook", make_hook):
             ddp = DistributedDataParallel(config, DistributedDataParallelConfig(

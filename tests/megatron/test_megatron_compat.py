@@ -219,3 +219,39 @@ def test_sort_chunks_in_identity_order_returns_its_inputs() -> None:
     for order in (torch.tensor([2, 0, 3, 1]), torch.tensor([0, 2, 1, 3])):
         got = _values_and_grads(flat(fast), tokens, probs)
         assert all(torch.equal(a, b) for a, b in zip(got, _values_and_grads(flat(original), tokens, probs)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU patches")
+def test_reset_of_temporary_tensors_walks_the_model_only_when_there_is_something_to_reset() -> None:
+    """Patch 18: without expert bias and a global aux loss the per-step reset does not walk the
+    model's modules; with either, it resets what Megatron's function resets."""
+    import importlib
+    from types import SimpleNamespace
+
+    megatron_compat.apply()
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    fast = finalize.reset_model_temporary_tensors
+    assert fast.__closure__ is not None and fast.__name__ == "reset_model_temporary_tensors"
+
+    class Router(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.expert_bias = torch.zeros(4)
+            self.local_tokens_per_expert = torch.ones(4)
+            self.tracker_resets = 0
+
+        def reset_global_aux_loss_tracker(self) -> None:
+            self.tracker_resets += 1
+
+    for bias, balancing, walks in ((False, "aux_loss", False), (False, "seq_aux_loss", False),
+                                   (True, "aux_loss", True), (False, "global_aux_loss", True),
+                                   (False, ["aux_loss", "global_aux_loss"], True)):
+        router = Router()
+        model = torch.nn.Sequential(router)
+        walked = []
+        model.modules = lambda m=model: walked.append(1) or torch.nn.Module.modules(m)
+        config = SimpleNamespace(moe_router_enable_expert_bias=bias, moe_router_load_balancing_type=balancing)
+        fast(config, [model])
+        assert bool(walked) == walks, (bias, balancing)
+        assert router.local_tokens_per_expert.sum() == (0 if bias else 4)
+        assert router.tracker_resets == (1 if "global_aux_loss" in balancing else 0)

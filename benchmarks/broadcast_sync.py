@@ -16,7 +16,6 @@ hash (the three paths deliver the same weights).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -26,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from results_md import append_to_section
+from results_md import append_to_section, run_heading
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
@@ -76,12 +75,8 @@ def main() -> int:
     if len(digests) != 1:
         raise RuntimeError(f"the paths ended with different policies: {sorted(digests)}")
     base = statistics.median(times["rank 0"])
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
     load1 = os.getloadavg()
-    rows = [f"### {stamp} (commit {commit}): `python benchmarks/broadcast_sync.py --reps {args.reps} "
-            f"--steps {args.steps}`", "",
+    rows = [run_heading(f"python benchmarks/broadcast_sync.py --reps {args.reps} --steps {args.steps}"), "",
             f"Host: {platform.node()} ({os.cpu_count()} CPUs, shared), load average (1 min) {load0[0]:.1f} before, "
             f"{load1[0]:.1f} after. small-qwen3-moe (108 MiB fp32), 2 trainer ranks (EP 2) -> 2 reference "
             f"engines; per run the median `timing/sync_s` of steps 1..{args.steps - 1}; medians over "

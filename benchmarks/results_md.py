@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import datetime
+import subprocess
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_heading(command: str) -> str:
+    """The `### <UTC time> (commit <short hash>): `command`` line that opens a run's entry."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return f"### {stamp} (commit {commit}): `{command}`"
 
 
 def append_to_section(path: Path, heading: str, text: str) -> None:

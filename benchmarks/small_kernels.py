@@ -31,18 +31,15 @@ generator reseeded), with whether the values are identical. Alternating per call
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
-from results_md import append_to_section
+from results_md import append_to_section, run_heading
 
-REPO = Path(__file__).resolve().parents[1]
 SHAPES = ((64, 4, 12, 12), (64, 4, 7, 7), (3072, 4), (64, 4, 16, 16))
 
 
@@ -188,12 +185,8 @@ def main() -> int:
     pool = _pool_rows(max(args.reps // 4, 10))
     tensorboard = _tensorboard_rows(max(args.reps // 2, 10))
     engine = _engine_rows(args.reps)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     text = "\n".join([
-        f"### {stamp} (commit {commit}): "
-        f"`.venv/bin/python benchmarks/small_kernels.py --reps {args.reps}`", "",
+        run_heading(f".venv/bin/python benchmarks/small_kernels.py --reps {args.reps}"), "",
         f"{os.cpu_count()} CPUs, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
         f"load average (1 min) {load0:.1f} before, {os.getloadavg()[0]:.1f} after.", "",
         "Softmax over the last dim, forward + backward (median us):", "",

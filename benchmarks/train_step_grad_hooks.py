@@ -16,7 +16,6 @@ import argparse
 import datetime
 import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from unittest import mock
@@ -24,9 +23,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from results_md import append_to_section
-
-REPO = Path(__file__).resolve().parents[1]
+from results_md import append_to_section, run_heading
 
 
 def _policies(micro_batch_size: int) -> tuple:
@@ -93,12 +90,8 @@ def main() -> int:
                             timeout=datetime.timedelta(seconds=120))
     load0 = os.getloadavg()[0]
     rows = [_row(mbs, args.steps) for mbs in (64, 16)]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     text = "\n".join([
-        f"### {stamp} (commit {commit}): "
-        f"`.venv/bin/python benchmarks/train_step_grad_hooks.py --steps {args.steps}`", "",
+        run_heading(f".venv/bin/python benchmarks/train_step_grad_hooks.py --steps {args.steps}"), "",
         f"Tiny train step (64 rows), {args.steps} alternating steps of each policy, one torch thread; "
         f"load average (1 min) {load0:.1f} before, {os.getloadavg()[0]:.1f} after.", "",
         "| micro-batch size | Megatron's grad hooks, ms | patch 17, ms | ratio "

@@ -22,16 +22,14 @@ import datetime
 import functools
 import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from results_md import append_to_section
+from results_md import append_to_section, run_heading
 
-REPO = Path(__file__).resolve().parents[1]
 PARTS = ("attention forward", "MoE forward", "model forward", "loss", "backward", "rest")
 
 
@@ -154,13 +152,9 @@ def main() -> int:
         parts["model forward"] -= parts["attention forward"] + parts["MoE forward"]
     rows = [f"| {p if p != 'model forward' else 'rest of the model forward'} | {per_step['hpcrl'][p]:.2f} | "
             f"{per_step['hf'][p]:.2f} | {per_step['hpcrl'][p] / per_step['hf'][p]:.2f} |" for p in PARTS]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     text = "\n".join([
-        f"### {stamp} (commit {commit}): "
-        f"`.venv/bin/python benchmarks/train_step_vs_hf.py --steps {args.steps}`",
-        "", f"One torch thread; load average (1 min) {load0:.1f} before, {os.getloadavg()[0]:.1f} after.", "",
+        run_heading(f".venv/bin/python benchmarks/train_step_vs_hf.py --steps {args.steps}"), "",
+        f"One torch thread; load average (1 min) {load0:.1f} before, {os.getloadavg()[0]:.1f} after.", "",
         "| step (median ms) | hpcrl (Megatron) | HF (TRL's kind) | hpcrl / HF |", "|---|---|---|---|",
         *(f"| {w} | {med[f'hpcrl {w}']:.2f} | {med[f'hf {w}']:.2f} | "
           f"{med[f'hpcrl {w}'] / med[f'hf {w}']:.2f} |" for w in ("warm", "after sleep")),

@@ -107,31 +107,39 @@ def check_grad_norm() -> None:
     assert reduce.called
 
 
+def _tiny_moe_gpt() -> tuple:
+    """A one-layer, two-expert GPTModel's TransformerConfig (no dropout) and a builder of the model."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=8,
+                               moe_ffn_hidden_size=8, num_moe_experts=2, moe_router_topk=2,
+                               gated_linear_unit=True,
+                               activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False,
+                               gradient_accumulation_fusion=False, use_cpu_initialization=True,
+                               hidden_dropout=0.0, attention_dropout=0.0)
+    spec = get_gpt_layer_local_spec(num_experts=2)
+    return config, lambda: GPTModel(config, spec, vocab_size=32, max_sequence_length=8)
+
+
 def check_grad_sync() -> None:
     """Patch 13: with one data-parallel rank, DDP's grad sync leaves the grad buffers exactly as
     Megatron's (an identity all-reduce) without calling the collective; a distributed optimizer still
     goes to Megatron's function."""
     from unittest import mock
 
-    import torch.nn.functional as F
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from hpcrl.trainer import megatron_compat
 
     patched = _ParamAndGradBucketGroup.start_grad_sync
     original = next(c.cell_contents for c in patched.__closure__
                     if getattr(c.cell_contents, "__name__", "") == "start_grad_sync")
-    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=8,
-                               moe_ffn_hidden_size=8, num_moe_experts=2, moe_router_topk=2,
-                               gated_linear_unit=True,
-                               activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False,
-                               gradient_accumulation_fusion=False, use_cpu_initialization=True)
-    torch.manual_seed(0)
-    model = GPTModel(config, get_gpt_layer_local_spec(num_experts=2), vocab_size=32, max_sequence_length=8)
+    config, build = _tiny_moe_gpt()
+    model = build()
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
     ddp(tokens, torch.arange(8).expand(2, 8), None).float().square().mean().backward()
@@ -153,30 +161,20 @@ def check_deferred_grads() -> None:
     param.grad is left, and overlapped reduction keeps Megatron's hook."""
     from unittest import mock
 
-    import torch.nn.functional as F
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from hpcrl.trainer import megatron_compat
 
     patched = DistributedDataParallel._make_backward_post_hook
     original = next(c.cell_contents for c in patched.__closure__
                     if getattr(c.cell_contents, "__name__", "") == "_make_backward_post_hook")
-    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=8,
-                               moe_ffn_hidden_size=8, num_moe_experts=2, moe_router_topk=2,
-                               gated_linear_unit=True,
-                               activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False,
-                               gradient_accumulation_fusion=False, use_cpu_initialization=True,
-                               hidden_dropout=0.0, attention_dropout=0.0)
+    config, build = _tiny_moe_gpt()
     tokens = torch.randint(0, 32, (3, 2, 8), generator=torch.Generator().manual_seed(1))
-    spec = get_gpt_layer_local_spec(num_experts=2)
-    init_model = GPTModel(config, spec, vocab_size=32, max_sequence_length=8)
+    init_model = build()
     init, num_params = init_model.state_dict(), len(list(init_model.parameters()))
 
     def buffers_after_backward(make_hook, overlap: bool = False) -> tuple[list[torch.Tensor], int]:
-        model = GPTModel(config, spec, vocab_size=32, max_sequence_length=8)
+        model = build()
         model.load_state_dict(init)  # Megatron's init draws from its own RNG tracker, not torch's seed
         with mock.patch.object(DistributedDataParallel, "_make_backward_post_hook", make_hook):
             ddp = DistributedDataParallel(config, DistributedDataParallelConfig(

@@ -13,17 +13,14 @@ bit-identical (they must be). One torch thread, a one-rank gloo world.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import time
 from pathlib import Path
 from unittest import mock
 
-import torch
-import torch.distributed as dist
-
 from results_md import append_to_section, run_heading
+from tiny_train_batch import one_rank_world, tiny_rows
 
 
 def _policies(micro_batch_size: int) -> tuple:
@@ -51,19 +48,12 @@ def _policies(micro_batch_size: int) -> tuple:
     return hooks, build(), hf["vocab_size"]
 
 
-def _batch(vocab: int):
+def _row(micro_batch_size: int, steps: int) -> str:
     from hpcrl.trainer.batch import TrainBatch
 
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (2,), generator=g).tolist() for _ in range(64)]
-    responses = [torch.randint(3, vocab, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
-                 for _ in range(64)]
-    return TrainBatch.from_lists(prompts, responses), torch.randn(64, generator=g)
-
-
-def _row(micro_batch_size: int, steps: int) -> str:
     hooks, deferred, vocab = _policies(micro_batch_size)
-    batch, adv = _batch(vocab)
+    prompts, responses, adv = tiny_rows(vocab)
+    batch = TrainBatch.from_lists(prompts, responses)
     times: dict[str, list[float]] = {"hooks": [], "deferred": []}
     metrics: dict[str, list] = {"hooks": [], "deferred": []}
     for i in range(steps):
@@ -85,9 +75,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.steps < 10:
         ap.error(f"--steps={args.steps}: need >= 10 (the first 5 of each are excluded)")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=120))
+    one_rank_world()
     load0 = os.getloadavg()[0]
     rows = [_row(mbs, args.steps) for mbs in (64, 16)]
     text = "\n".join([

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import functools
 import os
 import statistics
@@ -26,9 +25,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from results_md import append_to_section, run_heading
+from tiny_train_batch import one_rank_world, tiny_rows
 
 PARTS = ("attention forward", "MoE forward", "model forward", "loss", "backward", "rest")
 
@@ -68,12 +67,7 @@ def _models(acc: dict[str, dict[str, float]]):
                                           dtype=torch.float32).train()
     adam = torch.optim.Adam(hf.parameters(), lr=5e-3, fused=True)
 
-    g = torch.Generator().manual_seed(0)
-    vocab = config["vocab_size"]
-    prompts = [torch.randint(3, vocab, (2,), generator=g).tolist() for _ in range(64)]
-    responses = [torch.randint(3, vocab, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
-                 for _ in range(64)]
-    adv_B = torch.randn(64, generator=g)
+    prompts, responses, adv_B = tiny_rows(config["vocab_size"])
     batch = TrainBatch.from_lists(prompts, responses)
     width = 2 + max(map(len, responses))
     ids_BL = torch.zeros(64, width, dtype=torch.long)
@@ -121,9 +115,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.steps < 10:
         ap.error(f"--steps={args.steps}: need >= 10")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=120))
+    one_rank_world()
     acc: dict[str, dict[str, float]] = {k: collections.defaultdict(float) for k in ("hpcrl", "hf")}
     steps = dict(zip(("hpcrl", "hf"), _models(acc)))
     for _ in range(15):

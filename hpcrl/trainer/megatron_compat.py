@@ -556,9 +556,8 @@ def _reset_only_what_exists(original: Any) -> Any:
     """`reset_model_temporary_tensors` without its walk over every module when the config has
     neither of the two things it resets (patch 18)."""
     def reset_model_temporary_tensors(config: Any, model: Any) -> None:
-        balancing = config.moe_router_load_balancing_type
-        if (config.moe_router_enable_expert_bias or balancing == "global_aux_loss"
-                or "global_aux_loss" in balancing):
+        # Megatron's two conditions: `in` covers the type as a string and as a list of types
+        if config.moe_router_enable_expert_bias or "global_aux_loss" in config.moe_router_load_balancing_type:
             original(config, model)
 
     return reset_model_temporary_tensors

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from hpcrl import cpu_bind
 from hpcrl.config import load_job, to_dict
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import JobConfig
@@ -65,6 +66,20 @@ def check_resume(job: JobConfig, run_dir: Path, resume: str) -> None:
                           f"available steps: {existing or 'none'}")
 
 
+def plan_cores(job: JobConfig, env: dict[str, str]) -> None:
+    """resources.cpu_bind: put the core plan of the ranks into `env` (hpcrl.cpu_bind) and say it."""
+    env.pop(cpu_bind.ENV, None)
+    if job.resources.cpu_bind != "auto" or job.resources.device != "cpu":
+        return
+    t, e = job.trainer.num_procs, job.rollout.num_engines
+    plan, why_not = cpu_bind.make_plan(sorted(os.sched_getaffinity(0)), t, e, job.resources.cpus_per_rank)
+    if plan is None:
+        print(f"cpu_bind: not bound: {why_not}", flush=True)
+        return
+    env[cpu_bind.ENV] = plan.to_env()
+    print(f"cpu_bind: {plan.describe(t, e)}", flush=True)
+
+
 def run_local(job_path: str, overrides: list[str], cli_run_dir: str | None, resume: str = "auto") -> int:
     """`hpcrl run`: resume is "auto" (latest checkpoint of the run dir), "none" or a step number."""
     from launch.local import run_world
@@ -80,6 +95,7 @@ def run_local(job_path: str, overrides: list[str], cli_run_dir: str | None, resu
     # threads spin-waiting would steal them from the rank that works (measured: 25x slower steps).
     env.setdefault("OMP_NUM_THREADS", str(job.resources.cpus_per_rank))
     env["HPCRL_RESUME"] = resume
+    plan_cores(job, env)
     # -P: the working directory stays off sys.path (a `checkpoints/` or `moe/` folder there would
     # shadow hpcrl's packages).
     rc, first_death = run_world(job.world_size, [sys.executable, "-P", "-m", "hpcrl.worker_main", str(run_dir)],

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hpcrl import cpu_bind
+
 EXIT_FAILURE = 1
 
 
@@ -82,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
 
     set_process_keys(job_keys(run_dir))  # this rank's engine clients send the job's engine keys
     world = join_world_within(job.trainer.num_procs, job.resources.startup_timeout_s)
+    plan = cpu_bind.CpuPlan.from_env()  # set by `hpcrl run` (resources.cpu_bind)
+    if plan is not None:
+        cpu_bind.bind_this_process(plan.for_rank(world.rank, job.trainer.num_procs))
     if world.rank == 0:  # the Slurm batch script retries a step that never got here (launch/slurm_spec.py)
         from launch.slurm_spec import WORLD_FORMED_FILE
 
@@ -106,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from hpcrl.rollout.worker import rollout_handlers
 
-        serve(world, rollout_handlers(job, run_dir, world), idle_timeout_s)
+        serve(world, rollout_handlers(job, run_dir, world, plan), idle_timeout_s)
         code = 0
+    if world.role != "controller":
+        print(cpu_bind.report_line(f"rank {world.rank} ({world.role})"), flush=True)
     finalize_and_exit(code)
     return code
 

@@ -32,6 +32,7 @@ DTYPES = ("float32", "bfloat16")
 RANDOM_INITS = ("auto", "hf", "sharded")
 OVERLONG_PROMPTS = ("error", "drop")
 DEVICES = ("cpu", "cuda")
+CPU_BINDS = ("auto", "none")
 DISPATCHERS = ("alltoall", "allgather")
 BACKENDS = ("reference", "sglang")
 WEIGHT_SYNCS = ("auto", "shard", "broadcast")
@@ -137,6 +138,7 @@ _CHOICES: list[tuple[str, tuple[str, ...]]] = [
     ("rollout.weight_sync", WEIGHT_SYNCS),
     ("rollout.sync_checksum", SYNC_CHECKSUMS),
     ("resources.device", DEVICES),
+    ("resources.cpu_bind", CPU_BINDS),
 ]
 
 

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from hpcrl import faults
+from hpcrl.cpu_bind import CpuPlan, children_on, report_line
 from hpcrl.config.schema import JobConfig, engine_dtype, weight_sync_mode
 from hpcrl.dist import free_port, routable_host
 from hpcrl.rollout.engine_auth import job_keys, keys_path
@@ -106,7 +107,9 @@ def engine_init_seed(job: JobConfig) -> int:
     return job.trainer.seed + 1
 
 
-def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
+def rollout_handlers(job: JobConfig, run_dir: Path, world, plan: CpuPlan | None = None) -> dict:
+    """The rollout rank's commands. `plan` (resources.cpu_bind): the reference engine it starts runs
+    on its block of cores, the rank itself stays on the service cores."""
     from hpcrl.rollout.client import EngineClient, launch_reference_server
 
     engine_index = world.role_comm.Get_rank()
@@ -121,12 +124,13 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         gpus = rank_gpus(world, job) if job.resources.device == "cuda" else ()
         job_keys(run_dir)  # the key file the engine reads (made at start-up by hpcrl.worker_main)
         if job.rollout.backend == "reference":
-            state["proc"], url = launch_reference_server(
-                str(run_dir / "model_config.json"), reference_device(job, gpus), engine_init_seed(job),
-                str(log_path),
-                host=host, dtype=engine_dtype(job), threads=job.resources.cpus_per_rank,
-                startup_timeout_s=job.resources.startup_timeout_s, extra_args=job.rollout.server_args,
-                model_path=job.model.path, config_path=str(keys_path(run_dir)))
+            with children_on(None if plan is None else plan.for_engine(engine_index)):
+                state["proc"], url = launch_reference_server(
+                    str(run_dir / "model_config.json"), reference_device(job, gpus), engine_init_seed(job),
+                    str(log_path),
+                    host=host, dtype=engine_dtype(job), threads=job.resources.cpus_per_rank,
+                    startup_timeout_s=job.resources.startup_timeout_s, extra_args=job.rollout.server_args,
+                    model_path=job.model.path, config_path=str(keys_path(run_dir)))
         else:
             port = free_port(host)  # SGLang takes an explicit port
             state["proc"] = _launch_sglang(job, run_dir, host, port, log_path, gpus)
@@ -150,6 +154,7 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world) -> dict:
             state["record"].stop()  # an exit from here on is asked for, not a death
         proc = state.get("proc")
         if proc is not None and proc.poll() is None:
+            print(report_line(f"engine {engine_index}", proc.pid), flush=True)
             stop_process(proc, 10)
         return None
 

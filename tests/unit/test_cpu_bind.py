@@ -1,0 +1,109 @@
+"""resources.cpu_bind: the core plan of a local run, and the binding the kernel then reports."""
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from hpcrl import cpu_bind
+from hpcrl.cpu_bind import CpuPlan, make_plan
+
+
+@pytest.mark.parametrize(("cores", "trainer", "engines", "per_rank", "service", "blocks"), [
+    ([0, 1], 1, 1, 1, (0,), ((1,),)),                      # the tiny example on 2 cores
+    ([0, 1, 2, 3], 2, 1, 1, (0, 1), ((2,), (3,))),         # 2 trainer ranks, engine 0 beside rank 1
+    ([7, 4, 6, 5], 1, 2, 1, (4, 5), ((6,), (7,))),         # taskset -c 4-7: sorted, highest for blocks
+    ([0, 1, 2, 3, 4], 1, 2, 2, (0,), ((1, 2), (3, 4))),    # blocks of cpus_per_rank
+])
+def test_plan_gives_each_trainer_rank_and_engine_pair_a_block(cores, trainer, engines, per_rank, service,
+                                                             blocks):
+    plan, why = make_plan(cores, trainer, engines, per_rank)
+    assert why == "" and plan == CpuPlan(service, blocks)
+    assert plan.for_rank(0, trainer) == service                     # controller
+    assert [plan.for_rank(r, trainer) for r in range(1, trainer + 1)] == list(blocks[:trainer])
+    assert plan.for_rank(trainer + 1, trainer) == service           # the first engine's host rank
+    assert [plan.for_engine(i) for i in range(engines)] == list(blocks[:engines])
+    assert CpuPlan.from_env({cpu_bind.ENV: plan.to_env()}) == plan
+
+
+@pytest.mark.parametrize(("cores", "trainer", "engines", "per_rank"), [
+    ([0], 1, 1, 1), ([0, 1], 2, 1, 1), ([0, 1, 2, 3], 1, 1, 4)])
+def test_too_few_cores_leaves_the_run_unbound_saying_why(cores, trainer, engines, per_rank):
+    plan, why = make_plan(cores, trainer, engines, per_rank)
+    assert plan is None
+    assert f"{len(cores)} usable core(s)" in why and f"{per_rank} cpus_per_rank" in why, why
+    assert CpuPlan.from_env({}) is None
+
+
+def test_describe_names_who_runs_where():
+    plan, _ = make_plan([0, 1, 2, 3], 2, 1, 1)
+    assert plan.describe(2, 1) == ("controller on cores 0,1; trainer rank 1 + engine 0 on core 2; "
+                                   "trainer rank 2 on core 3")
+
+
+def _usable() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 usable cores to tell bindings apart")
+def test_children_on_binds_the_child_and_restores_the_caller():
+    before = os.sched_getaffinity(0)
+    last = _usable()[-1]
+    with cpu_bind.children_on([last]):
+        out = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                             capture_output=True, text=True, check=True).stdout
+    assert out.strip() == f"[{last}]"
+    assert os.sched_getaffinity(0) == before
+    with cpu_bind.children_on(None):
+        out = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                             capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(sorted(before))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 usable cores to tell bindings apart")
+def test_bind_this_process_moves_threads_already_running_and_the_report_reads_the_kernel():
+    """A child process (so the test's own binding is untouched) starts a thread, binds itself, then
+    starts another: the kernel shows all three threads on the core."""
+    last = _usable()[-1]
+    code = (
+        "import threading, time\n"
+        "from hpcrl import cpu_bind\n"
+        "stop = threading.Event()\n"
+        "early = threading.Thread(target=stop.wait); early.start()\n"
+        f"cpu_bind.bind_this_process([{last}])\n"
+        "late = threading.Thread(target=stop.wait); late.start()\n"
+        "print(cpu_bind.report_line('probe'))\n"
+        "print(sorted(set(cpu_bind.thread_cores().values())))\n"
+        "stop.set()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=60).stdout.splitlines()
+    assert out[0].startswith("cpu_bind: probe (pid ") and out[0].endswith(f"3 threads on core {last}"), out
+    assert out[1] == f"[({last},)]", out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 usable cores to tell bindings apart")
+def test_report_shows_each_thread_when_they_differ():
+    first = _usable()[0]
+    ready, stop = threading.Event(), threading.Event()
+
+    def pinned():
+        os.sched_setaffinity(0, [first])
+        ready.set()
+        stop.wait()
+
+    t = threading.Thread(target=pinned)
+    t.start()
+    try:
+        ready.wait(10)
+        line = cpu_bind.report_line("mixed")
+    finally:
+        stop.set()
+        t.join()
+    assert f"thread {t.native_id} core {first}" in line and " | " in line, line
+
+
+def test_kernel_cpu_lists_parse():
+    assert cpu_bind._parse_list("0-2,5") == (0, 1, 2, 5)
+    assert cpu_bind._parse_list("3") == (3,)

@@ -46,10 +46,13 @@ def main() -> int:
             s = one_run(cfg, mode, out / f"{mode}-{rep}", rep)
             runs[mode].append(s)
             print(f"rep {rep} cpu_bind={mode}: {s['steps_per_s']:.2f} steps/s, "
-                  + ", ".join(f"{p} {s[p] * 1e3:.1f} ms" for p in PHASES), flush=True)
+                  + ", ".join(f"{p} {s[p] * 1e3:.1f} ms" for p in PHASES)
+                  + f", start-up {s['startup_s']:.1f} s", flush=True)
     paired = [a["steps_per_s"] / b["steps_per_s"] for a, b in zip(runs["auto"], runs["none"])]
     rows = ["| | cpu_bind auto | cpu_bind none | auto / none |", "|---|---|---|---|"]
-    for key, label, scale in (("steps_per_s", "steps/s", 1.0), *((p, f"{p}, ms", 1e3) for p in PHASES)):
+    for key, label, scale in (("steps_per_s", "steps/s", 1.0), *((p, f"{p}, ms", 1e3) for p in PHASES),
+                              ("startup_s", "start-up (spawn -> first step), s", 1.0),
+                              ("process_s", "whole process wall, s", 1.0)):
         a = statistics.median(r[key] for r in runs["auto"]) * scale
         n = statistics.median(r[key] for r in runs["none"]) * scale
         rows.append(f"| {label} (median of {args.reps}) | {a:.2f} | {n:.2f} | {a / n:.3f} |")

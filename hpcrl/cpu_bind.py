@@ -5,13 +5,17 @@
     the engines' host ranks   | engine 0           | engine 1           |
 
 The trainer ranks and the engines take turns: the engines generate, the trainer ranks train, then
-the weights move. `auto` puts trainer rank i and engine i on one block of
+the weights move. `auto` (not the default) puts trainer rank i and engine i on one block of
 `resources.cpus_per_rank` cores, as verl's hybrid engine puts the actor and the rollout on the same
-GPUs, and every other process on the cores before the blocks. Each phase then starts on a core
-that was busy a moment ago and whose caches hold the torch code the other phase just ran; left to
-the OS, the trainer wakes on a core that sat idle through generation (tiny example on 2 cores:
-+7% steps/s, benchmarks/cpu_bind.py and dev/LOG.md, eighteenth session). A process started by a
-bound one (reward workers, the reference engine) inherits its cores.
+GPUs, and every other process on the cores before the blocks. Each phase then starts on a core that
+was busy a moment ago and whose caches hold the torch code the other phase just ran; left to the
+OS, the trainer may wake on a core that sat idle through generation. Measured on the tiny example
+(2 cores of a shared VM, benchmarks/cpu_bind.py): +2% to +7% steps/s in three runs, -12% and 0% in
+two others; this host's noise is as large as the effect, so binding stays opt-in.
+
+Start-up runs on every core of the plan (the trainer builds its model while the engines load
+theirs): a trainer rank binds once its model is built, an engine once it answers /health. The
+other ranks bind at once; the reward workers they start inherit their cores.
 
 `hpcrl run` makes the plan once from the cores it may use (`os.sched_getaffinity`: `taskset -c 4-7
 hpcrl run ...` keeps a run, and its blocks, on cores 4-7) and hands it to the ranks in the
@@ -46,6 +50,11 @@ class CpuPlan:
 
     def for_engine(self, engine_index: int) -> tuple[int, ...]:
         return self.blocks[engine_index]
+
+    @property
+    def usable(self) -> tuple[int, ...]:
+        """Every core of the plan: where start-up runs (model build and engine launch in parallel)."""
+        return self.service + tuple(c for block in self.blocks for c in block)
 
     def describe(self, num_trainer: int, num_engines: int) -> str:
         """One line for `hpcrl run`'s output: who runs on which cores."""
@@ -88,14 +97,21 @@ def make_plan(cores: Sequence[int], num_trainer: int, num_engines: int,
     return CpuPlan(tuple(cores[:split]), blocks), ""
 
 
-def bind_this_process(cores: Sequence[int]) -> None:
-    """Bind every thread this process has now (MPI's, faulthandler's, ...) to `cores`; threads it
-    starts later inherit the binding of the thread that starts them."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except ProcessLookupError:  # the thread ended meanwhile
-            pass
+def bind_process(cores: Sequence[int], pid: int | str = "self") -> None:
+    """Bind every thread a process has now (this one by default) to `cores`; threads it starts later
+    inherit the binding of the thread that starts them. Repeated until no thread is new, so that
+    one started meanwhile is not missed."""
+    done: set[int] = set()
+    while True:
+        tids = {int(t) for t in os.listdir(f"/proc/{pid}/task")} - done
+        if not tids:
+            return
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cores)
+            except ProcessLookupError:  # the thread ended meanwhile
+                pass
+        done |= tids
 
 
 @contextmanager

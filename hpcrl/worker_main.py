@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     set_process_keys(job_keys(run_dir))  # this rank's engine clients send the job's engine keys
     world = join_world_within(job.trainer.num_procs, job.resources.startup_timeout_s)
     plan = cpu_bind.CpuPlan.from_env()  # set by `hpcrl run` (resources.cpu_bind)
-    if plan is not None:
-        cpu_bind.bind_this_process(plan.for_rank(world.rank, job.trainer.num_procs))
+    if plan is not None and world.role != "trainer":  # a trainer rank binds once its model is built
+        cpu_bind.bind_process(plan.for_rank(world.rank, job.trainer.num_procs))
     if world.rank == 0:  # the Slurm batch script retries a step that never got here (launch/slurm_spec.py)
         from launch.slurm_spec import WORLD_FORMED_FILE
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     elif world.role == "trainer":
         from hpcrl.trainer.worker import trainer_handlers
 
-        serve(world, trainer_handlers(job, run_dir, world), idle_timeout_s)
+        serve(world, trainer_handlers(job, run_dir, world, plan), idle_timeout_s)
         code = 0
     else:
         from hpcrl.rollout.worker import rollout_handlers

@@ -297,8 +297,8 @@ class ResourcesConfig:
     rollout.tp_per_engine per engine); false refuses such layouts (hpcrl/rollout/placement.py)."""
     cpus_per_rank: int = 1
     """CPU cores per rank (Slurm --cpus-per-task)."""
-    cpu_bind: str = "auto"
-    """auto | none. `hpcrl run` with device cpu: auto runs trainer rank i and engine i on one block of
+    cpu_bind: str = "none"
+    """none | auto. `hpcrl run` with device cpu: auto runs trainer rank i and engine i on one block of
     cpus_per_rank cores (they take turns) and the controller on the cores left (hpcrl/cpu_bind.py);
     none leaves placement to the OS. GPU runs and Slurm steps (srun's binding) are not bound."""
     timeout_s: float = 300.0

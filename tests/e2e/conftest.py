@@ -5,8 +5,9 @@ import pytest
 from e2e_util import EXAMPLE, hpcrl
 
 REFERENCE_ARGS = ["--set", "algorithm.num_steps=8", "--set", "checkpoint.interval_steps=3", "--set",
-                  "logging.progress=false"]
-"""The reference run's settings: 8 steps, checkpoints after steps 2, 5 and 7."""
+                  "logging.progress=false", "--set", "resources.cpu_bind=auto"]
+"""The reference run's settings: 8 steps, checkpoints after steps 2, 5 and 7, ranks bound to cores
+(test_cpu_bind_run; binding changes no number, which the runs compared against this one show)."""
 
 
 @pytest.fixture(scope="session")

@@ -99,7 +99,7 @@ BAD = [
     ("sync-checksum", "rollout: {sync_checksum: crc32}", [], None, "rollout.sync_checksum", "'crc32'",
      "sampled, full, off"),
     ("device", "resources: {device: gpu}", [], None, "resources.device", "'gpu'", "cpu, cuda"),
-    ("cpu-bind", "resources: {cpu_bind: cores}", [], None, "resources.cpu_bind", "'cores'", "auto, none"),
+    ("cpu-bind", "resources: {cpu_bind: cores}", [], None, "resources.cpu_bind", "'cores'", "none, auto"),
     ("dtype", "model: {dtype: fp16}", [], None, "model.dtype", "'fp16'", "float32, bfloat16"),
     ("unknown-preset", "model: {preset: tiny-qwen3}", [], None, "model.preset", "'tiny-qwen3'",
      "did you mean 'tiny-qwen3-moe'"),

@@ -4,11 +4,14 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
 from hpcrl import cpu_bind
 from hpcrl.cpu_bind import CpuPlan, make_plan
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe_grpo.yaml"
 
 
 @pytest.mark.parametrize(("cores", "trainer", "engines", "per_rank", "service", "blocks"), [
@@ -63,7 +66,7 @@ def test_children_on_binds_the_child_and_restores_the_caller():
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 usable cores to tell bindings apart")
-def test_bind_this_process_moves_threads_already_running_and_the_report_reads_the_kernel():
+def test_bind_process_moves_threads_already_running_and_the_report_reads_the_kernel():
     """A child process (so the test's own binding is untouched) starts a thread, binds itself, then
     starts another: the kernel shows all three threads on the core."""
     last = _usable()[-1]
@@ -72,7 +75,7 @@ def test_bind_this_process_moves_threads_already_running_and_the_report_reads_th
         "from hpcrl import cpu_bind\n"
         "stop = threading.Event()\n"
         "early = threading.Thread(target=stop.wait); early.start()\n"
-        f"cpu_bind.bind_this_process([{last}])\n"
+        f"cpu_bind.bind_process([{last}])\n"
         "late = threading.Thread(target=stop.wait); late.start()\n"
         "print(cpu_bind.report_line('probe'))\n"
         "print(sorted(set(cpu_bind.thread_cores().values())))\n"
@@ -107,3 +110,26 @@ def test_report_shows_each_thread_when_they_differ():
 def test_kernel_cpu_lists_parse():
     assert cpu_bind._parse_list("0-2,5") == (0, 1, 2, 5)
     assert cpu_bind._parse_list("3") == (3,)
+
+
+@pytest.mark.parametrize("case", ["default", "auto", "auto, too few cores"])
+def test_hpcrl_run_plans_the_cores_when_asked_and_says_so(capsys, case):
+    from hpcrl.config import load_job
+    from hpcrl.runner import plan_cores
+
+    usable = sorted(os.sched_getaffinity(0))
+    if case == "auto" and len(usable) < 2:
+        pytest.skip("needs 2 usable cores for a plan")
+    auto = ["resources.cpu_bind=auto"]
+    overrides = {"default": [], "auto": auto,
+                 "auto, too few cores": [*auto, f"rollout.num_engines={len(usable)}"]}[case]
+    env = {cpu_bind.ENV: "stale"}
+    plan_cores(load_job(str(EXAMPLE), overrides), env)
+    out = capsys.readouterr().out
+    if case == "auto":
+        plan, _ = make_plan(usable, 1, 1, 1)
+        assert CpuPlan.from_env(env) == plan and out == f"cpu_bind: {plan.describe(1, 1)}\n"
+    else:
+        assert cpu_bind.ENV not in env
+        assert out == ("" if case == "default" else
+                       f"cpu_bind: not bound: {make_plan(usable, 1, len(usable), 1)[1]}\n"), out

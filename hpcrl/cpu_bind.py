@@ -153,8 +153,14 @@ def thread_cores(pid: int | str = "self") -> dict[int, tuple[int, ...]]:
 
 def report_line(what: str, pid: int | str = "self") -> str:
     """'cpu_bind: <what> (pid P): T threads on core(s) L' (L as in `CpuPlan.describe`), or each
-    thread's cores when they differ: what the kernel says, for the log and the tests."""
-    cores = thread_cores(pid)
+    thread's cores when they differ: what the kernel says, for the log and the tests. Never raises
+    (a process that ended meanwhile, an unreadable /proc): the line then says why it has no cores."""
+    try:
+        cores = thread_cores(pid)
+    except OSError as exc:
+        return f"cpu_bind: {what} (pid {pid}): cores unknown ({exc})"
+    if not cores:
+        return f"cpu_bind: {what} (pid {pid}): cores unknown (no threads left)"
     lists = sorted(set(cores.values()))
     real_pid = os.getpid() if pid == "self" else pid
     on = (_cores(lists[0]) if len(lists) == 1

@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 
 from hpcrl import faults
-from hpcrl.cpu_bind import CpuPlan, bind_process, children_on, report_line
 from hpcrl.config.schema import JobConfig, engine_dtype, weight_sync_mode
+from hpcrl.cpu_bind import CpuPlan, bind_process, children_on, report_line
 from hpcrl.dist import free_port, routable_host
 from hpcrl.rollout.engine_auth import job_keys, keys_path
 from hpcrl.rollout.engine_watch import EngineRecord

@@ -133,3 +133,10 @@ def test_hpcrl_run_plans_the_cores_when_asked_and_says_so(capsys, case):
         assert cpu_bind.ENV not in env
         assert out == ("" if case == "default" else
                        f"cpu_bind: not bound: {make_plan(usable, 1, len(usable), 1)[1]}\n"), out
+
+
+def test_report_of_a_process_that_is_gone_says_so_instead_of_raising():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    line = cpu_bind.report_line("engine 0", proc.pid)
+    assert line.startswith(f"cpu_bind: engine 0 (pid {proc.pid}): cores unknown ("), line

@@ -33,8 +33,7 @@ def _policies(micro_batch_size: int) -> tuple:
 
     megatron_compat.apply()
     patched = DistributedDataParallel._make_backward_post_hook
-    megatrons = next(c.cell_contents for c in patched.__closure__
-                     if getattr(c.cell_contents, "__name__", "") == "_make_backward_post_hook")
+    megatrons = megatron_compat.unpatched(patched, "_make_backward_post_hook")
     hf = load_hf_config("tiny-qwen3-moe", None)
 
     def build():

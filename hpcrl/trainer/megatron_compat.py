@@ -624,6 +624,15 @@ def _apply_cpu_patches() -> None:
         clip_grads.get_grad_norm_fp32 = optimizer.get_grad_norm_fp32 = _one_rank_grad_norm(original)
 
 
+def unpatched(patched: Any, name: str) -> Any:
+    """The Megatron function named `name` that the compat patch `patched` wraps (a cell of its
+    closure), for tests and benchmarks that compare the two."""
+    for cell in getattr(patched, "__closure__", None) or ():
+        if getattr(cell.cell_contents, "__name__", "") == name:
+            return cell.cell_contents
+    raise LookupError(f"{patched!r} wraps no function named {name!r}: not a compat patch, or apply() not run")
+
+
 def apply() -> None:
     """Install the patches this process needs (idempotent): the TE-less fix whenever
     transformer-engine is absent, the CPU patches when CUDA is unavailable.

@@ -21,9 +21,10 @@ def check_experts() -> None:
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from hpcrl.trainer import megatron_compat
+
     fast = SequentialMLP.forward
-    original = next(c.cell_contents for c in fast.__closure__
-                    if getattr(c.cell_contents, "__name__", "") == "forward")
+    original = megatron_compat.unpatched(fast, "forward")
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=8,
                                moe_ffn_hidden_size=8, num_moe_experts=3, gated_linear_unit=True,
                                activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False,
@@ -90,9 +91,10 @@ def check_grad_norm() -> None:
 
     from megatron.core.optimizer import clip_grads, optimizer
 
+    from hpcrl.trainer import megatron_compat
+
     assert optimizer.get_grad_norm_fp32 is clip_grads.get_grad_norm_fp32
-    original = next(c.cell_contents for c in clip_grads.get_grad_norm_fp32.__closure__
-                    if getattr(c.cell_contents, "__name__", "") == "get_grad_norm_fp32")
+    original = megatron_compat.unpatched(clip_grads.get_grad_norm_fp32, "get_grad_norm_fp32")
     g = torch.Generator().manual_seed(5)
     grads = [torch.randn(shape, generator=g) for shape in ((7, 3), (11,), (2, 5, 4))]
     group = dist.new_group([0])
@@ -136,8 +138,7 @@ def check_grad_sync() -> None:
     from hpcrl.trainer import megatron_compat
 
     patched = _ParamAndGradBucketGroup.start_grad_sync
-    original = next(c.cell_contents for c in patched.__closure__
-                    if getattr(c.cell_contents, "__name__", "") == "start_grad_sync")
+    original = megatron_compat.unpatched(patched, "start_grad_sync")
     config, build = _tiny_moe_gpt()
     model = build()
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
@@ -166,8 +167,7 @@ def check_deferred_grads() -> None:
     from hpcrl.trainer import megatron_compat
 
     patched = DistributedDataParallel._make_backward_post_hook
-    original = next(c.cell_contents for c in patched.__closure__
-                    if getattr(c.cell_contents, "__name__", "") == "_make_backward_post_hook")
+    original = megatron_compat.unpatched(patched, "_make_backward_post_hook")
     config, build = _tiny_moe_gpt()
     tokens = torch.randint(0, 32, (3, 2, 8), generator=torch.Generator().manual_seed(1))
     init_model = build()

@@ -151,8 +151,7 @@ def test_rope_without_pass_through_gives_megatrons_values_and_grads() -> None:
     from megatron.core.models.common.embeddings import rope_utils
 
     fast = rope_utils._apply_rotary_pos_emb_bshd
-    original = next(c.cell_contents for c in fast.__closure__
-                    if getattr(c.cell_contents, "__name__", "") == "_apply_rotary_pos_emb_bshd")
+    original = megatron_compat.unpatched(fast, "_apply_rotary_pos_emb_bshd")
     g = torch.Generator().manual_seed(2)
     t, freqs = torch.randn(6, 3, 2, 8, generator=g), torch.randn(6, 1, 1, 8, generator=g)
     for interleaved, mscale in ((False, 1.0), (True, 0.7)):
@@ -205,8 +204,7 @@ def test_sort_chunks_in_identity_order_returns_its_inputs() -> None:
     from megatron.core.transformer.moe import token_dispatcher
 
     fast = token_dispatcher.sort_chunks_by_idxs
-    original = next(c.cell_contents for c in fast.__closure__
-                    if getattr(c.cell_contents, "__name__", "") == "sort_chunks_by_idxs")
+    original = megatron_compat.unpatched(fast, "sort_chunks_by_idxs")
     assert original is not fast
     g = torch.Generator().manual_seed(5)
     tokens, probs = torch.randn(10, 4, generator=g), torch.rand(10, generator=g)
@@ -255,3 +253,12 @@ def test_reset_of_temporary_tensors_walks_the_model_only_when_there_is_something
         assert bool(walked) == walks, (bias, balancing)
         assert router.local_tokens_per_expert.sum() == (0 if bias else 4)
         assert router.tracker_resets == (1 if "global_aux_loss" in balancing else 0)
+
+
+def test_unpatched_names_what_it_cannot_find():
+    def plain():
+        return None
+
+    for not_a_patch in (plain, len):
+        with pytest.raises(LookupError, match="wraps no function named 'forward'"):
+            megatron_compat.unpatched(not_a_patch, "forward")

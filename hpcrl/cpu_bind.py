@@ -14,8 +14,8 @@ OS, the trainer may wake on a core that sat idle through generation. Measured on
 two others; this host's noise is as large as the effect, so binding stays opt-in.
 
 Start-up runs on every core of the plan (the trainer builds its model while the engines load
-theirs): a trainer rank binds once its model is built, an engine once it answers /health. The
-other ranks bind at once; the reward workers they start inherit their cores.
+theirs): the trainer and rollout ranks bind once their init has run, an engine once it answers
+/health. The controller binds at once; the reward workers it starts inherit its cores.
 
 `hpcrl run` makes the plan once from the cores it may use (`os.sched_getaffinity`: `taskset -c 4-7
 hpcrl run ...` keeps a run, and its blocks, on cores 4-7) and hands it to the ranks in the
@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,11 +49,6 @@ class CpuPlan:
 
     def for_engine(self, engine_index: int) -> tuple[int, ...]:
         return self.blocks[engine_index]
-
-    @property
-    def usable(self) -> tuple[int, ...]:
-        """Every core of the plan: where start-up runs (model build and engine launch in parallel)."""
-        return self.service + tuple(c for block in self.blocks for c in block)
 
     def describe(self, num_trainer: int, num_engines: int) -> str:
         """One line for `hpcrl run`'s output: who runs on which cores."""
@@ -87,13 +81,14 @@ def make_plan(cores: Sequence[int], num_trainer: int, num_engines: int,
     of max(num_trainer, num_engines) and at least one core left for the rest; the blocks take the
     highest cores, the service processes the lowest."""
     cores = sorted(cores)
-    need = max(num_trainer, num_engines) * cpus_per_rank
+    num_blocks = max(num_trainer, num_engines)
+    need = num_blocks * cpus_per_rank
     if len(cores) < need + 1:
         return None, (f"{len(cores)} usable core(s); binding needs {need} for the trainer ranks and "
                       f"engines (max({num_trainer}, {num_engines}) x {cpus_per_rank} cpus_per_rank) + 1")
     split = len(cores) - need
     blocks = tuple(tuple(cores[split + i * cpus_per_rank: split + (i + 1) * cpus_per_rank])
-                   for i in range(need // cpus_per_rank))
+                   for i in range(num_blocks))
     return CpuPlan(tuple(cores[:split]), blocks), ""
 
 
@@ -112,21 +107,6 @@ def bind_process(cores: Sequence[int], pid: int | str = "self") -> None:
             except ProcessLookupError:  # the thread ended meanwhile
                 pass
         done |= tids
-
-
-@contextmanager
-def children_on(cores: Sequence[int] | None) -> Iterator[None]:
-    """Processes started inside the block run on `cores` (None: where this thread runs): the calling
-    thread's binding, which a forked child inherits, is switched for the block and restored after."""
-    if cores is None:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cores)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 def _parse_list(text: str) -> tuple[int, ...]:

@@ -52,9 +52,12 @@ def join_world_within(num_trainer: int, deadline_s: float):
     return world
 
 
-def serve(world, handlers: dict[str, Callable[[Any], Any]], idle_timeout_s: float) -> None:
+def serve(world, handlers: dict[str, Callable[[Any], Any]], idle_timeout_s: float,
+          cores: tuple[int, ...] | None = None) -> None:
     """Answer commands until 'shutdown'. A handler error is reported to the controller, which
-    aborts the world; this rank then waits to be killed (the error is the controller's to tell)."""
+    aborts the world; this rank then waits to be killed (the error is the controller's to tell).
+    `cores` (resources.cpu_bind): this rank binds to them once 'init' has run, so that start-up
+    (model build, engine launch) keeps every core."""
     from hpcrl import faults
     from hpcrl.controller.comm import WorkerChannel
 
@@ -68,6 +71,8 @@ def serve(world, handlers: dict[str, Callable[[Any], Any]], idle_timeout_s: floa
             chan.reply_error(cmd, exc)
             time.sleep(idle_timeout_s)
             os._exit(EXIT_FAILURE)
+        if cmd.op == "init" and cores is not None:
+            cpu_bind.bind_process(cores)
         chan.reply(cmd, result)
         if cmd.op == "shutdown":
             return
@@ -85,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     set_process_keys(job_keys(run_dir))  # this rank's engine clients send the job's engine keys
     world = join_world_within(job.trainer.num_procs, job.resources.startup_timeout_s)
     plan = cpu_bind.CpuPlan.from_env()  # set by `hpcrl run` (resources.cpu_bind)
-    if plan is not None and world.role != "trainer":  # a trainer rank binds once its model is built
-        cpu_bind.bind_process(plan.for_rank(world.rank, job.trainer.num_procs))
+    cores = None if plan is None else plan.for_rank(world.rank, job.trainer.num_procs)
+    if cores is not None and world.role == "controller":  # worker ranks bind after their init (serve)
+        cpu_bind.bind_process(cores)
     if world.rank == 0:  # the Slurm batch script retries a step that never got here (launch/slurm_spec.py)
         from launch.slurm_spec import WORLD_FORMED_FILE
 
@@ -106,12 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     elif world.role == "trainer":
         from hpcrl.trainer.worker import trainer_handlers
 
-        serve(world, trainer_handlers(job, run_dir, world, plan), idle_timeout_s)
+        serve(world, trainer_handlers(job, run_dir, world), idle_timeout_s, cores)
         code = 0
     else:
         from hpcrl.rollout.worker import rollout_handlers
 
-        serve(world, rollout_handlers(job, run_dir, world, plan), idle_timeout_s)
+        serve(world, rollout_handlers(job, run_dir, world, plan), idle_timeout_s, cores)
         code = 0
     if world.role != "controller":
         print(cpu_bind.report_line(f"rank {world.rank} ({world.role})"), flush=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from hpcrl import faults
 from hpcrl.config.schema import JobConfig, engine_dtype, weight_sync_mode
-from hpcrl.cpu_bind import CpuPlan, bind_process, children_on, report_line
+from hpcrl.cpu_bind import CpuPlan, bind_process, report_line
 from hpcrl.dist import free_port, routable_host
 from hpcrl.rollout.engine_auth import job_keys, keys_path
 from hpcrl.rollout.engine_watch import EngineRecord
@@ -108,9 +108,9 @@ def engine_init_seed(job: JobConfig) -> int:
 
 
 def rollout_handlers(job: JobConfig, run_dir: Path, world, plan: CpuPlan | None = None) -> dict:
-    """The rollout rank's commands. `plan` (resources.cpu_bind): the reference engine starts on every
-    core of the plan (beside the trainer's model build) and is moved onto its block once healthy;
-    the rank itself runs on the service cores."""
+    """The rollout rank's commands. `plan` (resources.cpu_bind): the reference engine starts where
+    this rank does, on every core (beside the trainer's model build), and is moved onto its block
+    once healthy; the rank itself moves onto the service cores after 'init' (hpcrl.worker_main)."""
     from hpcrl.rollout.client import EngineClient, launch_reference_server
 
     engine_index = world.role_comm.Get_rank()
@@ -125,13 +125,12 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world, plan: CpuPlan | None 
         gpus = rank_gpus(world, job) if job.resources.device == "cuda" else ()
         job_keys(run_dir)  # the key file the engine reads (made at start-up by hpcrl.worker_main)
         if job.rollout.backend == "reference":
-            with children_on(None if plan is None else plan.usable):
-                state["proc"], url = launch_reference_server(
-                    str(run_dir / "model_config.json"), reference_device(job, gpus), engine_init_seed(job),
-                    str(log_path),
-                    host=host, dtype=engine_dtype(job), threads=job.resources.cpus_per_rank,
-                    startup_timeout_s=job.resources.startup_timeout_s, extra_args=job.rollout.server_args,
-                    model_path=job.model.path, config_path=str(keys_path(run_dir)))
+            state["proc"], url = launch_reference_server(
+                str(run_dir / "model_config.json"), reference_device(job, gpus), engine_init_seed(job),
+                str(log_path),
+                host=host, dtype=engine_dtype(job), threads=job.resources.cpus_per_rank,
+                startup_timeout_s=job.resources.startup_timeout_s, extra_args=job.rollout.server_args,
+                model_path=job.model.path, config_path=str(keys_path(run_dir)))
             if plan is not None:
                 bind_process(plan.for_engine(engine_index), state["proc"].pid)
         else:

@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hpcrl.config.schema import JobConfig, critic_enabled, weight_sync_mode
-from hpcrl.cpu_bind import CpuPlan, bind_process
 
 
 def _preload_megatron() -> BaseException | None:
@@ -51,9 +50,7 @@ def _perturbed(policy):
                 p.copy_(old)
 
 
-def trainer_handlers(job: JobConfig, run_dir: Path, world, plan: CpuPlan | None = None) -> dict:
-    """The trainer rank's commands. `plan` (resources.cpu_bind): this rank moves onto its block of
-    cores once its model is built (the build runs on every core, beside the engines' start-up)."""
+def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
     state: dict = {}
     is_leader = world.role_comm.Get_rank() == 0
     import_error = _preload_megatron()
@@ -91,8 +88,6 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world, plan: CpuPlan | None 
             policy.critic = MegatronCritic(policy, dataclasses.replace(job.critic, lr=job.critic.lr or algorithm.lr),
                                            algorithm)
         state["policy"] = policy
-        if plan is not None:
-            bind_process(plan.for_rank(world.rank, job.trainer.num_procs))
         return None
 
     def connect(cmd):

@@ -51,21 +51,6 @@ def _usable() -> list[int]:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 usable cores to tell bindings apart")
-def test_children_on_binds_the_child_and_restores_the_caller():
-    before = os.sched_getaffinity(0)
-    last = _usable()[-1]
-    with cpu_bind.children_on([last]):
-        out = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
-                             capture_output=True, text=True, check=True).stdout
-    assert out.strip() == f"[{last}]"
-    assert os.sched_getaffinity(0) == before
-    with cpu_bind.children_on(None):
-        out = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
-                             capture_output=True, text=True, check=True).stdout
-    assert out.strip() == str(sorted(before))
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 usable cores to tell bindings apart")
 def test_bind_process_moves_threads_already_running_and_the_report_reads_the_kernel():
     """A child process (so the test's own binding is untouched) starts a thread, binds itself, then
     starts another: the kernel shows all three threads on the core."""

@@ -4,7 +4,8 @@
 init from a seed, nothing downloaded), takes weights under HF *checkpoint* names (the names SGLang's
 `load_weights` reads, see `hf_names`), and generates for a batch of ragged prompts in one left-padded
 batch: a prefill forward, then one forward per new token over a `DynamicCache`, with explicit
-position ids so padding changes nothing.
+position ids so padding changes nothing. A Qwen3-MoE model decodes through `DirectForward`
+(direct_forward.py: its own layers called directly, the same logits bit for bit, less Python).
 
 Sampling follows SGLang 0.5.x (`SamplingParams`, `Sampler`, `Req.check_finished`):
   * temperature 0 is greedy (SGLang turns it into top_k=1 at temperature 1); otherwise the logits are
@@ -38,6 +39,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from hpcrl.rollout.direct_forward import DirectForward
 from hpcrl.rollout.hf_names import model_slots
 
 __all__ = ["ReferenceModel", "SamplingParams"]
@@ -142,6 +144,8 @@ class ReferenceModel:
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(self.config, dtype=dtype)
         self.model = model.to(self.device).eval().requires_grad_(False)
+        direct = DirectForward.refusal(self.model) is None
+        self._forward = DirectForward(self.model) if direct else self._hf_forward  # logits [B, 1, V]
         self.slots = model_slots(self.model)
         self._params = self.model.state_dict(keep_vars=True)
         self._views: dict[str, torch.Tensor] = {}  # HF name -> view of the model's weight, made once
@@ -272,6 +276,10 @@ class ReferenceModel:
                              f"[0, {self.vocab_size})")
         return ids
 
+    def _hf_forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          cache=cache, use_cache=True, logits_to_keep=1).logits
+
     def _decode(self, prompts, params, max_new, seeds, num_steps):
         from transformers import DynamicCache
 
@@ -318,9 +326,8 @@ class ReferenceModel:
         # the 4-D mask costs ~5% of a tiny model's generation).
         padded = min(lengths) != L
         for t in range(num_steps):
-            logits_BV = self.model(input_ids=ids_in, attention_mask=mask_BN[:, :L + t] if padded else None,
-                                   position_ids=pos_in, cache=cache, use_cache=True,
-                                   logits_to_keep=1).logits[:, -1].float()
+            logits_BV = self._forward(ids_in, mask_BN[:, :L + t] if padded else None, pos_in,
+                                      cache)[:, -1].float()
             tok_B, lp_B = _sample(logits_BV, u_BT[:, t], all_greedy, *sampler_args)
             tokens_BT[:, t] = tok_B
             logprobs_BT[:, t] = lp_B

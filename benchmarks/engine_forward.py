@@ -4,8 +4,9 @@ alternating in one process: what the decoding forward's wrappers cost.
 One `ReferenceModel` per preset; each generate call is the tiny example's (64 prompts of 2 tokens, up
 to 4 new tokens, temperature 1, a seed per request) or, for the small preset, 16 prompts of 16
 tokens and 16 new tokens; the calls alternate between `engine._forward` = DirectForward and
-= the HF forward (`engine._hf_forward`), so the host's drift cancels; the median of each, and whether
-every answer (tokens, log-probs, finish reasons) is identical both ways. One torch thread.
+= the HF forward (`engine._hf_forward`), so the host's drift cancels; the median of each, whether
+the tokens and finish reasons are the same both ways, and the largest log-prob difference. One torch
+thread.
 
     .venv/bin/python benchmarks/engine_forward.py [--calls 100] [--results benchmarks/RESULTS.md]
 """
@@ -44,9 +45,12 @@ def _row(preset: str, prompts_n: int, length: int, new: int, calls: int) -> str:
         if i >= 10:
             times[name].append(time.perf_counter() - t0)
     base, new_ms = (statistics.median(times[k]) * 1e3 for k in ("transformers", "direct"))
-    same = "yes" if answers["direct"] == answers["transformers"] else "NO"
+    a, b = answers["direct"], answers["transformers"]
+    same = all(x["output_ids"] == y["output_ids"] and x["finish_reason"] == y["finish_reason"]
+               for x, y in zip(a, b))
+    diff = max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x["output_logprobs"], y["output_logprobs"]))
     return (f"| {preset}, {prompts_n} x {length} tokens, {new} new | {base:.2f} | {new_ms:.2f} | "
-            f"{base / new_ms:.2f}x | {same} |")
+            f"{base / new_ms:.2f}x | {'yes' if same else 'NO'} | {diff:.1e} |")
 
 
 def main() -> int:
@@ -63,8 +67,8 @@ def main() -> int:
     text = "\n".join([
         run_heading(f".venv/bin/python benchmarks/engine_forward.py --calls {args.calls}"), "",
         f"One torch thread; load average (1 min) {load0:.1f} before, {os.getloadavg()[0]:.1f} after.", "",
-        "| generate call | transformers' forward, ms | DirectForward, ms | speed-up | same answers |",
-        "|---|---|---|---|---|", *rows, ""])
+        "| generate call | transformers' forward, ms | DirectForward, ms | speed-up | same tokens | "
+        "max log-prob difference |", "|---|---|---|---|---|---|", *rows, ""])
     print(text)
     if args.results:
         append_to_section(args.results, "## engine_forward", text)

@@ -11,7 +11,7 @@ from hpcrl.models.presets import load_hf_config
 from hpcrl.rollout.direct_forward import DirectForward
 from hpcrl.rollout.engine import ReferenceModel
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
 
 TINY = load_hf_config("tiny-qwen3-moe", None)
 VARIANTS = {
@@ -20,14 +20,6 @@ VARIANTS = {
     "every other layer MoE, unnormalised top-k": {"decoder_sparse_step": 2, "norm_topk_prob": False,
                                                   "num_hidden_layers": 3},
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 def _decode_logits(engine: ReferenceModel, forward, padded: bool, steps: int = 4) -> list[torch.Tensor]:

@@ -8,18 +8,9 @@ import torch
 from hpcrl.models.presets import load_hf_config
 from hpcrl.rollout.engine import ReferenceModel, SamplingParams
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
 
 HF_CONFIG = load_hf_config("tiny-qwen3-moe", None)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny ops: one intra-op thread avoids OpenMP spin contention on the shared 2-core machine."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="module")

@@ -310,7 +310,11 @@ class ReferenceModel:
         stop_BV[stop_rows, stop_ids] = True
         max_new_B = torch.tensor(max_new)
         all_greedy = bool(greedy_B.all())
-        sampler_args = [t.to(dev) for t in (greedy_B, temp_B, top_p_B, top_k_B)]
+        # Rules no row uses are left out of the sampler (None): exact, as x / 1.0 == x and a top-k
+        # of V drops nothing.
+        unused = (not greedy_B.any(), bool((temp_B == 1.0).all()), False, bool((top_k_B == V).all()))
+        sampler_args = [None if skip else t.to(dev)
+                        for t, skip in zip((greedy_B, temp_B, top_p_B, top_k_B), unused)]
         u_BT, stop_BV, mask_BN = u_BT.to(dev), stop_BV.to(dev), mask_BN.to(dev)
 
         tokens_BT = torch.zeros(B, num_steps, dtype=torch.long, device=dev)
@@ -344,16 +348,20 @@ class ReferenceModel:
 
 
 def _sample(logits_BV, u_B, all_greedy, greedy_B, temp_B, top_p_B, top_k_B):
-    """Next token and its log-prob per row (see the module docstring for the rules)."""
+    """Next token and its log-prob per row (see the module docstring for the rules). `greedy_B`,
+    `temp_B` and `top_k_B` are None when no row is greedy, every row is at temperature 1, no row
+    filters by top-k."""
     if all_greedy:
         logp_BV = torch.log_softmax(logits_BV, -1)
         tok_B = logits_BV.argmax(-1)
         return tok_B, logp_BV.gather(1, tok_B[:, None])[:, 0]
-    logp_BV = torch.log_softmax(logits_BV / temp_B[:, None], -1)
+    logp_BV = torch.log_softmax(logits_BV if temp_B is None else logits_BV / temp_B[:, None], -1)
     probs_sorted_BV, order_BV = logp_BV.exp().sort(-1, descending=True)
-    rank_V = torch.arange(logits_BV.shape[-1], device=logits_BV.device)
     cum_BV = probs_sorted_BV.cumsum(-1)
-    drop_BV = (rank_V[None, :] >= top_k_B[:, None]) | ((cum_BV - probs_sorted_BV) > top_p_B[:, None])
+    drop_BV = (cum_BV - probs_sorted_BV) > top_p_B[:, None]
+    if top_k_B is not None:
+        rank_V = torch.arange(logits_BV.shape[-1], device=logits_BV.device)
+        drop_BV |= rank_V[None, :] >= top_k_B[:, None]
     kept_BV = probs_sorted_BV.masked_fill(drop_BV, 0.0)
     cdf_BV = kept_BV.cumsum(-1)
     threshold_B = u_B * cdf_BV[:, -1]
@@ -362,7 +370,8 @@ def _sample(logits_BV, u_B, all_greedy, greedy_B, temp_B, top_p_B, top_k_B):
     last_kept_B = (kept_BV > 0).sum(-1) - 1
     pick_B = torch.minimum(pick_B, last_kept_B)
     tok_B = order_BV.gather(1, pick_B[:, None])[:, 0]
-    tok_B = torch.where(greedy_B, logits_BV.argmax(-1), tok_B)
+    if greedy_B is not None:
+        tok_B = torch.where(greedy_B, logits_BV.argmax(-1), tok_B)
     return tok_B, logp_BV.gather(1, tok_B[:, None])[:, 0]
 
 

@@ -65,6 +65,10 @@ def test_results_do_not_depend_on_batch_composition(engine, temperature):
     alone = engine.generate([target], [sp])[0]
     others = _prompts(7, seed=2)
     other_params = [{"temperature": 1.0, "max_new_tokens": 5, "sampling_seed": 50 + i} for i in range(7)]
+    # Rows that are greedy, top-k filtered or at another temperature put those rules into the batch's
+    # sampler, which a batch without them leaves out.
+    other_params[1] |= {"temperature": 0.0}
+    other_params[5] |= {"temperature": 0.7, "top_k": 5}
     mixed = engine.generate(others[:3] + [target] + others[3:], other_params[:3] + [sp] + other_params[3:])[3]
     assert mixed["output_ids"] == alone["output_ids"]
     torch.testing.assert_close(torch.tensor(mixed["output_logprobs"]), torch.tensor(alone["output_logprobs"]),

@@ -1,6 +1,7 @@
 """hpcrl.rollout.direct_forward: the reference engine's Qwen3-MoE decoding forward gives transformers'
-logits bit for bit (padded or not, fp32 or bf16, dense and MoE layers, GQA or not), and the engine
-uses it exactly where it describes the model."""
+logits bit for bit (padded or not, fp32 or bf16, dense and MoE layers, GQA or not, at the init's small
+weights and at weights spread wide enough that routing and attention are far from uniform), and the
+engine uses it exactly where it describes the model."""
 
 from __future__ import annotations
 
@@ -43,15 +44,29 @@ def _decode_logits(engine: ReferenceModel, forward, padded: bool, steps: int = 4
     return out
 
 
+def _spread(engine: ReferenceModel) -> None:
+    """Weights ~N(0, 0.3) (norm weights ~N(1, 0.3)) instead of the init's std 0.02: logits of several
+    units, routing and attention far from uniform."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in engine.model.named_parameters():
+            noise = torch.randn(p.shape, generator=g) * 0.3
+            p.copy_(noise + 1.0 if "norm" in name else noise)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_equal_transformers_bit_for_bit(variant, dtype):
     engine = ReferenceModel({**TINY, **VARIANTS[variant]}, dtype=dtype, seed=5)
     assert isinstance(engine._forward, DirectForward)
-    for padded in (False, True):
-        direct = _decode_logits(engine, engine._forward, padded)
-        hf = _decode_logits(engine, engine._hf_forward, padded)
-        assert all(torch.equal(a, b) for a, b in zip(direct, hf)), (variant, dtype, padded)
+    for spread in (False, True):
+        if spread:
+            _spread(engine)
+        for padded in (False, True):
+            direct = _decode_logits(engine, engine._forward, padded)
+            hf = _decode_logits(engine, engine._hf_forward, padded)
+            assert all(torch.equal(a, b) for a, b in zip(direct, hf)), (variant, dtype, spread, padded)
+            assert not spread or max(float(x.abs().max()) for x in hf) > 2.0, "weights too small to tell"
         assert direct[0].dtype == dtype and direct[0].shape == (16, 64)
 
 

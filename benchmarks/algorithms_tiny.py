@@ -2,7 +2,7 @@
 by phase, the controller's overhead share, and whether it learns.
 
     .venv/bin/python benchmarks/algorithms_tiny.py [--steps 80] [--algorithms grpo,dapo,...] \
-        [--results benchmarks/RESULTS.md]
+        [--seeds 1234,1,2] [--results benchmarks/RESULTS.md]
 
 Each algorithm is one `hpcrl run examples/tiny_moe_grpo.yaml --set algorithm.name=...` in turn, in
 the same session, on the same machine state. From metrics.jsonl, over the steady steps (the first 5
@@ -10,6 +10,10 @@ excluded): median `timing/step_s`, the median of each phase (`timing/<phase>_s`)
 step time minus the sum of the phases (what the controller spends outside the workers' phases:
 the API's bookkeeping, advantages, the sync check, metrics), as a share of the step. Learning: the
 mean reward of the first and last 5 steps (dapo's reward/mean is over its kept groups).
+
+With `--seeds`, every algorithm also runs once per seed (`trainer.seed` and `data.seed` both set to
+it: another init, other prompts, other samples) and a second table gives each run's last-5 reward:
+whether an algorithm learns, rather than whether one trajectory happens to cross the bar.
 """
 
 from __future__ import annotations
@@ -29,15 +33,18 @@ SETTINGS = {"grpo": [], "dr_grpo": [], "rloo": ["algorithm.ppo_epochs=2", "algor
             "gspo": ["algorithm.clip_eps=3e-4", "algorithm.clip_eps_high=4e-4"],
             "dapo": ["algorithm.clip_eps_high=0.28"],
             "ppo": ["algorithm.ppo_epochs=2", "algorithm.mini_batch_size=64", "algorithm.kl_coef=0.02",
-                    "algorithm.kl_target=20", "critic.value_clip=0"], "sft": []}
+                    "algorithm.kl_target=20", "critic.value_clip=0", "algorithm.lr_schedule=linear"],
+            "sft": []}
 PHASES = ("rollout", "reward", "logprobs", "train", "sync")
 WARMUP = 5
 
 
-def run_one(name: str, steps: int, root: Path) -> dict:
-    run_dir = root / name
+def run_one(name: str, steps: int, root: Path, seed: int | None = None) -> dict:
+    run_dir = root / (name if seed is None else f"{name}-{seed}")
     cmd = [sys.executable, "-m", "hpcrl.cli", "run", str(EXAMPLE), "--run-dir", str(run_dir), "--set",
            f"algorithm.name={name}", "--set", f"algorithm.num_steps={steps}", "--set", "logging.progress=false"]
+    if seed is not None:
+        cmd += ["--set", f"trainer.seed={seed}", "--set", f"data.seed={seed}"]
     for s in SETTINGS[name]:
         cmd += ["--set", s]
     t0 = time.monotonic()
@@ -68,20 +75,39 @@ def table(rows: list[dict], steps: int) -> str:
     return "\n".join(lines)
 
 
+def seed_table(runs: dict[str, list[dict]], seeds: list[int]) -> str:
+    lines = ["| algorithm | " + " | ".join(f"seed {s}" for s in seeds) + " | min | runs >= 0.8 |",
+             "|" + "---|" * (len(seeds) + 3)]
+    for name, rs in runs.items():
+        last5 = [r["last5"] for r in rs]
+        lines.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in last5)
+                     + f" | {min(last5):.3f} | {sum(v >= 0.8 for v in last5)} of {len(last5)} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--algorithms", default=",".join(SETTINGS))
+    ap.add_argument("--seeds", default="", help="comma-separated seeds: also run each algorithm per seed")
     ap.add_argument("--results", default=None, help="append the table to this RESULTS.md")
     args = ap.parse_args()
     names = args.algorithms.split(",")
+    seeds = [int(x) for x in args.seeds.split(",") if x]
+    nonrl = {"sft"}  # no reward to learn
     with tempfile.TemporaryDirectory(prefix="hpcrl-algos-") as tmp:
         rows = [run_one(n, args.steps, Path(tmp)) for n in names]
+        by_seed = {n: [run_one(n, args.steps, Path(tmp), s) for s in seeds] for n in names if n not in nonrl}
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                          text=True).stdout.strip()
-    text = (f"`.venv/bin/python benchmarks/algorithms_tiny.py --steps {args.steps}`  \n"
+    command = " ".join(["--steps", str(args.steps)] + (["--seeds", args.seeds] if seeds else [])
+                       + (["--algorithms", args.algorithms] if args.algorithms != ",".join(SETTINGS) else []))
+    text = (f"`.venv/bin/python benchmarks/algorithms_tiny.py {command}`  \n"
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, hpcrl {rev}, tiny example, "
             f"{args.steps} steps each (medians over steps {WARMUP}+).\n\n" + table(rows, args.steps))
+    if seeds:
+        text += ("\n\nLast-5 reward/mean per seed (trainer.seed = data.seed = the seed):\n\n"
+                 + seed_table(by_seed, seeds))
     print(text)
     if args.results:
         sys.path.insert(0, str(REPO / "benchmarks"))

@@ -114,7 +114,15 @@ class AlgorithmConfig:
     mis_high: float = 2.0
     """mis: sequences whose ratio is above this are masked."""
     lr: float = 1e-3
-    """Optimizer (Adam) learning rate."""
+    """Optimizer (Adam) learning rate: the peak of lr_schedule."""
+    lr_schedule: str = "constant"
+    """constant | linear | cosine: Megatron-core's lr decay style over the run's RL steps, from lr
+    after the warmup down to min_lr_ratio * lr at algorithm.num_steps (the critic's the same, with
+    its own lr as the peak)."""
+    lr_warmup_steps: int = 0
+    """RL steps of linear warmup from 0 to lr (Megatron's: step 0 runs at lr 0), then lr_schedule."""
+    min_lr_ratio: float = 0.0
+    """linear and cosine: the lr the decay ends at, as a fraction of lr."""
     weight_decay: float = 0.0
     """Optimizer weight decay (0 disables)."""
     adam_beta1: float = 0.9

@@ -29,6 +29,7 @@ from moe.hf_megatron import HFModelDims
 
 ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo", "ppo", "sft")  # hpcrl.controller.api.BUILTIN_ALGORITHMS
 DTYPES = ("float32", "bfloat16")
+LR_SCHEDULES = ("constant", "linear", "cosine")  # Megatron-core's lr_decay_style names
 RANDOM_INITS = ("auto", "hf", "sharded")
 OVERLONG_PROMPTS = ("error", "drop")
 DEVICES = ("cpu", "cuda")
@@ -70,6 +71,8 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("algorithm.overlong_penalty_factor", lambda v: v >= 0, ">= 0"),
     ("algorithm.mini_batch_size", lambda v: v >= 0, ">= 0 (0: the whole batch)"),
     ("algorithm.lr", lambda v: v > 0, "> 0, e.g. 1e-6 for large models, 1e-3 for the tiny preset"),
+    ("algorithm.lr_warmup_steps", lambda v: v >= 0, ">= 0 (0: no warmup)"),
+    ("algorithm.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1], e.g. 0.1"),
     ("algorithm.weight_decay", lambda v: v >= 0, ">= 0"),
     ("algorithm.adam_beta1", lambda v: 0 <= v < 1, "in [0, 1), e.g. 0.9"),
     ("algorithm.adam_beta2", lambda v: 0 <= v < 1, "in [0, 1), e.g. 0.999"),
@@ -129,6 +132,7 @@ _CHOICES: list[tuple[str, tuple[str, ...]]] = [
     ("model.dtype", DTYPES),
     ("rollout.dtype", ("auto", *DTYPES)),
     ("algorithm.rollout_correction", ("none", "tis", "mis")),
+    ("algorithm.lr_schedule", LR_SCHEDULES),
     ("model.random_init", RANDOM_INITS),
     ("data.overlong_prompts", OVERLONG_PROMPTS),
     ("algorithm.kl_estimator", KL_ESTIMATORS),
@@ -209,7 +213,7 @@ def _check_weights(job: JobConfig, dims: HFModelDims, key: str, path: str) -> No
 def _check_algorithm(job: JobConfig) -> None:
     """algorithm.name: a built-in, or the import path of a module with a `step` function (imported
     here, as reward.fn is); no key the algorithm would silently ignore; mini-batches that split the
-    batch evenly over the data-parallel ranks."""
+    batch evenly over the data-parallel ranks; an lr schedule that fits in the run."""
     a = job.algorithm
     batch = job.data.num_prompts_per_step * a.group_size
     dp = max(1, job.trainer.num_procs // (job.trainer.tp * job.trainer.pp * job.trainer.cp))
@@ -237,6 +241,13 @@ def _check_algorithm(job: JobConfig) -> None:
     if a.overlong_buffer_len > job.rollout.max_new_tokens:
         raise ConfigError("algorithm.overlong_buffer_len", a.overlong_buffer_len,
                           f"must be at most rollout.max_new_tokens={job.rollout.max_new_tokens}")
+    if a.lr_warmup_steps and a.lr_warmup_steps >= a.num_steps:
+        raise ConfigError("algorithm.lr_warmup_steps", a.lr_warmup_steps,
+                          f"must be below algorithm.num_steps={a.num_steps} (the schedule's length)")
+    if a.lr_schedule == "constant" and a.min_lr_ratio != AlgorithmConfig().min_lr_ratio:
+        raise ConfigError("algorithm.min_lr_ratio", a.min_lr_ratio, "applies to a decaying "
+                                                                    "algorithm.lr_schedule (linear or cosine); "
+                                                                    "set one, or remove it")
     _check_critic(job)
     if a.name in ("rloo", "reinforce_pp", "dr_grpo", "ppo") and not a.norm_adv_by_std:
         raise ConfigError("algorithm.norm_adv_by_std", a.norm_adv_by_std,

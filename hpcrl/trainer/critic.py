@@ -25,6 +25,7 @@ import torch
 from hpcrl.algorithms.aggregation import aggregate
 from hpcrl.algorithms.value import value_loss
 from hpcrl.trainer.batch import TrainBatch
+from hpcrl.trainer.lr_schedule import LRSchedule
 from hpcrl.trainer.model import build_gpt_model, transformer_config
 
 HEAD_NAMES = ("value_head.weight", "value_head.bias")  # checkpoint names, under critic/
@@ -85,6 +86,7 @@ class MegatronCritic:
                                                 weight_decay=critic.weight_decay,
                                                 betas=(algorithm.adam_beta1, algorithm.adam_beta2),
                                                 eps=algorithm.adam_eps, grad_clip=critic.grad_clip)
+        self.lr_schedule = LRSchedule(self.optimizer, critic.lr, critic.weight_decay, algorithm)
 
     @torch.no_grad()
     def sha256(self) -> str | None:

@@ -39,6 +39,7 @@ from hpcrl.algorithms.grpo import KL_ESTIMATORS, LOSS_AGGS, GRPOLossConfig, aggr
 from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
 from hpcrl.trainer import megatron_compat
 from hpcrl.trainer.batch import TrainBatch
+from hpcrl.trainer.lr_schedule import LRSchedule
 from hpcrl.trainer.model import build_gpt_model, check_layout, transformer_config
 from moe.hf_megatron import HFModelDims, RankCoords, hf_to_megatron, local_params
 
@@ -92,8 +93,8 @@ def _logp_and_entropy(logits_BLv: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: to
 
 def ddp_and_adam(gpt: torch.nn.Module, config: Any, device: torch.device, *, lr: float, weight_decay: float,
                  betas: tuple[float, float], eps: float, grad_clip: float) -> tuple[Any, Any]:
-    """`gpt` wrapped for training as hpcrl trains (the policy, and PPO's critic) at a constant
-    learning rate, with Megatron DDP's fp32 grad buffers.
+    """`gpt` wrapped for training as hpcrl trains (the policy, and PPO's critic) at learning rate
+    `lr` (an `LRSchedule` may move it per RL step), with Megatron DDP's fp32 grad buffers.
 
     fp32 parameters (`config.bf16` off): Megatron's non-distributed Adam on them. bf16 parameters:
     Megatron's mixed precision as its trainers run it: the model under `Float16Module` (bf16
@@ -123,7 +124,7 @@ def ddp_and_adam(gpt: torch.nn.Module, config: Any, device: torch.device, *, lr:
                         bf16=bf16, fp16=False, use_distributed_optimizer=bf16),
         [ddp])
     # Megatron applies wd_mult (0 for norms and biases) through its LR scheduler, which hpcrl
-    # does not use (constant LR); apply it to the param groups once here. torch's Adam takes
+    # builds only for a schedule (LRSchedule); apply it to the param groups once here. torch's Adam takes
     # its per-tensor loop on CPU unless asked otherwise; its fused CPU kernel (one pass over
     # each tensor for the whole update) is 3x faster than the foreach kernels and 5x faster
     # than the loop on the tiny model. On CUDA Megatron's choice stands.
@@ -223,6 +224,7 @@ class MegatronPolicy:
         self.ddp, self.optimizer = ddp_and_adam(gpt, config, self.device, lr=a.lr, weight_decay=a.weight_decay,
                                                 betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps,
                                                 grad_clip=a.grad_clip)
+        self.lr_schedule = LRSchedule(self.optimizer, a.lr, a.weight_decay, a)
 
     # ------------------------------------------------------------------ weights
 

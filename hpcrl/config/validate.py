@@ -245,9 +245,9 @@ def _check_algorithm(job: JobConfig) -> None:
         raise ConfigError("algorithm.lr_warmup_steps", a.lr_warmup_steps,
                           f"must be below algorithm.num_steps={a.num_steps} (the schedule's length)")
     if a.lr_schedule == "constant" and a.min_lr_ratio != AlgorithmConfig().min_lr_ratio:
-        raise ConfigError("algorithm.min_lr_ratio", a.min_lr_ratio, "applies to a decaying "
-                                                                    "algorithm.lr_schedule (linear or cosine); "
-                                                                    "set one, or remove it")
+        raise ConfigError("algorithm.min_lr_ratio", a.min_lr_ratio,
+                          "applies to a decaying algorithm.lr_schedule (linear or cosine); "
+                          "set one, or remove it")
     _check_critic(job)
     if a.name in ("rloo", "reinforce_pp", "dr_grpo", "ppo") and not a.norm_adv_by_std:
         raise ConfigError("algorithm.norm_adv_by_std", a.norm_adv_by_std,

@@ -312,9 +312,10 @@ class ReferenceModel:
         all_greedy = bool(greedy_B.all())
         # Rules no row uses are left out of the sampler (None): exact, as x / 1.0 == x and a top-k
         # of V drops nothing.
-        unused = (not greedy_B.any(), bool((temp_B == 1.0).all()), False, bool((top_k_B == V).all()))
-        sampler_args = [None if skip else t.to(dev)
-                        for t, skip in zip((greedy_B, temp_B, top_p_B, top_k_B), unused)]
+        sampler_args = [greedy_B.to(dev) if greedy_B.any() else None,
+                        None if bool((temp_B == 1.0).all()) else temp_B.to(dev),
+                        top_p_B.to(dev),
+                        None if bool((top_k_B == V).all()) else top_k_B.to(dev)]
         u_BT, stop_BV, mask_BN = u_BT.to(dev), stop_BV.to(dev), mask_BN.to(dev)
 
         tokens_BT = torch.zeros(B, num_steps, dtype=torch.long, device=dev)

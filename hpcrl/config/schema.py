@@ -133,6 +133,10 @@ class AlgorithmConfig:
     """Adam epsilon."""
     grad_clip: float = 0.0
     """Global grad-norm clip; 0 disables."""
+    entropy_coef: float = 0.0
+    """Entropy bonus of the policy loss: loss - entropy_coef * (the token-mean entropy of the response
+    tokens under the current weights), as verl's actor.entropy_coeff; 0 disables it (the entropy is
+    then only a metric, train/entropy). Keeps exploration up where a loss would collapse it early."""
     aux_loss_coef: float = 0.01
     """MoE load-balancing loss coefficient (Megatron moe_aux_loss_coeff)."""
     num_steps: int = 40

@@ -78,6 +78,7 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("algorithm.adam_beta2", lambda v: 0 <= v < 1, "in [0, 1), e.g. 0.999"),
     ("algorithm.adam_eps", lambda v: v > 0, "> 0, e.g. 1e-8"),
     ("algorithm.grad_clip", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+    ("algorithm.entropy_coef", lambda v: v >= 0, ">= 0 (0 disables the entropy bonus), e.g. 0.01"),
     ("algorithm.aux_loss_coef", lambda v: v >= 0, ">= 0"),
     ("algorithm.num_steps", lambda v: v >= 1, ">= 1"),
     ("algorithm.gamma", lambda v: 0 <= v <= 1, "in [0, 1], e.g. 1.0"),
@@ -232,6 +233,10 @@ def _check_algorithm(job: JobConfig) -> None:
     if a.name in ("gspo", "dapo") and a.kl_coef > 0:
         raise ConfigError("algorithm.kl_coef", a.kl_coef, f"{a.name}'s loss has no KL term; set it to 0 (or "
                                                          "use grpo / reinforce_pp for a KL penalty)")
+    if a.name == "sft" and a.entropy_coef > 0:
+        raise ConfigError("algorithm.entropy_coef", a.entropy_coef,
+                          "an entropy bonus applies to the RL algorithms; sft fits the data's answers. "
+                          "Remove it")
     if a.name != "dapo":
         for key, default in (("max_generation_rounds", 3), ("overlong_buffer_len", 0),
                              ("overlong_penalty_factor", 1.0)):

@@ -58,9 +58,10 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 
 def _logp_and_entropy(logits_BLv: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: torch.Tensor,
-                      temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      temperature: float, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target under log_softmax(logits / temperature) at its position, and the
-    entropy there (detached: a metric).
+    entropy there (detached, a metric, unless `entropy_grad`: then the entropy bonus's gradient
+    flows through it).
 
     `logits_BLv` is this TP rank's vocab shard (Megatron's parallel output: TP rank r holds vocab
     ids [r*v, (r+1)*v)); the softmax normaliser and the target logit are summed over the TP group
@@ -85,7 +86,7 @@ def _logp_and_entropy(logits_BLv: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: to
     inside_BT = (local_BT >= 0) & (local_BT < v)
     tgt_logit_BT = z_BTv.gather(-1, local_BT.clamp(0, v - 1).unsqueeze(-1)).squeeze(-1)
     logp_BT = tp_sum(torch.where(inside_BT, tgt_logit_BT, 0.0)) - logz_BT
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         mean_z_BT = tp_sum((exp_BTv * z_BTv).sum(dim=-1)) / sum_BT
         entropy_BT = logz_BT - mean_z_BT
     return logp_BT, entropy_BT
@@ -540,7 +541,9 @@ class MegatronPolicy:
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         from hpcrl.algorithms.losses import LossBatch
 
-        logp_BT, entropy_BT = _logp_and_entropy(logits_BLv, mbd["pos_BT"], mbd["tgt_BT"], temperature)
+        entropy_coef = self.algorithm.entropy_coef
+        logp_BT, entropy_BT = _logp_and_entropy(logits_BLv, mbd["pos_BT"], mbd["tgt_BT"], temperature,
+                                                entropy_grad=entropy_coef > 0)
         mask_BT = mbd["mask_BT"]
         # On-policy (no old log-probs given): the weights that sampled the batch are the ones
         # being trained, so the old log-probs are this forward's, detached (ratio = 1).
@@ -557,7 +560,9 @@ class MegatronPolicy:
         if missing:
             raise ValueError(f"loss {policy_loss.name!r} declared metrics {missing} but did not return them")
         entropy = aggregate(entropy_BT, mask_BT, "token-mean", num_tokens)
-        metrics = torch.stack([loss.detach(), entropy,
+        if entropy_coef > 0:  # the bonus: a global token mean, like the metric
+            loss = loss - entropy_coef * entropy
+        metrics = torch.stack([loss.detach(), entropy.detach(),
                                *(m[k].detach().to(loss.device) for k in (*policy_loss.metrics,
                                                                          *self._correction_metrics()))]).float()
         return loss * scale, {"metrics": metrics, "logp_BT": torch.where(mask_BT, logp_BT.detach(), 0.0)}

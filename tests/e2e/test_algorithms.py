@@ -13,7 +13,9 @@ from e2e_util import EXAMPLE, hpcrl, start_run, wait_for_step
 pytestmark = pytest.mark.e2e
 EXIT_REQUEUE = 3
 
-SETTINGS = {"dr_grpo": [], "rloo": [], "reinforce_pp": ["--set", "algorithm.kl_coef=0.01"],
+SETTINGS = {"dr_grpo": ["--set", "algorithm.entropy_coef=0.03"],
+            "rloo": ["--set", "algorithm.entropy_coef=0.02"],
+            "reinforce_pp": ["--set", "algorithm.kl_coef=0.01"],
             "gspo": ["--set", "algorithm.clip_eps=3e-4", "--set", "algorithm.clip_eps_high=4e-4"]}
 
 OWN_ADVANTAGES = textwrap.dedent('''

@@ -13,6 +13,7 @@ hashes, metrics and checks to OUT.pt.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -82,6 +83,7 @@ def main() -> None:
     from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
     from hpcrl.models.presets import load_hf_config
     from hpcrl.trainer import checkpoint_io
+    from hpcrl.trainer.lr_schedule import LRSchedule
     from hpcrl.trainer.policy import MegatronPolicy
 
     trainer = TrainerConfig(ep=args.ep, num_procs=dist.get_world_size(), micro_batch_size=3, seed=3)
@@ -124,6 +126,16 @@ def main() -> None:
         policy.weights_changed()  # main parameters from the bf16 ones: fp32 precision lost
         step()
         out["sha3_main_lost"] = policy.policy_sha256()
+        # An lr schedule's lr reaches the distributed optimizer's inner Adam: its warmup step (lr 0)
+        # leaves every weight as it was, the next step (the peak lr) moves them.
+        schedule = LRSchedule(policy.optimizer, algorithm.lr, 0.0, dataclasses.replace(
+            algorithm, lr_schedule="linear", lr_warmup_steps=1, num_steps=3))
+        before = policy.policy_sha256()
+        out["lr_at0"], _ = schedule.at(0), step()
+        out["sha_lr0"] = policy.policy_sha256()
+        out["lr_at1"], _ = schedule.at(1), step()
+        out["moved_lr1"] = policy.policy_sha256() not in (before, out["sha_lr0"])
+        out["sha_before_lr0"] = before
     if rank0:
         torch.save(out, args.out)
     dist.barrier()

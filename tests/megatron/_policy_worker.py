@@ -77,7 +77,8 @@ def main() -> None:
 
     trainer = TrainerConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dispatcher=args.dispatcher,
                             num_procs=dist.get_world_size(), micro_batch_size=MICRO_BATCH, seed=3)
-    algorithm = AlgorithmConfig(lr=1e-2, kl_coef=0.05, grad_clip=0.5, aux_loss_coef=0.01, adam_eps=1e-6)
+    algorithm = AlgorithmConfig(lr=1e-2, kl_coef=0.05, grad_clip=0.5, aux_loss_coef=0.01, adam_eps=1e-6,
+                                entropy_coef=0.05)  # the entropy gradient through the TP vocab split
     policy = MegatronPolicy(load_hf_config("tiny-qwen3-moe", None), trainer, algorithm)
     if args.model_dir:
         policy.load_hf_dir(args.model_dir)

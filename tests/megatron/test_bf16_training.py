@@ -1,6 +1,7 @@
 """bfloat16 training on CPU under real mpiexec (`model.dtype: bfloat16`): bf16 parameters under
 Megatron's Float16Module, fp32 main parameters and Adam moments in Megatron's distributed optimizer
-sharded over two DP ranks, the checkpoint that keeps them, and resume under other layouts.
+sharded over two DP ranks (steered by an lr schedule), the checkpoint that keeps them, and resume under
+other layouts.
 
 `hpcrl plan`'s bfloat16 build is what the 2-rank run holds. Three launches of `_bf16_worker.py`: 2 ranks at DP2 train, save and resume in place; 1 rank and 2
 ranks at EP2 (experts not data-parallel) resume that checkpoint and save it again, which must give
@@ -50,6 +51,9 @@ def test_bf16_trains_with_fp32_main_params_and_resumes_bit_identical(dp2: tuple[
     assert run["sha3_resumed"] == run["sha3"] and run["m3_resumed"] == run["m3"]
     # the fp32 main params carry the state: rebuilt from the bf16 params, the step differs
     assert run["sha3_main_lost"] != run["sha3"]
+    # an lr schedule steers the distributed optimizer: lr 0 (warmup) moves nothing, the peak does
+    assert run["lr_at0"] == 0.0 and run["lr_at1"] == 1e-2
+    assert run["sha_lr0"] == run["sha_before_lr0"] and run["moved_lr1"]
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

@@ -7,7 +7,7 @@ rank reading only its slices; TP2-ETP2 draws transformers' init from the seed. T
 match `AutoModelForCausalLM.from_pretrained(dir)`.
 
 Each layout is one `mpiexec` launch of `_policy_worker.py` (init from a seed, log-probs for policy
-and reference, two train steps with Adam, KL, grad clipping and micro-batching, weight round
+and reference, two train steps with Adam, KL, an entropy bonus, grad clipping and micro-batching, weight round
 trip); the 1-rank run is the baseline the others must match.
 """
 

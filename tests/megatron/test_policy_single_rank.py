@@ -195,6 +195,34 @@ def test_ppo_style_update_takes_old_logprobs_once_then_mini_batch_steps(world1) 
         single.update(batch, adv, epochs=2, mini_batch_size=3)
 
 
+def test_entropy_bonus_gradient_is_the_entropy_gradient_of_hf(world1) -> None:
+    """algorithm.entropy_coef: with zero advantages the step's gradient is -coef times the gradient
+    of the response tokens' mean entropy, which the HF model with the same weights gives (norms
+    compared: both sides hold every weight once); the update raises the entropy, and without the
+    bonus the same step has no gradient at all."""
+    cfg = qwen_config()
+    sd, model = perturbed_hf(cfg, seed=4)
+    batch = random_batch(cfg["vocab_size"], rows=6, seed=1)
+    zero = torch.zeros(6)
+    logits_BLV = model(batch.tokens_BL).logits.float()
+    pos_BT, mask_BT = batch.logit_positions_BT(), batch.response_mask_BT()
+    logits_BTV = logits_BLV.gather(1, pos_BT.unsqueeze(-1).expand(-1, -1, logits_BLV.shape[-1]))
+    logp_BTV = torch.log_softmax(logits_BTV, dim=-1)
+    entropy = (-(logp_BTV.exp() * logp_BTV).sum(-1) * mask_BT).sum() / mask_BT.sum()
+    entropy.backward()
+    grads = [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+    hf_grad_norm = torch.cat(grads).norm().item()
+    for coef in (0.5, 0.0):
+        policy = make_policy(cfg, entropy_coef=coef, aux_loss_coef=0.0, lr=1e-2)
+        policy.load_hf_state_dict(sd, model="policy")
+        first = policy.train_step(batch, zero, on_policy=True)
+        assert abs(first["entropy"] - entropy.item()) < 1e-5
+        assert abs(first["loss"] + coef * entropy.item()) < 1e-5
+        assert abs(first["grad_norm"] - coef * hf_grad_norm) < 1e-4 * hf_grad_norm, (coef, first)
+        second = policy.train_step(batch, zero, on_policy=True)
+        assert (second["entropy"] > first["entropy"]) if coef else second["entropy"] == first["entropy"]
+
+
 def test_grad_clipping_scales_grads_on_cpu(world1) -> None:
     policy = make_policy(qwen_config(), grad_clip=0.05)
     policy.init_from_seed(0)

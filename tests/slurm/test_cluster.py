@@ -259,7 +259,8 @@ UNFORMED_THEN_OK = """
 import os, sys
 tries = len(os.listdir(sys.argv[1] + "/tries")) if os.path.isdir(sys.argv[1] + "/tries") else 0
 os.makedirs(sys.argv[1] + "/tries", exist_ok=True)
-open(f"{sys.argv[1]}/tries/{tries}-{os.environ['SLURM_PROCID']}", "w").close()
+netmod = os.environ.get("MPIR_CVAR_CH4_NETMOD", "default")
+open(f"{sys.argv[1]}/tries/{tries}-{os.environ['SLURM_PROCID']}-{netmod}", "w").close()
 if tries == 0:
     sys.exit(7)
 open(".hpcrl_world_formed", "w").close()
@@ -283,7 +284,7 @@ def test_rendered_step_is_retried_only_when_its_world_never_formed(slurm, job_di
     log = (job_dir / "logs" / f"slurm-{ok_id}.out").read_text()
     assert record["JobState"] == "COMPLETED", (record, log)
     assert "step exited with code 7" in log and "starting the step again (retry 1 of 2)" in log, log
-    assert sorted(os.listdir(job_dir / "tries")) == ["0-0", "1-0"]
+    assert sorted(os.listdir(job_dir / "tries")) == ["0-0-default", "1-0-ofi"]  # the retry on ofi
     bad_id = slurm.submit(job_dir / "failed.sbatch")
     bad = slurm.wait_final(bad_id, 90)
     bad_log = (job_dir / "logs" / f"slurm-{bad_id}.out").read_text()

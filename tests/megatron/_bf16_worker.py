@@ -130,12 +130,11 @@ def main() -> None:
         # leaves every weight as it was, the next step (the peak lr) moves them.
         schedule = LRSchedule(policy.optimizer, algorithm.lr, 0.0, dataclasses.replace(
             algorithm, lr_schedule="linear", lr_warmup_steps=1, num_steps=3))
-        before = policy.policy_sha256()
-        out["lr_at0"], _ = schedule.at(0), step()
-        out["sha_lr0"] = policy.policy_sha256()
-        out["lr_at1"], _ = schedule.at(1), step()
-        out["moved_lr1"] = policy.policy_sha256() not in (before, out["sha_lr0"])
-        out["sha_before_lr0"] = before
+        out["sha_before_lr0"] = policy.policy_sha256()
+        for s in (0, 1):
+            out[f"lr_at{s}"] = schedule.at(s)
+            step()
+            out[f"sha_lr{s}"] = policy.policy_sha256()
     if rank0:
         torch.save(out, args.out)
     dist.barrier()

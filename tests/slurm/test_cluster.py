@@ -285,6 +285,14 @@ def test_rendered_step_is_retried_only_when_its_world_never_formed(slurm, job_di
     assert record["JobState"] == "COMPLETED", (record, log)
     assert "step exited with code 7" in log and "starting the step again (retry 1 of 2)" in log, log
     assert sorted(os.listdir(job_dir / "tries")) == ["0-0-default", "1-0-ofi"]  # the retry on ofi
+    # The world formed on ofi: a later attempt in this run dir (a requeue) starts on it.
+    assert (job_dir / ".hpcrl_netmod").read_text() == "ofi\n"
+    again_id = slurm.submit(job_dir / "retried.sbatch")
+    again = slurm.wait_final(again_id, 90)
+    again_log = (job_dir / "logs" / f"slurm-{again_id}.out").read_text()
+    assert again["JobState"] == "COMPLETED", (again, again_log)
+    assert "starting on MPIR_CVAR_CH4_NETMOD=ofi" in again_log, again_log
+    assert sorted(os.listdir(job_dir / "tries")) == ["0-0-default", "1-0-ofi", "2-0-ofi"]
     bad_id = slurm.submit(job_dir / "failed.sbatch")
     bad = slurm.wait_final(bad_id, 90)
     bad_log = (job_dir / "logs" / f"slurm-{bad_id}.out").read_text()

@@ -15,7 +15,7 @@ EXIT_REQUEUE = 3
 
 SETTINGS = {"dr_grpo": ["--set", "algorithm.entropy_coef=0.03"],
             "rloo": ["--set", "algorithm.entropy_coef=0.02"],
-            "reinforce_pp": ["--set", "algorithm.kl_coef=0.01"],
+            "reinforce_pp": ["--set", "algorithm.kl_coef=0.01", "--set", "data.num_prompts_per_step=64"],
             "gspo": ["--set", "algorithm.clip_eps=3e-4", "--set", "algorithm.clip_eps_high=4e-4"]}
 
 OWN_ADVANTAGES = textwrap.dedent('''

@@ -33,6 +33,7 @@ def main() -> None:
     from hpcrl.memwatch import peak_rss
     from hpcrl.models.presets import load_hf_config
     from hpcrl.trainer.critic import MegatronCritic
+    from hpcrl.trainer.batch import TrainBatch
     from hpcrl.trainer.policy import MegatronPolicy
 
     trainer = TrainerConfig(ep=EP, num_procs=dist.get_world_size(), dispatcher="alltoall")
@@ -64,6 +65,20 @@ def main() -> None:
     with peak_rss() as m:
         critic_sha = critic.sha256()
     rises["critic_sha256"] = m.rise_bytes
+    # A train step once Adam's state exists (the first step allocates it): what the step itself
+    # holds at its peak -- activations, the grads (patch 17 keeps an fp32 parameter's autograd grad
+    # until the grad sync folds it into main_grad: one more set of the rank's own parameters) and the
+    # optimizer's temporaries.
+    g = torch.Generator().manual_seed(0)
+    vocab = int(policy.hf_config["vocab_size"])
+    prompts = [[1, *torch.randint(3, vocab, (7,), generator=g).tolist()] for _ in range(8)]
+    batch = TrainBatch.from_lists(prompts, [torch.randint(3, vocab, (8,), generator=g).tolist() for _ in range(8)])
+    advantages = torch.linspace(-1.0, 1.0, 8)
+    policy.train_step(batch, advantages, on_policy=True)
+    dist.barrier()
+    with peak_rss() as m:
+        policy.train_step(batch, advantages, on_policy=True)
+    rises["train_step"] = m.rise_bytes
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {"rises": rises, "own_param_bytes": own})
     if dist.get_rank() == 0:

@@ -29,7 +29,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
-SETTINGS = {"grpo": [], "dr_grpo": ["algorithm.entropy_coef=0.03"], "rloo": ["algorithm.entropy_coef=0.02"],
+SETTINGS = {"grpo": ["algorithm.entropy_coef=0.01"], "dr_grpo": ["algorithm.entropy_coef=0.03"],
+            "rloo": ["algorithm.entropy_coef=0.02"],
             "reinforce_pp": ["algorithm.kl_coef=0.01", "data.num_prompts_per_step=64"],
             "gspo": ["algorithm.clip_eps=3e-4", "algorithm.clip_eps_high=4e-4"],
             "dapo": ["algorithm.clip_eps_high=0.28"],

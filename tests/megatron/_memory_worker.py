@@ -32,8 +32,8 @@ def main() -> None:
     from hpcrl.config.schema import AlgorithmConfig, CriticConfig, TrainerConfig
     from hpcrl.memwatch import peak_rss
     from hpcrl.models.presets import load_hf_config
-    from hpcrl.trainer.critic import MegatronCritic
     from hpcrl.trainer.batch import TrainBatch
+    from hpcrl.trainer.critic import MegatronCritic
     from hpcrl.trainer.policy import MegatronPolicy
 
     trainer = TrainerConfig(ep=EP, num_procs=dist.get_world_size(), dispatcher="alltoall")
@@ -72,7 +72,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     vocab = int(policy.hf_config["vocab_size"])
     prompts = [[1, *torch.randint(3, vocab, (7,), generator=g).tolist()] for _ in range(8)]
-    batch = TrainBatch.from_lists(prompts, [torch.randint(3, vocab, (8,), generator=g).tolist() for _ in range(8)])
+    responses = [torch.randint(3, vocab, (8,), generator=g).tolist() for _ in range(8)]
+    batch = TrainBatch.from_lists(prompts, responses)
     advantages = torch.linspace(-1.0, 1.0, 8)
     policy.train_step(batch, advantages, on_policy=True)
     dist.barrier()

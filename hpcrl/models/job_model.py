@@ -20,7 +20,7 @@ from hpcrl.config import ConfigError, JobConfig
 from hpcrl.config.schema import critic_enabled, engine_dtype
 from hpcrl.config.validate import read_model_config
 from moe.layouts import RolloutLayout, TrainerLayout
-from moe.specs import MoESpec, spec_from_config
+from moe.specs import MoESpec, spec_at_dtype
 from moe.trainer_memory import TrainerBuild, megatron_build
 
 __all__ = ["RUN_PARAM_DTYPES", "build_layouts", "build_spec", "layout_summary", "model_config",
@@ -38,13 +38,6 @@ RUN_PARAM_DTYPES = ("float32", "bfloat16")
 params with fp32 main params and Adam in Megatron's distributed optimizer (`moe.trainer_memory`)."""
 RUN_VOCAB_DIVISIBLE_BY = 1
 """hpcrl's Megatron model does not pad the vocab (hpcrl/trainer/model.py), so neither do its layouts."""
-
-
-def spec_at_dtype(cfg: dict[str, Any], dtype: str, flavor: str = "custom") -> MoESpec:
-    """The spec of a HF config.json dict with every tensor at `dtype`, the dtype the weights move in.
-    Trainer (`build_spec`) and engine both build it here, so their fingerprints agree."""
-    clean = {k: v for k, v in cfg.items() if k != "dtype"}
-    return spec_from_config({**clean, "torch_dtype": dtype}, flavor=flavor)
 
 
 def model_config(job: JobConfig) -> tuple[str, Any, str, dict[str, Any]]:

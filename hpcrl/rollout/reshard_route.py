@@ -24,11 +24,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from hpcrl.models.job_model import spec_at_dtype  # noqa: F401  (the engine builds its spec here)
 from moe.layouts import RolloutLayout, TrainerLayout
 from moe.network import Topology
 from moe.plan import Plan, plan
-from moe.specs import MoESpec
+from moe.specs import MoESpec, spec_at_dtype  # noqa: F401  (the engine builds its spec here)
 
 ROUTE = "/hpcrl/update_weights_reshard"
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from hpcrl.rollout.reshard_route import PlanRequest, spec_fingerprint
 from moe.runtime import RankMap, Shards, Staging, reshard
 from moe.slices import Box
+from moe.specs import spec_at_dtype
 
 LOADER = "hpcrl.rollout.sglang_shard_loader.load"
 CONTROL_PREFIX = "hpcrl_reshard:"
@@ -169,8 +170,6 @@ _STATES: dict[int, _State] = {}
 
 def model_spec(model: torch.nn.Module):
     """The moe spec of the engine's model at its parameters' dtype (as the reference engine builds it)."""
-    from hpcrl.models.job_model import spec_at_dtype
-
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise ValueError(f"{LOADER}: the model has no HF `config` to plan with")

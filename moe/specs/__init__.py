@@ -18,7 +18,7 @@ from moe.specs._types import (CONFIG_DIR, DTYPE_BYTES, ModelDims, MoESpec, Role,
                               load_config)
 
 __all__ = ["CONFIG_DIR", "DTYPE_BYTES", "FAMILIES", "ModelDims", "MoESpec", "Role", "TensorKind",
-           "TensorSpec", "get_spec", "load_config", "spec_from_config"]
+           "TensorSpec", "get_spec", "load_config", "spec_at_dtype", "spec_from_config"]
 
 FAMILIES: Mapping[str, Mapping[str, MoESpec]] = {
     deepseek_v3.FAMILY: deepseek_v3.SPECS,
@@ -47,3 +47,11 @@ def spec_from_config(cfg: Mapping[str, Any], flavor: str = "custom", **kwargs: A
     if family not in _FROM_CONFIG:
         raise ValueError(f"config.json model_type={family!r} is not supported; valid: {sorted(_FROM_CONFIG)}")
     return _FROM_CONFIG[family](cfg, flavor, **kwargs)
+
+
+def spec_at_dtype(cfg: Mapping[str, Any], dtype: str, flavor: str = "custom") -> MoESpec:
+    """The spec of a HF config.json dict with every tensor at `dtype`, the dtype the weights move in.
+    The trainer (hpcrl.models.job_model.build_spec), the reference engine and the SGLang-side loader
+    all build it here, so their fingerprints agree."""
+    clean = {k: v for k, v in cfg.items() if k != "dtype"}
+    return spec_from_config({**clean, "torch_dtype": dtype}, flavor=flavor)

@@ -188,9 +188,53 @@ def test_engine_env_puts_hpcrl_and_moe_and_nothing_else_first_on_the_engines_pat
     assert engine_env(job, tmp_path, {}) == {"PYTHONPATH": f"{tmp_path}/engine_python"}  # links kept
     first, rest = env["PYTHONPATH"].split(os.pathsep)
     assert rest == "/x" and sorted(os.listdir(first)) == ["hpcrl", "moe"]
-    probe = ("import hpcrl.rollout.sglang_shard_loader as m, moe.runtime as r; "
-             "print(m.__file__); print(r.__file__)")
-    out = subprocess.run([sys.executable, "-c", probe],
-                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    # SGLang's environment as the loader meets it: no site-packages of hpcrl's (python -S), only the
+    # engine's PYTHONPATH and the distributions SGLang has because it needs torch, run from another
+    # directory (under Slurm the engine's cwd is the run dir, not a checkout).
+    site = sglang_like_site(tmp_path / "site")
+    env["PYTHONPATH"] = os.pathsep.join([first, str(site)])
+    probe = ("import sys, hpcrl.rollout.sglang_shard_loader as m, moe.runtime as r; "
+             "assert callable(m.load); print(m.__file__); print(r.__file__); "
+             "print(*sorted({n.split('.')[0] for n in sys.modules} - set(sys.stdlib_module_names)))")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = subprocess.run([sys.executable, "-S", "-c", probe],
+                         env=env, cwd=elsewhere, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert all(line.startswith(first) for line in out.stdout.split()), out.stdout
+    loader_file, runtime_file, imported = out.stdout.splitlines()
+    assert loader_file.startswith(first) and runtime_file.startswith(first), out.stdout
+    assert not {"launch", "slurm_templates", "checkpoints", "yaml", "h5py", "mpi4py"} & set(imported.split())
+
+
+SGLANG_SIDE_DISTRIBUTIONS = ("torch", "numpy", "typing_extensions", "filelock", "sympy", "mpmath", "networkx",
+                             "jinja2", "markupsafe", "fsspec")
+"""torch 2.13's requirements on CPU Linux and numpy: what every SGLang environment has because SGLang
+needs torch (it has much more; the loader must not need more)."""
+
+
+def sglang_like_site(path):
+    """A directory of links to the top-level packages of SGLANG_SIDE_DISTRIBUTIONS only."""
+    from importlib.metadata import distribution
+
+    path.mkdir()
+    for name in SGLANG_SIDE_DISTRIBUTIONS:
+        dist = distribution(name)
+        tops = {f.parts[0] for f in dist.files if not f.parts[0].endswith((".dist-info", "__pycache__", ".."))}
+        for top in tops:
+            src = dist.locate_file(top)
+            if src.exists() and not (path / top).exists():
+                (path / top).symlink_to(src)
+    return path
+
+
+def test_importing_hpcrl_config_loads_no_launch_code():
+    """`hpcrl.config` is imported by code that runs in SGLang's environment or on engines; the Slurm
+    side (launch, slurm_templates) is loaded only by validate() when it checks the slurm section."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, hpcrl.config, hpcrl.models.job_model, hpcrl.rollout.reshard_route; "
+             "print(*sorted(m for m in sys.modules if m.split('.')[0] in ('launch', 'slurm_templates')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == []

@@ -226,10 +226,10 @@ def test_slurm_section_errors_name_the_key(override, key, words):
 
 
 def test_every_option_the_templates_own_has_a_fix_in_job_terms():
-    from hpcrl.config.validate import _SLURM_OWNED_OPTIONS
+    from hpcrl.slurm_section import SLURM_OWNED_OPTIONS
 
-    assert set(slurm_spec._MANAGED_SBATCH) <= set(_SLURM_OWNED_OPTIONS["sbatch"])
-    assert set(slurm_spec._MANAGED_SRUN) <= set(_SLURM_OWNED_OPTIONS["srun"])
+    assert set(slurm_spec._MANAGED_SBATCH) <= set(SLURM_OWNED_OPTIONS["sbatch"])
+    assert set(slurm_spec._MANAGED_SRUN) <= set(SLURM_OWNED_OPTIONS["srun"])
 
 
 # ---- without Slurm's tools --------------------------------------------------------------------

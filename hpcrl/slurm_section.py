@@ -92,6 +92,9 @@ def check_slurm(job: JobConfig) -> None:
                                               f"PyPI mpich){did_you_mean(s.mpi, MPI_PLUGINS)}")
     if not 1 <= s.signal_delay_s <= 65535:
         raise ConfigError("slurm.signal_delay_s", s.signal_delay_s, "must be in [1, 65535] seconds")
+    if s.max_requeues < 0:
+        raise ConfigError("slurm.max_requeues", s.max_requeues, "must be >= 0 (requeues in a row without a "
+                                                                "newer checkpoint), e.g. 3")
     if s.signal_delay_s >= minutes * 60:
         raise ConfigError("slurm.signal_delay_s", s.signal_delay_s,
                           f"the checkpoint signal would come at or before the start of an attempt of "

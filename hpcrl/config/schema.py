@@ -367,6 +367,10 @@ class SlurmConfig:
     signal_delay_s: int = 120
     """Slurm sends USR1 this many seconds before the time limit (and at preemption) so the
     controller can checkpoint and requeue; must be shorter than `time`."""
+    max_requeues: int = 3
+    """Requeues in a row that saved no newer checkpoint than the attempt started from, after which the
+    job stops instead of requeueing again (and says why): a step that cannot finish before the signal
+    would otherwise requeue forever. 0 never requeues without progress."""
     python: str | None = None
     """Python interpreter of the ranks; null means the one running `hpcrl submit`. Set it (e.g.
     'python') when `env_setup` activates the environment on the compute nodes."""

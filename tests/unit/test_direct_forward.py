@@ -24,13 +24,16 @@ VARIANTS = {
 
 
 def _decode_logits(engine: ReferenceModel, forward, padded: bool, steps: int = 4) -> list[torch.Tensor]:
-    """The logits of `steps` greedy decode steps of 16 prompts, through `forward`."""
+    """The logits of a prefill and `steps - 1` decode steps of 16 prompts through `forward`. The tokens
+    fed are drawn up front, not argmax'd from `forward`'s own logits: both forwards see the same
+    inputs, so a near-tie between two tokens cannot send one of them down another sequence."""
     from transformers import DynamicCache
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 7, (16,), generator=g) if padded else torch.full((16,), 3)
     width = int(lengths.max())
     ids = torch.randint(3, 64, (16, width), generator=g)
+    fed = torch.randint(3, 64, (steps, 16, 1), generator=g)
     mask = torch.ones(16, width + steps, dtype=torch.long)
     mask[:, :width] = (torch.arange(width)[None] >= (width - lengths)[:, None]).long()
     pos = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
@@ -38,9 +41,8 @@ def _decode_logits(engine: ReferenceModel, forward, padded: bool, steps: int = 4
     out = []
     with torch.inference_mode():
         for t in range(steps):
-            logits = forward(ids, mask[:, :width + t] if padded else None, pos, cache)[:, -1]
-            out.append(logits)
-            ids, pos = logits.argmax(-1)[:, None], pos[:, -1:] + 1
+            out.append(forward(ids, mask[:, :width + t] if padded else None, pos, cache)[:, -1])
+            ids, pos = fed[t], pos[:, -1:] + 1
     return out
 
 
@@ -54,20 +56,100 @@ def _spread(engine: ReferenceModel) -> None:
             p.copy_(noise + 1.0 if "norm" in name else noise)
 
 
+def logit_tolerance(config: dict, dtype: torch.dtype, max_logit: float) -> float:
+    """How far two evaluations of the same Qwen3-MoE logits may differ when only the order of their
+    sums differs (DirectForward and HF call other kernels: SDPA vs eager attention, grouped GEMMs vs
+    per-expert matmuls).
+
+    A sum of n terms computed in two orders differs by at most 2 * n * u * sum|terms| (the textbook
+    gamma_n bound, u the unit roundoff). A logit ends a chain of 1 + 7 * L reductions (per layer:
+    q/k/v, q.k, attention.v, o_proj, router, expert up, expert down; then lm_head), none longer than
+    n = max(hidden, heads * head_dim, ffn sizes, keys) terms, each passing its error on through
+    normalised layers. With sum|terms| taken as max|logit| (the weights' scale is in it), the
+    first-order bound is 2 * n * u * (1 + 7 * L) * max|logit|: for the tiny model (n = 128, its dense
+    ffn) 2 * 128 * 2^-24 * 15 ~ 2.3e-4 of max|logit| in fp32 (measured: <= 9e-7 of it with
+    ATEN_CPU_CAPABILITY avx2 and avx512, 1 and 2 threads). In bf16 each residual add and norm rounds
+    its output to bf16 (u = 2^-8), and the two sides may round at other points: 2 * (1 + 2 * L) * 2^-8
+    of max|logit| (measured: equal on both kinds). Real errors -- a swapped expert, a missing norm,
+    gate and up taken from each other's rows, a wrong RoPE half -- move logits by O(max|logit|)
+    (test_bound_catches_real_errors)."""
+    layers = config["num_hidden_layers"]
+    n = max(config["hidden_size"], config["num_attention_heads"] * config["head_dim"],
+            config["moe_intermediate_size"], config["intermediate_size"], 16)  # 16: longest key row here
+    if dtype == torch.float32:
+        return 2 * n * 2.0 ** -24 * (1 + 7 * layers) * max_logit
+    return 2 * (1 + 2 * layers) * 2.0 ** -8 * max_logit
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_equal_transformers(variant, dtype):
-    engine = ReferenceModel({**TINY, **VARIANTS[variant]}, dtype=dtype, seed=5)
+    config = {**TINY, **VARIANTS[variant]}
+    engine = ReferenceModel(config, dtype=dtype, seed=5)
     _spread(engine)
     assert isinstance(engine._forward, DirectForward)
     for padded in (False, True):
         direct = torch.stack(_decode_logits(engine, engine._forward, padded)).float()
         hf = torch.stack(_decode_logits(engine, engine._hf_forward, padded)).float()
         assert hf.abs().max() > 2.0, "weights too small for a test that can tell"
-        # fp32: the same math, sums in another order; bf16: a rounding flip is one bf16 ulp of a logit
-        tol = 1e-6 if dtype == torch.float32 else 2 ** -6
-        torch.testing.assert_close(direct, hf, atol=tol * hf.abs().max(), rtol=0, msg=f"{variant} {padded}")
+        tol = logit_tolerance(config, dtype, hf.abs().max().item())
+        torch.testing.assert_close(direct, hf, atol=tol, rtol=0, msg=f"{variant} {padded}")
         assert direct.shape == (4, 16, 64)
+
+
+def _mutated_weights(engine: ReferenceModel, mutate) -> DirectForward:
+    """A DirectForward over a copy of the model whose weights `mutate` changed (HF keeps the original)."""
+    import copy
+
+    model = copy.deepcopy(engine.model)
+    with torch.no_grad():
+        mutate(model.model.layers)
+    return DirectForward(model)
+
+
+def _swap_experts(layers) -> None:
+    for w in (layers[0].mlp.experts.gate_up_proj, layers[0].mlp.experts.down_proj):
+        w[[0, 1]] = w[[1, 0]].clone()
+
+
+def _swap_gate_up(layers) -> None:
+    w = layers[1].mlp.experts.gate_up_proj
+    w.copy_(torch.cat(w.chunk(2, 1)[::-1], 1))
+
+
+def _skip_q_norm(engine, monkeypatch):
+    target, plain = engine.model.model.layers[0].self_attn.q_norm, DirectForward._norm
+    monkeypatch.setattr(DirectForward, "_norm",
+                        lambda self, x, norm: x if norm is target else plain(self, x, norm))
+    return engine._forward
+
+
+def _wrong_rope_half(engine, monkeypatch):
+    import hpcrl.rollout.direct_forward as df
+
+    monkeypatch.setattr(df, "_rope", lambda x, cos, sin: x * cos + torch.cat(x.chunk(2, -1)[::-1], -1) * sin)
+    return engine._forward
+
+
+MUTATIONS = {  # each changes only what DirectForward computes; HF runs the model as it is
+    "swapped expert": lambda engine, _: _mutated_weights(engine, _swap_experts),
+    "gate and up swapped": lambda engine, _: _mutated_weights(engine, _swap_gate_up),
+    "missing q_norm": _skip_q_norm,
+    "wrong RoPE half": _wrong_rope_half,
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bound_catches_real_errors(mutation, dtype, monkeypatch):
+    """The tolerance of test_logits_equal_transformers rejects a DirectForward with a real error."""
+    engine = ReferenceModel(TINY, dtype=dtype, seed=5)
+    _spread(engine)
+    forward = MUTATIONS[mutation](engine, monkeypatch)
+    direct = torch.stack(_decode_logits(engine, forward, padded=True)).float()
+    monkeypatch.undo()
+    hf = torch.stack(_decode_logits(engine, engine._hf_forward, padded=True)).float()
+    assert (direct - hf).abs().max() > 10 * logit_tolerance(TINY, dtype, hf.abs().max().item())
 
 
 def _same_answers(a: list[dict], b: list[dict]) -> bool:

@@ -219,7 +219,8 @@ def sglang_like_site(path):
     path.mkdir()
     for name in SGLANG_SIDE_DISTRIBUTIONS:
         dist = distribution(name)
-        tops = {f.parts[0] for f in dist.files if not f.parts[0].endswith((".dist-info", "__pycache__", ".."))}
+        tops = {f.parts[0] for f in dist.files
+                if not f.parts[0].endswith((".dist-info", "__pycache__", ".."))}
         for top in tops:
             src = dist.locate_file(top)
             if src.exists() and not (path / top).exists():

@@ -54,6 +54,25 @@ def shard_boxes_match(policy, args) -> bool:
     return bool(flag.item())
 
 
+def replicas_agree(policy) -> bool:
+    """Whether every HF box held by several ranks (TP replicas of norms and router, DP replicas of
+    everything) holds the same bytes on all of them: a gradient that is not all-reduced over the
+    ranks sharing a parameter (e.g. a sequence-parallel norm's over TP) leaves them apart. Collective."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    from hpcrl.trainer.shard_sync import LocalHFShards
+
+    local = LocalHFShards(dict(policy.gpt.named_parameters()), policy.dims, policy.coords, torch.float32)
+    mine = {(name, box.offsets, box.shape): hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+            for name, (box, t) in local.refresh().items()}
+    every: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, mine)
+    seen: dict = {}
+    return all(seen.setdefault(key, digest) == digest for held in every for key, digest in held.items())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     for axis in ("tp", "pp", "ep", "etp"):
@@ -77,7 +96,11 @@ def main() -> None:
 
     trainer = TrainerConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dispatcher=args.dispatcher,
                             num_procs=dist.get_world_size(), micro_batch_size=MICRO_BATCH, seed=3)
-    algorithm = AlgorithmConfig(lr=1e-2, kl_coef=0.05, grad_clip=0.5, aux_loss_coef=0.01, adam_eps=1e-6,
+    # adam_eps = lr: Adam's update lr * m / (sqrt(v) + eps) then moves at most 1.25 * lr / eps = 1.25 times
+    # any change of the gradient (at eps << |g| it is lr * sign(g), and fp32 reordering noise in a
+    # gradient near zero flips it: weights 1e-5 apart after two steps with eps 1e-6, on AVX-512), so
+    # the layouts' weights stay within the rounding bound test_policy_layouts.py derives.
+    algorithm = AlgorithmConfig(lr=1e-2, kl_coef=0.05, grad_clip=0.5, aux_loss_coef=0.01, adam_eps=1e-2,
                                 entropy_coef=0.05)  # the entropy gradient through the TP vocab split
     policy = MegatronPolicy(load_hf_config("tiny-qwen3-moe", None), trainer, algorithm)
     if args.model_dir:
@@ -117,6 +140,7 @@ def main() -> None:
     out["m3"] = policy.train_step(batch, adv, None, out["ref"], on_policy=True)
     out["logp_m3"] = out["m3"].pop("logprobs_BT") if rank0 else None
     out["sd3"] = policy.export_hf_state_dict()
+    out["replicas_agree"] = replicas_agree(policy)
 
     # PPO's critic on the same ranks: its body starts as the policy (sd3), its head is fresh.
     from hpcrl.config.schema import CriticConfig

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from numerics import U_BF16, reordered
 
 from hpcrl.models.presets import load_hf_config
 from hpcrl.rollout.direct_forward import DirectForward
@@ -62,7 +63,7 @@ def logit_tolerance(config: dict, dtype: torch.dtype, max_logit: float) -> float
     per-expert matmuls).
 
     A sum of n terms computed in two orders differs by at most 2 * n * u * sum|terms| (the textbook
-    gamma_n bound, u the unit roundoff). A logit ends a chain of 1 + 7 * L reductions (per layer:
+    gamma_n bound, u the unit roundoff; tests/numerics.py). A logit ends a chain of 1 + 7 * L reductions (per layer:
     q/k/v, q.k, attention.v, o_proj, router, expert up, expert down; then lm_head), none longer than
     n = max(hidden, heads * head_dim, ffn sizes, keys) terms, each passing its error on through
     normalised layers. With sum|terms| taken as max|logit| (the weights' scale is in it), the
@@ -77,8 +78,8 @@ def logit_tolerance(config: dict, dtype: torch.dtype, max_logit: float) -> float
     n = max(config["hidden_size"], config["num_attention_heads"] * config["head_dim"],
             config["moe_intermediate_size"], config["intermediate_size"], 16)  # 16: longest key row here
     if dtype == torch.float32:
-        return 2 * n * 2.0 ** -24 * (1 + 7 * layers) * max_logit
-    return 2 * (1 + 2 * layers) * 2.0 ** -8 * max_logit
+        return reordered(n, 1 + 7 * layers, max_logit)
+    return 2 * (1 + 2 * layers) * U_BF16 * max_logit
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

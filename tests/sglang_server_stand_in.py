@@ -5,7 +5,8 @@ and TP/EP shapes).
 SGLang cannot run here (it needs a GPU build), so this is the smallest faithful copy of what the
 shard route touches, read from SGLang 0.5.23's code:
 - `/init_weights_update_group`: every TP worker joins the group as rank `rank_offset + tp_rank`
-  (model_runner_components/weight_updater.py:100-139);
+  with SGLang's arguments, no device_id (model_runner_components/weight_updater.py:100-139;
+  tests/conformance/test_weight_group_join.py checks hpcrl's join against SGLang's);
 - `/begin_weight_update` / `/end_weight_update`: one session, a second begin or an end without one
   is HTTP 400 with SGLang's message (managers/scheduler_components/weight_updater.py:309-337);
 - `/update_weights_from_tensor`: refused outside a session (:231-236); else TP worker r takes
@@ -48,8 +49,10 @@ def _tp_worker(conn, r: int, tp: int, ep: int, cfg: dict) -> None:
         try:
             if op == "init":
                 host, port, rank, world, name, backend = args
-                groups[name] = init_custom_process_group(backend, f"tcp://{host}:{port}", world, rank, name,
-                                                         60)
+                # SGLang's call (weight_updater.py), no device_id: an NCCL group would be made lazily
+                groups[name] = init_custom_process_group(backend=backend, init_method=f"tcp://{host}:{port}",
+                                                         world_size=world, rank=rank, group_name=name,
+                                                         timeout_s=60)
             elif op == "destroy":
                 torch.distributed.destroy_process_group(groups.pop(args))
             elif op == "load":

@@ -340,8 +340,7 @@ class ReferenceServer:
                 raise _Fail(f"weight-update group {group_name!r} already exists; destroy it first")
             try:
                 self.groups[group_name] = init_custom_process_group(
-                    backend, f"tcp://{host}:{port}", world_size, rank, group_name, self.args.dist_timeout_s,
-                    device_id=_cuda_device(self.engine.device) if backend == "nccl" else None)
+                    backend, f"tcp://{host}:{port}", world_size, rank, group_name, self.args.dist_timeout_s)
             except Exception as exc:
                 raise _Fail(f"Failed to initialize custom process group: {exc}.") from None
         return {"success": True, "message": "Succeeded to initialize custom process group."}
@@ -546,10 +545,6 @@ def _per_request(value, n: int, batched: bool, key: str, default) -> list:
             raise _Fail(f"{key} is a list of {len(value)} but the request has {n} prompt(s)")
         return value
     return [default if value is None else value] * n
-
-
-def _cuda_device(device: torch.device) -> torch.device:
-    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def _numel(shape) -> int:

@@ -44,16 +44,20 @@ __all__ = ["WeightSender", "dtype_name", "end_sessions", "flatten_bucket", "init
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
                               timeout_s: float = 600.0,
-                              device_id: torch.device | None = None,
                               store: dist.Store | None = None) -> dist.ProcessGroup:
     """Join a new process group outside torch's default one (SGLang's `init_custom_process_group`).
 
     Rendezvous over `init_method` (tcp://host:port; rank 0 hosts the store), keys prefixed with
     `group_name`, group ranks equal to `rank`. Blocks until all `world_size` ranks have joined or
-    `timeout_s` passes. A process can hold one group per `group_name` at a time. For NCCL pass
-    `device_id` (the local GPU) so the communicator is created now, as SGLang's engines do, instead of
-    at the first collective. Rank 0 may pass the `store` it opened with hpcrl.dist.master_store (at
-    the port of `init_method`) instead of letting the rendezvous bind it.
+    `timeout_s` passes. A process can hold one group per `group_name` at a time. Rank 0 may pass the
+    `store` it opened with hpcrl.dist.master_store (at the port of `init_method`) instead of letting
+    the rendezvous bind it.
+
+    No `device_id`, as SGLang 0.5.23's engines join (model_runner_components/weight_updater.py): an
+    NCCL communicator is then created lazily, by every rank at the group's first collective, on the
+    device of the tensors it moves (tests/conformance/test_weight_group_join.py). A side that created
+    its communicator eagerly would block in NCCL's connect until the engines' first collective, which
+    comes only after the join returns.
     """
     from torch.distributed.distributed_c10d import (
         Backend,
@@ -72,7 +76,7 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     store = PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
                                          group_name=group_name, backend_options=None, timeout=timeout,
-                                         device_id=device_id)
+                                         device_id=None)
     # Lets collectives map ranks without a default group (group rank == rank).
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
@@ -158,7 +162,7 @@ class WeightSender:
             try:
                 local["group"] = init_custom_process_group(
                     self.backend, f"tcp://{self.master_address}:{port}", self.world_size, 0, self.group_name,
-                    self.timeout_s, device_id=self._device() if self.backend == "nccl" else None, store=store)
+                    self.timeout_s, store=store)
             except BaseException as exc:  # reported to the caller below
                 local["error"] = exc
 

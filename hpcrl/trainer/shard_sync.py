@@ -146,10 +146,9 @@ class ShardSync:
         if self.rank == 0:
             calls = [self._pool.submit(c.init_weights_update_group, host, port, self.world + i * tp, world,
                                        GROUP_NAME, self.backend) for i, c in enumerate(self.clients)]
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
         # the group's own timeout is longer than the per-round deadline, so the deadline names the peer
         self.group = init_custom_process_group(self.backend, f"tcp://{host}:{port}", world, self.rank,
-                                               GROUP_NAME, self.timeout_s + 60, device_id=device, store=store)
+                                               GROUP_NAME, self.timeout_s + 60, store=store)
         for i, fut in enumerate(calls):
             try:
                 fut.result(timeout=self.timeout_s)

@@ -3,6 +3,8 @@
     python _sglang_probe.py parse-args ROOT ARGV_JSON      SGLang's server-argument parser on each argv
     python _sglang_probe.py engine ROOT PLAN INIT RANK WORLD OUT    one engine TP rank, SGLang's code
     python _sglang_probe.py trainer PLAN INIT WORLD OUT SEED        rank 0, hpcrl's code
+    python _sglang_probe.py join-args ROOT KWARGS_JSON     what SGLang's init_custom_process_group
+                                                           asks torch for (recorded, nothing joins)
 
 PLAN is a JSON list of buckets, each a list of [name, dtype, shape]. The trainer (hpcrl's
 `init_custom_process_group`, `flatten_bucket`) fills the tensors from SEED and broadcasts every
@@ -105,6 +107,50 @@ def trainer(plan_file: str, init: str, world: int, out: str, seed: int) -> None:
     _leave(group)
 
 
+def record_join(join, **kwargs) -> dict:
+    """The arguments `join(**kwargs)` (an init_custom_process_group) passes to torch's private
+    `_new_process_group_helper`, with the rendezvous and the helper replaced by recorders: nothing
+    connects, so an NCCL group can be asked for on a CPU machine. Keys: what the helper got
+    (device_id, backend as a string, group_name, world_size, rank)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    seen: dict = {}
+
+    class Store:
+        def set_timeout(self, timeout) -> None:
+            pass
+
+    def rendezvous(init_method, rank, world_size, timeout=None):
+        yield Store(), rank, world_size
+
+    def helper(world_size, rank, ranks, backend, store, group_name=None, timeout=None, device_id=None,
+               **options):
+        seen.update(world_size=world_size, rank=rank, backend=str(backend), group_name=group_name,
+                    device_id=None if device_id is None else str(device_id))
+        return object(), None
+
+    saved = c10d.rendezvous, c10d._new_process_group_helper, c10d.PrefixStore
+    c10d.rendezvous, c10d._new_process_group_helper = rendezvous, helper
+    c10d.PrefixStore = lambda prefix, store: store
+    try:
+        join(**kwargs)
+    finally:
+        c10d.rendezvous, c10d._new_process_group_helper, c10d.PrefixStore = saved
+    return seen
+
+
+def join_args(root: str, kwargs_json: str) -> None:
+    """Prints record_join of SGLang's own init_custom_process_group (utils/common.py) called with the
+    keyword arguments in `kwargs_json`."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _sglang_import import install
+
+    install(Path(root))
+    from sglang.srt.utils.common import init_custom_process_group
+
+    print(json.dumps(record_join(init_custom_process_group, **json.loads(kwargs_json))))
+
+
 def _leave(group) -> None:
     """Wait for every rank, then exit without interpreter teardown: the trainer hosts the group's
     TCPStore, and a store or gloo thread torn down while a peer still talks to it aborts the process
@@ -128,5 +174,7 @@ if __name__ == "__main__":
         engine(rest[0], rest[1], rest[2], int(rest[3]), int(rest[4]), rest[5])
     elif cmd == "trainer":
         trainer(rest[0], rest[1], int(rest[2]), rest[3], int(rest[4]))
+    elif cmd == "join-args":
+        join_args(rest[0], rest[1])
     else:
         raise SystemExit(f"unknown command {cmd!r}")

@@ -55,16 +55,54 @@ class StoredTensor:
     dtype: str
 
 
+_ITEM_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+               "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
 def read_header(file: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file ({name: {dtype, shape, data_offsets}, __metadata__})."""
+    """The JSON header of a safetensors file ({name: {dtype, shape, data_offsets}, __metadata__}),
+    after checking that the file holds exactly the bytes the header describes: a file cut short by an
+    interrupted download or copy (or with bytes appended) is refused here, naming the file, instead of
+    failing deep inside the first read of a tensor (safetensors refuses such a file as a whole)."""
     try:
         with file.open("rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             if length > 100 << 20:
                 raise ValueError(f"header length {length}")
-            return json.loads(f.read(length))
+            header = json.loads(f.read(length))
+            size = file.stat().st_size
     except (OSError, ValueError, struct.error) as exc:
         raise CheckpointFormatError(f"{file}: not a readable safetensors file ({exc}); re-download it") from None
+    _check_extent(file, header, 8 + length, size)
+    return header
+
+
+def _check_extent(file: Path, header: dict[str, Any], data_start: int, size: int) -> None:
+    """Each tensor's byte range matches its shape and dtype; the ranges end where the file does."""
+    end = 0
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, stop = (int(x) for x in meta["data_offsets"])
+            numel = 1
+            for d in meta["shape"]:
+                numel *= int(d)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointFormatError(f"{file}: tensor {name!r} has a malformed header entry {meta!r}; "
+                                        "re-download the file") from None
+        item = _ITEM_BYTES.get(meta.get("dtype"))
+        if item is not None and stop - begin != numel * item:
+            raise CheckpointFormatError(
+                f"{file}: tensor {name!r} ({meta['dtype']} {list(meta['shape'])}) spans bytes {begin}-{stop} "
+                f"of the data, {stop - begin} bytes where its shape needs {numel * item}; the file is corrupt: "
+                "re-download it")
+        end = max(end, stop)
+    if size != data_start + end:
+        what = "truncated" if size < data_start + end else "longer than its header says"
+        raise CheckpointFormatError(
+            f"{file}: {what}: the header's tensors end at byte {data_start + end} but the file has {size} "
+            f"bytes (an interrupted download or copy?); re-download or copy the file again")
 
 
 def weight_files(model_dir: Path) -> dict[str, Path]:

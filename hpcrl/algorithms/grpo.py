@@ -7,7 +7,7 @@ Math (per prompt group g of G completions with scalar rewards r_i):
 
 Per response token t of completion i, with ratio rho = exp(logp - logp_old):
 
-    L_pg = -min(rho * A_i, clip(rho, 1 - eps, 1 + eps) * A_i)
+    L_pg = -min(rho * A_i, clip(rho, 1 - eps, 1 + eps_high) * A_i)     eps_high = eps unless set
     L    = L_pg + kl_coef * KL_est(logp, logp_ref)
     k1 = logp - logp_ref;  k2 = (logp - logp_ref)^2 / 2;  k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1
 
@@ -16,10 +16,11 @@ seq-mean-token-mean (each sequence equal), seq-mean-token-sum (each sequence's t
 seq-mean-token-sum-norm (Dr. GRPO: token sum over a constant, `loss_agg_norm`); see
 `hpcrl.algorithms.aggregation`. The advantages, KL estimators and aggregation live in their own
 modules (`advantages`, `kl`, `aggregation`) and are re-exported here under their historical names;
-`policy_loss.ppo_clip_loss` is the general (decoupled / dual clip) form of the loss below.
-Simplifications: one policy update per rollout batch (so rho = 1 on the forward pass, the clip only
-shapes the gradient through later micro-batches' identical weights); the std uses the unbiased
-estimator like TRL and verl.
+the per-token surrogate is `policy_loss.ppo_clip_loss` (so `clip_frac` counts the tokens whose
+clipped branch was taken: rho > 1 + eps_high with A > 0, rho < 1 - eps with A < 0, as verl's
+pg_clipfrac). With algorithm.ppo_epochs 1 and one mini-batch the update is on-policy (rho = 1, the
+clip never acts); more epochs or mini-batches move the ratio. The std uses the unbiased estimator
+like TRL and verl.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from hpcrl.algorithms import KL_ESTIMATORS, LOSS_AGGS
 from hpcrl.algorithms.advantages import group_advantages
 from hpcrl.algorithms.aggregation import aggregate
 from hpcrl.algorithms.kl import kl_estimate
+from hpcrl.algorithms.policy_loss import ppo_clip_loss
 
 __all__ = ["KL_ESTIMATORS", "LOSS_AGGS", "GRPOLossConfig", "aggregate", "group_advantages", "grpo_loss",
            "kl_estimate"]
@@ -39,9 +41,11 @@ __all__ = ["KL_ESTIMATORS", "LOSS_AGGS", "GRPOLossConfig", "aggregate", "group_a
 
 @dataclass(frozen=True, kw_only=True)
 class GRPOLossConfig:
-    """The constants of `grpo_loss`; `loss_agg_norm` is the divisor of `seq-mean-token-sum-norm`."""
+    """The constants of `grpo_loss`; `loss_agg_norm` is the divisor of `seq-mean-token-sum-norm`,
+    `clip_eps_high` the upper clip range (None: `clip_eps`)."""
 
     clip_eps: float = 0.2
+    clip_eps_high: float | None = None
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     loss_agg: str = "token-mean"
@@ -64,10 +68,8 @@ def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, ref_logp_BT: tor
     response positions; `mask_BT` is 1 on generated tokens. `weights_BT` (rollout correction: TIS
     weights or an MIS mask, detached) multiplies the policy-gradient term per token.
     """
-    adv_B1 = advantages_B.unsqueeze(1).to(logp_BT.dtype)
-    ratio_BT = torch.exp(logp_BT - old_logp_BT)
-    clipped_BT = ratio_BT.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps)
-    pg_BT = -torch.minimum(ratio_BT * adv_B1, clipped_BT * adv_B1)
+    pg_BT, token = ppo_clip_loss(logp_BT, old_logp_BT, advantages_B.unsqueeze(1), cfg.clip_eps,
+                                 cfg.clip_eps_high)
     if weights_BT is not None:  # rollout correction: detached per-token importance weights or a mask
         pg_BT = pg_BT * weights_BT
     pg = aggregate(pg_BT, mask_BT, cfg.loss_agg, num_tokens, num_seqs, cfg.loss_agg_norm)
@@ -77,6 +79,5 @@ def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, ref_logp_BT: tor
         kl = aggregate(kl_estimate(logp_BT, ref_logp_BT, cfg.kl_estimator), mask_BT, cfg.loss_agg,
                        num_tokens, num_seqs, cfg.loss_agg_norm)
         loss = loss + cfg.kl_coef * kl
-    clip_frac = aggregate(((ratio_BT - clipped_BT).abs() > 0).to(logp_BT.dtype), mask_BT, "token-mean",
-                          num_tokens)
+    clip_frac = aggregate(token["clip_frac"], mask_BT, "token-mean", num_tokens)
     return loss, {"pg_loss": pg.detach(), "kl": kl.detach(), "clip_frac": clip_frac.detach()}

@@ -70,3 +70,30 @@ def test_grpo_loss_adds_weighted_kl():
     loss, metrics = grpo_loss(logp, logp, torch.tensor([[-3.0]]), torch.tensor([0.0]), torch.ones(1, 1), cfg)
     assert metrics["kl"].item() == pytest.approx(2.0)
     assert loss.item() == pytest.approx(0.2)
+
+
+def test_grpo_clip_frac_counts_the_clipped_branch_taken_not_the_band():
+    """verl's pg_clipfrac: a token counts when its clipped term is the larger loss, i.e. the ratio left
+    the band on the side its advantage pushes it: rho > 1 + eps with A > 0, rho < 1 - eps with A < 0.
+    A ratio outside the band on the other side keeps its gradient and does not count."""
+    cfg = GRPOLossConfig(clip_eps=0.2)
+    ratios = [1.5, 1.5, 0.5, 0.5]  # above the band twice, below it twice
+    logp = torch.tensor([[math.log(r)] for r in ratios], requires_grad=True)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    loss, metrics = grpo_loss(logp, torch.zeros(4, 1), None, adv, torch.ones(4, 1), cfg)
+    assert metrics["clip_frac"].item() == 0.5  # tokens 0 (A > 0, high) and 3 (A < 0, low)
+    loss.backward()
+    # the clipped ones have no gradient; the others d(-rho A)/dlogp / 4 = -rho A / 4
+    assert logp.grad[:, 0].tolist() == pytest.approx([0.0, 1.5 / 4, -0.5 / 4, 0.0])
+
+
+def test_grpo_loss_clips_higher_with_clip_eps_high():
+    """algorithm.clip_eps_high reaches GRPO's loss too: [1 - 0.2, 1 + 0.28] keeps a ratio of 1.25 with
+    A > 0 unclipped (its gradient flows), where the symmetric 0.2 clips it."""
+    lp = torch.tensor([[math.log(1.25)]], requires_grad=True)
+    loss, m = grpo_loss(lp, torch.zeros(1, 1), None, torch.tensor([1.0]), torch.ones(1, 1),
+                        GRPOLossConfig(clip_eps=0.2, clip_eps_high=0.28))
+    assert loss.item() == pytest.approx(-1.25) and m["clip_frac"].item() == 0.0
+    loss, m = grpo_loss(lp, torch.zeros(1, 1), None, torch.tensor([1.0]), torch.ones(1, 1),
+                        GRPOLossConfig(clip_eps=0.2))
+    assert loss.item() == pytest.approx(-1.2) and m["clip_frac"].item() == 1.0

@@ -32,8 +32,7 @@ EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
 SETTINGS = {"grpo": ["algorithm.entropy_coef=0.01"], "dr_grpo": ["algorithm.entropy_coef=0.03"],
             "rloo": ["algorithm.entropy_coef=0.02"],
             "reinforce_pp": ["algorithm.kl_coef=0.01", "data.num_prompts_per_step=64"],
-            "gspo": ["algorithm.clip_eps=3e-4", "algorithm.clip_eps_high=4e-4"],
-            "dapo": ["algorithm.clip_eps_high=0.28"],
+            "gspo": [], "dapo": [],  # their own clip ranges: 3e-4 / 4e-4 and 0.2 / 0.28
             "ppo": ["algorithm.ppo_epochs=2", "algorithm.mini_batch_size=64", "algorithm.kl_coef=0.02",
                     "algorithm.kl_target=20", "critic.value_clip=0", "algorithm.lr_schedule=linear"],
             "sft": []}

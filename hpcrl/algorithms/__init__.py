@@ -11,13 +11,14 @@ has them all on one page):
     policy_loss         PPO's clipped loss with decoupled (DAPO clip-higher) and dual clip
     gspo                GSPO's sequence-level ratio and clip (token stop-gradient form)
     value               the critic's clipped value loss; explained variance
-    rollout_correction  TIS weights, MIS masks and engine/trainer mismatch metrics
-    dapo                overlong reward shaping; dynamic-sampling filter and fill
+    rollout_correction  TIS weights, MIS rejection masks and counts, engine/trainer mismatch metrics
+    dapo                overlong reward shaping; dynamic-sampling filter, fill and batch
     sft                 the SFT negative log-likelihood; entropy from logits
-    grpo                the GRPO loss the trainer runs today, built from the pieces above
+    grpo                GRPO's loss (clipped surrogate + KL term), built from the pieces above
+    losses              the policy losses the trainer runs by name, their contract (LossBatch, call_loss)
 
-The two constants below are importable without torch (config validation uses them); every other name
-is loaded from its module on first access.
+The three constants below are importable without torch (config validation uses them); every other
+name is loaded from its module on first access.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+MIS_LEVELS = ("sequence", "geometric", "token")
 
 _LAZY = {
     "group_advantages": "advantages", "dr_grpo_advantages": "advantages", "rloo_advantages": "advantages",
@@ -42,12 +44,14 @@ _LAZY = {
     "value_loss": "value", "explained_variance": "value",
     "tis_weights": "rollout_correction", "mis_mask": "rollout_correction",
     "sequence_is_log_ratio": "rollout_correction", "mismatch_metrics": "rollout_correction",
+    "kept_counts": "rollout_correction",
     "overlong_penalty": "dapo", "groups_with_signal": "dapo", "fill_groups": "dapo", "FillResult": "dapo",
+    "dynamic_sampling_batch": "dapo", "DynamicBatch": "dapo",
     "nll_loss": "sft", "entropy_from_logits": "sft",
     "GRPOLossConfig": "grpo", "grpo_loss": "grpo",
 }
 
-__all__ = ["KL_ESTIMATORS", "LOSS_AGGS", *_LAZY]
+__all__ = ["KL_ESTIMATORS", "LOSS_AGGS", "MIS_LEVELS", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

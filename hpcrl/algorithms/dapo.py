@@ -18,14 +18,22 @@ group normalisation and gives no gradient, so it is dropped and more prompts are
 batch holds `num_groups` groups with 0 < #correct < S. `fill_groups` runs that loop deterministically
 over generation rounds, up to `max_rounds` (verl's `max_num_gen_batches`), keeping groups in order
 (round, then group) and discarding the surplus of the last round.
+
+The filter tests correctness, the task reward *before* the overlong shaping (the paper's #correct,
+verl's `filter_groups.metric: acc`): an all-wrong group whose lengths differ would otherwise pass on
+its length penalties alone and train on length. `dynamic_sampling_batch` composes the two: filter on
+the task rewards, advantages of the shaped ones, and zero advantages for groups padded in at the cap.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
+
+from hpcrl.algorithms.advantages import group_advantages
 
 ON_SHORT = ("error", "partial", "pad")
 
@@ -117,3 +125,51 @@ def fill_groups(generate_round: Callable[[int], torch.Tensor], num_groups: int, 
     return FillResult(kept=kept, num_groups_wanted=num_groups, num_rounds=rounds,
                       num_groups_generated=generated,
                       num_groups_dropped=len(dropped), num_groups_surplus=surplus, num_groups_padded=padded)
+
+
+@dataclass(frozen=True)
+class DynamicBatch:
+    """A DAPO step's batch: `rows` index the concatenation of the rounds' completions (batch order);
+    the other tensors are [B] over those rows."""
+
+    rows: list[int]
+    rewards: torch.Tensor
+    """The task rewards (what the filter tested), float64."""
+    shaped: torch.Tensor
+    """The rewards with the overlong penalty added (what the advantages are of), float64."""
+    advantages: torch.Tensor
+    """Group advantages of `shaped`; exactly 0 on the groups padded in at the round cap."""
+    fill: FillResult
+
+
+def dynamic_sampling_batch(generate_round: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                           group_size: int, num_groups: int, max_rounds: int, max_len: int,
+                           overlong_buffer_len: int = 0, penalty_factor: float = 1.0,
+                           norm_by_std: bool = True, on_short: str = "pad") -> DynamicBatch:
+    """DAPO's dynamic sampling with overlong shaping. `generate_round(r)` returns round r's task
+    rewards [N_r] and response lengths [N_r] (N_r a multiple of `group_size`, groups contiguous).
+    Groups are kept on their task rewards (`groups_with_signal`: not all equal) by `fill_groups`;
+    the kept groups' advantages are `group_advantages` of the task reward plus
+    `overlong_penalty(length, max_len, overlong_buffer_len, penalty_factor)` (no shaping when
+    `overlong_buffer_len` is 0). Padded groups (on_short="pad") get zero advantages: their task
+    rewards are all equal, and their length penalties alone must not train the policy."""
+    task: list[torch.Tensor] = []
+    shaped: list[torch.Tensor] = []
+
+    def filtered_round(r: int) -> torch.Tensor:
+        rewards_N, lengths_N = generate_round(r)
+        rewards_N = rewards_N.to(torch.float64)
+        task.append(rewards_N)
+        shaped.append(rewards_N + overlong_penalty(lengths_N, max_len, overlong_buffer_len,
+                                                   penalty_factor).to(torch.float64)
+                      if overlong_buffer_len else rewards_N)
+        return rewards_N.reshape(-1, group_size)  # correctness decides, before the length shaping
+
+    fill = fill_groups(filtered_round, num_groups, max_rounds, on_short)
+    starts = list(accumulate((len(t) for t in task), initial=0))  # each round's first row
+    rows = [starts[r] + g * group_size + i for r, g in fill.kept for i in range(group_size)]
+    rewards, shaped_B = torch.cat(task)[rows], torch.cat(shaped)[rows]
+    advantages = group_advantages(shaped_B, group_size, norm_by_std)
+    if fill.num_groups_padded:  # the padded groups are the last ones kept
+        advantages[len(rows) - fill.num_groups_padded * group_size:] = 0.0
+    return DynamicBatch(rows=rows, rewards=rewards, shaped=shaped_B, advantages=advantages, fill=fill)

@@ -14,9 +14,13 @@ the *global* counts (`num_tokens`, `num_seqs`: the whole batch over all data-par
 metrics are summed the same way, so they too must be global means. Shape legend: B sequences, T
 response positions.
 
-With `algorithm.rollout_correction` on, `b.correction_BT` holds the TIS weights or the MIS mask of
-the engine's (behaviour) log-probs against the old ones; every built-in policy loss multiplies its
-policy-gradient term by it (`b.corrected(pg_BT)`), and a user's loss should too.
+Rollout correction (`algorithm.rollout_correction`): with `mis` the trainer has already taken the
+rejected sequences (or tokens) out of `b.mask_BT`, `b.num_tokens` and `b.num_seqs`, so every loss
+leaves them out of every term and denominator without doing anything. With `tis`, `b.correction_BT`
+holds the truncated importance weights of the old log-probs against the engine's (behaviour) ones,
+and the loss must multiply its policy-gradient term by them (`b.corrected(pg_BT)`); `call_loss`
+stops the step naming the loss when it never read them (the weights would not be applied, and the
+train/tis_* metrics would describe a correction that did not happen).
 
 Built-ins: `grpo` (PPO clip + KL to the reference, `grpo.grpo_loss`), `dr_grpo` (the same with
 `seq-mean-token-sum-norm`), `sft` (cross-entropy), `gspo` (sequence-level ratio and clip), `ppo` (the clipped
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import torch
@@ -52,13 +56,29 @@ class LossBatch:
     num_tokens: float
     num_seqs: float
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    correction_BT: torch.Tensor | None = None
-    """Rollout correction (algorithm.rollout_correction): detached per-token weights for the policy-
-    gradient term, TIS's truncated importance weights or MIS's sequence mask; None when off."""
+    correction: InitVar[torch.Tensor | None] = None
+    """algorithm.rollout_correction tis: the detached per-token importance weights for the policy-
+    gradient term (read them as `correction_BT`, or apply them with `corrected`); None otherwise."""
+    _weights_BT: torch.Tensor | None = field(init=False, repr=False, default=None)
+    _weights_read: bool = field(init=False, repr=False, default=False)
+
+    def __post_init__(self, correction: torch.Tensor | None) -> None:
+        self._weights_BT = correction
+
+    @property
+    def correction_BT(self) -> torch.Tensor | None:
+        """The TIS weights (None without them); reading them counts as applying them."""
+        self._weights_read = True
+        return self._weights_BT
 
     def corrected(self, pg_BT: torch.Tensor) -> torch.Tensor:
-        """`pg_BT` times the rollout-correction weights (unchanged when correction is off)."""
-        return pg_BT if self.correction_BT is None else pg_BT * self.correction_BT
+        """`pg_BT` times the rollout-correction weights (unchanged when there are none)."""
+        weights_BT = self.correction_BT
+        return pg_BT if weights_BT is None else pg_BT * weights_BT
+
+    def correction_ignored(self) -> bool:
+        """Whether there are weights the loss never read (so never applied)."""
+        return self._weights_BT is not None and not self._weights_read
 
     def advantages_BT(self) -> torch.Tensor:
         """The batch's "advantages" as [B, T] (a per-sequence [B] tensor is broadcast over T)."""
@@ -90,13 +110,15 @@ def _needs_ref(b: LossBatch, cfg: Any, name: str) -> None:
 
 
 def _cfg(cfg: Any, loss_agg: str | None = None) -> GRPOLossConfig:
-    return GRPOLossConfig(clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
-                          loss_agg=loss_agg or cfg.loss_agg, loss_agg_norm=cfg.loss_agg_norm or None)
+    return GRPOLossConfig(clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high or None, kl_coef=cfg.kl_coef,
+                          kl_estimator=cfg.kl_estimator, loss_agg=loss_agg or cfg.loss_agg,
+                          loss_agg_norm=cfg.loss_agg_norm or None)
 
 
 @policy_loss(metrics=("pg_loss", "kl", "clip_frac"))
 def grpo(b: LossBatch, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO's clipped loss with the KL penalty (`hpcrl.algorithms.grpo.grpo_loss`)."""
+    """GRPO's clipped loss (clip range [1 - clip_eps, 1 + clip_eps_high]) with the KL penalty
+    (`hpcrl.algorithms.grpo.grpo_loss`), aggregated per `algorithm.loss_agg`."""
     adv = b.tensors["advantages"]
     if adv.dim() != 1:
         raise ValueError(f"loss 'grpo' takes per-sequence advantages [B], got shape {tuple(adv.shape)}")
@@ -169,3 +191,21 @@ def resolve_loss(spec: str) -> PolicyLoss:
         if not callable(fn):
             raise ValueError(f"loss {spec!r}: module {module_name!r} has no function {attr!r}")
     return PolicyLoss(spec, fn, tuple(getattr(fn, "loss_metrics", ())))
+
+
+def call_loss(loss: PolicyLoss, b: LossBatch, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`loss` on one micro-batch, held to its contract: a scalar loss, every declared metric, and the
+    TIS weights of `b` applied (ValueError naming the loss otherwise)."""
+    value, metrics = loss.fn(b, cfg)
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        raise ValueError(f"loss {loss.name!r} returned {type(value).__name__} of shape "
+                         f"{tuple(getattr(value, 'shape', ()))}; it must return a scalar tensor")
+    missing = [k for k in loss.metrics if k not in metrics]
+    if missing:
+        raise ValueError(f"loss {loss.name!r} declared metrics {missing} but did not return them")
+    if b.correction_ignored():
+        raise ValueError(f"loss {loss.name!r} never applied algorithm.rollout_correction: tis (its "
+                         "importance weights): multiply its policy-gradient term by them with "
+                         "b.corrected(pg_BT), or set algorithm.rollout_correction: none (mis needs nothing "
+                         "of a loss)")
+    return value, metrics

@@ -8,24 +8,27 @@ off-policy (Yao et al. 2025, "Your efficient RL framework secretly brings you of
 training"). With per-token log-ratio d_t = log pi_old(y_t) - log mu(y_t):
 
     TIS (token-level truncated IS):  w_t = min(exp(d_t), C)           multiplies the per-token loss
-    MIS (sequence-level masking):    rho_i = exp(sum_t d_t)           ("sequence", verl's seq level)
-                                     rho_i = exp(mean_t d_t)          ("geometric", length-normalised)
-                                     keep_i = 1[lo <= rho_i <= hi]    multiplies the mask of sequence i
+    MIS (masked IS, rejection):      rho_i = exp(sum_t d_t)           ("sequence", verl's seq_sum_k1)
+                                     rho_i = exp(mean_t d_t)          ("geometric", verl's seq_mean_k1)
+                                     keep_it = 1[lo <= rho_i <= hi]   every token of sequence i
+                                     keep_it = 1[lo <= exp(d_t) <= hi]  ("token", verl's token_k1)
 
 Both are constants in the loss (no gradient flows through mu or pi_old). Apply TIS as
-`loss_BT * w_BT` before aggregation; apply MIS as `mask_BT * keep_B[:, None]` *before* counting the
-batch's global tokens and sequences, so the dropped samples leave the denominators too (as verl's
-rejection sampling does). Metrics (means over this batch, or over the global counts if given) estimate
-KL(mu || pi_old) from the engine's samples: k1 = mean(-d), k3 = mean(exp(d) - 1 - d).
+`loss_BT * w_BT` before aggregation. Apply MIS to the mask, `mask_BT * keep_BT`, *before* counting the
+batch's global tokens and sequences (`kept_counts`), so the rejected samples leave every term of the
+loss (policy gradient, KL, entropy) and its denominators, as verl's rejection sampling does (it
+rewrites the batch's response_mask). Metrics (means over this batch, or over the global counts if
+given) estimate KL(mu || pi_old) from the engine's samples: k1 = mean(-d), k3 = mean(exp(d) - 1 - d).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from hpcrl.algorithms import MIS_LEVELS
 from hpcrl.algorithms.aggregation import aggregate
-
-MIS_LEVELS = ("sequence", "geometric")
 LOG_RATIO_LIMIT = 20.0
 
 
@@ -53,8 +56,8 @@ def tis_weights(old_logp_BT: torch.Tensor, behaviour_logp_BT: torch.Tensor, mask
 def sequence_is_log_ratio(old_logp_BT: torch.Tensor, behaviour_logp_BT: torch.Tensor,
                           mask_BT: torch.Tensor, level: str = "sequence") -> torch.Tensor:
     """log rho_i of each sequence: the sum (`sequence`) or mean (`geometric`) of token log-ratios, [B]."""
-    if level not in MIS_LEVELS:
-        raise ValueError(f"level={level!r}; valid: {', '.join(MIS_LEVELS)}")
+    if level not in MIS_LEVELS[:2]:
+        raise ValueError(f"level={level!r}; valid: {', '.join(MIS_LEVELS[:2])}")
     mask = mask_BT.to(old_logp_BT.dtype)
     d_sum_B = ((old_logp_BT - behaviour_logp_BT).detach() * mask).sum(dim=1)
     return d_sum_B if level == "sequence" else d_sum_B / mask.sum(dim=1).clamp(min=1.0)
@@ -62,17 +65,38 @@ def sequence_is_log_ratio(old_logp_BT: torch.Tensor, behaviour_logp_BT: torch.Te
 
 def mis_mask(old_logp_BT: torch.Tensor, behaviour_logp_BT: torch.Tensor, mask_BT: torch.Tensor,
              lo: float = 0.5, hi: float = 2.0, level: str = "sequence", num_seqs: float | None = None,
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """1.0 for the sequences whose IS ratio lies in [lo, hi], 0.0 for the others, shape [B]; and the
-    metrics `mis_masked_frac` (share of sequences dropped) and `mis_log_ratio_mean`."""
+             num_tokens: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The MIS keep mask [B, T]: 1.0 on the valid tokens whose sequence's IS ratio (`sequence`,
+    `geometric`) or own ratio (`token`) lies in [lo, hi], 0.0 elsewhere (padding included); and the
+    metrics `mis_masked_frac`, the share of sequences rejected (of tokens at the `token` level), and
+    `mis_log_ratio_mean`, the mean log ratio tested (per sequence, or per token)."""
     if not 0.0 < lo <= 1.0 <= hi:
         raise ValueError(f"MIS needs 0 < lo <= 1 <= hi, got lo={lo}, hi={hi}")
+    if level not in MIS_LEVELS:
+        raise ValueError(f"level={level!r}; valid: {', '.join(MIS_LEVELS)}")
+    mask = mask_BT.to(old_logp_BT.dtype)
+    log_lo, log_hi = math.log(lo), math.log(hi)
+    if level == "token":
+        d_BT = (old_logp_BT - behaviour_logp_BT).detach()
+        keep_BT = ((d_BT >= log_lo) & (d_BT <= log_hi)).to(mask.dtype) * mask
+        metrics = {"mis_masked_frac": aggregate(1.0 - keep_BT, mask, "token-mean", num_tokens),
+                   "mis_log_ratio_mean": aggregate(d_BT, mask, "token-mean", num_tokens)}
+        return keep_BT, metrics
     log_rho_B = sequence_is_log_ratio(old_logp_BT, behaviour_logp_BT, mask_BT, level)
-    keep_B = ((log_rho_B >= torch.log(torch.tensor(lo, dtype=log_rho_B.dtype)))
-              & (log_rho_B <= torch.log(torch.tensor(hi, dtype=log_rho_B.dtype)))).to(log_rho_B.dtype)
+    keep_B = ((log_rho_B >= log_lo) & (log_rho_B <= log_hi)).to(log_rho_B.dtype)
     seqs = num_seqs if num_seqs is not None else max(keep_B.shape[0], 1)
     metrics = {"mis_masked_frac": (1.0 - keep_B).sum() / seqs, "mis_log_ratio_mean": log_rho_B.sum() / seqs}
-    return keep_B, metrics
+    return keep_B.unsqueeze(1) * mask, metrics
+
+
+def kept_counts(mask_BT: torch.Tensor, keep_BT: torch.Tensor) -> tuple[int, int]:
+    """The loss's token and sequence counts after MIS: the kept tokens, and the rows minus those whose
+    every token was rejected (a row without tokens stays counted, as without MIS). Use them as the
+    global `num_tokens` / `num_seqs` of the step's batch."""
+    valid_BT = mask_BT.bool()
+    kept_BT = valid_BT & (keep_BT > 0)
+    rejected_rows = int((valid_BT.any(dim=1) & ~kept_BT.any(dim=1)).sum())
+    return int(kept_BT.sum()), mask_BT.shape[0] - rejected_rows
 
 
 def mismatch_metrics(old_logp_BT: torch.Tensor, behaviour_logp_BT: torch.Tensor, mask_BT: torch.Tensor,

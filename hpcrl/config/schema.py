@@ -1,15 +1,18 @@
 """Typed schema of a job file: one dataclass per YAML section, `JobConfig` at the top.
 
 Every field maps 1:1 to a YAML key (`algorithm.group_size` is `JobConfig.algorithm.group_size`).
-The dataclasses hold values only; `hpcrl.config.load` parses YAML into them and
-`hpcrl.config.validate` checks single fields and cross-field constraints with messages that name
-the YAML path, the bad value and the valid choices.
+The dataclasses hold values; `AlgorithmConfig` also gives the keys whose default belongs to the
+algorithm their values when it is built (`resolve_algorithm_defaults`). `hpcrl.config.load` parses
+YAML into them and `hpcrl.config.validate` checks single fields and cross-field constraints with
+messages that name the YAML path, the bad value and the valid choices.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from hpcrl.dataflows._declared import declared as declared_defaults
 
 
 @dataclass(kw_only=True)
@@ -71,18 +74,22 @@ class AlgorithmConfig:
     the import path of a module defining `step(rl, step)` over hpcrl/controller/api.py."""
     group_size: int = 8
     """Completions sampled per prompt; advantages are normalised within a group."""
-    clip_eps: float = 0.2
-    """PPO ratio clip: ratio is clipped to [1 - clip_eps, 1 + clip_eps]."""
-    clip_eps_high: float = 0.0
-    """Upper clip of the `ppo` and `gspo` losses: [1 - clip_eps, 1 + clip_eps_high] (DAPO's
-    clip-higher, e.g. 0.28); 0 means clip_eps."""
+    clip_eps: float | None = None
+    """Lower clip of the importance ratio: [1 - clip_eps, 1 + clip_eps_high]. null: the algorithm's
+    default (gspo 3e-4, the other clipping algorithms 0.2); sft has no ratio to clip."""
+    clip_eps_high: float | None = None
+    """Upper clip of the ratio (DAPO's clip-higher when above clip_eps). null: the algorithm's default
+    (gspo 4e-4, dapo 0.28), else clip_eps; 0 means clip_eps too."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference (initial) policy; 0 disables the reference pass."""
-    kl_estimator: str = "k3"
-    """k1 | k2 | k3 (Schulman's estimators; k3 is the low-variance one GRPO uses)."""
-    loss_agg: str = "token-mean"
+    kl_estimator: str | None = None
+    """k1 | k2 | k3 (Schulman's estimators) of the KL to the reference: a loss term in grpo, dr_grpo,
+    rloo (default k3, the low-variance one), in the reward in ppo and reinforce_pp (default k1).
+    null: the algorithm's default; gspo, dapo and sft have no KL term."""
+    loss_agg: str | None = None
     """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (Dr. GRPO: each
-    sequence's token sum divided by the constant `loss_agg_norm`)."""
+    sequence's token sum divided by the constant `loss_agg_norm`). null: the algorithm's default
+    (token-mean; fixed by gspo: seq-mean-token-mean, dr_grpo: seq-mean-token-sum-norm, sft)."""
     loss_agg_norm: float = 0.0
     """The constant of seq-mean-token-sum-norm; 0 means rollout.max_new_tokens (Dr. GRPO's choice)."""
     norm_adv_by_std: bool = True
@@ -105,14 +112,18 @@ class AlgorithmConfig:
     rollout_correction: str = "none"
     """none | tis | mis: correct for the engines' sampling distribution (behaviour policy) differing
     from the trainer's (bf16 engines, other kernels). tis: token-level truncated importance weights
-    min(pi_old / pi_engine, tis_cap); mis: sequences whose importance ratio leaves [mis_low,
-    mis_high] get no policy gradient. Metrics train/mismatch_* either way."""
+    min(pi_old / pi_engine, tis_cap) on the policy-gradient term; mis: rejection, the sequences (or
+    tokens, mis_level) whose importance ratio leaves [mis_low, mis_high] leave the loss and its
+    token and sequence counts. Metrics train/mismatch_* either way."""
     tis_cap: float = 2.0
     """tis: the truncation of the per-token importance weights."""
     mis_low: float = 0.5
-    """mis: sequences whose ratio prod_t pi_old / pi_engine is below this are masked."""
+    """mis: sequences (tokens) whose ratio pi_old / pi_engine is below this are rejected."""
     mis_high: float = 2.0
-    """mis: sequences whose ratio is above this are masked."""
+    """mis: sequences (tokens) whose ratio is above this are rejected."""
+    mis_level: str = "sequence"
+    """mis: the ratio tested: sequence (the product over the response's tokens) | geometric (its
+    geometric mean) | token (each token's own ratio; only the tokens outside the band leave)."""
     lr: float = 1e-3
     """Optimizer (Adam) learning rate: the peak of lr_schedule."""
     lr_schedule: str = "constant"
@@ -150,6 +161,25 @@ class AlgorithmConfig:
     algorithm.kl_coef fixed."""
     kl_horizon: float = 10000.0
     """ppo: horizon (in samples) of the adaptive KL controller."""
+
+    def __post_init__(self) -> None:
+        resolve_algorithm_defaults(self)
+
+
+def resolve_algorithm_defaults(a: AlgorithmConfig) -> None:
+    """Give the unset (None) keys of PER_ALGORITHM_KEYS the values algorithm `a.name` declares
+    (hpcrl/dataflows/_declared.py), in place; keys the algorithm does not read stay as they are
+    (None unless the job set them, which validation refuses). Idempotent: a resolved config (the
+    run dir's config.json) resolves to itself."""
+    defaults, _ = declared_defaults(a.name)
+    for key in ("clip_eps", "kl_estimator", "loss_agg"):
+        if getattr(a, key) is None and key in defaults:
+            setattr(a, key, defaults[key])
+    if "clip_eps" in defaults and a.clip_eps is not None:
+        if a.clip_eps_high is None:
+            a.clip_eps_high = defaults.get("clip_eps_high", a.clip_eps)
+        elif a.clip_eps_high == 0:  # the spelling of "symmetric" before per-algorithm defaults
+            a.clip_eps_high = a.clip_eps
 
 
 @dataclass(kw_only=True)

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcrl.algorithms import KL_ESTIMATORS, LOSS_AGGS
+from hpcrl.algorithms import KL_ESTIMATORS, LOSS_AGGS, MIS_LEVELS
 from hpcrl.config.errors import ConfigError, did_you_mean, job_field
 from hpcrl.config.schema import AlgorithmConfig, CriticConfig, JobConfig, critic_enabled, engine_dtype
 from hpcrl.config.validate_data import (  # noqa: F401 (read_model_config, prompt_limit: re-exported)
     check_data_and_reward, job_tokenizer, prompt_limit, read_model_config)
+from hpcrl.dataflows._declared import PER_ALGORITHM_KEYS, declared
 from hpcrl.tasks import TASKS
 from moe.hf_megatron import HFModelDims
 
@@ -57,8 +58,10 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("eval.max_prompts", lambda v: v >= 0, ">= 0 (0: every row)"),
     ("data.seed", lambda v: 0 <= v < 2**63, ">= 0 (numpy seeds cannot be negative)"),
     ("algorithm.group_size", lambda v: v >= 2, ">= 2: advantages compare the completions of a group"),
-    ("algorithm.clip_eps", lambda v: 0 < v < 1, "in (0, 1), e.g. 0.2"),
-    ("algorithm.clip_eps_high", lambda v: v >= 0, ">= 0 (0 means algorithm.clip_eps), e.g. 0.28"),
+    ("algorithm.clip_eps", lambda v: v is None or 0 < v < 1,
+     "in (0, 1), e.g. 0.2, or null (the algorithm's)"),
+    ("algorithm.clip_eps_high", lambda v: v is None or v >= 0,
+     ">= 0 (0 means algorithm.clip_eps), e.g. 0.28, or null (the algorithm's)"),
     ("algorithm.kl_coef", lambda v: v >= 0, ">= 0 (0 disables the KL penalty)"),
     ("algorithm.loss_agg_norm", lambda v: v >= 0, ">= 0 (0 means rollout.max_new_tokens)"),
     ("algorithm.ppo_epochs", lambda v: v >= 1, ">= 1"),
@@ -137,6 +140,7 @@ _CHOICES: list[tuple[str, tuple[str, ...]]] = [
     ("data.overlong_prompts", OVERLONG_PROMPTS),
     ("algorithm.kl_estimator", KL_ESTIMATORS),
     ("algorithm.loss_agg", LOSS_AGGS),
+    ("algorithm.mis_level", MIS_LEVELS),
     ("trainer.dispatcher", DISPATCHERS),
     ("rollout.backend", BACKENDS),
     ("rollout.weight_sync", WEIGHT_SYNCS),
@@ -149,6 +153,8 @@ _CHOICES: list[tuple[str, tuple[str, ...]]] = [
 def _check_fields(job: JobConfig) -> None:
     for path, choices in _CHOICES:
         value = job_field(job, path)
+        if value is None and path.removeprefix("algorithm.") in PER_ALGORITHM_KEYS:
+            continue  # a key the algorithm does not read (_check_algorithm)
         if value not in choices:
             raise ConfigError(path, value, f"must be one of: {', '.join(choices)}"
                                            f"{did_you_mean(value, choices)}")
@@ -229,13 +235,20 @@ def _check_algorithm(job: JobConfig) -> None:
             load_algorithm(a.name)
         except ValueError as exc:
             raise ConfigError("algorithm.name", a.name, f"{exc}{did_you_mean(a.name, ALGORITHMS)}") from None
-    if a.name in ("gspo", "dapo") and a.kl_coef > 0:
+    if a.name in ("gspo", "dapo", "sft") and a.kl_coef > 0:
         raise ConfigError("algorithm.kl_coef", a.kl_coef, f"{a.name}'s loss has no KL term; set it to 0 (or "
                                                          "use grpo / reinforce_pp for a KL penalty)")
     if a.name == "sft" and a.entropy_coef > 0:
         raise ConfigError("algorithm.entropy_coef", a.entropy_coef,
                           "an entropy bonus applies to the RL algorithms; sft fits the data's answers. "
                           "Remove it")
+    _check_per_algorithm_keys(a)
+    _check_rollout_correction(a)
+    if a.loss_agg_norm and a.loss_agg != "seq-mean-token-sum-norm":
+        raise ConfigError("algorithm.loss_agg_norm", a.loss_agg_norm,
+                          f"is the constant of loss_agg seq-mean-token-sum-norm, and {a.name} aggregates "
+                          f"with {a.loss_agg}; remove it (or set algorithm.loss_agg: "
+                          "seq-mean-token-sum-norm)")
     if a.name != "dapo":
         for key, default in (("max_generation_rounds", 3), ("overlong_buffer_len", 0),
                              ("overlong_penalty_factor", 1.0)):
@@ -256,6 +269,39 @@ def _check_algorithm(job: JobConfig) -> None:
     if a.name in ("rloo", "reinforce_pp", "dr_grpo", "ppo") and not a.norm_adv_by_std:
         raise ConfigError("algorithm.norm_adv_by_std", a.norm_adv_by_std,
                           f"{a.name} computes its own advantages and ignores it; remove the key")
+
+
+_NOT_READ = {"clip_eps": "has no importance ratio to clip",
+             "clip_eps_high": "has no importance ratio to clip",
+             "kl_estimator": "has no KL term", "loss_agg": "has no loss to aggregate"}
+
+
+def _check_per_algorithm_keys(a: AlgorithmConfig) -> None:
+    """The keys whose default is the algorithm's (hpcrl/dataflows/_declared.py): set only where the
+    algorithm reads them, and a key it fixes only to its value. Unset keys were resolved when the
+    config was built, so a value here that the algorithm does not read was set by the job."""
+    defaults, fixed = declared(a.name)
+    for key in PER_ALGORITHM_KEYS:
+        value = getattr(a, key)
+        reads = key in defaults or (key == "clip_eps_high" and "clip_eps" in defaults)
+        if value is not None and not reads:
+            raise ConfigError(f"algorithm.{key}", value, f"{a.name} {_NOT_READ[key]}, so it never reads this "
+                                                         "key; remove it")
+        if key in fixed and value != defaults[key]:
+            raise ConfigError(f"algorithm.{key}", value, f"{a.name} always uses {defaults[key]} (it is "
+                                                         "what makes the algorithm); remove the key")
+
+
+def _check_rollout_correction(a: AlgorithmConfig) -> None:
+    """A correction needs engine samples (sft has none); a method's keys only with that method."""
+    if a.name == "sft" and a.rollout_correction != "none":
+        raise ConfigError("algorithm.rollout_correction", a.rollout_correction,
+                          "sft trains on the data's answers, which no engine sampled; set it to none")
+    for key, method in (("tis_cap", "tis"), ("mis_low", "mis"), ("mis_high", "mis"), ("mis_level", "mis")):
+        if a.rollout_correction != method and getattr(a, key) != getattr(AlgorithmConfig(), key):
+            raise ConfigError(f"algorithm.{key}", getattr(a, key),
+                              f"applies to algorithm.rollout_correction: {method} (this job has "
+                              f"{a.rollout_correction}); remove it, or set the correction")
 
 
 def _check_critic(job: JobConfig) -> None:

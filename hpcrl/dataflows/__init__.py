@@ -8,5 +8,9 @@ one, or names a user's module of the same shape. Formulas: docs/algorithms.md.
     reinforce_pp  KL penalty in the token rewards, batch-whitened returns (REINFORCE++)
     gspo          sequence-level ratio and clip (GSPO)
     dapo          dynamic sampling, overlong shaping, clip-higher, token-level loss (DAPO)
+    ppo           GAE advantages from a Megatron critic, KL penalty in the reward (PPO)
     sft           cross-entropy on the data's answers, no generation
+
+Each module declares `DEFAULTS` (and `FIXED`): the values its algorithm gives the algorithm.* keys a
+job leaves unset, read by the config without importing the module (_declared.py).
 """

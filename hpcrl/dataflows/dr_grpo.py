@@ -10,6 +10,11 @@ import torch
 from hpcrl.algorithms.advantages import dr_grpo_advantages
 from hpcrl.controller.api import RL
 
+DEFAULTS = {"clip_eps": 0.2, "kl_estimator": "k3", "loss_agg": "seq-mean-token-sum-norm"}
+"""The values of the algorithm.* keys left unset (hpcrl/dataflows/_declared.py)."""
+FIXED = ("loss_agg",)
+"""The aggregation is what makes it Dr. GRPO (the `dr_grpo` loss always uses it)."""
+
 
 def step(rl: RL, step: int) -> None:
     rollout = rl.generate()

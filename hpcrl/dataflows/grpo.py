@@ -9,6 +9,11 @@ import torch
 from hpcrl.algorithms.advantages import group_advantages
 from hpcrl.controller.api import RL
 
+DEFAULTS = {"clip_eps": 0.2, "kl_estimator": "k3", "loss_agg": "token-mean"}
+"""The values of the algorithm.* keys left unset (hpcrl/dataflows/_declared.py): PPO's clip range,
+the low-variance KL estimator, and every token of the batch weighing the same (verl's and TRL's
+default; the paper's 1/|y_i| is loss_agg: seq-mean-token-mean)."""
+
 
 def step(rl: RL, step: int) -> None:
     rollout = rl.generate()

@@ -1,8 +1,9 @@
 """PPO with a critic (Schulman et al. 2017, arXiv 1707.06347; for language models Ouyang et al. 2022,
 arXiv 2203.02155): the score sits on the last token and the KL to the reference is a per-token
-penalty in the reward (k1, coefficient algorithm.kl_coef: fixed, or adapted towards
-algorithm.kl_target as in Ziegler et al. 2019); the critic's values give GAE advantages (gamma, lam),
-whitened over the batch, for the clipped surrogate, and returns for the critic's clipped value loss.
+penalty in the reward (algorithm.kl_estimator, k1 by default, coefficient algorithm.kl_coef: fixed,
+or adapted towards algorithm.kl_target as in Ziegler et al. 2019); the critic's values give GAE
+advantages (gamma, lam), whitened over the batch, for the clipped surrogate, and returns for the
+critic's clipped value loss.
 The first critic.warmup_steps steps train only the critic."""
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ import torch
 
 from hpcrl.algorithms.aggregation import masked_mean, whiten
 from hpcrl.algorithms.gae import gae_advantages
-from hpcrl.algorithms.kl import adaptive_kl_coef
+from hpcrl.algorithms.kl import adaptive_kl_coef, kl_estimate
 from hpcrl.algorithms.reinforce_pp import token_rewards
 from hpcrl.algorithms.value import explained_variance
 from hpcrl.controller.api import RL
+
+DEFAULTS = {"clip_eps": 0.2, "kl_estimator": "k1", "loss_agg": "token-mean"}
+"""The values of the algorithm.* keys left unset (hpcrl/dataflows/_declared.py): k1 in the reward, as
+Ziegler et al. and verl's kl_penalty default."""
 
 
 def step(rl: RL, step: int) -> None:
@@ -25,7 +30,8 @@ def step(rl: RL, step: int) -> None:
     kl_BT, beta = None, rl.state.get("kl_coef", a.kl_coef)
     if a.kl_coef > 0:
         ref_BT = torch.from_numpy(rl.ref_logprobs(rollout))
-        kl_BT = (torch.from_numpy(rollout.engine_logprobs_BT()) - ref_BT) * mask_BT  # k1, per token
+        behaviour_BT = torch.from_numpy(rollout.engine_logprobs_BT())
+        kl_BT = kl_estimate(behaviour_BT, ref_BT, a.kl_estimator) * mask_BT  # per token
     values_BT = torch.from_numpy(rl.values(rollout))
     rewards_BT = token_rewards(scores_B, mask_BT, kl_BT, beta)
     advantages_BT, returns_BT = gae_advantages(rewards_BT, values_BT, mask_BT, a.gamma, a.lam)

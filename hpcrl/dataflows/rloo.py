@@ -9,6 +9,9 @@ import torch
 from hpcrl.algorithms.advantages import rloo_advantages
 from hpcrl.controller.api import RL
 
+DEFAULTS = {"clip_eps": 0.2, "kl_estimator": "k3", "loss_agg": "token-mean"}
+"""The values of the algorithm.* keys left unset (hpcrl/dataflows/_declared.py): GRPO's, as verl's."""
+
 
 def step(rl: RL, step: int) -> None:
     rollout = rl.generate()

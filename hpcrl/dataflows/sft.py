@@ -10,6 +10,11 @@ import numpy as np
 
 from hpcrl.controller.api import RL
 
+DEFAULTS = {"loss_agg": "token-mean"}
+"""The only per-algorithm key SFT reads (hpcrl/dataflows/_declared.py): no ratio to clip, no KL."""
+FIXED = ("loss_agg",)
+"""The `sft` loss is the mean over every answer token of the batch."""
+
 
 def step(rl: RL, step: int) -> None:
     batch = rl.demonstrations()

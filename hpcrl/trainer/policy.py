@@ -161,7 +161,7 @@ class MegatronPolicy:
         if world % (tp * pp) or (world // pp) % (ep * etp):
             raise ValueError(f"trainer layout tp={tp} pp={pp} ep={ep} etp={etp} does not fit "
                              f"num_procs={world}: need tp*pp | num_procs and ep*etp | num_procs/pp")
-        if algorithm.loss_agg not in LOSS_AGGS or algorithm.kl_estimator not in KL_ESTIMATORS:
+        if algorithm.loss_agg not in LOSS_AGGS or algorithm.kl_estimator not in (*KL_ESTIMATORS, None):
             raise ValueError(f"algorithm.loss_agg={algorithm.loss_agg!r} (valid: {LOSS_AGGS}) / "
                              f"algorithm.kl_estimator={algorithm.kl_estimator!r} (valid: {KL_ESTIMATORS})")
         if trainer.micro_batch_size < 1:
@@ -515,57 +515,83 @@ class MegatronPolicy:
         own = ("tis_weight_mean", "tis_truncated_frac") if mode == "tis" else ("mis_masked_frac",)
         return ("mismatch_kl_k3", "mismatch_abs_log_ratio", *own)
 
+    def _behaviour_logp(self, tensors: dict[str, torch.Tensor], like_BT: torch.Tensor) -> torch.Tensor:
+        if "behaviour_logp" not in tensors:
+            raise ValueError(f"algorithm.rollout_correction={self.algorithm.rollout_correction!r} needs the "
+                             "engines' log-probs as tensors['behaviour_logp'] (rl.update_policy sends them)")
+        return tensors["behaviour_logp"].to(like_BT.dtype)
+
+    def _mis_keep(self, old_BT: torch.Tensor, tensors: dict[str, torch.Tensor], mask_BT: torch.Tensor,
+                  num_tokens: int, num_seqs: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """MIS's keep mask [B, T] of the engine's (behaviour) log-probs against the old ones, and its
+        metrics (global means with the batch's counts before rejection)."""
+        from hpcrl.algorithms.rollout_correction import mis_mask
+
+        a = self.algorithm
+        return mis_mask(old_BT, self._behaviour_logp(tensors, old_BT), mask_BT, a.mis_low, a.mis_high,
+                        a.mis_level, num_seqs=num_seqs, num_tokens=num_tokens)
+
+    def _mis_rejection(self, batch: TrainBatch, per_row: dict[str, torch.Tensor], on_policy: bool
+                       ) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+        """MIS over the whole batch before the step: the keep mask [B, T] and the counts (kept tokens,
+        kept sequences, all tokens, all sequences) that the loss and the metrics divide by."""
+        from hpcrl.algorithms.rollout_correction import kept_counts
+
+        if on_policy:
+            raise ValueError("algorithm.rollout_correction: mis counts the kept tokens before the step: "
+                             "pass old_logp_BT (update() computes them)")
+        response_BT = batch.response_mask_BT()
+        all_tokens, all_seqs = max(batch.num_response_tokens(), 1), batch.batch_size
+        tensors = {k[2:]: v for k, v in per_row.items() if k.startswith("t:")}
+        keep_BT, _ = self._mis_keep(per_row["old_BT"], tensors, response_BT, all_tokens, all_seqs)
+        kept_tokens, kept_seqs = kept_counts(response_BT, keep_BT)
+        return keep_BT, (max(kept_tokens, 1), max(kept_seqs, 1), all_tokens, all_seqs)
+
     def _rollout_correction(self, old_BT: torch.Tensor, tensors: dict[str, torch.Tensor], mask_BT: torch.Tensor,
                             num_tokens: int, num_seqs: int) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-        """The per-token correction weights of the engine's (behaviour) log-probs, tensors
-        ["behaviour_logp"], against the old ones, and the mismatch metrics; (None, {}) when off."""
-        from hpcrl.algorithms.rollout_correction import mis_mask, mismatch_metrics, tis_weights
+        """TIS's per-token weights of the engine's (behaviour) log-probs, tensors["behaviour_logp"],
+        against the old ones (None for none and mis: MIS acts on the mask), and the metrics of the
+        correction over the whole response mask; (None, {}) when off."""
+        from hpcrl.algorithms.rollout_correction import mismatch_metrics, tis_weights
 
         a = self.algorithm
         if a.rollout_correction == "none":
             return None, {}
-        if "behaviour_logp" not in tensors:
-            raise ValueError(f"algorithm.rollout_correction={a.rollout_correction!r} needs the engines' "
-                             "log-probs as tensors['behaviour_logp'] (rl.update_policy sends them)")
-        mu_BT = tensors["behaviour_logp"].to(old_BT.dtype)
+        mu_BT = self._behaviour_logp(tensors, old_BT)
         metrics = mismatch_metrics(old_BT, mu_BT, mask_BT, num_tokens)
-        if a.rollout_correction == "tis":
-            weights_BT, own = tis_weights(old_BT, mu_BT, mask_BT, a.tis_cap, num_tokens)
-        else:
-            keep_B, own = mis_mask(old_BT, mu_BT, mask_BT, a.mis_low, a.mis_high, num_seqs=num_seqs)
-            weights_BT = keep_B.unsqueeze(1) * mask_BT.to(old_BT.dtype)
+        if a.rollout_correction == "mis":
+            return None, {**metrics, **self._mis_keep(old_BT, tensors, mask_BT, num_tokens, num_seqs)[1]}
+        weights_BT, own = tis_weights(old_BT, mu_BT, mask_BT, a.tis_cap, num_tokens)
         return weights_BT, {**metrics, **own}
 
-    def _train_loss(self, policy_loss: Any, temperature: float, num_tokens: int, num_seqs: int, scale: int,
+    def _train_loss(self, policy_loss: Any, temperature: float, counts: tuple[int, int, int, int], scale: int,
                     mbd: dict[str, torch.Tensor], logits_BLv: torch.Tensor
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        from hpcrl.algorithms.losses import LossBatch
+        """`counts`: the batch's (tokens, sequences) in the loss, then before MIS rejection."""
+        from hpcrl.algorithms.losses import LossBatch, call_loss
 
+        num_tokens, num_seqs, all_tokens, all_seqs = counts
         entropy_coef = self.algorithm.entropy_coef
         logp_BT, entropy_BT = _logp_and_entropy(logits_BLv, mbd["pos_BT"], mbd["tgt_BT"], temperature,
                                                 entropy_grad=entropy_coef > 0)
-        mask_BT = mbd["mask_BT"]
+        response_BT = mbd["mask_BT"]
+        # MIS: the rejected tokens leave every term of the loss (and were left out of the counts)
+        mask_BT = response_BT & (mbd["keep_BT"] > 0) if "keep_BT" in mbd else response_BT
         # On-policy (no old log-probs given): the weights that sampled the batch are the ones
         # being trained, so the old log-probs are this forward's, detached (ratio = 1).
         old_BT = mbd["old_BT"] if "old_BT" in mbd else logp_BT.detach()
         tensors = {k[2:]: v for k, v in mbd.items() if k.startswith("t:")}
-        correction, rc_metrics = self._rollout_correction(old_BT, tensors, mask_BT, num_tokens, num_seqs)
-        loss, m = policy_loss.fn(LossBatch(logp_BT, old_BT, mbd.get("ref_BT"), mask_BT, num_tokens, num_seqs,
-                                           tensors, correction), self.algorithm)
+        correction, rc_metrics = self._rollout_correction(old_BT, tensors, response_BT, all_tokens, all_seqs)
+        loss, m = call_loss(policy_loss, LossBatch(logp_BT, old_BT, mbd.get("ref_BT"), mask_BT, num_tokens,
+                                                   num_seqs, tensors, correction), self.algorithm)
         m = {**m, **rc_metrics}
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise ValueError(f"loss {policy_loss.name!r} returned {type(loss).__name__} of shape "
-                             f"{tuple(getattr(loss, 'shape', ()))}; it must return a scalar tensor")
-        missing = [k for k in policy_loss.metrics if k not in m]
-        if missing:
-            raise ValueError(f"loss {policy_loss.name!r} declared metrics {missing} but did not return them")
         entropy = aggregate(entropy_BT, mask_BT, "token-mean", num_tokens)
         if entropy_coef > 0:  # the bonus: a global token mean, like the metric
             loss = loss - entropy_coef * entropy
         metrics = torch.stack([loss.detach(), entropy.detach(),
                                *(m[k].detach().to(loss.device) for k in (*policy_loss.metrics,
                                                                          *self._correction_metrics()))]).float()
-        return loss * scale, {"metrics": metrics, "logp_BT": torch.where(mask_BT, logp_BT.detach(), 0.0)}
+        return loss * scale, {"metrics": metrics, "logp_BT": torch.where(response_BT, logp_BT.detach(), 0.0)}
 
     def update(self, batch: TrainBatch | None, advantages: torch.Tensor | None,
                ref_logp_BT: torch.Tensor | None = None, temperature: float = 1.0, loss: str = "grpo",
@@ -587,7 +613,8 @@ class MegatronPolicy:
         batch, t = self._share(batch, {"adv": advantages, "ref": ref_logp_BT})
         B = batch.batch_size
         size = mini_batch_size or B
-        if epochs == 1 and size >= B:
+        # MIS needs the old log-probs of the whole batch before the step, to count what it keeps
+        if epochs == 1 and size >= B and self.algorithm.rollout_correction != "mis":
             return self.train_step(batch, t["adv"], None, t["ref"], temperature, on_policy=True, loss=loss,
                                    tensors=tensors)
         parts = batch.mini_batches(size)
@@ -662,6 +689,9 @@ class MegatronPolicy:
             per_row["old_BT"] = t["old_BT"].float()
         if t["ref_BT"] is not None:
             per_row["ref_BT"] = t["ref_BT"].float()
+        counts = (max(batch.num_response_tokens(), 1), B) * 2
+        if self.algorithm.rollout_correction == "mis":  # the rejected tokens leave the loss and its counts
+            per_row["keep_BT"], counts = self._mis_rejection(batch, per_row, on_policy)
         mbs, n_mb, mb, L = self._split(batch, per_row)
 
         if not self.ddp.training:  # train() walks every module: skip it when nothing changed
@@ -669,8 +699,7 @@ class MegatronPolicy:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         clear_aux_losses_tracker()
-        loss_fn = partial(self._train_loss, policy_loss, temperature, max(batch.num_response_tokens(), 1), B,
-                          n_mb * self.dp_size)
+        loss_fn = partial(self._train_loss, policy_loss, temperature, counts, n_mb * self.dp_size)
         store = self._run(self.ddp, mbs, n_mb, mb, L, False, loss_fn)
         _, grad_norm, _ = self.optimizer.step()
 

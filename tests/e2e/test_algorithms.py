@@ -16,7 +16,7 @@ EXIT_REQUEUE = 3
 SETTINGS = {"dr_grpo": ["--set", "algorithm.entropy_coef=0.03"],
             "rloo": ["--set", "algorithm.entropy_coef=0.02"],
             "reinforce_pp": ["--set", "algorithm.kl_coef=0.01", "--set", "data.num_prompts_per_step=64"],
-            "gspo": ["--set", "algorithm.clip_eps=3e-4", "--set", "algorithm.clip_eps_high=4e-4"]}
+            "gspo": []}  # its own clip range, the paper's 3e-4 / 4e-4 (hpcrl/dataflows/gspo.py DEFAULTS)
 
 OWN_ADVANTAGES = textwrap.dedent('''
     """Plain REINFORCE advantages (reward minus a fixed 0.5 baseline, no groups) with GRPO's loss."""
@@ -79,12 +79,18 @@ def test_builtin_learns_in_30_steps(tmp_path, name):
     assert all(r["sync/logprob_max_abs_diff"] < 1e-4 for r in records)
     first5, last5 = rewards[:5].mean(), rewards[-5:].mean()
     assert last5 >= 3 * first5, (name, first5, last5, rewards.round(2).tolist())
+    if name == "gspo":  # the run dir's resolved config shows the clip range it ran with
+        algo = json.loads((tmp_path / name / "config.json").read_text())["algorithm"]
+        assert (algo["clip_eps"], algo["clip_eps_high"]) == (3e-4, 4e-4)
 
 
 @pytest.mark.timeout(600)
 def test_dapo_learns_the_copy_example(tmp_path):
-    """DAPO to the example's bar in its 80 steps (reward/mean: the kept groups' mean)."""
-    records, _ = run(tmp_path, "dapo", "--set", "algorithm.clip_eps_high=0.28", steps=80)
+    """DAPO with its own clip range (0.2 / 0.28, unset here) to the example's bar in its 80 steps
+    (reward/mean: the kept groups' mean)."""
+    records, _ = run(tmp_path, "dapo", steps=80)
+    algo = json.loads((tmp_path / "dapo" / "config.json").read_text())["algorithm"]
+    assert (algo["clip_eps"], algo["clip_eps_high"]) == (0.2, 0.28)
     rewards = np.array([r["reward/mean"] for r in records])
     assert rewards[-5:].mean() >= 0.8, rewards.round(2).tolist()
 
@@ -157,7 +163,7 @@ def test_dapo_fills_its_batch_and_resumes_bit_identically_after_sigusr1(tmp_path
     """Dynamic sampling draws extra prompt blocks (the checkpointed prompt cursor moves on), and the
     same run preempted by SIGUSR1 after step 2 and resumed replays the same prompts, samples and
     updates."""
-    args = ["--set", "algorithm.name=dapo", "--set", "algorithm.clip_eps_high=0.28", "--set", "algorithm.num_steps=8",
+    args = ["--set", "algorithm.name=dapo", "--set", "algorithm.num_steps=8",
             "--set", "algorithm.overlong_buffer_len=2", "--set", "checkpoint.interval_steps=10",
             "--set", "logging.progress=false"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"

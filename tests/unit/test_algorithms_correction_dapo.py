@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from hpcrl.algorithms import (fill_groups, groups_with_signal, mis_mask, mismatch_metrics,
-                              overlong_penalty, tis_weights)
+from hpcrl.algorithms import (dynamic_sampling_batch, fill_groups, groups_with_signal, kept_counts, mis_mask,
+                              mismatch_metrics, overlong_penalty, tis_weights)
 
 
 def test_tis_weights_are_capped_detached_and_zero_on_padding():
@@ -26,12 +26,34 @@ def test_mis_masks_sequences_whose_ratio_leaves_the_band():
     behaviour = torch.zeros(3, 2)
     # products: 2.25 (above 2), 0.9, 0.3 (below 0.5); geometric means: 1.5, 0.9, sqrt(0.3) = 0.548
     keep, m = mis_mask(old, behaviour, mask, lo=0.5, hi=2.0, level="sequence")
-    assert keep.tolist() == [0.0, 1.0, 0.0]
+    assert keep.tolist() == [[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]]  # per token, 0 on padding
     assert m["mis_masked_frac"].item() == pytest.approx(2.0 / 3.0)
     keep, m = mis_mask(old, behaviour, mask, lo=0.5, hi=2.0, level="geometric")
-    assert keep.tolist() == [1.0, 1.0, 1.0] and m["mis_masked_frac"].item() == 0.0
+    assert keep.tolist() == [[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]] and m["mis_masked_frac"].item() == 0.0
     with pytest.raises(ValueError, match="lo <= 1 <= hi"):
         mis_mask(old, behaviour, mask, lo=1.5, hi=2.0)
+
+
+def test_mis_at_the_token_level_rejects_only_the_tokens_outside_the_band():
+    lg = math.log
+    old = torch.tensor([[lg(1.5), lg(2.5)], [lg(0.9), 7.0], [lg(0.3), 0.0]])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
+    keep, m = mis_mask(old, torch.zeros(3, 2), mask, lo=0.5, hi=2.0, level="token")
+    # token ratios 1.5, 2.5 (out), 0.9, (padding), 0.3 (out), 1.0: 2 of the 5 tokens rejected
+    assert keep.tolist() == [[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]
+    assert m["mis_masked_frac"].item() == pytest.approx(2.0 / 5.0)
+    # float32: four logs of magnitude < 1.3, each rounded within 2^-24 * 2, and their sum: < 1e-6 off
+    expected = (lg(1.5) + lg(2.5) + lg(0.9) + lg(0.3)) / 5
+    assert m["mis_log_ratio_mean"].item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_kept_counts_leave_out_rejected_tokens_and_wholly_rejected_sequences():
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    keep = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    # row 0 keeps 2 of 3 tokens, row 1 loses both (it leaves the sequences), row 2 keeps its one,
+    # row 3 has no tokens (it stays counted, as it is without MIS)
+    assert kept_counts(mask, keep) == (3, 3)
+    assert kept_counts(mask, mask.float()) == (6, 4)
 
 
 def test_mismatch_metrics_estimate_the_engine_trainer_kl():
@@ -103,3 +125,42 @@ def test_public_names_resolve_to_functions_not_modules():
     import hpcrl.algorithms as algorithms
     for name in algorithms.__all__:
         assert not isinstance(getattr(algorithms, name), types.ModuleType), name
+
+
+def _dapo_rounds(rounds):
+    """generate_round over fixed (task rewards, lengths) pairs, as the dapo dataflow's."""
+    return lambda r: (torch.tensor(rounds[r][0]), torch.tensor(rounds[r][1]))
+
+
+# Group size 2, max_new_tokens 4, overlong buffer 2: a length of 3 costs 0.5, of 4 costs 1.
+# Round 0: all wrong (lengths differ), signal, all right (lengths differ); round 1: signal, all right.
+DAPO_ROUNDS = [([0.0, 0.0, 1.0, 0.0, 1.0, 1.0], [2, 4, 1, 1, 3, 4]),
+               ([0.0, 1.0, 1.0, 1.0], [4, 2, 2, 2])]
+
+
+def test_dapo_filters_on_correctness_and_shapes_after():
+    """DAPO keeps a group when 0 < #correct < G, tested on the task reward before the overlong penalty:
+    the all-wrong and all-right groups of round 0 differ in their shaped rewards only (0 vs -1 and
+    -0.5 vs 0), and are dropped; their advantages would otherwise be length alone."""
+    batch = dynamic_sampling_batch(_dapo_rounds(DAPO_ROUNDS), group_size=2, num_groups=2, max_rounds=3,
+                                   max_len=4, overlong_buffer_len=2)
+    assert batch.rows == [2, 3, 6, 7]  # round 0's second group, round 1's first
+    assert batch.fill.num_groups_dropped == 3 and batch.fill.num_rounds == 2  # round 1's all-right too
+    assert batch.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert batch.shaped.tolist() == [1.0, 0.0, -1.0, 1.0]  # round 1's first response is 4 long
+    # group-normalised shaped rewards: (x - mean) / (unbiased std + 1e-6), std of two values |a - b| / sqrt 2
+    r = 1 / math.sqrt(2)
+    assert batch.advantages.tolist() == pytest.approx([r, -r, -r, r], rel=1e-5)
+
+
+def test_dapo_padded_groups_get_no_advantage_from_their_lengths():
+    """At the round cap the batch is topped up with dropped groups: their task rewards are all equal,
+    so their advantages are 0 even where the length penalty differs."""
+    batch = dynamic_sampling_batch(_dapo_rounds(DAPO_ROUNDS), group_size=2, num_groups=2, max_rounds=1,
+                                   max_len=4, overlong_buffer_len=2)
+    assert batch.rows == [2, 3, 0, 1] and batch.fill.num_groups_padded == 1
+    assert batch.shaped.tolist()[2:] == [0.0, -1.0]
+    assert batch.advantages.tolist()[2:] == [0.0, 0.0]
+    unshaped = dynamic_sampling_batch(_dapo_rounds(DAPO_ROUNDS), group_size=2, num_groups=2, max_rounds=3,
+                                      max_len=4)
+    assert unshaped.shaped.tolist() == unshaped.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]

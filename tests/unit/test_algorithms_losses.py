@@ -1,5 +1,6 @@
 """Per-token losses and aggregation on hand-computed cases: PPO/DAPO clip, dual clip, GSPO, value clip."""
 
+import dataclasses
 import math
 
 import pytest
@@ -162,3 +163,38 @@ def test_grpo_loss_is_the_composition_of_the_pieces():
     composed = aggregate(pg_BT, mask, "seq-mean-token-mean", 7, 3) + 0.05 * aggregate(
         kl_estimate(logp, ref, "k3"), mask, "seq-mean-token-mean", 7, 3)
     assert torch.equal(loss, composed)
+
+
+def _loss_batch(weights=None):
+    from hpcrl.algorithms.losses import LossBatch
+
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.7]], requires_grad=True)
+    return LossBatch(logp, logp.detach(), None, torch.ones(2, 2, dtype=torch.bool), 4, 2,
+                     {"advantages": torch.tensor([1.0, -1.0])}, weights)
+
+
+def test_tis_weights_a_loss_never_applies_stop_the_step_naming_the_loss():
+    """algorithm.rollout_correction tis: a loss that neither calls b.corrected() nor reads
+    b.correction_BT leaves the weights out; call_loss refuses it (the step would log train/tis_*
+    metrics of a correction that did not happen). Without weights (none, mis) nothing is asked."""
+    from hpcrl.algorithms.losses import PolicyLoss, call_loss, resolve_loss
+    from hpcrl.config.schema import AlgorithmConfig
+
+    weights = torch.tensor([[0.5, 1.0], [2.0, 1.0]])
+    cfg = AlgorithmConfig(name="my.algo")
+    for name in ("grpo", "dr_grpo", "gspo", "ppo"):  # the built-ins that run with a correction
+        call_loss(resolve_loss(name), _loss_batch(weights), dataclasses.replace(cfg, loss_agg_norm=4.0))
+
+    def plain(b, cfg):
+        return -(b.advantages_BT() * b.logp_BT).sum() / b.num_tokens, {}
+
+    def reads(b, cfg):
+        return -(b.correction_BT * b.advantages_BT() * b.logp_BT).sum() / b.num_tokens, {}
+
+    with pytest.raises(ValueError, match="loss 'mine:plain' never applied algorithm.rollout_correction: tis"):
+        call_loss(PolicyLoss("mine:plain", plain, ()), _loss_batch(weights), cfg)
+    with pytest.raises(ValueError, match="loss 'sft' never applied"):
+        call_loss(resolve_loss("sft"), _loss_batch(weights), cfg)
+    value, _ = call_loss(PolicyLoss("mine:reads", reads, ()), _loss_batch(weights), cfg)
+    assert value.item() == pytest.approx(-(0.5 * -1 + 1.0 * -2 - 2.0 * -0.5 - 1.0 * -0.7) / 4)
+    call_loss(PolicyLoss("mine:plain", plain, ()), _loss_batch(None), cfg)

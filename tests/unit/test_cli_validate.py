@@ -37,7 +37,14 @@ def test_good_job_exits_0(tmp_path):
     ("algorithm:\n  lr: [1e-3\n", [], "YAML syntax error at line 3"),
     ("name: ok\n", ["algorithm.lr"], "--set='algorithm.lr': expected KEY=VALUE"),
     ("name: ok\n", ["trainer.num_procs=two"], "trainer.num_procs='two': expected an integer"),
-], ids=["layout", "yaml-syntax", "set-syntax", "set-type"])
+    ("algorithm: {name: dapo, kl_estimator: k3}\n", [], "algorithm.kl_estimator='k3': dapo has no KL term"),
+    ("algorithm: {name: sft}\n", ["algorithm.clip_eps=0.2"],
+     "algorithm.clip_eps=0.2: sft has no importance ratio to clip, so it never reads this key; remove it "
+     "(set by --set algorithm.clip_eps=0.2)"),
+    ("algorithm: {name: gspo, loss_agg: token-mean}\n", [], "gspo always uses seq-mean-token-mean"),
+    ("algorithm: {tis_cap: 3.0}\n", [], "algorithm.tis_cap=3.0: applies to algorithm.rollout_correction"),
+], ids=["layout", "yaml-syntax", "set-syntax", "set-type", "kl-estimator-dapo", "clip-eps-sft",
+        "loss-agg-gspo", "tis-cap-without-tis"])
 def test_bad_job_exits_2_with_one_line(tmp_path, job, overrides, expected):
     (tmp_path / "job.yaml").write_text(job)
     args = [a for o in overrides for a in ("--set", o)]

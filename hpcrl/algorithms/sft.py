@@ -10,8 +10,10 @@ i.e. `nll_loss(logp_BT)` aggregated with `token-mean` (the usual choice) or `seq
 `logp_BT` are the log-probs of the target tokens (the same per-token log-probs the RL losses take) and
 the mask covers the answer only, not the prompt. Simplification: no label smoothing.
 
-Entropy H_t = -sum_v p_v log p_v of the policy at each response position is a metric (an entropy bonus
-is not offered: DAPO's clip-higher is the built-in way to keep entropy from collapsing).
+Entropy H_t = -sum_v p_v log p_v of the policy at each response position: `entropy_from_logits` is the
+reference formula; the trainer computes it per tensor-parallel vocab shard, logs it (train/entropy)
+and, for the RL algorithms, subtracts algorithm.entropy_coef times its token mean from the loss (the
+entropy bonus; not for sft).
 """
 
 from __future__ import annotations

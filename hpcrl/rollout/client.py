@@ -37,6 +37,11 @@ from launch.procs import die_with_parent
 
 __all__ = ["EngineClient", "EngineError", "PendingResponse", "launch_reference_server", "open_private_log"]
 
+SECRET_SERVER_FIELDS = frozenset({"api_key", "admin_api_key", "launch_command"})
+"""/server_info fields that carry or may carry the engine keys (SGLang 0.5.23 server_args: api_key,
+admin_api_key; launch_command holds any key given on the command line)."""
+REDACTED = "<redacted>"
+
 _JSON_HEADERS = {"Content-Type": "application/json"}
 _PROCESS = object()  # EngineClient(keys=...) default: the process's keys (engine_auth.set_process_keys)
 
@@ -204,7 +209,11 @@ class EngineClient:
         return self._with_fallback("/model_info", "/get_model_info")
 
     def server_info(self) -> dict:
-        return self._with_fallback("/server_info", "/get_server_info")
+        """GET /server_info with the engine's secrets replaced by "<redacted>": SGLang returns every
+        resolved server argument, both keys among them, and its launch command; nothing hpcrl logs
+        or reports may carry them (docs/sglang.md, "Engine keys")."""
+        info = self._with_fallback("/server_info", "/get_server_info")
+        return {k: REDACTED if k in SECRET_SERVER_FIELDS and v is not None else v for k, v in info.items()}
 
     def _with_fallback(self, route: str, old_route: str):
         try:
@@ -412,9 +421,9 @@ def launch_reference_server(model_config_path: str, device: str = "cpu", seed: i
     if proc.poll() is None:
         proc.kill()
         proc.wait()
-    tail = _tail(log_path) if log_path else "(no log_path given)"
+    tail = _tail(log_path, _secrets(config_path)) if log_path else "(no log_path given)"
     raise RuntimeError(f"reference server on {host} {why}; command: {' '.join(cmd)}\n"
-                       f"log tail:\n{tail}")
+                       f"log tail ({log_path}):\n{tail}")
 
 
 def open_private_log(path: str | Path):
@@ -425,9 +434,27 @@ def open_private_log(path: str | Path):
     return os.fdopen(fd, "ab")
 
 
-def _tail(path: str, num_bytes: int = 4000) -> str:
+def _secrets(config_path: str | None) -> list[str]:
+    """The key values of a server options file (SGLang's --config YAML), for redaction."""
+    if config_path is None:
+        return []
+    import yaml
+
+    try:
+        options = yaml.safe_load(Path(config_path).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return []
+    return [str(v) for k, v in options.items() if "key" in str(k) and v] if isinstance(options, dict) else []
+
+
+def _tail(path: str, secrets: Sequence[str] = (), num_bytes: int = 4000) -> str:
+    """The end of an engine's log, every secret in `secrets` replaced by "<redacted>": the log stays
+    in the run dir (0600), the tail goes into an error message that does not."""
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
         return f"(cannot read {path}: {exc})"
-    return data[-num_bytes:].decode(errors="replace")
+    text = data.decode(errors="replace")
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
+    return text[-num_bytes:]

@@ -286,9 +286,11 @@ class ReferenceServer:
                 "context_len": self.engine.context_len}
 
     def server_info(self, req: dict) -> dict:
+        """SGLang's answer: the resolved server arguments (its `resolved_dict`, the keys among them:
+        SGLang 0.5.23 returns them to any holder of the API key) plus live state."""
         a = self.args
         return {"model_path": self.model_path, "host": a.host, "port": a.port, "device": a.device,
-                "dtype": a.dtype,
+                "dtype": a.dtype, "api_key": self.api_key, "admin_api_key": self.admin_api_key,
                 "random_seed": a.seed, "tp_size": 1, "dp_size": 1, "weight_version": self.weight_version,
                 "version": "hpcrl-reference",
                 "internal_states": [{"released_tags": sorted(self.released),

@@ -168,3 +168,31 @@ def test_reference_config_file_merges_like_sglangs(tmp_path):
     path.write_text('api-key: "-k"\nadmin-api-key: "a"\nthreads: 2\nflag: true\noff: false\n')
     assert _with_config(["--port", "0", "--config", str(path), "--threads", "1"]) == [
         "--api-key=-k", "--admin-api-key=a", "--threads=2", "--flag", "--port", "0", "--threads", "1"]
+
+
+def test_server_info_answers_the_keys_as_sglang_does_and_the_client_redacts_them(keyed_server):
+    """SGLang 0.5.23's /server_info is every resolved server argument, both keys among them, to any
+    holder of the API key (the reference engine answers the same); hpcrl's client hands nothing of
+    them on."""
+    _, url, keys, _ = keyed_server
+    status, raw = _raw(url, "GET", "/server_info", None, f"Bearer {keys.api_key}")
+    assert status == 200 and (raw["api_key"], raw["admin_api_key"]) == (keys.api_key, keys.admin_api_key)
+    info = EngineClient(url, timeout_s=60, keys=keys).server_info()
+    assert info["api_key"] == info["admin_api_key"] == "<redacted>"
+    assert keys.api_key not in json.dumps(info) and keys.admin_api_key not in json.dumps(info)
+    assert info["weight_version"] == raw["weight_version"]  # the rest is the answer as it came
+
+
+def test_a_failed_start_reports_its_log_without_the_keys(tmp_path):
+    """An engine that dies at start-up is reported with the end of its log, which stays in the run dir;
+    SGLang prints its server arguments (the keys) there first, so the report redacts them."""
+    keys = job_keys(tmp_path)
+    log = tmp_path / "engine.log"
+    log.write_text(f"server_args=ServerArgs(api_key='{keys.api_key}', admin_api_key='{keys.admin_api_key}')\n")
+    with pytest.raises(RuntimeError) as info:
+        launch_reference_server(str(tmp_path / "no-such-config.json"), "cpu", 0, str(log), threads=1,
+                                config_path=str(keys_path(tmp_path)), startup_timeout_s=120)
+    message = str(info.value)
+    assert "exited with code" in message and f"log tail ({log})" in message and "<redacted>" in message
+    assert keys.api_key not in message and keys.admin_api_key not in message
+    assert keys.api_key in log.read_text()  # the log itself keeps what the engine wrote

@@ -1,22 +1,44 @@
 #!/usr/bin/env bash
-# Installs hpcrl into ./.venv (CPU build of torch; never a CUDA build, never sglang/transformer-engine).
-#   bash install.sh          # runtime
+# Installs hpcrl into ./.venv (never sglang or transformer-engine: SGLang gets its own environment,
+# docs/sglang_install.md).
+#   bash install.sh          # runtime, CPU build of torch (laptops, CI, CPU nodes)
 #   bash install.sh --test   # runtime + test tools
-# Idempotent: a second run only checks that everything is installed.
+#   bash install.sh --cuda   # the trainer's environment on GPU nodes: the CUDA build of torch==2.13.0
+#                            # (PyPI's Linux wheel, or HPCRL_TORCH_INDEX=<a CUDA wheel index of torch>)
+# Flags combine (--cuda --test). Idempotent: a second run only checks that everything is installed.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${HPCRL_VENV:-.venv}"
-extras=""
-[[ "${1:-}" == "--test" ]] && extras="[test]"
+extras="" cuda=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) extras="[test]" ;;
+    --cuda) cuda=1 ;;
+    *) echo "install.sh: unknown option '$arg'; use --test and/or --cuda" >&2; exit 2 ;;
+  esac
+done
 if [[ ! -x "$VENV/bin/python" ]]; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q -U pip wheel
 fi
-# torch first and exactly pinned, so nothing later can pull a CUDA build.
-"$VENV/bin/pip" install -q "torch==2.13.0"
+# torch first and exactly pinned, so nothing later can pull another build.
+if (( cuda )); then
+  "$VENV/bin/pip" install -q "torch==2.13.0" ${HPCRL_TORCH_INDEX:+--index-url "$HPCRL_TORCH_INDEX"}
+else
+  "$VENV/bin/pip" install -q "torch==2.13.0"
+fi
 "$VENV/bin/pip" install -q -e ".$extras"
-"$VENV/bin/python" - <<'PY'
+HPCRL_WANT_CUDA=$cuda "$VENV/bin/python" - <<'PY'
+import os
 import torch
-assert torch.version.cuda is None, f"a CUDA build of torch was installed ({torch.__version__}); hpcrl's CPU install needs torch==2.13.0+cpu"
+if os.environ["HPCRL_WANT_CUDA"] == "1":
+    assert torch.version.cuda is not None, (
+        f"install.sh --cuda: torch {torch.__version__} is a CPU build; remove .venv and point "
+        "HPCRL_TORCH_INDEX at a CUDA wheel index of torch 2.13.0 (docs/sglang_install.md)")
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs here: {torch.cuda.device_count()}")
+else:
+    assert torch.version.cuda is None, (
+        f"a CUDA build of torch was installed ({torch.__version__}); hpcrl's CPU install needs "
+        "torch==2.13.0+cpu (use --cuda on GPU nodes)")
 PY
 echo "hpcrl installed in $VENV"

@@ -66,7 +66,9 @@ def test_reference_engine_loads_the_directory(dirs: dict[str, Path]) -> None:
     with torch.no_grad():
         want = torch.log_softmax(hf(ids).logits.float(), -1)
         got = torch.log_softmax(engine.model(ids).logits.float(), -1)
-    assert (want - got).abs().max() < 1e-5
+    # The engine's model is transformers' class with the directory's weights: the same kernels on the
+    # same inputs in this process, so the same bits (a wrong or missing tensor changes them).
+    assert torch.equal(want, got)
 
 
 def test_sharded_init_boxes_equal_the_whole_tensor() -> None:

@@ -15,6 +15,8 @@ magnitude, and shows that a real error (a swapped expert, a wrong slice, a missi
 
 from __future__ import annotations
 
+import torch
+
 U_FP32 = 2.0 ** -24
 """Unit roundoff of float32 (round to nearest, 24-bit significand)."""
 U_BF16 = 2.0 ** -8
@@ -25,3 +27,60 @@ def reordered(n: int, depth: int, magnitude: float, u: float = U_FP32) -> float:
     """First-order bound on |a - b| for a and b the same quantity computed through `depth` reductions
     of at most `n` terms each, in two summation orders, with sum|terms| ~ `magnitude`."""
     return 2 * n * u * depth * magnitude
+
+
+def forward_depth(num_layers: int) -> int:
+    """How many reductions a logit of a MoE transformer ends: per layer q/k/v, q.k, attention.v,
+    o_proj, router, expert up, expert down (7), then lm_head."""
+    return 1 + 7 * num_layers
+
+
+def router_depth(layer: int) -> int:
+    """How many reductions a router logit of `layer` (0-based) ends: 7 per earlier layer, then q/k/v,
+    q.k, attention.v, o_proj, the router's own and its softmax."""
+    return 7 * layer + 6
+
+
+def longest_reduction(hf_config: dict, keys: int) -> int:
+    """n of a forward of this HF config over `keys` positions: the longest of hidden, heads * head_dim,
+    the (expert) ffn sizes and the attention's key count (the vocab's log-sum-exp is logprob_bound's)."""
+    heads = hf_config["num_attention_heads"]
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
+    return max(hf_config["hidden_size"], heads * head_dim, hf_config.get("moe_intermediate_size", 0),
+               hf_config["intermediate_size"], keys)
+
+
+def logit_bound(hf_config: dict, max_logit: float, keys: int) -> float:
+    """|a - b| for two evaluations of a MoE transformer's logits in other summation orders (kernels,
+    batch shapes, padding, KV cache, TP/EP splits) that route every token alike: reordered with n =
+    longest_reduction, depth = forward_depth, magnitude = max|logit| (the weights' scale is in it)."""
+    return reordered(longest_reduction(hf_config, keys), forward_depth(hf_config["num_hidden_layers"]),
+                     max_logit)
+
+
+def logprob_bound(logits_apart: float, vocab: int, temperature: float = 1.0, u: float = U_FP32) -> float:
+    """|a - b| for log_softmax(z / T)[i] of two logit vectors at most `logits_apart` apart (max norm):
+    the token's logit and the log-sum-exp each move by at most max|dz| / T, plus the rounding of the
+    two log-sum-exps (a sum of `vocab` terms, each <= 1, in other orders)."""
+    return 2 * logits_apart / temperature + reordered(vocab, 1, 1.0, u)
+
+
+def topk_margin(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row of `scores` [..., E]: the k-th largest minus the (k+1)-th. Two evaluations of the scores
+    each within B of a third one pick the same top-k set wherever the third one's margin exceeds 2 B
+    (a chosen score falls by at most B, an unchosen one rises by at most B)."""
+    top = scores.float().topk(k + 1, -1).values
+    return top[..., k - 1] - top[..., k]
+
+
+def routing_margin_ratio(router_logits: list[torch.Tensor], k: int, n: int) -> float:
+    """min over layers and tokens of topk_margin / (2 * reordered(n, router_depth(layer), max|logit|)):
+    above 1, every evaluation of the model in another summation order (B apart) routes every token to
+    the experts these `router_logits` (one per layer, [tokens, E], from one fp32 evaluation) route it
+    to, so comparing two such evaluations compares the same routing; at or below 1 a near-tie could
+    send a token elsewhere, a jump no rounding bound covers (then the test needs other inputs). The
+    ratio itself moves by at most 1/2 on another host (its evaluation is B away), so inputs measured
+    above 1.5 pass the check on every host."""
+    ratios = [(topk_margin(r, k).min() / (2 * reordered(n, router_depth(i), r.abs().max().item()))).item()
+              for i, r in enumerate(router_logits)]
+    return min(ratios)

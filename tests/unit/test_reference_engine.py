@@ -1,16 +1,32 @@
-"""hpcrl.rollout.engine.ReferenceModel: KV-cache decoding, SGLang sampling rules, determinism, weights."""
+"""hpcrl.rollout.engine.ReferenceModel: KV-cache decoding, SGLang sampling rules, determinism, weights.
+
+Two evaluations of the same logits in other summation orders (a batch of other shape, left padding,
+the KV cache against a full forward) are compared within numerics.logit_bound / logprob_bound (fp32
+rounding: n = 128, the preset's longest reduction, 15 reductions deep, magnitude max|logit|), after
+checking that no router near-tie lies within that bound (numerics.routing_margin_ratio). Where a token
+choice decides what comes next, both runs are fed the same tokens (`Steer`), and the sampler is
+checked to pick the same token from the same logits, so a near-tie between two tokens cannot send
+them down different sequences. test_bounds_catch_real_errors: padding left unmasked, positions counted
+from the padded start and decode positions one ahead each exceed 10x the bound.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from numerics import logit_bound, logprob_bound, longest_reduction, routing_margin_ratio
 
+import hpcrl.rollout.engine as engine_module
 from hpcrl.models.presets import load_hf_config
 from hpcrl.rollout.engine import ReferenceModel, SamplingParams
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
 
 HF_CONFIG = load_hf_config("tiny-qwen3-moe", None)
+VOCAB = HF_CONFIG["vocab_size"]
+KEYS = HF_CONFIG["max_position_embeddings"]  # no sequence here attends to more keys
+SAMPLE = engine_module._sample
+N = longest_reduction(HF_CONFIG, KEYS)  # 128: the (unused) dense ffn; hidden, heads * head_dim, keys 64
 
 
 @pytest.fixture(scope="module")
@@ -25,12 +41,84 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def _full_forward_logprobs(engine: ReferenceModel, prompt, output_ids, temperature: float) -> torch.Tensor:
-    """Log-probs of output_ids from one forward over the whole unpadded sequence, no cache."""
+def _full_forward(engine: ReferenceModel, prompt, output_ids) -> torch.Tensor:
+    """The logits that predict output_ids, [T, V], from one HF forward over the whole unpadded
+    sequence, no cache; first checks that no router near-tie lies within the rounding bound."""
     seq = torch.tensor([prompt + output_ids])
-    logits = engine.model(input_ids=seq).logits[0, len(prompt) - 1:-1].float()
+    out = engine.model(input_ids=seq, output_router_logits=True)
+    ratio = routing_margin_ratio(list(out.router_logits), HF_CONFIG["num_experts_per_tok"], N)
+    assert ratio > 1, f"a router near-tie within the rounding bound ({ratio:.2f}): use other inputs"
+    return out.logits[0, len(prompt) - 1:-1].float()
+
+
+def _logprobs(logits_TV: torch.Tensor, output_ids, temperature: float) -> torch.Tensor:
     t = 1.0 if temperature == 0 else temperature
-    return torch.log_softmax(logits / t, -1).gather(1, torch.tensor(output_ids)[:, None])[:, 0]
+    return torch.log_softmax(logits_TV / t, -1).gather(1, torch.tensor(output_ids)[:, None])[:, 0]
+
+
+def _logit_tol(*logits: torch.Tensor) -> float:
+    return logit_bound(HF_CONFIG, max(x.abs().max().item() for x in logits), KEYS)
+
+
+class Steer:
+    """Stands in for the engine's sampler (engine._sample) for one `generate` call and records the
+    logits it is given, one [B, V] tensor per step. A row in `forced` ({row: (tokens, logits [T, V])}
+    of another run) takes those tokens instead of its own draw, with log-probs of this run's logits:
+    both runs then see the same inputs. `picked` holds, per step, what the real sampler chooses in
+    this batch when the forced rows' logits are the other run's: the same tokens, if the sampler's
+    choice for a row does not depend on the other rows."""
+
+    def __init__(self, forced: dict[int, tuple[list[int], torch.Tensor]] | None = None) -> None:
+        self.forced = forced or {}
+        self.logits: list[torch.Tensor] = []
+        self.picked: list[torch.Tensor] = []
+
+    def __call__(self, logits_BV, u_B, all_greedy, greedy_B, temp_B, top_p_B, top_k_B):
+        t = len(self.logits)
+        self.logits.append(logits_BV.clone())
+        rows = [r for r, (tokens, _) in self.forced.items() if t < len(tokens)]
+        given = logits_BV.clone()
+        for r in rows:
+            given[r] = self.forced[r][1][t]
+        tok_B, lp_B = SAMPLE(given, u_B, all_greedy, greedy_B, temp_B, top_p_B, top_k_B)
+        self.picked.append(tok_B.clone())
+        for r in rows:
+            tok_B[r] = self.forced[r][0][t]
+            temperature = 1.0 if temp_B is None else temp_B[r]
+            lp_B[r] = torch.log_softmax(logits_BV[r] / temperature, -1)[tok_B[r]]
+        return tok_B, lp_B
+
+    def run(self, engine: ReferenceModel, prompts, params, monkeypatch) -> list[dict]:
+        with monkeypatch.context() as m:
+            m.setattr(engine_module, "_sample", self)
+            return engine.generate(prompts, params)
+
+    def row(self, r: int, steps: int) -> torch.Tensor:
+        """Row r's logits over the first `steps` steps, [steps, V]."""
+        return torch.stack([x[r] for x in self.logits[:steps]])
+
+
+def _check_same_as_alone(out: dict, alone: dict, steer: Steer, row: int, alone_logits: torch.Tensor,
+                         temperature: float) -> None:
+    """Row `row` of a steered batch against the run of its prompt alone: the sampler picked the alone
+    run's tokens from the alone run's logits, and its own logits and log-probs are within the bound."""
+    n = len(alone["output_ids"])
+    assert out["output_ids"] == alone["output_ids"] and out["finish_reason"] == alone["finish_reason"]
+    assert [int(p[row]) for p in steer.picked[:n]] == alone["output_ids"], "the batch changed the sampler"
+    mine = steer.row(row, n)
+    tol = _logit_tol(mine, alone_logits)
+    torch.testing.assert_close(mine, alone_logits, atol=tol, rtol=0)
+    t = 1.0 if temperature == 0 else temperature
+    torch.testing.assert_close(torch.tensor(out["output_logprobs"]), torch.tensor(alone["output_logprobs"]),
+                               atol=logprob_bound(tol, VOCAB, t), rtol=0)
+
+
+def _alone(engine, prompt, sp, monkeypatch) -> tuple[dict, torch.Tensor]:
+    """The prompt's own run, its logits per step, and a check that it routes without near-ties."""
+    steer = Steer()
+    (out,) = steer.run(engine, [prompt], [sp], monkeypatch)
+    _full_forward(engine, prompt, out["output_ids"])
+    return out, steer.row(0, len(out["output_ids"]))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.3])
@@ -42,37 +130,74 @@ def test_kv_cache_logprobs_equal_a_full_forward(engine, temperature):
     for prompt, out in zip(prompts, outs):
         assert len(out["output_ids"]) == 12
         assert out["finish_reason"] == {"type": "length", "length": 12}
-        ref = _full_forward_logprobs(engine, prompt, out["output_ids"], temperature)
-        torch.testing.assert_close(torch.tensor(out["output_logprobs"]), ref, atol=1e-5, rtol=0)
+        # the engine's own tokens, fed to a full forward: no choice is made from the forward here
+        logits = _full_forward(engine, prompt, out["output_ids"])
+        bound = logprob_bound(_logit_tol(logits), VOCAB, 1.0 if temperature == 0 else temperature)
+        torch.testing.assert_close(torch.tensor(out["output_logprobs"]),
+                                   _logprobs(logits, out["output_ids"], temperature), atol=bound, rtol=0)
 
 
-def test_left_padded_ragged_batch_equals_single_prompts(engine):
+def test_left_padded_ragged_batch_equals_single_prompts(engine, monkeypatch):
     prompts = _prompts(5, seed=1)
     assert len({len(p) for p in prompts}) > 1
     params = [{"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}] * 5
-    batched = engine.generate(prompts, params)
-    for prompt, out in zip(prompts, batched):
-        (single,) = engine.generate([prompt], params[:1])
-        assert out["output_ids"] == single["output_ids"]
-        torch.testing.assert_close(torch.tensor(out["output_logprobs"]),
-                                   torch.tensor(single["output_logprobs"]), atol=1e-5, rtol=0)
+    singles = [_alone(engine, prompt, params[0], monkeypatch) for prompt in prompts]
+    steer = Steer({b: (out["output_ids"], logits) for b, (out, logits) in enumerate(singles)})
+    batched = steer.run(engine, prompts, params, monkeypatch)
+    for b, (single, logits) in enumerate(singles):
+        _check_same_as_alone(batched[b], single, steer, b, logits, 0.0)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_results_do_not_depend_on_batch_composition(engine, temperature):
+def test_results_do_not_depend_on_batch_composition(engine, temperature, monkeypatch):
     target = [5, 9, 17, 33, 4]
     sp = {"temperature": temperature, "max_new_tokens": 16, "ignore_eos": True, "sampling_seed": 1234}
-    alone = engine.generate([target], [sp])[0]
+    alone, logits = _alone(engine, target, sp, monkeypatch)
     others = _prompts(7, seed=2)
     other_params = [{"temperature": 1.0, "max_new_tokens": 5, "sampling_seed": 50 + i} for i in range(7)]
     # Rows that are greedy, top-k filtered or at another temperature put those rules into the batch's
     # sampler, which a batch without them leaves out.
     other_params[1] |= {"temperature": 0.0}
     other_params[5] |= {"temperature": 0.7, "top_k": 5}
-    mixed = engine.generate(others[:3] + [target] + others[3:], other_params[:3] + [sp] + other_params[3:])[3]
-    assert mixed["output_ids"] == alone["output_ids"]
-    torch.testing.assert_close(torch.tensor(mixed["output_logprobs"]), torch.tensor(alone["output_logprobs"]),
-                               atol=1e-5, rtol=0)
+    steer = Steer({3: (alone["output_ids"], logits)})
+    mixed = steer.run(engine, others[:3] + [target] + others[3:], other_params[:3] + [sp] + other_params[3:],
+                      monkeypatch)
+    _check_same_as_alone(mixed[3], alone, steer, 3, logits, temperature)
+
+
+def _unmasked_padding(forward):
+    return lambda ids, mask, pos, cache: forward(ids, None, pos, cache)
+
+
+def _positions_from_padded_start(forward):
+    def wrapped(ids, mask, pos, cache):
+        prefill = ids.shape[1] > 1
+        return forward(ids, mask, torch.arange(ids.shape[1]).expand_as(pos) if prefill else pos, cache)
+    return wrapped
+
+
+def _decode_positions_one_ahead(forward):
+    return lambda ids, mask, pos, cache: forward(ids, mask, pos + (ids.shape[1] == 1), cache)
+
+
+@pytest.mark.parametrize("mutation", [_unmasked_padding, _positions_from_padded_start,
+                                      _decode_positions_one_ahead])
+def test_bounds_catch_real_errors(engine, mutation, monkeypatch):
+    """The bounds above reject an engine whose batched decode has a real error: a left-padded batch
+    against its prompts alone (padding, prefill positions), the KV cache against a full forward
+    (decode positions); each moves some logit by more than 10x the bound."""
+    prompts = _prompts(5, seed=1)
+    params = [{"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}] * 5
+    singles = [_alone(engine, prompt, params[0], monkeypatch) for prompt in prompts]
+    steer = Steer({b: (out["output_ids"], logits) for b, (out, logits) in enumerate(singles)})
+    monkeypatch.setattr(engine, "_forward", mutation(engine._forward))
+    steer.run(engine, prompts, params, monkeypatch)
+    want = [logits for _, logits in singles]
+    if mutation is _decode_positions_one_ahead:  # the prompts alone have it too: a full forward has not
+        want = [_full_forward(engine, p, out["output_ids"]) for p, (out, _) in zip(prompts, singles)]
+    gap = max((steer.row(b, 10) - logits).abs().max().item() for b, logits in enumerate(want))
+    bound = max(_logit_tol(logits) for logits in want)
+    assert gap > 10 * bound, (gap, bound)
 
 
 def test_seeds_change_samples_and_top_k_1_is_greedy(engine):
@@ -83,11 +208,14 @@ def test_seeds_change_samples_and_top_k_1_is_greedy(engine):
     assert len(samples) > 1
     greedy = engine.generate([prompt], [{**base, "temperature": 0}])[0]
     for extra in ({"top_k": 1}, {"top_p": 1e-6}):
+        # the same prompt alone, so the same logits: only the sampler's rules differ
         out = engine.generate([prompt], [{**base, "temperature": 0.8, "sampling_seed": 9, **extra}])[0]
         assert out["output_ids"] == greedy["output_ids"]
         # log-probs are of the temperature-scaled distribution, before filtering
-        ref = _full_forward_logprobs(engine, prompt, out["output_ids"], 0.8)
-        torch.testing.assert_close(torch.tensor(out["output_logprobs"]), ref, atol=1e-5, rtol=0)
+        logits = _full_forward(engine, prompt, out["output_ids"])
+        torch.testing.assert_close(torch.tensor(out["output_logprobs"]),
+                                   _logprobs(logits, out["output_ids"], 0.8),
+                                   atol=logprob_bound(_logit_tol(logits), VOCAB, 0.8), rtol=0)
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.6])

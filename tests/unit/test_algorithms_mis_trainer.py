@@ -1,8 +1,9 @@
-"""MIS rejection in the trainer (algorithm.rollout_correction: mis): the rejected sequences leave every
-term of the loss (policy gradient, KL to the reference, entropy bonus) and its token and sequence
-counts, so a step with them rejected is the step on the batch without them; at the token level
-only the rejected tokens leave. A real one-rank Megatron policy in a fresh process (its own gloo
-world), run by this file itself."""
+"""Rollout correction in the trainer. MIS rejection (algorithm.rollout_correction: mis): the rejected
+sequences leave every term of the loss (policy gradient, KL to the reference, entropy bonus) and its
+token and sequence counts, so a step with them rejected is the step on the batch without them; at
+the token level only the rejected tokens leave. TIS: a user's loss that never applies the weights
+stops the step naming it. A real one-rank Megatron policy in a fresh process (its own gloo world),
+run by this file itself."""
 
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
 def test_rejected_sequences_and_tokens_leave_the_loss_and_its_counts():
     out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=280)
     assert out.returncode == 0 and out.stdout.strip().endswith("MIS OK"), out.stderr[-3000:]
+
+
+def plain_loss(b, cfg):  # a user's loss that ignores b.correction_BT
+    pg = -(b.advantages_BT() * b.logp_BT * b.mask_BT).sum() / b.num_tokens
+    return pg, {}
 
 
 def _worker() -> None:
@@ -86,6 +92,14 @@ def _worker() -> None:
     expected = -(adv[:, None] * keep).sum() / keep.sum()
     assert keep.sum() == int(mask.sum()) - 3 and abs(m["pg_loss"] - expected.item()) < 1e-6, (m, expected)
     assert m["mis_masked_frac"] == pytest.approx(3 / int(mask.sum()))
+
+    tis = policy("token-mean", rollout_correction="tis", tis_cap=2.0)
+    try:
+        tis.update(batch, adv, tis.compute_logprobs(batch, "ref"), loss="__main__:plain_loss",
+                   tensors={"behaviour_logp": (tis.compute_logprobs(batch) - d) * mask})
+        raise AssertionError("a loss that ignores the TIS weights ran")
+    except ValueError as exc:
+        assert "loss '__main__:plain_loss' never applied algorithm.rollout_correction: tis" in str(exc), exc
     dist.destroy_process_group()
     print("MIS OK")
 

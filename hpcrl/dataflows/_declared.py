@@ -41,10 +41,11 @@ def declared(name: str) -> tuple[MappingProxyType, tuple[str, ...]]:
     if not name.isidentifier() or name.startswith("_") or not path.is_file():
         return GENERIC_DEFAULTS, ()
     found: dict[str, Any] = {}
-    for node in ast.parse(path.read_text(), str(path)).body:
-        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
-            node.target if isinstance(node, ast.AnnAssign) else None
-        if isinstance(target, ast.Name) and target.id in ("DEFAULTS", "FIXED") and node.value is not None:
+    for node in ast.parse(path.read_text(), str(path)).body:  # top-level `NAME = <literal>` lines
+        if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+            continue
+        target = node.targets[0]
+        if isinstance(target, ast.Name) and target.id in ("DEFAULTS", "FIXED"):
             found[target.id] = ast.literal_eval(node.value)
     defaults, fixed = found.get("DEFAULTS"), tuple(found.get("FIXED", ()))
     assert isinstance(defaults, dict), f"{path} declares no DEFAULTS literal"

@@ -1,14 +1,24 @@
 """The reference server as a real subprocess, driven over real HTTP by EngineClient and, for weight sync,
-joined over gloo by this test process as rank 0 of SGLang's weight-update group (WeightSender)."""
+joined over gloo by this test process as rank 0 of SGLang's weight-update group (WeightSender).
+
+Answers are checked against a twin ReferenceModel in this process with the server's weights. A request
+the twin runs in the same batch gives the same bits: the same code on the same inputs, one thread each,
+the same CPU kernels (the server inherits this environment). Requests the server batches as they come
+(another batch shape) are compared within the fp32 rounding bound (numerics.logit_bound), and their
+sampled tokens exactly, with seeds whose draws the test first shows to be clear of every near-tie
+within that bound (`_clear_seed`): no rounding can then change a token.
+"""
 
 from __future__ import annotations
 
 import http.client
 import json
+import math
 import threading
 
 import pytest
 import torch
+from numerics import U_FP32, logit_bound, logprob_bound, longest_reduction, routing_margin_ratio
 
 from hpcrl.dist import free_port
 from hpcrl.rollout.client import EngineClient, EngineError
@@ -18,6 +28,8 @@ from hpcrl.rollout.weight_sender import WeightSender, dtype_name, flatten_bucket
 from reference_engine import GREEDY, HF_CONFIG, PROMPTS, reference_server
 
 pytestmark = pytest.mark.timeout(300)
+KEYS = HF_CONFIG["max_position_embeddings"]
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -26,11 +38,57 @@ def server(tmp_path_factory):
         yield proc, client, log
 
 
+@pytest.fixture(scope="module")
+def twin() -> ReferenceModel:
+    """The server's model: the preset drawn from seed 0, as reference_server starts it."""
+    return ReferenceModel(HF_CONFIG, seed=0)
+
+
 def _logprobs(answer: dict) -> list[float]:
     return [lp for lp, _tok, _text in answer["meta_info"]["output_token_logprobs"]]
 
 
-def test_generate_answers_in_sglang_shapes(server):
+def _draw_is_clear(logits_V: torch.Tensor, token: int, u: float, temperature: float, apart: float) -> bool:
+    """Whether the engine's unfiltered sampler (inverse CDF over the probabilities sorted in descending
+    order, engine.py) draws `token` with uniform `u` from every logit vector within `apart` of logits_V
+    (max norm): no other logit lies within 2 * apart of the token's (the tokens sorted before it stay
+    the same; 8 ulps more for the sampler's own rounding of the order), and u lies a factor
+    r = e^(4 apart / T) * (1 + 4 V u32) inside the token's CDF interval (each probability moves by at most
+    e^(+-2 apart / T), the cumulative sums by the same factor plus their V-term rounding)."""
+    z = logits_V.double() / temperature
+    slack = 2 * apart / temperature + 8 * U_FP32 * (1 + z.abs().max().item())
+    others = torch.cat([z[:token], z[token + 1:]])
+    if (others - z[token]).abs().min().item() <= slack:
+        return False
+    p = torch.softmax(z, -1)
+    before = p[z > z[token]].sum().item()
+    r = math.exp(4 * apart / temperature) * (1 + 4 * z.numel() * U_FP32)
+    return before * r < u and u * r < before + p[token].item()
+
+
+def _clear_seed(twin: ReferenceModel, prompt: list[int], params: dict, first: int) -> tuple[dict, dict]:
+    """The first of seeds first, first + 1000, ... whose twin answer draws every token clear of
+    near-ties (`_draw_is_clear` on a full forward of the answer, within logit_bound of any evaluation)
+    and routes every token clear of them: its params with that seed, and the twin's answer."""
+    steps = params["max_new_tokens"]
+    for seed in range(first, first + 50_000, 1000):
+        sp = {**params, "sampling_seed": seed}
+        (out,) = twin.generate([prompt], [sp])
+        with torch.inference_mode():
+            full = twin.model(input_ids=torch.tensor([prompt + out["output_ids"]]), output_router_logits=True)
+        if routing_margin_ratio(list(full.router_logits), HF_CONFIG["num_experts_per_tok"],
+                                longest_reduction(HF_CONFIG, KEYS)) <= 1:
+            continue
+        logits = full.logits[0, len(prompt) - 1:-1].float()
+        apart = logit_bound(HF_CONFIG, logits.abs().max().item(), KEYS)
+        u = torch.rand(steps, generator=torch.Generator().manual_seed(seed))  # the engine's draws
+        if all(_draw_is_clear(logits[t], tok, u[t].item(), sp["temperature"], apart)
+               for t, tok in enumerate(out["output_ids"])):
+            return sp, {**out, "bound": logprob_bound(apart, HF_CONFIG["vocab_size"], sp["temperature"])}
+    raise AssertionError(f"no seed of 50 draws clear of near-ties for prompt {prompt}")
+
+
+def test_generate_answers_in_sglang_shapes(server, twin):
     _, client, log = server
     assert log.read_text().count("ready on http://127.0.0.1:") == 1
     single = client.generate(PROMPTS[0], GREEDY, return_logprob=True, rid="req-1")
@@ -42,9 +100,11 @@ def test_generate_answers_in_sglang_shapes(server):
     triples = meta["output_token_logprobs"]
     assert [t for _, t, _ in triples] == single["output_ids"] and all(x is None for _, _, x in triples)
     assert all(lp < 0 for lp, _, _ in triples)
+    assert single["output_ids"] == twin.generate([PROMPTS[0]], [GREEDY])[0]["output_ids"]
     batch = client.generate(PROMPTS, [GREEDY] * 3)
     assert isinstance(batch, list) and len(batch) == 3
-    assert batch[0]["output_ids"] == single["output_ids"]
+    # in request order: the twin's batch of the same three prompts gives the same bits
+    assert [a["output_ids"] for a in batch] == [a["output_ids"] for a in twin.generate(PROMPTS, [GREEDY] * 3)]
     assert "output_token_logprobs" not in batch[0]["meta_info"]
     again = client.generate(PROMPTS, [GREEDY] * 3)
     ids = [a["meta_info"]["id"] for a in batch + again]  # SGLang's shape: 32 hex digits, all distinct
@@ -56,11 +116,17 @@ def test_generate_answers_in_sglang_shapes(server):
     client.flush_cache()
 
 
-def test_concurrent_requests_are_batched_without_changing_results(server):
+def test_concurrent_requests_are_batched_without_changing_results(server, twin):
+    """Eight concurrent requests, batched by the server as they arrive, and the same eight as one
+    batched request: each answer is the twin's answer to that request alone (tokens exactly, log-probs
+    within the bound), its seed chosen so that no near-tie lets rounding change a token."""
     _, client, _ = server
-    params = [{"temperature": 1.0, "max_new_tokens": 8, "sampling_seed": 100 + i} for i in range(8)]
     prompts = [PROMPTS[i % 3] for i in range(8)]
-    expected = client.generate(prompts, params, return_logprob=True)
+    chosen = [_clear_seed(twin, prompts[i], {"temperature": 1.0, "max_new_tokens": 8}, 100 + i)
+              for i in range(8)]
+    params = [sp for sp, _ in chosen]
+    alone = [out for _, out in chosen]
+    batched = client.generate(prompts, params, return_logprob=True)
     got: dict[int, dict] = {}
 
     def one(i: int) -> None:
@@ -71,10 +137,12 @@ def test_concurrent_requests_are_batched_without_changing_results(server):
         t.start()
     for t in threads:
         t.join(60)
+    assert len({tuple(a["output_ids"]) for a in alone}) == 8  # a mixed-up answer would show
     for i in range(8):
-        assert got[i]["output_ids"] == expected[i]["output_ids"]
-        torch.testing.assert_close(torch.tensor(_logprobs(got[i])), torch.tensor(_logprobs(expected[i])),
-                                   atol=1e-6, rtol=0)
+        for answer in (got[i], batched[i]):
+            assert answer["output_ids"] == alone[i]["output_ids"], i
+            want = torch.tensor(alone[i]["output_logprobs"])
+            torch.testing.assert_close(torch.tensor(_logprobs(answer)), want, atol=alone[i]["bound"], rtol=0)
 
 
 @pytest.mark.parametrize("body, status, match", [
@@ -189,11 +257,12 @@ def _server_greedy(client: EngineClient) -> list[dict]:
 
 
 def _assert_matches_local(answers: list[dict], local: ReferenceModel) -> None:
+    """The server's answers to the three greedy prompts are `local`'s bit for bit: the same batch
+    through the same code on the same weights (any weight that did not arrive changes them)."""
     expected = local.generate(PROMPTS, [GREEDY] * 3)
     for got, exp in zip(answers, expected):
         assert got["output_ids"] == exp["output_ids"]
-        torch.testing.assert_close(torch.tensor(_logprobs(got)), torch.tensor(exp["output_logprobs"]),
-                                   atol=1e-6, rtol=0)
+        assert _logprobs(got) == exp["output_logprobs"]
 
 
 def test_weight_sync_per_tensor_and_flattened_bucket(server):

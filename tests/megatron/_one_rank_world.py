@@ -11,6 +11,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for numerics
+from numerics import reordered  # noqa: E402
+
 
 def check_experts() -> None:
     """Patch 10: the grouped-GEMM experts give the per-expert loop's output and the same grads for
@@ -48,8 +51,12 @@ def check_experts() -> None:
             (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
             results.append([out.detach(), xi.grad, pi.grad, *(p.grad.clone() for p in mlp.parameters())])
             assert bias is None
+        # Other GEMM shapes sum in other orders. Each value ends at most 4 chained reductions (fc1,
+        # fc2, and back through fc2 and fc1 for the input's grad; a weight's grad sums <= 9 tokens), none
+        # longer than the hidden size 16: tests/numerics.py's bound with magnitude the tensor's max.
         for a, b in zip(*results):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            bound = reordered(16, 4, max(a.abs().max().item(), b.abs().max().item()))
+            assert (a - b).abs().max().item() <= bound, ((a - b).abs().max().item(), bound)
     # one local expert: Megatron's own path
     one = experts.module(1, config, experts.submodules, pg_collection=groups)
     out, _ = fast(one, x, torch.tensor([9]), probs)
@@ -81,7 +88,7 @@ def check_mappings() -> None:
         y = layers.linear_with_grad_accumulation_and_async_allreduce(x, w, None, False, True, False,
                                                                      tp_group=group)
     assert any("async grad allreduce" in str(m.message) for m in caught), [str(m.message) for m in caught]
-    torch.testing.assert_close(y, x @ w.t())
+    assert torch.equal(y, x @ w.t())  # Megatron's Function computes torch.matmul(x, w.t()): the same op
 
 
 def check_grad_norm() -> None:
@@ -102,10 +109,13 @@ def check_grad_norm() -> None:
     with mock.patch.object(dist, "all_reduce", side_effect=AssertionError("all_reduce on one rank")):
         got = clip_grads.get_grad_norm_fp32(grads, grad_stats_parallel_group=group)
         assert clip_grads.get_grad_norm_fp32([], grad_stats_parallel_group=group) == 0.0
-    assert got == want and abs(got - float(torch.cat([x.flatten() for x in grads]).norm())) < 1e-5
+    # Against one norm over all 72 elements: sums of <= 72 terms, two chained (per tensor, then over
+    # the tensors), in other orders; a norm's relative error is half its sum of squares'.
+    flat = torch.cat([x.flatten() for x in grads])
+    assert got == want and abs(got - float(flat.norm())) <= reordered(72, 2, got) / 2
     with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as reduce:
-        assert abs(clip_grads.get_grad_norm_fp32(grads, 1, group)
-                   - float(sum(x.abs().sum() for x in grads))) < 1e-3
+        l1 = clip_grads.get_grad_norm_fp32(grads, 1, group)
+        assert abs(l1 - float(sum(x.abs().sum() for x in grads))) <= reordered(72, 2, l1)
     assert reduce.called
 
 

@@ -23,6 +23,9 @@
 #   HPCRL_SLURM_CTLD_PORT (6817), HPCRL_SLURM_SLURMD_PORT0 (17001; node i uses PORT0+i-1)
 #   HPCRL_SLURM_TIMEOUT_S (60)   deadline for the nodes to become idle
 #   HPCRL_SLURM_KICKER (1)       run the loop that wakes the backfill scheduler for pending hetjobs
+#   HPCRL_SLURM_ACCOUNTING (1)   job accounting (sacct): slurmdbd on a private MariaDB in the state dir;
+#                                0 runs without it (sacct then fails, as on clusters without accounting)
+#   HPCRL_SLURM_DB_PORT (3307), HPCRL_SLURM_DBD_PORT (6819)   MariaDB's and slurmdbd's ports (127.0.0.1)
 set -euo pipefail
 
 NODES="${HPCRL_SLURM_NODES:-4}"
@@ -35,6 +38,9 @@ CTLD_PORT="${HPCRL_SLURM_CTLD_PORT:-6817}"
 SLURMD_PORT0="${HPCRL_SLURM_SLURMD_PORT0:-17001}"
 TIMEOUT_S="${HPCRL_SLURM_TIMEOUT_S:-60}"
 KICKER="${HPCRL_SLURM_KICKER:-1}"
+ACCOUNTING="${HPCRL_SLURM_ACCOUNTING:-1}"
+DB_PORT="${HPCRL_SLURM_DB_PORT:-3307}"
+DBD_PORT="${HPCRL_SLURM_DBD_PORT:-6819}"
 CONF_DIR=/etc/slurm
 CLUSTER_NAME=hpcrllocal
 export SLURM_CONF="$CONF_DIR/slurm.conf"
@@ -55,6 +61,9 @@ validate_knobs() {
   check_int HPCRL_SLURM_TIMEOUT_S "$TIMEOUT_S" 1
   check_int HPCRL_SLURM_CTLD_PORT "$CTLD_PORT" 1
   check_int HPCRL_SLURM_SLURMD_PORT0 "$SLURMD_PORT0" 1
+  [[ "$ACCOUNTING" == 0 || "$ACCOUNTING" == 1 ]] || die "HPCRL_SLURM_ACCOUNTING=$ACCOUNTING must be 0 or 1"
+  check_int HPCRL_SLURM_DB_PORT "$DB_PORT" 1
+  check_int HPCRL_SLURM_DBD_PORT "$DBD_PORT" 1
   [[ "$STATE" == /* ]] || die "HPCRL_SLURM_STATE=$STATE must be an absolute path"
 }
 
@@ -74,19 +83,24 @@ port_range() {
 }
 
 install_packages() {
-  local missing=0 b
-  for b in slurmctld slurmd sinfo munged; do command -v "$b" >/dev/null 2>&1 || [[ -x "/usr/sbin/$b" ]] || missing=1; done
+  local missing=0 b pkgs=(slurmctld slurmd slurm-client munge) bins=(slurmctld slurmd sinfo munged)
+  if (( ACCOUNTING )); then
+    pkgs+=(slurmdbd slurm-wlm-mysql-plugin mariadb-server)
+    bins+=(slurmdbd mariadbd mariadb-install-db)
+    compgen -G "/usr/lib/*/slurm-wlm/accounting_storage_mysql.so" >/dev/null || missing=1
+  fi
+  for b in "${bins[@]}"; do command -v "$b" >/dev/null 2>&1 || [[ -x "/usr/sbin/$b" ]] || missing=1; done
   (( missing )) || return 0
   (( EUID == 0 )) || die "Slurm is not installed and installing needs root; run as root"
-  command -v apt-get >/dev/null || die "Slurm is missing and apt-get is not available; install slurmctld slurmd slurm-client munge by hand"
-  log "installing slurmctld slurmd slurm-client munge with apt (one-time)"
+  command -v apt-get >/dev/null || die "Slurm is missing and apt-get is not available; install ${pkgs[*]} by hand"
+  log "installing ${pkgs[*]} with apt (one-time)"
   # Debian's postinst scripts would try to start the services; policy-rc.d exit 101 forbids that
   # (there is no systemd here and the configs do not exist yet).
   local own_policy=0
   if [[ ! -e /usr/sbin/policy-rc.d ]]; then
     printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; own_policy=1
   fi
-  local pkgs=(slurmctld slurmd slurm-client munge) rc=0
+  local rc=0
   export DEBIAN_FRONTEND=noninteractive
   # Stale package lists give 404s; update only when the first try fails.
   apt-get install -y -q --no-install-recommends "${pkgs[@]}" >"/tmp/hpcrl-slurm-apt.log" 2>&1 || {
@@ -127,7 +141,7 @@ SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
 # no 3 s batch delay; backfill every 1 s; a full queue pass (restarts requeued jobs) every 2 s
 SchedulerParameters=batch_sched_delay=0,bf_interval=1,sched_interval=2
-AccountingStorageType=accounting_storage/none
+$(accounting_lines)
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 MpiDefault=none
@@ -150,6 +164,64 @@ NodeName=$(node_range) NodeHostname=localhost NodeAddr=127.0.0.1 Port=$(port_ran
 PartitionName=debug Nodes=$(node_range) Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=$GRACE_S
 PartitionName=high Nodes=$(node_range) Default=NO MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 EOF
+}
+
+accounting_lines() {
+  if (( ACCOUNTING )); then
+    printf '%s\n' "# job records go to slurmdbd (sacct); no limits or associations are enforced" \
+      "AccountingStorageType=accounting_storage/slurmdbd" "AccountingStorageHost=localhost" \
+      "AccountingStoragePort=$DBD_PORT"
+  else
+    echo "AccountingStorageType=accounting_storage/none"
+  fi
+}
+
+# slurmdbd's config; the database password only guards a MariaDB that listens on 127.0.0.1 for tests.
+render_slurmdbd_conf() {
+  cat <<EOF
+# written by hpcrl tests/slurm/cluster.sh - accounting for the local test cluster; edits are overwritten
+AuthType=auth/munge
+DbdHost=localhost
+DbdPort=$DBD_PORT
+SlurmUser=root
+LogFile=$STATE/log/slurmdbd.log
+PidFile=$STATE/run/slurmdbd.pid
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DB_PORT
+StorageUser=slurm
+StoragePass=hpcrl-local-test
+StorageLoc=slurm_acct_db
+EOF
+}
+
+db_sql() { mariadb --no-defaults -S "$STATE/mysqlrun/mysqld.sock" -u root -e "$1"; }
+
+# A private MariaDB (data dir and socket in the state dir, TCP on 127.0.0.1) and slurmdbd on it; the
+# cluster is registered before slurmctld starts, so that slurmctld sends its job records there.
+start_accounting() {
+  if [[ ! -d "$STATE/mysql/mysql" ]]; then
+    mkdir -p "$STATE/mysql"
+    mariadb-install-db --no-defaults --datadir="$STATE/mysql" --user=root --auth-root-authentication-method=socket \
+      --skip-test-db >"$STATE/log/mariadb-install.log" 2>&1 \
+      || { tail -n 20 "$STATE/log/mariadb-install.log" >&2; die "mariadb-install-db failed"; }
+  fi
+  mkdir -p "$STATE/mysqlrun"
+  rm -f "$STATE/mysqlrun/mysqld.sock"
+  setsid mariadbd --no-defaults --datadir="$STATE/mysql" --socket="$STATE/mysqlrun/mysqld.sock" --port="$DB_PORT" \
+    --bind-address=127.0.0.1 --user=root --pid-file="$STATE/run/mariadbd.pid" --log-error="$STATE/log/mariadbd.log" \
+    --skip-name-resolve >>"$STATE/log/mariadbd.stdio" 2>&1 </dev/null &
+  local i
+  for (( i = 0; i < 100; i++ )); do db_sql "select 1" >/dev/null 2>&1 && break; sleep 0.1; done
+  db_sql "select 1" >/dev/null 2>&1 || { print_logs; die "mariadbd did not start (log: $STATE/log/mariadbd.log)"; }
+  db_sql "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'hpcrl-local-test';
+          GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';" || die "could not create slurmdbd's database user"
+  slurmdbd >>"$STATE/log/slurmdbd.stdio" 2>&1 </dev/null || { print_logs; die "slurmdbd failed to start"; }
+  for (( i = 0; i < 100; i++ )); do sacctmgr -n -P list cluster >/dev/null 2>&1 && break; sleep 0.1; done
+  sacctmgr -n -P list cluster >/dev/null 2>&1 || { print_logs; die "slurmdbd does not answer (log: $STATE/log/slurmdbd.log)"; }
+  if ! sacctmgr -n -P list cluster format=cluster | grep -qx "$CLUSTER_NAME"; then
+    sacctmgr -i add cluster "$CLUSTER_NAME" >/dev/null || die "sacctmgr add cluster $CLUSTER_NAME failed"
+  fi
 }
 
 render_gres_conf() {
@@ -251,6 +323,8 @@ wait_gone() {  # deadline_s pid...
 daemon_pids() {
   local n
   pid_of "$STATE/run/slurmctld.pid"
+  pid_of "$STATE/run/slurmdbd.pid"
+  pid_of "$STATE/run/mariadbd.pid"
   for n in $(node_names); do pid_of "$STATE/run/slurmd-$n.pid"; done
 }
 
@@ -258,6 +332,9 @@ running_complete() {  # every daemon of the current config is alive
   local p
   alive "$(pid_of "$STATE/run/slurmctld.pid")" || return 1
   for n in $(node_names); do alive "$(pid_of "$STATE/run/slurmd-$n.pid")" || return 1; done
+  if (( ACCOUNTING )); then
+    alive "$(pid_of "$STATE/run/slurmdbd.pid")" && alive "$(pid_of "$STATE/run/mariadbd.pid")" || return 1
+  fi
   munge_ok
 }
 any_running() {
@@ -297,7 +374,9 @@ cmd_start() {
   mkdir -p "$STATE/run"
   local tmp; tmp=$(mktemp -d)
   render_slurm_conf > "$tmp/slurm.conf"; render_gres_conf > "$tmp/gres.conf"; render_cgroup_conf > "$tmp/cgroup.conf"
-  if running_complete && cmp -s "$tmp/slurm.conf" "$CONF_DIR/slurm.conf" && cmp -s "$tmp/gres.conf" "$CONF_DIR/gres.conf"; then
+  render_slurmdbd_conf > "$tmp/slurmdbd.conf"
+  if running_complete && cmp -s "$tmp/slurm.conf" "$CONF_DIR/slurm.conf" && cmp -s "$tmp/gres.conf" "$CONF_DIR/gres.conf" \
+      && { (( ! ACCOUNTING )) || cmp -s "$tmp/slurmdbd.conf" "$CONF_DIR/slurmdbd.conf"; }; then
     rm -rf "$tmp"
     if wait_idle_quick; then log "already running with this configuration; nothing to do"; return 0; fi
     log "daemons are up but nodes are not idle; restarting"
@@ -309,8 +388,11 @@ cmd_start() {
   local n i
   for n in $(node_names); do mkdir -p "$STATE/slurmd-$n"; done
   for (( i = 0; i < GPUS; i++ )); do ln -sfn /dev/null "$STATE/fakegpu/nvidia$i"; done
-  install -m 0644 "$tmp/slurm.conf" "$tmp/gres.conf" "$tmp/cgroup.conf" "$CONF_DIR/"; rm -rf "$tmp"
+  install -m 0644 "$tmp/slurm.conf" "$tmp/gres.conf" "$tmp/cgroup.conf" "$CONF_DIR/"
+  install -m 0600 "$tmp/slurmdbd.conf" "$CONF_DIR/"  # slurmdbd refuses a config that others can read
+  rm -rf "$tmp"
   start_munge
+  if (( ACCOUNTING )); then start_accounting; fi
   # Daemon stdio goes to files so that a caller capturing our output is not held open by the daemons.
   slurmctld >>"$STATE/log/slurmctld.stdio" 2>&1 </dev/null || { print_logs; die "slurmctld failed to start"; }
   for n in $(node_names); do
@@ -324,7 +406,10 @@ cmd_start() {
   local stale; stale=$(squeue -h -o '%A' 2>/dev/null | tr '\n' ' ' || true)
   if [[ -n "${stale// }" ]]; then log "cancelling jobs left from a previous instance: $stale"; scancel $stale 2>/dev/null || true; fi
   wait_idle || die "cluster did not become idle; see the logs above (state: $STATE)"
-  log "up: $NODES nodes x $CPUS CPUs, $GPUS fake GPUs each, partitions debug (preemptable) and high; $(( SECONDS - t0 ))s"
+  local acct="no accounting"
+  (( ACCOUNTING )) && acct="accounting (sacct)"
+  log "up: $NODES nodes x $CPUS CPUs, $GPUS fake GPUs each, partitions debug (preemptable) and high, $acct;" \
+    "$(( SECONDS - t0 ))s"
 }
 
 wait_idle_quick() {
@@ -356,6 +441,12 @@ cmd_stop() {
     wait_gone 5 "${pids[@]}" || { kill -TERM "${pids[@]}" 2>/dev/null || true; wait_gone 3 "${pids[@]}" || kill -KILL "${pids[@]}" 2>/dev/null || true; }
   fi
   kill_orphans
+  local dbpids=()
+  for f in "$STATE"/run/slurmdbd.pid "$STATE"/run/mariadbd.pid; do
+    p=$(pid_of "$f")
+    if alive "$p"; then kill -TERM "$p" 2>/dev/null || true; dbpids+=("$p"); fi
+  done
+  if (( ${#dbpids[@]} )); then wait_gone 10 "${dbpids[@]}" || kill -KILL "${dbpids[@]}" 2>/dev/null || true; fi
   if [[ -e "$STATE/run/munged.ours" ]]; then
     local mp; mp=$(pid_of /run/munge/munged.pid)
     if alive "$mp"; then kill -TERM "$mp" 2>/dev/null || true; wait_gone 3 "$mp" || kill -KILL "$mp" 2>/dev/null || true; fi
@@ -377,6 +468,12 @@ cmd_status() {
   if munge_ok; then echo "munge: ok"; else echo "munge: not working"; rc=1; fi
   p=$(pid_of "$STATE/run/kicker.pid")
   if alive "$p"; then echo "kicker: running (pid $p)"; else echo "kicker: not running"; fi
+  if (( ACCOUNTING )); then
+    for n in slurmdbd mariadbd; do
+      p=$(pid_of "$STATE/run/$n.pid")
+      if alive "$p"; then echo "$n: running (pid $p)"; else echo "$n: not running"; rc=1; fi
+    done
+  fi
   if (( rc == 0 )); then
     sinfo -N || rc=1
     squeue || rc=1

@@ -6,7 +6,8 @@ the tool or argument, the bad value and the fix (the CLI prints it on one line a
 state comes from `scontrol show job` (Slurm keeps finished jobs for `MinJobAge`, 10 min on the local
 cluster) and `squeue` (time left); only when Slurm has forgotten the job and accounting is on does
 it fall back to `sacct`, whose output is parsed by submitit's `SlurmInfoWatcher.read_info`. A hetjob
-answers with one record per component (`123+0`, `123+1`); the first is the leader. The files of a
+answers with one record per component (`123+0`, `123+1`; sacct has no record `123`); the first is the
+leader. Which states are final is defined here, once (`is_final`). The files of a
 submitted run dir (RUN_DIR/slurm.json, the attempt and batch logs) are found here too; what `hpcrl
 status/logs/cancel` make of them, through the run's `HetJob`, is in launch/slurm_runs.py.
 """
@@ -27,9 +28,29 @@ from typing import TextIO
 from launch.slurm_spec import parse_time_limit
 
 SLURM_CMD_TIMEOUT_S = 30.0
-FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
-                          "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
 _KEY_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_:/.]*=")
+# Slurm's job states, in scontrol/squeue/sacct spelling (sacct adds words: 'CANCELLED by 0').
+FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL",
+                          "DEADLINE", "REVOKED"})
+"""The job ended for good: Slurm never runs it again."""
+REQUEUED_STATES = frozenset({"PREEMPTED", "NODE_FAIL"})
+"""An attempt ended; a job submitted with --requeue (every hpcrl job) is requeued by Slurm itself and
+comes back PENDING (seen on the local cluster for both), so only a job without --requeue ends here."""
+
+
+def state_word(state: str) -> str:
+    """The state's name: 'CANCELLED by 0' (sacct) -> 'CANCELLED'; '' stays ''."""
+    words = state.split() if state else []
+    return words[0].upper() if words else ""
+
+
+def is_final(state: str, requeue: bool = True) -> bool:
+    """Whether a job in `state` has ended for good. `requeue`: the job may be requeued (scontrol's
+    `Requeue=1`, every hpcrl job), so PREEMPTED and NODE_FAIL are followed by PENDING. Every other
+    state is not final: queued, running, COMPLETING (its processes are still being killed), held for
+    a requeue (REQUEUE_HOLD, SPECIAL_EXIT: `scontrol release` starts it again) or unknown."""
+    word = state_word(state)
+    return word in FINAL_STATES or (not requeue and word in REQUEUED_STATES)
 
 
 class SlurmError(ValueError):
@@ -157,14 +178,18 @@ class JobState:
     partition: str
     components: tuple[tuple[str, str], ...]
     source: str
+    requeue: bool = True
+    """Slurm may requeue the job (scontrol `Requeue=1`); False for a job only accounting remembers."""
 
     @property
     def final(self) -> bool:
-        return self.state in FINAL_STATES
+        """The job has ended for good (`is_final`)."""
+        return is_final(self.state, self.requeue)
 
 
-def _sacct_state(job_id: str) -> str | None:
-    """The job's state from accounting, or None without `sacct` or accounting (the local cluster)."""
+def sacct_state(job_id: str) -> str | None:
+    """The job's state from accounting (a hetjob's: its leader `<id>+0`'s), or None without `sacct`
+    or accounting, or when accounting has no record of the job."""
     if shutil.which("sacct") is None:
         return None
     proc = slurm_cmd(["sacct", "-j", job_id, "-X", "-o", "JobID,State,NodeList", "--parsable2"],
@@ -174,9 +199,8 @@ def _sacct_state(job_id: str) -> str | None:
     from submitit.slurm.slurm import SlurmInfoWatcher  # parses sacct's --parsable2 table
 
     info = SlurmInfoWatcher().read_info(proc.stdout)
-    state = info.get(job_id, {}).get("State")
-    # sacct writes 'CANCELLED by 0'; keep the state word
-    return state.split()[0] if state else None
+    record = info.get(job_id) or info.get(f"{job_id}+0") or {}
+    return state_word(record.get("State", "")) or None
 
 
 def job_state(job_id: str) -> JobState | None:
@@ -186,14 +210,17 @@ def job_state(job_id: str) -> JobState | None:
     if not records:
         if "Invalid job id" not in proc.stderr and proc.returncode != 0:
             slurm_cmd(["scontrol", "-o", "show", "job", job_id])  # raises with the real error
-        state = _sacct_state(job_id)
+        state = sacct_state(job_id)
         if state is None:
             return None
+        # Slurm has forgotten the job, so no requeue is coming: accounting's last state is final.
         return JobState(job_id=job_id, state=state, reason="", restarts=0, exit_code="", run_time="",
-                        time_limit="", time_left=None, partition="", components=(), source="sacct")
+                        time_limit="", time_left=None, partition="", components=(), source="sacct",
+                        requeue=False)
     lead = records[0]
+    requeue = lead.get("Requeue", "1") != "0"
     time_left = None
-    if lead.get("JobState") not in FINAL_STATES:
+    if not is_final(lead.get("JobState", ""), requeue):
         out = slurm_cmd(["squeue", "-h", "-j", job_id, "-o", "%L"], check=False).stdout.split()
         time_left = out[0] if out else None
     components = tuple((f"{r.get('HetJobId', r['JobId'])}+{r['HetJobOffset']}" if "HetJobOffset" in r
@@ -202,7 +229,7 @@ def job_state(job_id: str) -> JobState | None:
                     restarts=int(lead.get("Restarts", "0")), exit_code=lead.get("ExitCode", ""),
                     run_time=lead.get("RunTime", ""), time_limit=lead.get("TimeLimit", ""),
                     time_left=time_left, partition=lead.get("Partition", ""), components=components,
-                    source="scontrol")
+                    source="scontrol", requeue=requeue)
 
 
 def cancel_job(job_id: str, timeout_s: float = 60.0, poll_s: float = 0.5) -> JobState | None:

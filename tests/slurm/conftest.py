@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from launch.slurm_query import is_final
+
 CLUSTER_SCRIPT = Path(__file__).with_name("cluster.sh")
 CMD_TIMEOUT_S = 30.0
-FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
-                          "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})
 
 
 def run_cmd(args: list[str], timeout: float = CMD_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:
@@ -118,7 +118,7 @@ class SlurmClient:
         """Wait until the job (leader record) is in a final state; return that record."""
         def finished() -> dict[str, str] | None:
             record = self.job(job_id)[0]
-            return record if record["JobState"] in FINAL_STATES else None
+            return record if is_final(record["JobState"], record.get("Requeue") != "0") else None
 
         return self.wait_until(f"job {job_id} to finish", finished, timeout_s, job_id)
 
@@ -134,7 +134,7 @@ class SlurmClient:
     def _live(self, job_id: str) -> bool:
         proc = run_cmd(["scontrol", "-o", "show", "job", job_id], check=False)
         recs = parse_scontrol(proc.stdout) if proc.returncode == 0 else []
-        return any(r.get("JobState") not in FINAL_STATES for r in recs)
+        return any(not is_final(r.get("JobState", ""), r.get("Requeue") != "0") for r in recs)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.jobs import Executor
+from launch.slurm_query import is_final
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
@@ -25,9 +26,6 @@ EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
 ARGS = ["algorithm.num_steps=40", "checkpoint.interval_steps=5", "logging.progress=false",
         "logging.tensorboard=false",
         "resources.startup_timeout_s=150"]  # a world that never forms is retried after this (dev/LOG.md)
-
-
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -75,7 +73,7 @@ def test_preempted_job_checkpoints_requeues_resumes_and_matches(slurm, job_dir: 
 
     def preemptor_done() -> bool:
         watch()
-        return slurm.state(blocker) in ENDED
+        return is_final(slurm.state(blocker))
 
     def finished() -> bool:
         watch()
@@ -88,7 +86,7 @@ def test_preempted_job_checkpoints_requeues_resumes_and_matches(slurm, job_dir: 
     assert local.state == "COMPLETED"
     # done() as soon as the result file is there, which the job step writes before the batch script
     # ends: Slurm may still show RUNNING (a CI run saw it for over a second) or COMPLETING for a while
-    slurm.wait_until("Slurm to end the job", lambda: (watch(), job.state)[1] in ENDED, 120, job_id)
+    slurm.wait_until("Slurm to end the job", lambda: is_final((watch(), job.state)[1]), 120, job_id)
     logs = sorted((run_dir / "logs").glob(f"{job_id}-attempt*.log"))
     text = "\n".join(p.read_text() for p in logs)
     assert job.state == "COMPLETED", f"{seen}\n{text[-4000:]}"

@@ -3,7 +3,7 @@
 A job submitted with an export dir (`hpcrl.jobs.Executor.submit(..., export_to=DIR)`) runs, in the
 batch script's finish step, after the step's final exit and before the result file is written:
 
-    python -P -m launch.export_step RUN_DIR DIR "$rc" || rc=$?; python -P -m launch.result ... "$rc"
+    python -P -m launch.export_step RUN_DIR DIR "$rc" || rc=$?     # then: python -P -m launch.result ...
 
 When the step exited 0 and RUN_DIR/final.json exists, it runs `hpcrl export RUN_DIR --step LAST
 --out DIR` (LAST = final.json's num_steps - 1) with the job's Python, its output in the batch log.
@@ -26,8 +26,8 @@ from launch.result import EXPORT_FAILED_EXIT_CODE, EXPORT_FILE, FINAL_FILE, read
 
 
 def export_command(python: str, run_dir: Path, out_dir: Path) -> str:
-    """The finish-step prefix for `SlurmJobSpec.finish_command`: export, and on failure make the
-    export's exit code the job's (`rc`, the batch script's variable holding the step's exit code)."""
+    """`SlurmJobSpec.export_command`: export, and on failure make the export's exit code the job's
+    (`rc`, the batch script's variable holding the step's exit code)."""
     q = shlex.quote
     return f'{q(python)} -P -m launch.export_step {q(str(run_dir))} {q(str(out_dir))} "$rc" || rc=$?'
 

@@ -2,7 +2,7 @@
 supervise it until it ends, leaving no process behind.
 
 The world runs in its own session (process group). The supervisor forwards its output, forwards
-SIGINT/SIGTERM/SIGUSR1 to the world, watches every rank's pid (from RUN_DIR/.ranks.json, written
+SIGINT/SIGTERM/SIGUSR1/SIGUSR2 to the world, watches every rank's pid (from RUN_DIR/.ranks.json, written
 by the controller) so a rank that dies without a word is named with its role, host and the phase
 the controller was in (RUN_DIR/.phase.json), and on exit kills whatever is left of the group.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from launch.procs import process_gone, session_members
 
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def mpiexec_path() -> str:
@@ -97,7 +97,7 @@ def run_world(world_size: int, argv: list[str], run_dir: Path, env: dict[str, st
     watch.start()
 
     def forward(signum: int, _frame: object) -> None:
-        # Preemption (USR1/TERM) and Ctrl-C go to the controller (rank 0), which saves a
+        # Preemption (USR1/USR2/TERM) and Ctrl-C go to the controller (rank 0), which saves a
         # checkpoint and stops the workers; before the controller is known, stop the world.
         ranks = _read_json(run_dir / ".ranks.json")
         try:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from launch.result import last_metrics, read_json
+from launch.result import last_metrics, read_json, read_outcome
 from launch.slurm_executor import HetJob
 from launch.slurm_query import JobState, attempt_logs, batch_logs, pick_log, resolve_run
 
@@ -43,7 +43,8 @@ def _world_line(run_dir: Path) -> str | None:
 
 
 def status_text(job: HetJob) -> str:
-    """What `hpcrl status` prints: Slurm state, attempt and restarts, time, progress, world, logs."""
+    """What `hpcrl status` prints: Slurm state, attempt and restarts, time, progress, why the job
+    stopped without finishing (its result: a cancel, the requeue cap, a failure), world, logs."""
     job_id, run_dir = job.job_id, job.run_dir
     state = job.slurm_state()
     rows: list[tuple[str, str]] = [("run dir", str(run_dir))]
@@ -73,7 +74,10 @@ def status_text(job: HetJob) -> str:
     if isinstance(final, dict):
         rows.append(("finished", f"policy sha256 {final.get('policy_sha256')}"))
     failure = run_dir / ".failure.txt"
-    if failure.is_file():
+    outcome = read_outcome(job.paths.folder, job_id)
+    if outcome is not None and outcome[0] == "error" and str(outcome[1]).strip():
+        rows.append(("outcome", str(outcome[1]).strip().splitlines()[0]))
+    elif failure.is_file():
         rows.append(("failure", failure.read_text().strip().splitlines()[0]))
     world = _world_line(run_dir)
     if world:

@@ -21,6 +21,7 @@ from pathlib import Path
 import jinja2
 
 import slurm_templates
+from launch.result import REQUEUE_EXIT_CODE
 
 TEMPLATE_DIR = Path(slurm_templates.__file__).parent
 HETJOB_TEMPLATE = "hetjob.sbatch.j2"
@@ -153,9 +154,10 @@ class SlurmJobSpec:
     and one `<jobid>-attempt<N>.log` per attempt with the step's output; both must be absolute, and
     the caller creates `log_dir` before sbatch (Slurm does not). Slurm sends USR1 to the batch script
     `signal_delay_s` seconds before the time limit and at preemption; the script forwards it to the
-    step. A step that exits with `requeue_exit_code` (after saving a checkpoint) is requeued with
-    `scontrol requeue`: a job that merely exits during the preemption grace time would be COMPLETED.
-    `env_setup` lines (module loads, venv or conda activation) run unchanged before the step.
+    step (USR2, submitit's preemption signal, is forwarded as USR1 too). A step that exits with
+    `requeue_exit_code` (after saving a checkpoint) is requeued with `scontrol requeue`: a job that
+    merely exits during the preemption grace time would be COMPLETED. `env_setup` lines (module
+    loads, venv or conda activation) run unchanged before the step.
     """
 
     job_name: str
@@ -170,14 +172,26 @@ class SlurmJobSpec:
     env_setup: tuple[str, ...] = ()
     mpi: str = "pmi2"
     signal_delay_s: int = 120
-    requeue_exit_code: int = 3
+    # Not settable: the controller exits with this one constant (launch.result.REQUEUE_EXIT_CODE).
+    requeue_exit_code: int = field(default=REQUEUE_EXIT_CODE, init=False)
     # kill-on-bad-exit=0: with 1, the first rank that exits with the requeue code gets the ranks
     # still exiting killed, and srun then returns 143 instead of the requeue code (measured). A crashed
     # rank is handled by the controller's deadlines and MPI Abort instead.
     extra_srun_options: tuple[str, ...] = field(default=("--kill-on-bad-exit=0",))
-    # Run once after the step's final exit (not after a requeue) with its exit code appended; hpcrl
-    # writes the run's outcome into submitit's job folder with it (launch/result.py). '' runs nothing.
-    finish_command: str = ""
+    # Writes the job's outcome as submitit's <jobid>_0_result.pkl in log_dir (launch/result.py); run
+    # with two arguments appended: the step's exit code ('' while it still runs) and why the job
+    # stops ('' after the step's final exit). The script runs it on every way out it sees: after the
+    # step's final exit, and when the job stops without finishing (Slurm ending it: cancelled or past
+    # its time limit, a failed requeue, `max_requeues`). '' writes nothing.
+    result_command: str = ""
+    # Runs as it is after the step's final exit, before `result_command`; it reads and may set the
+    # shell variable `rc` (hpcrl's export of the final checkpoint, launch/export_step.py).
+    export_command: str = ""
+    # Requeues allowed in a row for attempts that ended with the same latest complete checkpoint they
+    # started from (`checkpoint_step_command` prints it; without one, no attempt counts as progress);
+    # past it the job stops instead, saying why. 0: never requeue without progress.
+    max_requeues: int = 3
+    checkpoint_step_command: str = ""
     # hpcrl's worker only: rerun the step up to this many times when it failed before its MPI world
     # formed (rank 0 of hpcrl.worker_main writes WORLD_FORMED_FILE in the run dir once every rank is
     # through MPI_Init). srun's pmi2 plugin parses a PMI-1 request from one read() of 1024 bytes, and
@@ -210,15 +224,16 @@ class SlurmJobSpec:
             if not getattr(self, name).startswith("/"):
                 _fail(name, getattr(self, name), "must be an absolute path (sbatch resolves relative paths "
                       "against the submit directory); pass Path(...).resolve()")
-        if not isinstance(self.finish_command, str) or "\n" in self.finish_command:
-            _fail("finish_command", self.finish_command, "must be one command line (or '' for none)")
+        for name in ("result_command", "export_command", "checkpoint_step_command"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or "\n" in value:
+                _fail(name, value, "must be one command line (or '' for none)")
         _check_lines("env_setup", self.env_setup)
         if self.mpi not in MPI_PLUGINS:
             _fail("mpi", self.mpi, f"choose one of {', '.join(MPI_PLUGINS)} (pmi2 works with PyPI mpich)")
         _check_int("signal_delay_s", self.signal_delay_s, 1, 65535)
-        # 0 is success, 1-2 are generic shell/python failures, >= 126 are shell and signal codes.
-        _check_int("requeue_exit_code", self.requeue_exit_code, 3, 125)
         _check_int("world_retries", self.world_retries, 0, 10)
+        _check_int("max_requeues", self.max_requeues, 0)
         _check_options("extra_srun_options", self.extra_srun_options, _MANAGED_SRUN, "srun")
 
     @property

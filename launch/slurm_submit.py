@@ -30,6 +30,7 @@ from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
 
+from launch.checkpoint_step import checkpoint_step_command
 from launch.export_step import export_command
 from launch.slurm_executor import HetJob, HetJobExecutor
 from launch.slurm_query import (SUBMISSION_FILE, PartitionInfo, SlurmError, cluster_partitions, job_state,
@@ -68,22 +69,25 @@ def worker_command(job: Any, run_dir: Path) -> str:
     return f"{shlex.quote(python)} -u -P -m hpcrl.worker_main {shlex.quote(str(run_dir))}"
 
 
-def finish_command(job: Any, run_dir: Path, export_dir: Path | None = None) -> str:
-    """The batch script's last command before it exits (the template appends the step's exit code):
-    write the run's outcome as submitit's result file in RUN_DIR/logs (launch/result.py). With
-    `export_dir`, first export the finished run's final checkpoint there; a failed export becomes
-    the job's exit code (launch/export_step.py)."""
+def result_command(job: Any, run_dir: Path) -> str:
+    """The batch script's result writer (`SlurmJobSpec.result_command`; the template appends the
+    step's exit code and why the job stops): the run's outcome as submitit's result file in
+    RUN_DIR/logs (launch/result.py)."""
     python = job.slurm.python or sys.executable
     q = shlex.quote
     folder = run_dir / LOG_DIR_NAME
-    result = f'{q(python)} -P -m launch.result {q(str(run_dir))} {q(str(folder))} "${{SLURM_JOB_ID}}"'
-    return result if export_dir is None else f"{export_command(python, run_dir, export_dir)}; {result}"
+    return f'{q(python)} -P -m launch.result {q(str(run_dir))} {q(str(folder))} "${{SLURM_JOB_ID}}"'
+
+
+def checkpoint_dir(job: Any, run_dir: Path) -> Path:
+    """Where the run's checkpoints go: checkpoint.dir, or RUN_DIR/checkpoints."""
+    return Path(job.checkpoint.dir) if job.checkpoint.dir else run_dir / "checkpoints"
 
 
 def check_export_dir(job: Any, run_dir: Path, export_dir: Path) -> None:
     """SlurmError unless `export_dir` is an absolute path outside the run dir's own files (the
     export writes config.json and model*.safetensors there) and outside the checkpoint dir."""
-    ckpt = Path(job.checkpoint.dir) if job.checkpoint.dir else run_dir / "checkpoints"
+    ckpt = checkpoint_dir(job, run_dir)
     if not export_dir.is_absolute():
         raise SlurmError("export_to", str(export_dir), "must be an absolute path")
     if export_dir == run_dir or any(export_dir.is_relative_to(d) for d in (ckpt, run_dir / LOG_DIR_NAME)):
@@ -119,7 +123,8 @@ def resume_lines(resume: str) -> tuple[str, ...]:
 def job_spec(job: Any, run_dir: Path, partition: str, resume: str = "auto", export_dir: Path | None = None
              ) -> tuple[SlurmJobSpec, tuple[str, ...], tuple[str, ...]]:
     """(spec, roles per component, warnings) for `job` in `run_dir` on `partition`; no cluster access.
-    `resume` is "auto", "none" or a step number (see `resume_lines`); `export_dir` see `finish_command`."""
+    `resume` is "auto", "none" or a step number (see `resume_lines`); with `export_dir` the job exports
+    its final checkpoint there at its end (launch/export_step.py; a failed export fails the job)."""
     res, s, t, r = job.resources, job.slurm, job.trainer, job.rollout
     if not run_dir.is_absolute():
         raise SlurmError("--run-dir", str(run_dir), "must be an absolute path")
@@ -146,6 +151,8 @@ def job_spec(job: Any, run_dir: Path, partition: str, resume: str = "auto", expo
         if s.rollout_extra_sbatch_options:
             warnings.append("slurm.rollout_extra_sbatch_options is ignored: resources.rollout_nodes=0 puts "
                             "the rollout ranks into component 0 (use slurm.extra_sbatch_options)")
+    python = s.python or sys.executable
+    export = "" if export_dir is None else export_command(python, run_dir, export_dir)
     try:
         spec = SlurmJobSpec(
             job_name=job.name, partition=partition, account=s.account, qos=s.qos,
@@ -153,7 +160,9 @@ def job_spec(job: Any, run_dir: Path, partition: str, resume: str = "auto", expo
             command=worker_command(job, run_dir), run_dir=str(run_dir), log_dir=str(run_dir / LOG_DIR_NAME),
             env_setup=(*resume_lines(resume), *s.env_setup), mpi=s.mpi, signal_delay_s=s.signal_delay_s,
             extra_srun_options=("--kill-on-bad-exit=0", *s.extra_srun_options),
-            finish_command=finish_command(job, run_dir, export_dir), world_retries=WORLD_RETRIES)
+            result_command=result_command(job, run_dir), export_command=export, world_retries=WORLD_RETRIES,
+            max_requeues=s.max_requeues,
+            checkpoint_step_command=checkpoint_step_command(python, str(checkpoint_dir(job, run_dir))))
     except ValueError as exc:  # validate() checks the slurm section first; this names any leftover
         raise SlurmError("slurm", "section", str(exc)) from None
     assert _world_size(spec) == job.world_size, (_world_size(spec), job.world_size)
@@ -254,7 +263,7 @@ def plan_submission(job: Any, run_dir: Path, *, check: bool = True, resume: str 
     must be on PATH, the cluster's partition must fit the job (`check_cluster`) and the run dir must
     not hold a live job. Without it (render) the cluster is asked only for its default partition when
     `slurm.partition` is null. With `export_dir` the job exports its final checkpoint there at the
-    end (`finish_command`). Raises SlurmError; submits and writes nothing."""
+    end (launch/export_step.py). Raises SlurmError; submits and writes nothing."""
     if check:
         require_tool("sbatch")
     partitions: dict[str, PartitionInfo] = {}

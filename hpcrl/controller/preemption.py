@@ -1,9 +1,10 @@
 """Preemption awareness on the controller: the pre-kill signal and the job's end time.
 
 Slurm announces preemption with `--signal=B:USR1@<grace>` (the batch script forwards it to the
-controller), or only with SIGTERM at the start of the grace time; `hpcrl run` forwards SIGUSR1 and
-SIGTERM it receives to the controller. Either means "checkpoint now and exit for requeue". The
-job's end time (Slurm's time limit) is read once, so the controller can save before it is killed.
+controller), or only with SIGTERM at the start of the grace time; submitit's `Job._interrupt()` and
+`SUBMITIT_PREEMPT_SIGNAL` default use SIGUSR2. `hpcrl run` forwards SIGUSR1, SIGUSR2 and SIGTERM it
+receives to the controller. Each means "checkpoint now and exit for requeue". The job's end time
+(Slurm's time limit) is read once, so the controller can save before it is killed.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import subprocess
 import time
 from datetime import datetime
 
-EXIT_REQUEUE = 3
+from launch.result import REQUEUE_EXIT_CODE
+
+EXIT_REQUEUE = REQUEUE_EXIT_CODE
 """Exit code of a run that saved a checkpoint on preemption (or before its time limit) and wants
-to be requeued; the Slurm batch script turns it into `scontrol requeue`."""
+to be requeued; the Slurm batch script turns it into `scontrol requeue` (one definition, in launch)."""
 
 
 class Preempted(Exception):
@@ -44,7 +47,7 @@ def slurm_end_time() -> float | None:
 
 
 class PreemptionWatch:
-    """Records SIGUSR1/SIGTERM on this process and knows the grace budget and the end time."""
+    """Records SIGUSR1/SIGUSR2/SIGTERM on this process and knows the grace budget and the end time."""
 
     def __init__(self, grace_s: float) -> None:
         self.grace_s = float(os.environ.get("HPCRL_SIGNAL_DELAY_S") or grace_s)
@@ -52,6 +55,7 @@ class PreemptionWatch:
         self.signal_time: float | None = None
         self.signal_name = ""
         signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGUSR2, self._on_signal)  # its default action would end the controller
         if os.environ.get("HPCRL_LAUNCHER") == "mpiexec":
             # MPICH's Hydra (local runs, -disable-auto-cleanup) tells survivors that a rank died
             # with SIGUSR1; that is not a preemption (the controller's deadlines handle it). The

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from launch.result import REQUEUE_EXIT_CODE
 from launch.slurm_spec import SlurmComponent, SlurmJobSpec, render
 
 pytestmark = pytest.mark.slurm
@@ -39,8 +40,8 @@ with open(os.path.join(sys.argv[1], f"rank-{rec['rank']}-attempt-{rec['attempt']
 """
 
 # A stand-in for hpcrl's controller and workers: on attempt 0 every rank waits for USR1 or TERM
-# (forwarded by the batch script), rank 0 "checkpoints", and the step exits with the requeue code;
-# on the next attempt every rank checks the checkpoint and exits 0.
+# (forwarded by the batch script), rank 0 "checkpoints", and the step exits with the requeue code
+# (hpcrl's one constant); on the next attempt every rank checks the checkpoint and exits 0.
 PREEMPTABLE_PROGRAM = """
 import os, signal, sys, time
 from mpi4py import MPI
@@ -61,11 +62,11 @@ if attempt == 0:
         with open(os.path.join(out, "checkpoint"), "w") as f:
             f.write("step-7")
     print(f"rank={rank} signal={got[0] if got else None}", flush=True)
-    sys.exit(int(os.environ["HPCRL_REQUEUE_EXIT_CODE"]) if got else 1)
+    sys.exit({requeue} if got else 1)
 comm.Barrier()
 with open(os.path.join(out, "checkpoint")) as f:
     print(f"rank={rank} resumed_from={f.read()}", flush=True)
-"""
+""".replace("{requeue}", str(REQUEUE_EXIT_CODE))
 
 
 def read_json_records(directory: Path, pattern: str) -> list[dict]:
@@ -196,7 +197,7 @@ def test_rendered_hetjob_forwards_preemption_and_resumes(slurm, job_dir: Path) -
     batch_log = (logs / f"slurm-{job_id}.out").read_text()
     assert record["JobState"] == "COMPLETED", f"{record}\n{batch_log}"
     assert record["Restarts"] == "1"
-    assert "received SIGUSR1; forwarding it to the step's tasks" in batch_log
+    assert "received SIGUSR1; forwarding SIGUSR1 to the step's tasks" in batch_log
     assert "the step asked to be requeued (exit code 3)" in batch_log
     assert f"job {job_id} attempt 1 " in batch_log
     first = (logs / f"{job_id}-attempt0.log").read_text()
@@ -243,7 +244,7 @@ def test_rendered_single_job_forwards_term_and_resumes(slurm, job_dir: Path) -> 
     logs = job_dir / "logs"
     batch_log = (logs / f"slurm-{job_id}.out").read_text()
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", f"{record}\n{batch_log}"
-    assert "received SIGTERM; forwarding it to the step's tasks" in batch_log
+    assert "received SIGTERM; forwarding SIGTERM to the step's tasks" in batch_log
     first = (logs / f"{job_id}-attempt0.log").read_text()
     assert sorted(line for line in first.splitlines() if "signal=" in line) == [
         f"rank={r} signal=SIGTERM" for r in range(2)], first

@@ -194,7 +194,11 @@ def test_cancel_ends_the_job_and_every_rank(slurm, job_dir: Path) -> None:
     assert slurm_out("squeue", "-h", "-j", job_id).strip() == ""
     job = attach(run_dir)  # the submitit view of the same job
     assert job.state == "CANCELLED" and job.done(force_check=True)
-    assert not job.paths.result_pickle.exists()  # cancelled: no outcome, result() raises UncompletedJobError
+    # the batch script wrote the outcome as Slurm began to end the job (the ranks were still saving):
+    # result() raises at once and names Slurm's final state
+    with pytest.raises(FailedJobError, match=f"^hpcrl job {job_id} ended CANCELLED") as err:
+        job.result()
+    assert "it was cancelled (scancel, hpcrl cancel) or reached its time limit" in str(err.value)
     again = hpcrl("cancel", job_id, timeout=60)  # RUN may also be the job id
     assert again.returncode == 0
     assert again.stdout.strip() == f"job {job_id} already ended (CANCELLED); nothing to cancel"

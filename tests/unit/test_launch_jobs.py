@@ -306,10 +306,14 @@ def test_pipeline_second_job_starts_from_the_first_job_s_export(tmp_path: Path, 
     with pytest.raises(ConfigError, match="export_to=.*would overwrite the run's own files"):
         ex.submit(EXAMPLE, quiet, run_dir=tmp_path / "sft", export_to=tmp_path / "sft" / "checkpoints" / "x")
     sft = ex.submit(EXAMPLE, quiet, run_dir=tmp_path / "sft", export_to=export)
-    script = (out / "sbatch.script").read_text()
-    finish = next(line for line in script.splitlines() if "launch.export_step" in line)
-    assert f"-P -m launch.export_step {tmp_path / 'sft'} {export} \"$rc\" || rc=$?; " in finish
-    assert finish.split("; ", 1)[1].startswith(sys.executable) and "-P -m launch.result" in finish
+    script = (out / "sbatch.script").read_text().splitlines()
+    export_line = next(line for line in script if "launch.export_step" in line)
+    want = f"{sys.executable} -P -m launch.export_step {tmp_path / 'sft'} {export} \"$rc\" || rc=$?"
+    assert export_line == want
+    # then the result: the script's write_result runs launch.result with the job's Python
+    assert script.index(export_line) < script.index('write_result "$rc" "$why"')
+    result_line = next(script[i + 1] for i, line in enumerate(script) if line.startswith("write_result() {"))
+    assert result_line.strip().startswith(f"{sys.executable} -P -m launch.result {tmp_path / 'sft'} ")
     assert json.loads((tmp_path / "sft" / "slurm.json").read_text())["export_dir"] == str(export)
 
     grpo = [*quiet, f"model.path={export}"]
@@ -339,12 +343,15 @@ def test_rendered_finish_step_exports_then_writes_the_result(tmp_path: Path) -> 
     run_dir = checkpointed_run(tmp_path / "run")
     export = tmp_path / "export"
     job = load_job(EXAMPLE, ["slurm.partition=debug", "resources.rollout_nodes=1"])
-    script = plan_submission(job, run_dir, check=False, export_dir=export).script
-    finish = next(line for line in script.splitlines() if "launch.export_step" in line)
+    script = plan_submission(job, run_dir, check=False, export_dir=export).script.splitlines()
+    export_line = next(line for line in script if "launch.export_step" in line)
+    start = next(i for i, line in enumerate(script) if line.startswith("write_result() {"))
+    write_result = "\n".join(script[start:start + 3])  # the script's result writer, as rendered
 
     def run_finish(step_rc: int) -> int:
-        # the template's lines around it: `say`, the step's exit code in rc, `exit "$rc"`
-        bash = f'say() {{ echo "$*"; }}; rc={step_rc}\n{finish}\nexit "$rc"\n'
+        # the template's lines around them: `say`, the step's exit code in rc, `exit "$rc"`
+        bash = (f'say() {{ echo "$*"; }}; rc={step_rc}\n{write_result}\n{export_line}\n'
+                'write_result "$rc" ""\nexit "$rc"\n')
         env = {**os.environ, "SLURM_JOB_ID": "99", "PYTHONPATH": str(REPO)}
         return subprocess.run(["bash", "-c", bash], env=env, capture_output=True, timeout=120).returncode
 
@@ -401,3 +408,110 @@ def test_submit_sweep_submits_one_job_per_point(tmp_path: Path, fake_slurm, caps
             config = json.loads((run_dir / "config.json").read_text())
             assert (config["algorithm"]["lr"], config["data"]["seed"]) == (float(lr), seed)
             assert f"run dir: {run_dir}" in text and (run_dir / "slurm.json").is_file()
+
+
+# ---- Slurm states: one definition of final (issue 30 item 10 b), sacct's hetjob records (a) -------
+
+@pytest.mark.parametrize(("state", "requeue", "final"), [
+    ("PREEMPTED", True, False),   # with --requeue (every hpcrl job) PENDING follows
+    ("NODE_FAIL", True, False),   # so does it after a node failure (seen on the local cluster)
+    ("PREEMPTED", False, True),
+    ("NODE_FAIL", False, True),
+    ("CANCELLED by 0", True, True),  # sacct's spelling
+    ("COMPLETED", True, True), ("FAILED", True, True), ("TIMEOUT", True, True),
+    ("COMPLETING", True, False),  # its processes are still being killed: the result may still come
+    ("REQUEUE_HOLD", True, False), ("SPECIAL_EXIT", True, False),  # held; `scontrol release` runs it
+    ("RUNNING", True, False), ("PENDING", True, False), ("UNKNOWN", True, False), ("", True, False),
+])
+def test_which_slurm_states_are_final(state: str, requeue: bool, final: bool) -> None:
+    from launch.slurm_query import is_final
+
+    assert is_final(state, requeue) is final
+
+
+def test_a_preempted_job_is_live_for_cancel_submit_and_result(tmp_path, fake_slurm, capsys) -> None:
+    from hpcrl.cli import main
+    from launch.slurm_submit import check_run_dir_free
+
+    out = fake_slurm("PREEMPTED")  # scontrol prints no Requeue=: Slurm's default, requeueable
+    bin_dir = tmp_path / "bin"
+    # scancel is recorded; afterwards the job is CANCELLED
+    (bin_dir / "scancel").write_text(f"#!/bin/bash\necho \"$@\" > {out}/scancel.args\n")
+    (bin_dir / "scancel").chmod(0o755)
+    (bin_dir / "scontrol").write_text("#!/bin/bash\n[[ -f {0}/scancel.args ]] && s=CANCELLED || s=PREEMPTED\n"
+                                      .format(out) + FAKE_SCONTROL.replace("{state}", "$s").split("\n", 1)[1])
+    run_dir = submitted_run(tmp_path, "4343")  # an id no other test has cached in the shared watcher
+    job = attach(run_dir)
+    assert job.state == "PREEMPTED" and not job.done(force_check=True)
+    with pytest.raises(SlurmError, match="its job 4343 is PREEMPTED; cancel it first"):
+        check_run_dir_free(run_dir)  # a second submit into the live run dir is refused
+    assert main(["cancel", str(run_dir)]) == 0
+    assert capsys.readouterr().out.strip() == f"cancelled job 4343 (CANCELLED); run dir {run_dir}"
+    assert (out / "scancel.args").read_text().split() == ["4343"]
+    # it was cancelled without a result from its batch script: HetJob.cancel wrote one, so result()
+    # raises at once, naming the state, also for plain submitit (which cannot see the state here)
+    with pytest.raises(FailedJobError, match="(?s)hpcrl job 4343 ended CANCELLED.*the job was cancelled "
+                                             r"\(Slurm state CANCELLED\) before its batch script wrote"):
+        attach(run_dir).result()
+    with pytest.raises(FailedJobError, match="the job was cancelled"):
+        submitit.SlurmJob(run_dir / "logs", "4343").result()
+    assert main(["status", str(run_dir)]) == 0
+    assert ("outcome   hpcrl job stopped without finishing: the job was cancelled (Slurm state CANCELLED) "
+            "before its batch script wrote a result") in capsys.readouterr().out.splitlines()
+
+
+def test_a_forgotten_hetjob_s_state_comes_from_its_sacct_leader_record(tmp_path, fake_slurm) -> None:
+    # sacct has no record `6262` of a hetjob, only `6262+0` and `6262+1` (what the local cluster prints)
+    fake_slurm()
+    bin_dir = tmp_path / "bin"
+    for name, text in (("scontrol", "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1"),
+                       ("sacct", "printf 'JobID|State|NodeList\\n6262+0|CANCELLED by 0|n1\\n"
+                                 "6262+1|CANCELLED by 0|n2\\n'")):
+        (bin_dir / name).write_text(f"#!/bin/bash\n{text}\n")
+        (bin_dir / name).chmod(0o755)
+    from launch.slurm_query import job_state
+
+    state = job_state("6262")
+    assert (state.state, state.final, state.source) == ("CANCELLED", True, "sacct")
+    job = HetJob(tmp_path / "logs", "6262")
+    assert job.state == "CANCELLED" and job.done(force_check=True)
+
+
+def test_result_file_says_why_the_batch_script_stopped_the_job(tmp_path: Path) -> None:
+    # `python -m launch.result RUN_DIR FOLDER JOB_ID RC WHY`, as the batch script runs it; RC '' while
+    # the step still runs (written when Slurm starts ending the job)
+    import subprocess
+
+    from launch.result import read_outcome
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for rc, why, job_id in (("", "Slurm ended the job while it ran (JobState=COMPLETING)", "81"),
+                            ("3", "2 attempts in a row ended without a newer checkpoint", "82")):
+        argv = [sys.executable, "-P", "-m", "launch.result", str(run_dir), str(run_dir / "logs"), job_id, rc,
+                why]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr
+        kind, text = read_outcome(run_dir / "logs", job_id)
+        assert kind == "error" and text.startswith(f"hpcrl job stopped without finishing: {why}\n"), text
+        assert ("step exit code" in text) is bool(rc)
+    assert read_outcome(run_dir / "logs", "83") is None
+    bad = subprocess.run([sys.executable, "-P", "-m", "launch.result", str(run_dir), "x", "1", "three"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert bad.returncode == 2 and bad.stderr.startswith("usage: python -m launch.result")
+
+
+def test_checkpoint_step_prints_the_latest_complete_step(tmp_path: Path) -> None:
+    import subprocess
+
+    def latest() -> str:
+        proc = subprocess.run([sys.executable, "-P", "-m", "launch.checkpoint_step", str(tmp_path / "ckpt")],
+                              capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    assert latest() == "none"
+    checkpointed_run(tmp_path / "run")  # a real commit of step 1
+    (tmp_path / "run" / "checkpoints").rename(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "step_000005").mkdir()  # an interrupted save: no manifest, not complete
+    assert latest() == "1"

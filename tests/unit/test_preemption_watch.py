@@ -11,7 +11,9 @@ from hpcrl.controller.preemption import PreemptionWatch, slurm_end_time
 
 @pytest.fixture
 def restore_signals():
-    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)}
+    for s in saved:  # a signal PreemptionWatch leaves alone must fail the test, not end pytest
+        signal.signal(s, lambda *_: None)
     yield
     for s, h in saved.items():
         signal.signal(s, h)
@@ -34,7 +36,9 @@ def test_no_slurm_no_end_time(monkeypatch, restore_signals):
 @pytest.mark.parametrize("launcher, sig, counts", [
     ("", signal.SIGUSR1, True),          # Slurm: --signal=B:USR1 forwarded to the ranks
     ("", signal.SIGTERM, True),
-    ("mpiexec", signal.SIGTERM, True),   # hpcrl run forwards USR1/TERM as TERM
+    ("", signal.SIGUSR2, True),          # submitit's preemption signal (Job._interrupt, scancel --full)
+    ("mpiexec", signal.SIGTERM, True),   # hpcrl run forwards USR1/USR2/TERM as TERM
+    ("mpiexec", signal.SIGUSR2, True),   # a USR2 sent to the controller itself still means "save"
     ("mpiexec", signal.SIGUSR1, False),  # Hydra's dead-rank notice is not a preemption
 ])
 def test_which_signals_mean_preemption(monkeypatch, restore_signals, launcher, sig, counts):

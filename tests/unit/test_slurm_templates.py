@@ -18,6 +18,7 @@ import jinja2
 import jinja2.meta
 import pytest
 
+from launch.result import REQUEUE_EXIT_CODE
 from launch.slurm_spec import (
     HETJOB_TEMPLATE,
     SINGLE_TEMPLATE,
@@ -54,10 +55,13 @@ def full_hetjob_spec() -> SlurmJobSpec:
                    'mods=(cuda nccl); echo "loaded ${#mods[@]} modules"'),
         mpi="pmix",
         signal_delay_s=300,
-        requeue_exit_code=3,
         extra_srun_options=("--kill-on-bad-exit=0", "--cpu-bind=none"),
-        finish_command="python -P -m launch.result /scratch/runs/qwen3 /scratch/runs/qwen3/logs \"${SLURM_JOB_ID}\"",
+        result_command=('python -P -m launch.result /scratch/runs/qwen3 /scratch/runs/qwen3/logs '
+                        '"${SLURM_JOB_ID}"'),
+        export_command='python -P -m launch.export_step /scratch/runs/qwen3 /scratch/export "$rc" || rc=$?',
         world_retries=2,
+        max_requeues=5,
+        checkpoint_step_command="python -P -m launch.checkpoint_step /scratch/runs/qwen3/checkpoints",
     )
 
 
@@ -183,10 +187,11 @@ def test_header_step_and_passthrough_lines() -> None:
     # env setup lines appear unchanged, in order, before the step
     positions = [lines.index(line) for line in spec.env_setup]
     assert positions == sorted(positions) and positions[-1] < lines.index("  " + srun_lines[0])
-    # the batch script traps both signals before the setup lines run
-    assert lines.index("trap 'on_signal USR1' USR1") < positions[0]
-    assert lines.index("trap 'on_signal TERM' TERM") < positions[0]
-    assert "if (( rc == 3 )); then" in lines
+    # the batch script traps the signals before the setup lines run; USR2 (submitit's) goes on as USR1
+    assert lines.index("trap 'on_signal USR1 USR1' USR1") < positions[0]
+    assert lines.index("trap 'on_signal USR2 USR1' USR2") < positions[0]
+    assert lines.index("trap 'on_signal TERM TERM' TERM") < positions[0]
+    assert f"if (( rc == {REQUEUE_EXIT_CODE} )); then" in lines
 
 
 def test_delimiters_leave_bash_syntax_alone() -> None:
@@ -218,8 +223,9 @@ def test_spec_reports_world_size_and_template() -> None:
         ({"env_setup": "module load x"}, "env_setup"),
         ({"mpi": "openmpi"}, "mpi"),
         ({"signal_delay_s": 0}, "signal_delay_s"),
-        ({"requeue_exit_code": 0}, "requeue_exit_code"),
-        ({"requeue_exit_code": 130}, "requeue_exit_code"),
+        ({"max_requeues": -1}, "max_requeues"),
+        ({"result_command": "a\nb"}, "result_command"),
+        ({"checkpoint_step_command": "a\nb"}, "checkpoint_step_command"),
         ({"extra_srun_options": ("--mpi=pmix",)}, r"extra_srun_options\[0\]"),
         ({"extra_srun_options": ("cpu-bind",)}, r"extra_srun_options\[0\]"),
     ],
@@ -267,3 +273,29 @@ def test_parse_time_limit_rejects_bad_text(text: str) -> None:
 def test_format_time_limit_round_trips() -> None:
     for minutes in (1, 59, 60, 1439, 1440, 2970, 10 * 1440 + 7):
         assert parse_time_limit(format_time_limit(minutes)) == minutes
+
+
+def test_the_requeue_exit_code_is_one_constant() -> None:
+    """Issue 30 item 10 (e): launch.result.REQUEUE_EXIT_CODE is the only definition; the spec field
+    (what the template reads) is that constant and cannot be set, the controller exits with it, and
+    the batch script exports no copy of it for the ranks to read instead."""
+    import ast
+
+    from hpcrl.controller.preemption import EXIT_REQUEUE
+
+    assert EXIT_REQUEUE == REQUEUE_EXIT_CODE == minimal_single_spec().requeue_exit_code
+    with pytest.raises(TypeError, match="requeue_exit_code"):
+        SlurmJobSpec(**{**{f.name: getattr(minimal_single_spec(), f.name)
+                           for f in dataclasses.fields(SlurmJobSpec) if f.init}, "requeue_exit_code": 5})
+    assert "HPCRL_REQUEUE_EXIT_CODE" not in render(full_hetjob_spec())
+    repo = Path(__file__).resolve().parents[2]
+    # hpcrl/runner.py still keeps its own EXIT_REQUEUE = 3; it belongs here once it imports the constant
+    sources = [*sorted((repo / "launch").glob("*.py")), repo / "hpcrl" / "controller" / "preemption.py",
+               repo / "hpcrl" / "jobs.py"]
+    defined = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name) and "REQUEUE" in t.id]
+                defined += [(path.relative_to(repo).as_posix(), n) for n in names]
+    assert defined == [("launch/result.py", "REQUEUE_EXIT_CODE")]

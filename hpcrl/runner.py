@@ -19,9 +19,9 @@ from hpcrl.config import load_job, to_dict
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import JobConfig
 from hpcrl.models.presets import load_hf_config
+from launch.result import REQUEUE_EXIT_CODE as EXIT_REQUEUE  # the controller's "requeue me"
 
 EXIT_FAILURE = 1
-EXIT_REQUEUE = 3  # hpcrl.controller.preemption.EXIT_REQUEUE (not imported: it pulls in MPI)
 
 
 def resolve_run_dir(job: JobConfig, cli_run_dir: str | None) -> Path:

@@ -99,10 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         (run_dir / WORLD_FORMED_FILE).touch()
     if world.role != "controller":
         _redirect_output(run_dir, world.rank, world.role)
-        # Preemption signals (USR1, TERM) may reach every rank; only the controller acts on them
-        # (it saves, then stops the workers). Workers stay alive until told to stop.
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # Preemption signals (USR1, TERM; USR2 from submitit's own _interrupt) may reach every rank;
+        # only the controller acts on them (it saves, then stops the workers). Workers stay alive
+        # until told to stop.
+        for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
     # A worker waits for its next command at most this long (a whole step of the other roles).
     idle_timeout_s = 4 * job.resources.timeout_s + job.resources.startup_timeout_s
     if world.role == "controller":

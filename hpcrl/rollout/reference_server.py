@@ -702,9 +702,11 @@ def main(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    # Slurm's preemption notice (scancel --signal=USR1) reaches every process of the step; it is
-    # the controller's to act on, and must not kill the engine (USR1's default action).
+    # Slurm's preemption notice (scancel --signal=USR1; submitit's _interrupt sends USR2) reaches
+    # every process of the step; it is the controller's to act on, and must not kill the engine
+    # (the default action of both).
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     print(f"ready on http://{args.host}:{port}", flush=True)
     httpd.serve_forever(poll_interval=0.1)
     httpd.server_close()

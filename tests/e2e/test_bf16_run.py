@@ -10,12 +10,13 @@ import signal
 import pytest
 from e2e_util import EXAMPLE, hpcrl, start_run, wait_for_step
 
+from launch.result import REQUEUE_EXIT_CODE as EXIT_REQUEUE
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 BF16 = ["--set", "model.dtype=bfloat16", "--set", "rollout.logprob_tolerance=1.0",
         "--set", "rollout.logprob_mean_tolerance=0.02", "--set", "logging.progress=false"]
 ARGS = [*BF16, "--set", "algorithm.num_steps=8", "--set", "checkpoint.interval_steps=3"]
-EXIT_REQUEUE = 3
 
 
 def _result(run_dir) -> tuple[list[dict], str]:

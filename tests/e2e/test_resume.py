@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from e2e_util import EXAMPLE, hpcrl, leftover_processes, start_run, wait_for_step as _wait_for_step
 
+from launch.result import REQUEUE_EXIT_CODE as EXIT_REQUEUE
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 ARGS = ["--set", "algorithm.num_steps=8", "--set", "checkpoint.interval_steps=3", "--set", "logging.progress=false"]
-EXIT_REQUEUE = 3
 
 
 def _result(run_dir: Path) -> tuple[list[tuple[int, float]], str]:

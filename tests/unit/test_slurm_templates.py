@@ -289,9 +289,8 @@ def test_the_requeue_exit_code_is_one_constant() -> None:
                            for f in dataclasses.fields(SlurmJobSpec) if f.init}, "requeue_exit_code": 5})
     assert "HPCRL_REQUEUE_EXIT_CODE" not in render(full_hetjob_spec())
     repo = Path(__file__).resolve().parents[2]
-    # hpcrl/runner.py still keeps its own EXIT_REQUEUE = 3; it belongs here once it imports the constant
     sources = [*sorted((repo / "launch").glob("*.py")), repo / "hpcrl" / "controller" / "preemption.py",
-               repo / "hpcrl" / "jobs.py"]
+               repo / "hpcrl" / "jobs.py", repo / "hpcrl" / "runner.py"]
     defined = []
     for path in sources:
         for node in ast.walk(ast.parse(path.read_text())):

@@ -9,12 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: hf_fixtures, numerics
+from numerics import logit_bound, logprob_bound, longest_reduction, routing_margin_ratio  # noqa: E402
+
 SHARD = "200KB"  # the tiny model is ~330 KB of float32: two or more files
 
 
 def make_source(src: Path) -> None:
     """A model directory's non-weight files, as `model.path` would name: tokenizer + generation config."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from hf_fixtures import train_tokenizer
     from transformers import GenerationConfig
 
@@ -46,7 +48,7 @@ def main() -> None:
     hf = load_hf_config("tiny-qwen3-moe", None)
     policy = MegatronPolicy(hf, TrainerConfig(ep=2, num_procs=2), AlgorithmConfig(lr=1e-2))
     policy.init_from_seed(7)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(5)  # its batch routes clear of near-ties (ratio 20; seed 0: 1.01)
     prompts = [torch.randint(3, 50, (3,), generator=g).tolist() for _ in range(8)]
     responses = [torch.randint(3, 50, (4,), generator=g).tolist() for _ in range(8)]
     batch = TrainBatch.from_lists(prompts, responses)
@@ -89,13 +91,20 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
         loaded = hf_fused_to_checkpoint(model.state_dict(), HFModelDims.from_hf_config(hf))
         with torch.no_grad():
-            logp = torch.log_softmax(model(batch.tokens_BL).logits.float(), -1)
+            out = model(batch.tokens_BL, output_router_logits=True)  # no padding: every position is real
+            logp = torch.log_softmax(out.logits.float(), -1)
         pos, tgt = batch.logit_positions_BT(), batch.response_tokens_BT()
         hf_lp = logp[torch.arange(8)[:, None], pos].gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
+        # The trainer (EP2) and HF sum in other orders: logit_bound, the preset's longest reduction
+        # over the batch's 7 positions; comparable if no router near-tie lies within the bound.
+        apart = logit_bound(hf, out.logits.abs().max().item(), batch.seq_len)
         result[name] = {
             "files": sorted(p.name for p in d.iterdir()),
             "index": json.loads((d / "model.safetensors.index.json").read_text()),
             "maxdiff": (hf_lp - trainer).abs()[batch.response_mask_BT()].max().item(),
+            "bound": logprob_bound(apart, hf["vocab_size"]),
+            "routing_ratio": routing_margin_ratio(list(out.router_logits), hf["num_experts_per_tok"],
+                                                  longest_reduction(hf, batch.seq_len)),
             "weights_equal": list(loaded) == list(full)
             and all(torch.equal(loaded[k], full[k]) for k in full),
             "digest": dir_digest(d), "loaded_digest": state_dict_digest(loaded),

@@ -29,7 +29,10 @@ def test_export_matches_trainer(tmp_path):
         assert d["index"]["metadata"]["total_size"] == r["total_size"]
         assert set(d["index"]["weight_map"].values()) == set(shards)
         assert any(".mlp.experts.3.down_proj." in n for n in d["index"]["weight_map"])  # per-expert names
-        assert d["maxdiff"] < 1e-5, (name, d["maxdiff"])
+        # the trainer's log-probs are HF's on the exported weights, up to fp32 summation order
+        # (_export_check: logprob_bound of logit_bound), with every token routed alike
+        assert d["routing_ratio"] > 1, (name, "a router near-tie within the bound", d["routing_ratio"])
+        assert d["maxdiff"] <= d["bound"], (name, d["maxdiff"], d["bound"])
         assert d["weights_equal"], name
         assert d["digest"] == d["loaded_digest"] == r["sha"], name
         for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):

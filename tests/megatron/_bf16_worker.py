@@ -63,6 +63,38 @@ def held_bytes(policy) -> dict[str, list[int]]:
     return {k: [int(total[i]), int(most[i])] for i, k in enumerate(held)}
 
 
+def every_expert(hf_config: dict) -> dict:
+    """The preset with every token routed to all its experts (same parameters, so the same bytes):
+    a top-k choice made from bf16-rounded router logits could flip where it is a near-tie, a jump no
+    rounding bound covers, and bf16 rounding is coarse enough to reach the preset's narrowest top-2
+    margins (1.6e-4 of the router logits here)."""
+    return {**hf_config, "num_experts_per_tok": hf_config["num_experts"]}
+
+
+def spread_weights(hf_config: dict, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Checkpoint-named bf16 weights: the seed's init plus N(0, scale) noise (norms included), so that
+    a wrong weight moves the logits by a fair part of their size (at init, std 0.02, a swapped
+    expert moves them by less than bf16 rounding's worst case). The same on every rank."""
+    from hpcrl.trainer.model import build_hf_model
+    from moe.hf_megatron import HFModelDims, hf_fused_to_checkpoint
+
+    dims = HFModelDims.from_hf_config(hf_config)
+    sd = hf_fused_to_checkpoint(build_hf_model(hf_config, SEED).state_dict(), dims)
+    g = torch.Generator().manual_seed(SEED)
+    return {k: (v + scale * torch.randn(v.shape, generator=g)).to(torch.bfloat16) for k, v in sd.items()}
+
+
+def spread_logprobs(hf_config: dict, trainer, algorithm, dtype: str, batch) -> tuple:
+    """Log-probs of the batch under a second policy of this dtype holding `spread_weights`, and those
+    weights (the test compares with HF's fp32 forward on them)."""
+    from hpcrl.trainer.policy import MegatronPolicy
+
+    probe = MegatronPolicy(hf_config, trainer, algorithm, dtype=dtype)
+    sd = spread_weights(hf_config)
+    probe.load_hf_state_dict(sd, model="both")
+    return probe.compute_logprobs(batch), sd
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, default=1)
@@ -88,7 +120,8 @@ def main() -> None:
 
     trainer = TrainerConfig(ep=args.ep, num_procs=dist.get_world_size(), micro_batch_size=3, seed=3)
     algorithm = AlgorithmConfig(lr=1e-2, kl_coef=0.05, grad_clip=0.5, aux_loss_coef=0.01, adam_eps=1e-6)
-    policy = MegatronPolicy(load_hf_config("tiny-qwen3-moe", None), trainer, algorithm, dtype=args.dtype)
+    hf_config = every_expert(load_hf_config("tiny-qwen3-moe", None))
+    policy = MegatronPolicy(hf_config, trainer, algorithm, dtype=args.dtype)
     policy.init_from_seed(SEED)
     rank0 = dist.get_rank() == 0
     batch = make_batch()
@@ -110,8 +143,12 @@ def main() -> None:
         out["sha3"] = policy.policy_sha256()
     else:
         out["logp0"], out["ref0"] = policy.compute_logprobs(batch), ref
+        out["sd0"] = policy.export_hf_state_dict()
+        out["logp_spread"], out["sd_spread"] = spread_logprobs(hf_config, trainer, algorithm, args.dtype,
+                                                               batch)
         out["m1"], out["m2"] = step(), step()
         out["sha2"] = policy.policy_sha256()
+        out["logp2"] = policy.compute_logprobs(batch)
         out["main_ok2"] = main_matches_params(policy)
         out["held"] = held_bytes(policy)
         checkpoint_io.save(policy, args.ckpt, 2, "first", 2, {"step": 2})

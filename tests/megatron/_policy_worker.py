@@ -16,13 +16,17 @@ import torch
 SEED = 11
 NUM_ROWS = 12
 MICRO_BATCH = 3
+BATCH_SEED = 27
+"""Rows whose routing under the seed's weights, and after the train steps, is clear of near-ties
+(test_policy_layouts.py checks the margin): with seed 5 a token's top-2 experts at init were within
+the rounding bound of the next one, so another summation order could send it elsewhere."""
 
 
 def make_batch():  # -> TrainBatch
     """Rows with varied prompt/response lengths, one empty response, odd max length."""
     from hpcrl.trainer.batch import TrainBatch
 
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(BATCH_SEED)
     prompts, responses = [], []
     for b in range(NUM_ROWS):
         p = int(torch.randint(1, 5, (1,), generator=g))

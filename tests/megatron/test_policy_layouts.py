@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from mpi_launch import run_mpiexec
-from numerics import reordered
+from numerics import longest_reduction, reordered, routing_margin_ratio
 
 WORKER = Path(__file__).with_name("_policy_worker.py")
 LAUNCH_TIMEOUT_S = 420  # a hang guard, generous: 4 ranks on 2 shared cores import for ~40 s
@@ -138,6 +138,27 @@ def hf_logprobs(batch, temperature: float, sd: dict[str, torch.Tensor] | None = 
     return torch.where(batch.response_mask_BT(), logp_BT, 0.0)
 
 
+def routing_ratio(batch, sd: dict[str, torch.Tensor]) -> float:
+    """numerics.routing_margin_ratio of HF's router logits on the batch's tokens (padding excluded:
+    its routing reaches no real token) under the weights `sd`: above 1.5, every layout routes every
+    token alike on any host, so the bounds compare the same routing."""
+    from _policy_worker import SEED
+
+    from hpcrl.models.presets import load_hf_config
+    from hpcrl.trainer.model import build_hf_model
+    from moe.hf_megatron import HFModelDims, hf_checkpoint_to_fused
+
+    cfg = load_hf_config("tiny-qwen3-moe", None)
+    model = build_hf_model(cfg, SEED)
+    model.load_state_dict(hf_checkpoint_to_fused(sd, HFModelDims.from_hf_config(cfg)))
+    with torch.no_grad():
+        router = model(batch.tokens_BL, output_router_logits=True).router_logits
+    lens = batch.prompt_lens_B + batch.response_lens_B
+    real = (torch.arange(batch.tokens_BL.shape[1])[None] < lens[:, None]).reshape(-1)
+    logits = [r.reshape(-1, r.shape[-1])[real] for r in router]
+    return routing_margin_ratio(logits, cfg["num_experts_per_tok"], longest_reduction(cfg, batch.tokens_BL.shape[1]))
+
+
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert list(a) == list(b)
     return max((a[k] - b[k]).abs().max().item() for k in a)
@@ -147,6 +168,8 @@ def test_baseline_matches_hf_and_round_trips(baseline: dict, model_dirs: dict[st
     from hpcrl.trainer.policy import hf_state_dict_sha256
 
     batch = baseline["batch"]
+    for key in ("sd0", "sd1", "sd2"):  # the weights the layouts' log-probs are compared at
+        assert routing_ratio(batch, baseline[key]) > 1.5, f"a router near-tie at {key}: pick other rows"
     check_close("logp against HF", baseline["logp"], hf_logprobs(batch, 1.0, model_dir=model_dirs["dir"]))
     assert baseline["logp"].shape == (batch.batch_size, batch.response_width)
     assert baseline["logp"].dtype == torch.float32

@@ -156,7 +156,8 @@ def routing_ratio(batch, sd: dict[str, torch.Tensor]) -> float:
     lens = batch.prompt_lens_B + batch.response_lens_B
     real = (torch.arange(batch.tokens_BL.shape[1])[None] < lens[:, None]).reshape(-1)
     logits = [r.reshape(-1, r.shape[-1])[real] for r in router]
-    return routing_margin_ratio(logits, cfg["num_experts_per_tok"], longest_reduction(cfg, batch.tokens_BL.shape[1]))
+    n = longest_reduction(cfg, batch.tokens_BL.shape[1])
+    return routing_margin_ratio(logits, cfg["num_experts_per_tok"], n)
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -84,3 +84,15 @@ def routing_margin_ratio(router_logits: list[torch.Tensor], k: int, n: int) -> f
     ratios = [(topk_margin(r, k).min() / (2 * reordered(n, router_depth(i), r.abs().max().item()))).item()
               for i, r in enumerate(router_logits)]
     return min(ratios)
+
+
+def hf_routing(model, batch) -> tuple[object, float]:
+    """A transformers MoE model's output on a TrainBatch's tokens (router logits included) and the
+    routing_margin_ratio of its real tokens (padding excluded: its routing reaches no real token)."""
+    cfg = model.config.to_dict()
+    with torch.no_grad():
+        out = model(batch.tokens_BL, output_router_logits=True)
+    real = ~batch.padding_mask_BL().reshape(-1)
+    routers = [r.reshape(-1, r.shape[-1])[real] for r in out.router_logits]
+    n = longest_reduction(cfg, batch.seq_len)
+    return out, routing_margin_ratio(routers, cfg["num_experts_per_tok"], n)

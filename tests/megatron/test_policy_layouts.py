@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from mpi_launch import run_mpiexec
-from numerics import longest_reduction, reordered, routing_margin_ratio
+from numerics import hf_routing, reordered
 
 WORKER = Path(__file__).with_name("_policy_worker.py")
 LAUNCH_TIMEOUT_S = 420  # a hang guard, generous: 4 ranks on 2 shared cores import for ~40 s
@@ -139,8 +139,7 @@ def hf_logprobs(batch, temperature: float, sd: dict[str, torch.Tensor] | None = 
 
 
 def routing_ratio(batch, sd: dict[str, torch.Tensor]) -> float:
-    """numerics.routing_margin_ratio of HF's router logits on the batch's tokens (padding excluded:
-    its routing reaches no real token) under the weights `sd`: above 1.5, every layout routes every
+    """numerics.hf_routing's margin ratio under the weights `sd`: above 1.5, every layout routes every
     token alike on any host, so the bounds compare the same routing."""
     from _policy_worker import SEED
 
@@ -151,13 +150,7 @@ def routing_ratio(batch, sd: dict[str, torch.Tensor]) -> float:
     cfg = load_hf_config("tiny-qwen3-moe", None)
     model = build_hf_model(cfg, SEED)
     model.load_state_dict(hf_checkpoint_to_fused(sd, HFModelDims.from_hf_config(cfg)))
-    with torch.no_grad():
-        router = model(batch.tokens_BL, output_router_logits=True).router_logits
-    lens = batch.prompt_lens_B + batch.response_lens_B
-    real = (torch.arange(batch.tokens_BL.shape[1])[None] < lens[:, None]).reshape(-1)
-    logits = [r.reshape(-1, r.shape[-1])[real] for r in router]
-    n = longest_reduction(cfg, batch.tokens_BL.shape[1])
-    return routing_margin_ratio(logits, cfg["num_experts_per_tok"], n)
+    return hf_routing(model, batch)[1]
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -16,8 +16,8 @@ import math
 
 import pytest
 import torch
-from numerics import (U_FP32, forward_depth, logit_bound, logprob_bound, longest_reduction, reordered,
-                      routing_margin_ratio)
+from numerics import (U_FP32, forward_depth, hf_routing, logit_bound, logprob_bound, longest_reduction,
+                      reordered)
 
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
@@ -88,12 +88,7 @@ def perturbed_hf(hf_config: dict, seed: int) -> tuple[dict[str, torch.Tensor], t
 def hf_forward(model: torch.nn.Module, batch) -> torch.Tensor:
     """HF's logits [B, L, V] of the batch, after checking that every real token's routing is clear of
     near-ties within the rounding bound: another evaluation (Megatron's) then routes it alike."""
-    cfg = model.config.to_dict()
-    with torch.no_grad():
-        out = model(batch.tokens_BL, output_router_logits=True)
-    real = ~batch.padding_mask_BL().reshape(-1)
-    routers = [r.reshape(-1, r.shape[-1])[real] for r in out.router_logits]
-    ratio = routing_margin_ratio(routers, cfg["num_experts_per_tok"], longest_reduction(cfg, batch.seq_len))
+    out, ratio = hf_routing(model, batch)
     assert ratio > 1, f"a router near-tie within the rounding bound ({ratio:.2f}): use other inputs"
     return out.logits.float()
 

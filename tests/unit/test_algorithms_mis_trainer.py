@@ -26,28 +26,16 @@ def plain_loss(b, cfg):  # a user's loss that ignores b.correction_BT
 
 
 def routing_clear(policy, batch) -> float:
-    """numerics.routing_margin_ratio of HF's router logits on the batch's real tokens under `policy`'s
-    weights: above 1.5 every summation order routes every token alike, on any host."""
-    import sys
-    from pathlib import Path
-
-    import torch
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from numerics import longest_reduction, routing_margin_ratio
+    """numerics.hf_routing's margin ratio under `policy`'s weights: above 1.5 every summation order
+    routes every token alike, on any host."""
+    from numerics import hf_routing
 
     from hpcrl.trainer.model import build_hf_model
     from moe.hf_megatron import hf_checkpoint_to_fused
 
-    cfg = policy.hf_config
-    model = build_hf_model(cfg, 0)
+    model = build_hf_model(policy.hf_config, 0)
     model.load_state_dict(hf_checkpoint_to_fused(policy.export_hf_state_dict(), policy.dims))
-    with torch.no_grad():
-        router = model(batch.tokens_BL, output_router_logits=True).router_logits
-    lens = batch.prompt_lens_B + batch.response_lens_B
-    real = (torch.arange(batch.tokens_BL.shape[1])[None] < lens[:, None]).reshape(-1)
-    logits = [r.reshape(-1, r.shape[-1])[real] for r in router]
-    return routing_margin_ratio(logits, cfg["num_experts_per_tok"], longest_reduction(cfg, batch.seq_len))
+    return hf_routing(model, batch)[1]
 
 
 def _worker() -> None:

@@ -29,6 +29,9 @@ import torch
 
 from hpcrl.algorithms import MIS_LEVELS
 from hpcrl.algorithms.aggregation import aggregate
+
+SEQUENCE_LEVELS = tuple(level for level in MIS_LEVELS if level != "token")
+"""The MIS levels that test one ratio per sequence (sequence_is_log_ratio)."""
 LOG_RATIO_LIMIT = 20.0
 
 
@@ -56,8 +59,8 @@ def tis_weights(old_logp_BT: torch.Tensor, behaviour_logp_BT: torch.Tensor, mask
 def sequence_is_log_ratio(old_logp_BT: torch.Tensor, behaviour_logp_BT: torch.Tensor,
                           mask_BT: torch.Tensor, level: str = "sequence") -> torch.Tensor:
     """log rho_i of each sequence: the sum (`sequence`) or mean (`geometric`) of token log-ratios, [B]."""
-    if level not in MIS_LEVELS[:2]:
-        raise ValueError(f"level={level!r}; valid: {', '.join(MIS_LEVELS[:2])}")
+    if level not in SEQUENCE_LEVELS:
+        raise ValueError(f"level={level!r}; valid: {', '.join(SEQUENCE_LEVELS)}")
     mask = mask_BT.to(old_logp_BT.dtype)
     d_sum_B = ((old_logp_BT - behaviour_logp_BT).detach() * mask).sum(dim=1)
     return d_sum_B if level == "sequence" else d_sum_B / mask.sum(dim=1).clamp(min=1.0)

@@ -435,16 +435,14 @@ def open_private_log(path: str | Path):
 
 
 def _secrets(config_path: str | None) -> list[str]:
-    """The key values of a server options file (SGLang's --config YAML), for redaction."""
+    """The engine keys of a server options file (the job's engine_keys.yaml), for redaction."""
     if config_path is None:
         return []
-    import yaml
-
     try:
-        options = yaml.safe_load(Path(config_path).read_text()) or {}
-    except (OSError, yaml.YAMLError):
+        keys = EngineKeys.read(config_path)
+    except Exception:  # noqa: BLE001 - unreadable or not a keys file: no keys to redact, the report goes on
         return []
-    return [str(v) for k, v in options.items() if "key" in str(k) and v] if isinstance(options, dict) else []
+    return [keys.api_key, keys.admin_api_key]
 
 
 def _tail(path: str, secrets: Sequence[str] = (), num_bytes: int = 4000) -> str:

@@ -111,24 +111,32 @@ def baseline(tmp_path_factory: pytest.TempPathFactory, model_dirs: dict[str, Pat
     return launch("tp1-ep1", tmp_path_factory.mktemp("tp1-ep1") / "out.pt", model_dirs)
 
 
-def hf_logprobs(batch, temperature: float, sd: dict[str, torch.Tensor] | None = None,
-                model_dir: Path | None = None) -> torch.Tensor:
-    """Log-probs of the response tokens from HF transformers' Qwen3MoeForCausalLM (init weights,
-    the checkpoint-named `sd`, or `from_pretrained(model_dir)`)."""
+def hf_model(sd: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
+    """HF transformers' Qwen3MoeForCausalLM of the tiny preset: the workers' init weights, or the
+    checkpoint-named `sd`."""
     from _policy_worker import SEED
-    from transformers import AutoModelForCausalLM
 
     from hpcrl.models.presets import load_hf_config
     from hpcrl.trainer.model import build_hf_model
     from moe.hf_megatron import HFModelDims, hf_checkpoint_to_fused
 
     cfg = load_hf_config("tiny-qwen3-moe", None)
+    model = build_hf_model(cfg, SEED)
+    if sd is not None:
+        model.load_state_dict(hf_checkpoint_to_fused(sd, HFModelDims.from_hf_config(cfg)))
+    return model
+
+
+def hf_logprobs(batch, temperature: float, sd: dict[str, torch.Tensor] | None = None,
+                model_dir: Path | None = None) -> torch.Tensor:
+    """Log-probs of the response tokens from HF transformers' Qwen3MoeForCausalLM (init weights,
+    the checkpoint-named `sd`, or `from_pretrained(model_dir)`)."""
+    from transformers import AutoModelForCausalLM
+
     if model_dir is not None:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     else:
-        model = build_hf_model(cfg, SEED)
-    if sd is not None:
-        model.load_state_dict(hf_checkpoint_to_fused(sd, HFModelDims.from_hf_config(cfg)))
+        model = hf_model(sd)
     with torch.no_grad():
         logits_BLV = model(batch.tokens_BL).logits.float() / temperature
     logp_BLV = torch.log_softmax(logits_BLV, dim=-1)
@@ -141,16 +149,7 @@ def hf_logprobs(batch, temperature: float, sd: dict[str, torch.Tensor] | None = 
 def routing_ratio(batch, sd: dict[str, torch.Tensor]) -> float:
     """numerics.hf_routing's margin ratio under the weights `sd`: above 1.5, every layout routes every
     token alike on any host, so the bounds compare the same routing."""
-    from _policy_worker import SEED
-
-    from hpcrl.models.presets import load_hf_config
-    from hpcrl.trainer.model import build_hf_model
-    from moe.hf_megatron import HFModelDims, hf_checkpoint_to_fused
-
-    cfg = load_hf_config("tiny-qwen3-moe", None)
-    model = build_hf_model(cfg, SEED)
-    model.load_state_dict(hf_checkpoint_to_fused(sd, HFModelDims.from_hf_config(cfg)))
-    return hf_routing(model, batch)[1]
+    return hf_routing(hf_model(sd), batch)[1]
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -197,17 +196,8 @@ def test_baseline_matches_hf_and_round_trips(baseline: dict, model_dirs: dict[st
 
 def hf_final_hidden(batch, sd: dict[str, torch.Tensor]) -> torch.Tensor:
     """HF transformers' last hidden states (after the final norm) of `sd`'s model, [B, L, H]."""
-    from _policy_worker import SEED
-
-    from hpcrl.models.presets import load_hf_config
-    from hpcrl.trainer.model import build_hf_model
-    from moe.hf_megatron import HFModelDims, hf_checkpoint_to_fused
-
-    cfg = load_hf_config("tiny-qwen3-moe", None)
-    model = build_hf_model(cfg, SEED)
-    model.load_state_dict(hf_checkpoint_to_fused(sd, HFModelDims.from_hf_config(cfg)))
     with torch.no_grad():
-        return model(batch.tokens_BL, output_hidden_states=True).hidden_states[-1].float()
+        return hf_model(sd)(batch.tokens_BL, output_hidden_states=True).hidden_states[-1].float()
 
 
 def _check_critic(run: dict, head: tuple[torch.Tensor, torch.Tensor]) -> None:

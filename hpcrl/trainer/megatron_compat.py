@@ -4,8 +4,10 @@ Megatron-core assumes CUDA in a few hundred places; the training path of a GPTMo
 a handful of them. `apply()` installs narrow patches, each naming the call site it fixes (facts
 and measurements: notes/python_stack.md sections 2-2.4):
 
-  TE-less fix (GPU too): `moe_utils.py:1192 RouterGatingLinearFunction.forward` reads the name
-      `te_general_gemm`, which 0.16.1 defines only when transformer-engine imports.
+  TE-less fixes (GPU too): `moe_utils.py:1192 RouterGatingLinearFunction.forward` reads the name
+      `te_general_gemm`, which 0.16.1 defines only when transformer-engine imports;
+      `multi_latent_attention.py:62` sets HAVE_TE when the TE extension module imports, which it does
+      without TE (its classes are MagicMocks then), and line 185 calls isinstance with such a mock.
   CPU only (nothing below is touched when CUDA is available):
   1. `torch` stand-in inside the Megatron modules listed in `_CPU_MODULES`: their `torch.cuda` is
      a CPU namespace (current_device() -> "cpu"; streams/events are no-ops; synchronize and
@@ -116,6 +118,9 @@ _CPU_MODULES = (
     "megatron.core.utils",
     "megatron.core.transformer.utils",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+    "megatron.core.transformer.multi_latent_attention",
+    "megatron.core.transformer.moe.shared_experts",
     "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.transformer.moe.moe_utils",
     "megatron.core.transformer.moe.router",
@@ -296,10 +301,14 @@ def _have_transformer_engine() -> bool:
 
 
 def _apply_te_fix() -> None:
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    # Without TE, megatron.core.extensions.transformer_engine still imports, its TE classes being
+    # MagicMock stand-ins, so MLA believes TE is there and calls isinstance(linear, <a mock>).
+    multi_latent_attention.HAVE_TE = False
 
 
 def _cpu_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:

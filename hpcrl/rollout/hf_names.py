@@ -8,10 +8,16 @@ of hpcrl's weight-sync protocol:
 
     Qwen3-MoE / Qwen2-MoE  <layer>.mlp.experts.{e}.gate_proj|up_proj|down_proj.weight,
                            router <layer>.mlp.gate.weight
+    DeepSeek-V3 / V2       as Qwen3-MoE (transformers converts both with Qwen2-MoE's rules)
     Mixtral                <layer>.block_sparse_moe.experts.{e}.w1|w3|w2.weight (gate|up|down),
                            router <layer>.block_sparse_moe.gate.weight
 
-Every other tensor keeps its in-memory name. A `Slot` says where an on-disk tensor lives in memory:
+Every other tensor keeps its in-memory name: DeepSeek's router bias
+`<layer>.mlp.gate.e_score_correction_bias` (a float32 buffer, not a parameter, and a checkpoint tensor
+all the same), its shared experts `<layer>.mlp.shared_experts.{gate,up,down}_proj.weight`, its dense
+MLP layers' `<layer>.mlp.{gate,up,down}_proj.weight` and the MLA projections. DeepSeek's MTP layers
+(`model.layers.{num_hidden_layers + k}.*` on disk) are not part of transformers' model and have no
+slot. A `Slot` says where an on-disk tensor lives in memory:
 the in-memory parameter name and an index into it (`()` for a whole parameter); indexing a parameter
 with it gives a contiguous view, so reading a slot copies nothing and writing one is `copy_`.
 """
@@ -45,6 +51,8 @@ class ExpertNames:
 EXPERT_NAMES: dict[str, ExpertNames] = {
     "qwen3_moe": ExpertNames(module="mlp", gate="gate_proj", up="up_proj", down="down_proj"),
     "qwen2_moe": ExpertNames(module="mlp", gate="gate_proj", up="up_proj", down="down_proj"),
+    "deepseek_v3": ExpertNames(module="mlp", gate="gate_proj", up="up_proj", down="down_proj"),
+    "deepseek_v2": ExpertNames(module="mlp", gate="gate_proj", up="up_proj", down="down_proj"),
     "mixtral": ExpertNames(module="block_sparse_moe", gate="w1", up="w3", down="w2"),
 }
 

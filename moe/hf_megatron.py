@@ -31,12 +31,32 @@ from moe.slices import Box
 if TYPE_CHECKING:
     import torch  # the tensor functions import it when called: config validation stays torch-free
 
-FAMILIES = ("qwen3_moe", "mixtral")
+FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+@dataclass(frozen=True, slots=True)
+class MLADims:
+    """Multi-head latent attention (DeepSeek-V2/V3): low-rank query (None: a plain q_proj, as in
+    DeepSeek-V2-Lite) and key-value projections, per-head no-position and RoPE parts."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_dim: int
+    qk_rope_dim: int
+    v_head_dim: int
 
 
 @dataclass(frozen=True, slots=True)
 class HFModelDims:
-    """The dimensions of a Qwen3-MoE / Mixtral decoder, read from its HF config.json dict."""
+    """The dimensions of a Qwen3-MoE / Mixtral / DeepSeek-V3 decoder, read from its HF config.json dict.
+
+    DeepSeek-V3 (also Kimi-K2, Moonlight: model_type deepseek_v3) adds `mla`, `first_dense_layers`
+    dense SwiGLU layers of `dense_ffn_size` before the MoE layers, a shared expert of
+    `shared_ffn_size` per MoE layer, and a sigmoid router with a score-correction bias, group-limited
+    top-k and `routed_scaling_factor`; `mtp_layers` MTP layers sit after the decoder on disk
+    (`model.layers.{num_layers + k}.*`), which the trainer does not build (export copies them).
+    """
 
     family: str
     vocab_size: int
@@ -54,6 +74,17 @@ class HFModelDims:
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
+    mla: MLADims | None = None
+    first_dense_layers: int = 0
+    dense_ffn_size: int = 0
+    shared_ffn_size: int = 0
+    score_function: str = "softmax"
+    expert_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float | None = None
+    yarn: tuple[tuple[str, float], ...] | None = None
+    mtp_layers: int = 0
 
     @staticmethod
     def from_hf_config(cfg: Mapping) -> HFModelDims:
@@ -66,13 +97,13 @@ class HFModelDims:
                              "only 'silu' (SwiGLU) is supported")
         if cfg.get("attention_bias", False):
             raise ValueError("config.json attention_bias=true is not supported; use a bias-free model")
+        if family == "deepseek_v3":
+            return _deepseek_v3_dims(cfg)
         rope = cfg.get("rope_parameters") or {}
         if (rope_type := rope.get("rope_type", "default")) != "default" or cfg.get("rope_scaling"):
             raise ValueError(f"config.json rope_type={rope_type!r} / rope_scaling is not supported; "
                              "only plain RoPE ('default')")
-        theta = rope.get("rope_theta", cfg.get("rope_theta"))
-        if theta is None:
-            raise ValueError("config.json has neither rope_parameters.rope_theta nor rope_theta")
+        theta = _rope_theta(cfg)
         max_pos = int(cfg.get("max_position_embeddings", 4096))
         window = cfg.get("sliding_window")
         if (cfg.get("use_sliding_window", family == "mixtral") and window is not None
@@ -104,8 +135,14 @@ class HFModelDims:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
             max_position_embeddings=max_pos)
 
+    @property
+    def moe_layers(self) -> range:
+        """The decoder layers with routed experts (the others are dense SwiGLU MLPs)."""
+        return range(self.first_dense_layers, self.num_layers)
+
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every HF checkpoint tensor name -> global shape, in sorted name order."""
+        """Every HF checkpoint tensor name the trainer holds -> global shape, in sorted name order
+        (DeepSeek-V3's MTP layers are not among them)."""
         H, hd = self.hidden_size, self.head_dim
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, H),
                                               "model.norm.weight": (H,)}
@@ -115,14 +152,28 @@ class HFModelDims:
             p = f"model.layers.{i}."
             shapes[p + "input_layernorm.weight"] = (H,)
             shapes[p + "post_attention_layernorm.weight"] = (H,)
-            shapes[p + "self_attn.q_proj.weight"] = (self.num_heads * hd, H)
-            shapes[p + "self_attn.k_proj.weight"] = (self.num_kv_heads * hd, H)
-            shapes[p + "self_attn.v_proj.weight"] = (self.num_kv_heads * hd, H)
-            shapes[p + "self_attn.o_proj.weight"] = (H, self.num_heads * hd)
+            if self.mla is not None:
+                shapes.update(_mla_shapes(self, p + "self_attn."))
+            else:
+                shapes[p + "self_attn.q_proj.weight"] = (self.num_heads * hd, H)
+                shapes[p + "self_attn.k_proj.weight"] = (self.num_kv_heads * hd, H)
+                shapes[p + "self_attn.v_proj.weight"] = (self.num_kv_heads * hd, H)
+                shapes[p + "self_attn.o_proj.weight"] = (H, self.num_heads * hd)
             if self.qk_norm:
                 shapes[p + "self_attn.q_norm.weight"] = (hd,)
                 shapes[p + "self_attn.k_norm.weight"] = (hd,)
+            if i < self.first_dense_layers:
+                for gate_up in ("gate_proj", "up_proj"):
+                    shapes[f"{p}mlp.{gate_up}.weight"] = (self.dense_ffn_size, H)
+                shapes[p + "mlp.down_proj.weight"] = (H, self.dense_ffn_size)
+                continue
             shapes[router_name(self, i)] = (self.num_experts, H)
+            if self.expert_bias:
+                shapes[router_bias_name(i)] = (self.num_experts,)
+            if self.shared_ffn_size:
+                for gate_up in ("gate_proj", "up_proj"):
+                    shapes[f"{p}mlp.shared_experts.{gate_up}.weight"] = (self.shared_ffn_size, H)
+                shapes[p + "mlp.shared_experts.down_proj.weight"] = (H, self.shared_ffn_size)
             for e in range(self.num_experts):
                 gate, up, down = expert_names(self, i, e)
                 shapes[gate] = shapes[up] = (self.moe_ffn_size, H)
@@ -130,14 +181,112 @@ class HFModelDims:
         return dict(sorted(shapes.items()))
 
 
+def _rope_theta(cfg: Mapping) -> float:
+    rope = cfg.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", cfg.get("rope_theta"))
+    if theta is None:
+        raise ValueError("config.json has neither rope_parameters.rope_theta nor rope_theta")
+    return float(theta)
+
+
+def _yarn(cfg: Mapping) -> tuple[tuple[str, float], ...] | None:
+    """DeepSeek's YaRN parameters (from rope_scaling, or transformers 5.x's rope_parameters), None
+    for plain RoPE; other scalings raise ValueError."""
+    rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "yarn":
+        raise ValueError(f"config.json rope_scaling type={kind!r} is not supported for deepseek_v3; "
+                         "valid: yarn, or no rope_scaling (plain RoPE)")
+    if "factor" not in rope:
+        raise ValueError("config.json rope_scaling (yarn) lacks 'factor'")
+    defaults = {"original_max_position_embeddings": cfg.get("max_position_embeddings", 4096), "beta_fast": 32.0,
+                "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+    return tuple((k, float(rope.get(k, defaults.get(k)))) for k in YARN_KEYS)
+
+
+def _deepseek_v3_dims(cfg: Mapping) -> HFModelDims:
+    """DeepSeek-V3 / Kimi-K2 / Moonlight: what transformers' DeepseekV3ForCausalLM computes, refusing
+    what the Megatron model cannot compute the same way (each error names the key and the fix)."""
+    def bad(key: str, why: str) -> ValueError:
+        return ValueError(f"config.json {key}={cfg.get(key)!r}: {why}")
+
+    if not cfg.get("rope_interleave", True):
+        raise bad("rope_interleave", "only DeepSeek's interleaved RoPE layout (true, the default) is supported")
+    if cfg.get("moe_layer_freq", 1) != 1:
+        raise bad("moe_layer_freq", "only 1 (every layer after first_k_dense_replace is MoE) is supported")
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise bad("scoring_func", f"(topk_method={cfg.get('topk_method')!r}): deepseek_v3 routes with "
+                                  "sigmoid scores and the score-correction bias ('sigmoid', 'noaux_tc')")
+    if not cfg.get("norm_topk_prob", True):
+        raise bad("norm_topk_prob", "Megatron always renormalises sigmoid top-k weights; only true is supported")
+    experts, top_k = int(cfg["n_routed_experts"]), int(cfg["num_experts_per_tok"])
+    n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    if top_k < 2:
+        raise bad("num_experts_per_tok", "top-1 sigmoid routing is not renormalised by Megatron; use >= 2")
+    if experts % n_group:
+        raise bad("n_group", f"must divide n_routed_experts={experts}")
+    if not 1 <= topk_group <= n_group:
+        raise bad("topk_group", f"must be between 1 and n_group={n_group}")
+    if n_group > 1 and top_k // topk_group != 2:
+        # DeepSeek scores a group by the sum of its top-2 experts; Megatron by its top (top_k // topk_group).
+        raise bad("num_experts_per_tok", f"with n_group={n_group} > 1, num_experts_per_tok // topk_group must "
+                                         f"be 2 (DeepSeek's group score sums each group's top-2 experts, "
+                                         f"Megatron's its top num_experts_per_tok // topk_group)")
+    if cfg.get("first_k_dense_replace", 0) > int(cfg["num_hidden_layers"]):
+        raise bad("first_k_dense_replace", f"exceeds num_hidden_layers={cfg['num_hidden_layers']}")
+    q_lora = cfg.get("q_lora_rank")
+    mla = MLADims(q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(cfg["kv_lora_rank"]),
+                  qk_nope_dim=int(cfg["qk_nope_head_dim"]), qk_rope_dim=int(cfg["qk_rope_head_dim"]),
+                  v_head_dim=int(cfg["v_head_dim"]))
+    heads = int(cfg["num_attention_heads"])
+    moe_ffn = int(cfg["moe_intermediate_size"])
+    scaling = cfg.get("routed_scaling_factor", 1.0)
+    return HFModelDims(
+        family="deepseek_v3", vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
+        num_layers=int(cfg["num_hidden_layers"]), num_heads=heads, num_kv_heads=heads,
+        head_dim=mla.qk_nope_dim + mla.qk_rope_dim, num_experts=experts, top_k=top_k, moe_ffn_size=moe_ffn,
+        qk_norm=False, norm_topk_prob=True, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), mla=mla,
+        first_dense_layers=int(cfg.get("first_k_dense_replace", 0)), dense_ffn_size=int(cfg["intermediate_size"]),
+        shared_ffn_size=moe_ffn * int(cfg.get("n_shared_experts") or 0), score_function="sigmoid",
+        expert_bias=True, n_group=n_group, topk_group=topk_group,
+        routed_scaling_factor=None if scaling in (None, 1.0) else float(scaling), yarn=_yarn(cfg),
+        mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
+
+
+def _mla_shapes(dims: HFModelDims, p: str) -> dict[str, tuple[int, ...]]:
+    """The MLA projections of one layer (prefix `p` = `model.layers.{i}.self_attn.`)."""
+    m, H, n = dims.mla, dims.hidden_size, dims.num_heads
+    assert m is not None
+    q_out = n * (m.qk_nope_dim + m.qk_rope_dim)
+    shapes = {p + "kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_dim, H),
+              p + "kv_a_layernorm.weight": (m.kv_lora_rank,),
+              p + "kv_b_proj.weight": (n * (m.qk_nope_dim + m.v_head_dim), m.kv_lora_rank),
+              p + "o_proj.weight": (H, n * m.v_head_dim)}
+    if m.q_lora_rank is None:
+        shapes[p + "q_proj.weight"] = (q_out, H)
+    else:
+        shapes.update({p + "q_a_proj.weight": (m.q_lora_rank, H), p + "q_a_layernorm.weight": (m.q_lora_rank,),
+                       p + "q_b_proj.weight": (q_out, m.q_lora_rank)})
+    return shapes
+
+
+def router_bias_name(layer: int) -> str:
+    """DeepSeek-V3's score-correction bias of one MoE layer (a buffer: not trained, kept as loaded)."""
+    return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+
+
 def router_name(dims: HFModelDims, layer: int) -> str:
-    block = "mlp" if dims.family == "qwen3_moe" else "block_sparse_moe"
+    block = "block_sparse_moe" if dims.family == "mixtral" else "mlp"
     return f"model.layers.{layer}.{block}.gate.weight"
 
 
 def expert_names(dims: HFModelDims, layer: int, expert: int) -> tuple[str, str, str]:
     """The (gate, up, down) checkpoint names of one expert."""
-    if dims.family == "qwen3_moe":
+    if dims.family != "mixtral":
         p = f"model.layers.{layer}.mlp.experts.{expert}."
         return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
     p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
@@ -165,12 +314,20 @@ class RankCoords:
 
     def check(self, dims: HFModelDims) -> None:
         """Raise ValueError when the model does not split evenly over this layout."""
-        for what, n, axis, size in (("num_attention_heads", dims.num_heads, "tp", self.tp),
-                                    ("num_key_value_heads", dims.num_kv_heads, "tp", self.tp),
-                                    ("vocab_size", dims.vocab_size, "tp", self.tp),
-                                    ("num_hidden_layers", dims.num_layers, "pp", self.pp),
-                                    ("num_experts", dims.num_experts, "ep", self.ep),
-                                    ("moe_intermediate_size", dims.moe_ffn_size, "etp", self.etp)):
+        splits = [("num_attention_heads", dims.num_heads, "tp", self.tp),
+                  ("num_key_value_heads", dims.num_kv_heads, "tp", self.tp),
+                  ("vocab_size", dims.vocab_size, "tp", self.tp),
+                  ("num_hidden_layers", dims.num_layers, "pp", self.pp),
+                  ("num_experts", dims.num_experts, "ep", self.ep),
+                  ("moe_intermediate_size", dims.moe_ffn_size, "etp", self.etp)]
+        if dims.mla is not None:
+            # Megatron's local MLA splits the down projections' outputs over TP (and gathers them).
+            splits += [("kv_lora_rank + qk_rope_head_dim", dims.mla.kv_lora_rank + dims.mla.qk_rope_dim, "tp",
+                        self.tp), ("intermediate_size", dims.dense_ffn_size, "tp", self.tp),
+                       ("moe_intermediate_size * n_shared_experts", dims.shared_ffn_size, "tp", self.tp)]
+            if dims.mla.q_lora_rank is not None:
+                splits.append(("q_lora_rank", dims.mla.q_lora_rank, "tp", self.tp))
+        for what, n, axis, size in splits:
             if n % size:
                 raise ValueError(f"model {what}={n} is not divisible by {axis}={size}; "
                                  f"choose a {axis} that divides {n}")
@@ -210,39 +367,81 @@ def _split(name: str, hf_name: str, global_shape: tuple[int, ...], axis: int, pa
     return LocalParam(name, hf_box.shape, (Piece(hf_name, hf_box, Box.full(hf_box.shape)),))
 
 
+def _gqa_params(dims: HFModelDims, coords: RankCoords, hp: str, mp: str) -> list[LocalParam]:
+    """Grouped-query attention of one layer: fused linear_qkv (grouped by KV group), q/k norms, linear_proj."""
+    H, hd, tp, r = dims.hidden_size, dims.head_dim, coords.tp, coords.tp_rank
+    heads_per_group = dims.num_heads // dims.num_kv_heads
+    groups_local = dims.num_kv_heads // tp
+    rows_per_group = (heads_per_group + 2) * hd
+    qkv: list[Piece] = []
+    for g in range(groups_local):
+        gg, off = r * groups_local + g, g * rows_per_group
+        nq = heads_per_group * hd
+        for hf, hf_off, local_off, n in (("q_proj", gg * nq, off, nq), ("k_proj", gg * hd, off + nq, hd),
+                                        ("v_proj", gg * hd, off + nq + hd, hd)):
+            qkv.append(Piece(f"{hp}self_attn.{hf}.weight", Box((hf_off, 0), (n, H)), Box((local_off, 0), (n, H))))
+    out = [LocalParam(mp + "self_attention.linear_qkv.weight", (groups_local * rows_per_group, H), tuple(qkv))]
+    if dims.qk_norm:
+        for qk in ("q", "k"):
+            out.append(_whole(f"{mp}self_attention.{qk}_layernorm.weight", f"{hp}self_attn.{qk}_norm.weight", (hd,)))
+    out.append(_split(mp + "self_attention.linear_proj.weight", hp + "self_attn.o_proj.weight",
+                      (H, dims.num_heads * hd), 1, tp, r))
+    return out
+
+
+def _mla_params(dims: HFModelDims, coords: RankCoords, hp: str, mp: str) -> list[LocalParam]:
+    """Multi-latent attention of one layer. Megatron's local MLA keeps HF's row orders (per head
+    [nope, rope] in q and [k nope, v] in kv_up; [kv latent, k rope] in kv_down) and de-interleaves
+    the RoPE dims itself, as transformers does with rope_interleave; every projection but linear_proj
+    splits its output rows over TP, the two latent norms are replicated."""
+    shapes = _mla_shapes(dims, hp + "self_attn.")
+    tp, r = coords.tp, coords.tp_rank
+    a, m = hp + "self_attn.", mp + "self_attention."
+    rows = [("linear_kv_down_proj", "kv_a_proj_with_mqa"), ("linear_kv_up_proj", "kv_b_proj")]
+    if dims.mla.q_lora_rank is None:
+        rows.append(("linear_q_proj", "q_proj"))
+    else:
+        rows += [("linear_q_down_proj", "q_a_proj"), ("linear_q_up_proj", "q_b_proj")]
+    out = [_split(f"{m}{mg}.weight", f"{a}{hf}.weight", shapes[f"{a}{hf}.weight"], 0, tp, r) for mg, hf in rows]
+    out.append(_whole(m + "kv_layernorm.weight", a + "kv_a_layernorm.weight", shapes[a + "kv_a_layernorm.weight"]))
+    if dims.mla.q_lora_rank is not None:
+        out.append(_whole(m + "q_layernorm.weight", a + "q_a_layernorm.weight", shapes[a + "q_a_layernorm.weight"]))
+    out.append(_split(m + "linear_proj.weight", a + "o_proj.weight", shapes[a + "o_proj.weight"], 1, tp, r))
+    return out
+
+
+def _swiglu_params(mp: str, hp: str, ffn: int, H: int, tp: int, r: int) -> list[LocalParam]:
+    """A TP-split SwiGLU MLP (dense layer or shared expert): linear_fc1 = [gate_r; up_r], linear_fc2."""
+    rows, local = Box((r * (ffn // tp), 0), (ffn // tp, H)), ffn // tp
+    return [LocalParam(mp + "linear_fc1.weight", (2 * local, H),
+                       (Piece(hp + "gate_proj.weight", rows, Box((0, 0), (local, H))),
+                        Piece(hp + "up_proj.weight", rows, Box((local, 0), (local, H))))),
+            _split(mp + "linear_fc2.weight", hp + "down_proj.weight", (H, ffn), 1, tp, r)]
+
+
 def local_params(dims: HFModelDims, coords: RankCoords) -> list[LocalParam]:
     """Every weight of this rank's Megatron state dict (no `_extra_state`), in a fixed order."""
     coords.check(dims)
-    V, H, hd, tp, r = dims.vocab_size, dims.hidden_size, dims.head_dim, coords.tp, coords.tp_rank
+    V, H, tp, r = dims.vocab_size, dims.hidden_size, coords.tp, coords.tp_rank
     first, last = coords.pp_rank == 0, coords.pp_rank == coords.pp - 1
     out: list[LocalParam] = []
     if first:
         out.append(_split("embedding.word_embeddings.weight", "model.embed_tokens.weight", (V, H), 0, tp, r))
-    heads_per_group = dims.num_heads // dims.num_kv_heads
-    groups_local = dims.num_kv_heads // tp
-    rows_per_group = (heads_per_group + 2) * hd
     E_local, I_local = dims.num_experts // coords.ep, dims.moe_ffn_size // coords.etp
     for li, i in enumerate(layer_range(dims, coords)):
         hp, mp = f"model.layers.{i}.", f"decoder.layers.{li}."
         out.append(_whole(mp + "input_layernorm.weight", hp + "input_layernorm.weight", (H,)))
-        qkv: list[Piece] = []
-        for g in range(groups_local):
-            gg, off = r * groups_local + g, g * rows_per_group
-            nq = heads_per_group * hd
-            for hf, hf_off, local_off, n in (("q_proj", gg * nq, off, nq), ("k_proj", gg * hd, off + nq, hd),
-                                            ("v_proj", gg * hd, off + nq + hd, hd)):
-                qkv.append(Piece(f"{hp}self_attn.{hf}.weight", Box((hf_off, 0), (n, H)),
-                                 Box((local_off, 0), (n, H))))
-        out.append(LocalParam(mp + "self_attention.linear_qkv.weight", (groups_local * rows_per_group, H),
-                              tuple(qkv)))
-        if dims.qk_norm:
-            for qk in ("q", "k"):
-                out.append(_whole(f"{mp}self_attention.{qk}_layernorm.weight",
-                                  f"{hp}self_attn.{qk}_norm.weight", (hd,)))
-        out.append(_split(mp + "self_attention.linear_proj.weight", hp + "self_attn.o_proj.weight",
-                          (H, dims.num_heads * hd), 1, tp, r))
+        out += _mla_params(dims, coords, hp, mp) if dims.mla is not None else _gqa_params(dims, coords, hp, mp)
         out.append(_whole(mp + "pre_mlp_layernorm.weight", hp + "post_attention_layernorm.weight", (H,)))
+        if i < dims.first_dense_layers:
+            out += _swiglu_params(mp + "mlp.", hp + "mlp.", dims.dense_ffn_size, H, tp, r)
+            continue
         out.append(_whole(mp + "mlp.router.weight", router_name(dims, i), (dims.num_experts, H)))
+        if dims.expert_bias:
+            out.append(_whole(mp + "mlp.router.expert_bias", router_bias_name(i), (dims.num_experts,)))
+        if dims.shared_ffn_size:
+            out += _swiglu_params(mp + "mlp.shared_experts.", hp + "mlp.shared_experts.", dims.shared_ffn_size,
+                                  H, tp, r)
         for j in range(E_local):
             gate, up, down = expert_names(dims, i, coords.ep_rank * E_local + j)
             ep = f"{mp}mlp.experts.local_experts.{j}."
@@ -261,7 +460,6 @@ def local_params(dims: HFModelDims, coords: RankCoords) -> list[LocalParam]:
         elif coords.pp > 1:
             out.append(_split("output_layer.weight", "model.embed_tokens.weight", (V, H), 0, tp, r))
     return out
-
 
 
 def hf_to_megatron(hf_sd: Mapping[str, torch.Tensor], dims: HFModelDims,
@@ -335,7 +533,7 @@ def hf_fused_to_checkpoint(sd: Mapping[str, torch.Tensor], dims: HFModelDims) ->
     if dims.tied_embeddings:
         out.pop("lm_head.weight", None)
     I = dims.moe_ffn_size
-    for i in range(dims.num_layers):
+    for i in dims.moe_layers:
         p = f"model.layers.{i}.mlp."
         gate_up_EFH, down_EHI = out.pop(p + "experts.gate_up_proj"), out.pop(p + "experts.down_proj")
         out[router_name(dims, i)] = out.pop(p + "gate.weight")
@@ -353,7 +551,7 @@ def hf_checkpoint_to_fused(sd: Mapping[str, torch.Tensor], dims: HFModelDims) ->
     out = dict(sd)
     if dims.tied_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    for i in range(dims.num_layers):
+    for i in dims.moe_layers:
         p = f"model.layers.{i}.mlp."
         gates, downs = [], []
         for e in range(dims.num_experts):

@@ -29,16 +29,28 @@ def reordered(n: int, depth: int, magnitude: float, u: float = U_FP32) -> float:
     return 2 * n * u * depth * magnitude
 
 
-def forward_depth(num_layers: int) -> int:
+MLA_LAYER_DEPTH = 10
+"""Reductions per layer with multi-latent attention (DeepSeek-V3): q down, q up, kv down, kv up,
+q.k, attention.v, o_proj, router, expert up, expert down (the shared expert runs beside the routed
+ones, the dense layers' MLP in their place)."""
+
+
+def forward_depth(num_layers: int, per_layer: int = 7) -> int:
     """How many reductions a logit of a MoE transformer ends: per layer q/k/v, q.k, attention.v,
-    o_proj, router, expert up, expert down (7), then lm_head."""
-    return 1 + 7 * num_layers
+    o_proj, router, expert up, expert down (7; MLA_LAYER_DEPTH with MLA), then lm_head."""
+    return 1 + per_layer * num_layers
 
 
-def router_depth(layer: int) -> int:
-    """How many reductions a router logit of `layer` (0-based) ends: 7 per earlier layer, then q/k/v,
-    q.k, attention.v, o_proj, the router's own and its softmax."""
-    return 7 * layer + 6
+def layer_depth(hf_config: dict) -> int:
+    """forward_depth's reductions per layer for this HF config."""
+    return MLA_LAYER_DEPTH if "kv_lora_rank" in hf_config else 7
+
+
+def router_depth(layer: int, per_layer: int = 7) -> int:
+    """How many reductions a router logit of `layer` (0-based) ends: `per_layer` per earlier layer,
+    then the layer's attention (per_layer - 3: all but router and expert up/down), the router's own and
+    its softmax."""
+    return per_layer * layer + per_layer - 1
 
 
 def longest_reduction(hf_config: dict, keys: int) -> int:
@@ -46,16 +58,19 @@ def longest_reduction(hf_config: dict, keys: int) -> int:
     the (expert) ffn sizes and the attention's key count (the vocab's log-sum-exp is logprob_bound's)."""
     heads = hf_config["num_attention_heads"]
     head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
+    mla = [hf_config.get(k) or 0 for k in ("q_lora_rank", "kv_lora_rank")]
+    if "kv_lora_rank" in hf_config:  # MLA: per head nope + rope in q.k, v_head_dim in o_proj
+        head_dim = max(hf_config["qk_nope_head_dim"] + hf_config["qk_rope_head_dim"], hf_config["v_head_dim"])
     return max(hf_config["hidden_size"], heads * head_dim, hf_config.get("moe_intermediate_size", 0),
-               hf_config["intermediate_size"], keys)
+               hf_config["intermediate_size"], keys, *mla)
 
 
 def logit_bound(hf_config: dict, max_logit: float, keys: int) -> float:
     """|a - b| for two evaluations of a MoE transformer's logits in other summation orders (kernels,
     batch shapes, padding, KV cache, TP/EP splits) that route every token alike: reordered with n =
     longest_reduction, depth = forward_depth, magnitude = max|logit| (the weights' scale is in it)."""
-    return reordered(longest_reduction(hf_config, keys), forward_depth(hf_config["num_hidden_layers"]),
-                     max_logit)
+    return reordered(longest_reduction(hf_config, keys),
+                     forward_depth(hf_config["num_hidden_layers"], layer_depth(hf_config)), max_logit)
 
 
 def logprob_bound(logits_apart: float, vocab: int, temperature: float = 1.0, u: float = U_FP32) -> float:
@@ -86,13 +101,48 @@ def routing_margin_ratio(router_logits: list[torch.Tensor], k: int, n: int) -> f
     return min(ratios)
 
 
+def grouped_margin_ratio(router_logits: list[torch.Tensor], biases: list[torch.Tensor], hf_config: dict,
+                         n: int, first_layer: int) -> float:
+    """routing_margin_ratio for DeepSeek-V3's router (layers from `first_layer` on): choice scores
+    s = sigmoid(logit) + bias, groups ranked by the sum of their top-2 scores, top-k among the chosen
+    groups. A logit B off moves s by at most B / 4 (sigmoid's slope) and a group score by B / 2, so
+    the routing stands where the topk_group-th group's margin exceeds 2 * B / 2 and the k-th expert's
+    margin among the chosen groups exceeds 2 * B / 4; the ratio is the smaller of margin / that."""
+    k, groups, top_groups = hf_config["num_experts_per_tok"], hf_config["n_group"], hf_config["topk_group"]
+    ratios = []
+    for i, (logits, bias) in enumerate(zip(router_logits, biases)):
+        B = reordered(n, router_depth(first_layer + i, layer_depth(hf_config)), logits.abs().max().item())
+        s = logits.float().sigmoid() + bias.float()
+        group_scores = s.view(s.shape[0], groups, -1).topk(2, -1).values.sum(-1)
+        ratios.append((topk_margin(group_scores, top_groups).min() / B).item() if top_groups < groups
+                      else float("inf"))
+        chosen = group_scores.topk(top_groups, -1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+        masked = s.masked_fill(~mask.repeat_interleave(s.shape[1] // groups, 1), float("-inf"))
+        ratios.append((topk_margin(masked, k).min() / (B / 2)).item())
+    return min(ratios)
+
+
 def hf_routing(model, batch) -> tuple[object, float]:
     """A transformers MoE model's output on a TrainBatch's tokens (router logits included) and the
     routing_margin_ratio of its real tokens (padding excluded: its routing reaches no real token)."""
     cfg = model.config.to_dict()
+    real = ~batch.padding_mask_BL().reshape(-1)
+    n = longest_reduction(cfg, batch.seq_len)
+    if cfg.get("model_type") == "deepseek_v3":  # router logits from hooks on the routers
+        gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+        logits: list[torch.Tensor] = []
+        hooks = [g.register_forward_hook(lambda mod, inp, out: logits.append(out[0])) for g in gates]
+        try:
+            with torch.no_grad():
+                out = model(batch.tokens_BL)
+        finally:
+            for h in hooks:
+                h.remove()
+        biases = [g.e_score_correction_bias for g in gates]
+        return out, grouped_margin_ratio([r[real] for r in logits], biases, cfg, n,
+                                         cfg.get("first_k_dense_replace", 0))
     with torch.no_grad():
         out = model(batch.tokens_BL, output_router_logits=True)
-    real = ~batch.padding_mask_BL().reshape(-1)
     routers = [r.reshape(-1, r.shape[-1])[real] for r in out.router_logits]
-    n = longest_reduction(cfg, batch.seq_len)
     return out, routing_margin_ratio(routers, cfg["num_experts_per_tok"], n)

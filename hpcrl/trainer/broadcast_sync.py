@@ -47,6 +47,7 @@ import torch.distributed as dist
 from hpcrl.config.schema import JobConfig, engine_dtype
 from hpcrl.rollout.client import EngineClient
 from hpcrl.rollout.weight_sender import WeightSender, call_failures
+from hpcrl.trainer.model import weight_tensors
 from hpcrl.trainer.shard_sync import LocalHFShards, sync_host
 from moe.layouts import TensorPlacement
 from moe.runtime import Shards, Staging, gather_buckets, source_buckets
@@ -126,7 +127,7 @@ class BroadcastSync:
         model spec, bucket size and engine TP; the routable address when the job spans hosts."""
         from hpcrl.models.job_model import build_spec
 
-        local = LocalHFShards(dict(policy.gpt.named_parameters()), policy.dims, policy.coords,
+        local = LocalHFShards(weight_tensors(policy.gpt), policy.dims, policy.coords,
                               getattr(torch, engine_dtype(job)))
         return cls(build_spec(job), local.refresh, urls, bucket_bytes=max(job.rollout.bucket_mb << 20, 1),
                    tp_per_engine=job.rollout.tp_per_engine, host=sync_host(job), timeout_s=timeout_s,

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoints import CheckpointWriter, open_checkpoint
+from hpcrl.trainer.model import weight_tensors
 from moe.hf_megatron import local_params
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -138,7 +139,7 @@ def _models(policy: Any) -> list[_Model]:
     local = local_params(policy.dims, policy.coords)
 
     def pieces(gpt: torch.nn.Module, names: set[str]) -> list:
-        params = dict(gpt.named_parameters())
+        params = weight_tensors(gpt)
         return [(pc.hf_name, params[lp.name], pc.local_box.index, pc.hf_box, shapes[pc.hf_name])
                 for lp in local if lp.name in names for pc in lp.pieces]
 
@@ -262,7 +263,7 @@ def _load_model(m: _Model, reader: Any, adam_step: float) -> None:
     source = _param_source(m, reader)
     for name, param, index, box, _ in m.pieces:
         targets = {source: param.data}
-        if adam_step > 0:
+        if adam_step > 0 and param.requires_grad:  # not DeepSeek's frozen expert bias (a buffer)
             st = states[param]
             for k in ADAM_KEYS:
                 st.setdefault(k, torch.zeros_like(param.data))

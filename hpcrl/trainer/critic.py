@@ -26,7 +26,7 @@ from hpcrl.algorithms.aggregation import aggregate
 from hpcrl.algorithms.value import value_loss
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.lr_schedule import LRSchedule
-from hpcrl.trainer.model import build_gpt_model, transformer_config
+from hpcrl.trainer.model import build_gpt_model, transformer_config, weight_tensors
 
 HEAD_NAMES = ("value_head.weight", "value_head.bias")  # checkpoint names, under critic/
 METRICS = ("vf_loss", "vf_clip_frac", "values_mean")
@@ -77,8 +77,8 @@ class MegatronCritic:
                                                 else torch.zeros(1))
         else:
             with torch.no_grad():
-                own = dict(policy.gpt.named_parameters())
-                for name, param in gpt.named_parameters():
+                own = weight_tensors(policy.gpt)
+                for name, param in weight_tensors(gpt).items():
                     if not name.startswith("output_layer."):
                         param.copy_(own[name])
         self.gpt = gpt
@@ -98,7 +98,7 @@ class MegatronCritic:
         p = self.policy
         shapes = {n: s for n, s in p.dims.hf_shapes().items() if n != "lm_head.weight"}
         shapes.update({HEAD_NAMES[0]: (p.dims.hidden_size,), HEAD_NAMES[1]: (1,)})
-        params = dict(self.gpt.named_parameters())
+        params = weight_tensors(self.gpt)
         # each HF region from its first holder, as the policy's; one replica of the head
         pieces = [(pc.hf_name, params[n].detach()[pc.local_box.index], pc.hf_box)
                   for n, pc in p._export_plan[p.rank] if not n.startswith("output_layer.") and n in params]

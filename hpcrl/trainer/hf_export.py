@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from checkpoints._dtypes import dtype_name, to_storage
 from checkpoints.hf_safetensors import ShardWriter, create_files, plan_shards, remove_stale, write_index
+from hpcrl.trainer.model import weight_tensors
 from moe.hf_megatron import HFModelDims, Piece
 from moe.slices import Box
 
@@ -63,7 +64,7 @@ def export_hf_dir(gpt: torch.nn.Module, dims: HFModelDims, hf_config: dict,
     from hpcrl.export import copy_model_files
 
     rank = dist.get_rank()
-    params: dict[str, Any] = dict(gpt.named_parameters())
+    params: dict[str, Any] = weight_tensors(gpt)
     dtype = next(iter(params.values())).dtype
     shapes = dims.hf_shapes()
     plan = plan_shards([(name, dtype_name(dtype), shape) for name, shape in shapes.items()], max_shard_bytes)

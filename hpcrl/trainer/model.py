@@ -55,14 +55,16 @@ def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: in
     Sequence parallelism is on whenever tp > 1 (Megatron requires it for MoE with TP).
     Raises ValueError for an unknown dispatcher or a model that does not split over the layout.
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     check_layout(hf_config, tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=dispatcher, device=device)
     if dtype not in PARAM_DTYPES:
         raise ValueError(f"model.dtype={dtype!r}; valid: {', '.join(PARAM_DTYPES)}")
     params_dtype = PARAM_DTYPES[dtype]
     dims = HFModelDims.from_hf_config(hf_config)
-    return TransformerConfig(
+    config_class, family_kwargs = ((MLATransformerConfig, _deepseek_kwargs(dims)) if dims.mla
+                                   else (TransformerConfig, {}))
+    kwargs = dict(
         num_layers=dims.num_layers,
         hidden_size=dims.hidden_size,
         num_attention_heads=dims.num_heads,
@@ -114,6 +116,33 @@ def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: in
         gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False,
     )
+    kwargs.update(family_kwargs)
+    return config_class(**kwargs)
+
+
+def _deepseek_kwargs(dims: HFModelDims) -> dict:
+    """TransformerConfig fields of DeepSeek-V3 on top of the shared ones: MLA with its latent norms
+    (`qk_layernorm` builds them), YaRN or plain RoPE (MLA's softmax scale takes the YaRN mscale only
+    when the scaling factor is > 1), dense first layers, a shared expert, and the sigmoid router with a
+    frozen score-correction bias (update rate 0), group-limited top-k and the routed scaling factor."""
+    mla, yarn = dims.mla, dict(dims.yarn or ())
+    rope = ({"rope_type": "yarn", "rotary_scaling_factor": yarn["factor"],
+             "original_max_position_embeddings": int(yarn["original_max_position_embeddings"]),
+             "beta_fast": yarn["beta_fast"], "beta_slow": yarn["beta_slow"], "mscale": yarn["mscale"],
+             "mscale_all_dim": yarn["mscale_all_dim"]} if yarn else
+            {"rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0})
+    return dict(
+        q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank, qk_head_dim=mla.qk_nope_dim,
+        qk_pos_emb_head_dim=mla.qk_rope_dim, v_head_dim=mla.v_head_dim, qk_layernorm=True,
+        rotary_base=dims.rope_theta, **rope,
+        ffn_hidden_size=dims.dense_ffn_size,
+        moe_layer_freq=[0] * dims.first_dense_layers + [1] * (dims.num_layers - dims.first_dense_layers),
+        moe_shared_expert_intermediate_size=dims.shared_ffn_size or None,
+        moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
+        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
+        moe_router_num_groups=dims.n_group if dims.n_group > 1 else None,
+        moe_router_group_topk=dims.topk_group if dims.n_group > 1 else None,
+        moe_router_topk_scaling_factor=dims.routed_scaling_factor)
 
 
 def build_gpt_model(hf_config: Mapping, config) -> torch.nn.Module:  # config: TransformerConfig
@@ -123,8 +152,16 @@ def build_gpt_model(hf_config: Mapping, config) -> torch.nn.Module:  # config: T
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     dims = HFModelDims.from_hf_config(hf_config)
-    spec = get_gpt_layer_local_spec(num_experts=dims.num_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=dims.qk_norm, normalization="RMSNorm")
+    if dims.mla is not None:  # dense and MoE layers, MLA: Megatron's block spec, with the TE-free core attention
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        from hpcrl.trainer.mla_attention import mla_layer_spec
+
+        spec = mla_layer_spec(get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                                         normalization="RMSNorm"))
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=dims.num_experts, moe_grouped_gemm=False,
+                                        qk_layernorm=dims.qk_norm, normalization="RMSNorm")
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -140,7 +177,29 @@ def build_gpt_model(hf_config: Mapping, config) -> torch.nn.Module:  # config: T
     )
     # Norms without TE are torch modules made in fp32 whatever params_dtype says; a bf16 model is
     # bf16 throughout (Float16Module would convert the policy's; the reference's too, here).
-    return gpt.bfloat16() if config.bf16 else gpt
+    return keep_expert_bias_fp32(gpt.bfloat16()) if config.bf16 else gpt
+
+
+EXPERT_BIAS = "router.expert_bias"
+"""Megatron's name (suffix) of DeepSeek-V3's score-correction bias: a buffer, not a parameter."""
+
+
+def keep_expert_bias_fp32(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with its routers' expert-bias buffers back in fp32 after a `.bfloat16()` (Megatron's
+    router computes in fp32 and keeps the bias so; HF checkpoints store it in fp32). Returns `module`."""
+    for name, buf in module.named_buffers():
+        if name.endswith(EXPERT_BIAS) and buf.dtype != torch.float32:
+            buf.data = buf.data.float()
+    return module
+
+
+def weight_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor `moe.hf_megatron.local_params` names, by Megatron name: the parameters plus the
+    routers' frozen expert-bias buffers (DeepSeek-V3), which load, checkpoint, sync and export as
+    weights but never train."""
+    out: dict[str, torch.Tensor] = dict(module.named_parameters())
+    out.update((name, buf) for name, buf in module.named_buffers() if name.endswith(EXPERT_BIAS))
+    return out
 
 
 def build_hf_model(hf_config: Mapping, seed: int) -> torch.nn.Module:

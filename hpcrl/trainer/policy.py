@@ -40,7 +40,8 @@ from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
 from hpcrl.trainer import megatron_compat
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.lr_schedule import LRSchedule
-from hpcrl.trainer.model import build_gpt_model, check_layout, transformer_config
+from hpcrl.trainer.model import (build_gpt_model, check_layout, keep_expert_bias_fp32, transformer_config,
+                                 weight_tensors)
 from moe.hf_megatron import HFModelDims, RankCoords, hf_to_megatron, local_params
 
 
@@ -112,7 +113,8 @@ def ddp_and_adam(gpt: torch.nn.Module, config: Any, device: torch.device, *, lr:
     if bf16:
         from megatron.core.transformer.module import Float16Module
 
-        module = Float16Module(config, gpt)
+        module = Float16Module(config, gpt)  # casts every buffer to bf16, the expert bias too
+        keep_expert_bias_fp32(gpt)
     ddp = DistributedDataParallel(
         config=config, module=module,
         ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -217,7 +219,7 @@ class MegatronPolicy:
     def _build_policy(self, layout: dict) -> None:
         config = transformer_config(self.hf_config, **layout)
         gpt = build_gpt_model(self.hf_config, config)
-        names = {n for n, _ in gpt.named_parameters()}
+        names = set(weight_tensors(gpt))
         expected = {p.name for p in local_params(self.dims, self.coords)}
         assert names == expected, f"Megatron params differ from the HF map: {sorted(names ^ expected)}"
         self.gpt = gpt
@@ -276,7 +278,7 @@ class MegatronPolicy:
         ("policy", "ref" or "both"). Every rank passes the full state dict."""
         local = hf_to_megatron(sd, self.dims, self.coords)
         for which, module in self._models(model):
-            params = dict(module.named_parameters())
+            params = weight_tensors(module)
             for name, tensor in local.items():
                 params[name].copy_(tensor)
             self._loaded[which] = True
@@ -310,7 +312,7 @@ class MegatronPolicy:
     def export_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full HF checkpoint-named policy tensors (CPU, sorted by name) on trainer rank 0; None
         elsewhere. Collective: every rank sends rank 0 the regions it is the first holder of."""
-        params = dict(self.gpt.named_parameters())
+        params = weight_tensors(self.gpt)
         mine = self._export_plan[self.rank]
         if self.rank != 0:
             if mine:
@@ -340,7 +342,7 @@ class MegatronPolicy:
         """The layout-independent policy hash (moe/digest.py, docs/policy_hash.md) on rank 0; None
         elsewhere. Collective, no gather: each rank digests, where they live, the HF regions it is
         the first holder of (the export plan); one all-reduce of LANES int64 per tensor."""
-        params = dict(self.gpt.named_parameters())
+        params = weight_tensors(self.gpt)
         pieces = ((pc.hf_name, params[n].detach()[pc.local_box.index], pc.hf_box)
                   for n, pc in self._export_plan[self.rank])
         return self.sharded_hash(self.dims.hf_shapes(), next(iter(params.values())).dtype, pieces)

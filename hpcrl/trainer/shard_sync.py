@@ -31,6 +31,7 @@ from hpcrl.config.schema import JobConfig, engine_dtype
 from hpcrl.dist import master_store, routable_host
 from hpcrl.rollout.reshard_route import PlanRequest, spec_fingerprint
 from hpcrl.rollout.weight_sender import init_custom_process_group
+from hpcrl.trainer.model import weight_tensors
 from moe.hf_megatron import local_params
 from moe.network import Topology
 from moe.runtime import Shards, Staging, reshard
@@ -115,7 +116,7 @@ class ShardSync:
         self.dtype = getattr(torch, engine_dtype(job))
         self.group: dist.ProcessGroup | None = None
         self.staging = Staging()
-        self.local = LocalHFShards(dict(policy.gpt.named_parameters()), policy.dims, policy.coords, self.dtype)
+        self.local = LocalHFShards(weight_tensors(policy.gpt), policy.dims, policy.coords, self.dtype)
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(clients or [])), thread_name_prefix="reshard")
         self._check_layout_matches_megatron()
 

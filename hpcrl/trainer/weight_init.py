@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpcrl.trainer.model import weight_tensors
 from moe.hf_megatron import HFModelDims, local_params
 from moe.slices import Box
 
@@ -45,7 +46,7 @@ def resolve_random_init(mode: str, dims: HFModelDims) -> str:
 def load(policy: Any, source: Source, modules: list[torch.nn.Module], skip: str | None = None) -> None:
     """Copy `source` into this rank's shards of every module in `modules` (policy, ref or critic),
     leaving out the Megatron params whose names start with `skip` (the critic's value head)."""
-    targets = [dict(m.named_parameters()) for m in modules]
+    targets = [weight_tensors(m) for m in modules]
     for lp in local_params(policy.dims, policy.coords):
         if skip is not None and lp.name.startswith(skip):
             continue
@@ -93,7 +94,7 @@ def load_transformers_init(policy: Any, seed: int, modules: list[torch.nn.Module
     for lp in local_params(policy.dims, policy.coords):
         for pc in lp.pieces:
             wanted.setdefault(pc.hf_name, []).append((lp.name, pc))
-    targets = [dict(m.named_parameters()) for m in modules]
+    targets = [weight_tensors(m) for m in modules]
     for name, shape in policy.dims.hf_shapes().items():
         t = full.pop(name).contiguous() if rank == 0 else torch.empty(shape, dtype=torch.float32)
         t = t.to(policy.device)

@@ -50,6 +50,18 @@ def qwen_config() -> dict:
     return load_hf_config("tiny-qwen3-moe", None)
 
 
+def deepseek_config(q_lora: bool = True) -> dict:
+    """tiny-deepseek-v3 (MLA with q_lora, YaRN, 1 dense + 2 MoE layers, 8 routed + 1 shared expert,
+    4 groups, top-2 groups, top-4); without q_lora: DeepSeek-V2-Lite's plain q_proj and plain RoPE."""
+    from hpcrl.models.presets import load_hf_config
+
+    cfg = load_hf_config("tiny-deepseek-v3", None)
+    if not q_lora:
+        cfg = {**cfg, "q_lora_rank": None}
+        cfg.pop("rope_scaling")
+    return cfg
+
+
 def make_policy(hf_config: dict, **algo):  # -> MegatronPolicy
     from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
     from hpcrl.trainer.policy import MegatronPolicy
@@ -114,10 +126,12 @@ def assert_logprobs_close(ours: torch.Tensor, model: torch.nn.Module, batch, tem
     assert diff <= bound, f"log-probs {diff:.3g} from HF's > bound {bound:.3g}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_moe-tied"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_moe-tied", "deepseek_v3",
+                                    "deepseek_v3-no-q-lora"])
 def test_megatron_matches_hf_on_arbitrary_weights(world1, family: str) -> None:
     cfg = {"qwen3_moe": qwen_config(), "mixtral": MIXTRAL,
-           "qwen3_moe-tied": {**qwen_config(), "tie_word_embeddings": True}}[family]
+           "qwen3_moe-tied": {**qwen_config(), "tie_word_embeddings": True},
+           "deepseek_v3": deepseek_config(), "deepseek_v3-no-q-lora": deepseek_config(q_lora=False)}[family]
     policy = make_policy(cfg, kl_coef=0.1)
     sd, model = perturbed_hf(cfg, seed=4)
     policy.load_hf_state_dict(sd, model="both")

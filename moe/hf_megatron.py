@@ -305,6 +305,10 @@ class RankCoords:
     ep: int = 1
     etp_rank: int = 0
     etp: int = 1
+    first_stage_layers: int = 0
+    """Decoder layers of the first / last pipeline stage (Megatron's num_layers_in_{first,last}_
+    pipeline_stage); 0: an even split (`stage_ranges`)."""
+    last_stage_layers: int = 0
 
     def __post_init__(self) -> None:
         for axis in ("tp", "pp", "ep", "etp"):
@@ -317,7 +321,6 @@ class RankCoords:
         splits = [("num_attention_heads", dims.num_heads, "tp", self.tp),
                   ("num_key_value_heads", dims.num_kv_heads, "tp", self.tp),
                   ("vocab_size", dims.vocab_size, "tp", self.tp),
-                  ("num_hidden_layers", dims.num_layers, "pp", self.pp),
                   ("num_experts", dims.num_experts, "ep", self.ep),
                   ("moe_intermediate_size", dims.moe_ffn_size, "etp", self.etp)]
         if dims.mla is not None:
@@ -327,6 +330,7 @@ class RankCoords:
                        ("moe_intermediate_size * n_shared_experts", dims.shared_ffn_size, "tp", self.tp)]
             if dims.mla.q_lora_rank is not None:
                 splits.append(("q_lora_rank", dims.mla.q_lora_rank, "tp", self.tp))
+        stage_ranges(dims.num_layers, self.pp, self.first_stage_layers, self.last_stage_layers)
         for what, n, axis, size in splits:
             if n % size:
                 raise ValueError(f"model {what}={n} is not divisible by {axis}={size}; "
@@ -351,10 +355,30 @@ class LocalParam:
     pieces: tuple[Piece, ...]
 
 
+def stage_ranges(num_layers: int, pp: int, first: int = 0, last: int = 0) -> list[range]:
+    """The decoder layers of each of `pp` pipeline stages as Megatron splits them: `first` / `last`
+    layers on the first / last stage when given (> 0), the rest evenly over the other stages.
+    Raises ValueError naming the trainer keys when they do not split."""
+    fixed = [n for n in (first, last) if n and pp > 1]
+    middle, rest = pp - len(fixed), num_layers - sum(fixed)
+    if rest < 0 or (middle == 0 and rest) or (middle and (rest % middle or rest // middle == 0)):
+        raise ValueError(
+            f"model num_hidden_layers={num_layers} does not split over pp={pp} stages with "
+            f"trainer.first_stage_layers={first}, trainer.last_stage_layers={last}; choose a pp that "
+            f"divides {num_layers}, or first/last_stage_layers that leave each other stage the same count")
+    sizes = [rest // middle if middle else 0] * pp
+    if first and pp > 1:
+        sizes[0] = first
+    if last and pp > 1:
+        sizes[-1] = last
+    starts = [sum(sizes[:s]) for s in range(pp)]
+    return [range(start, start + n) for start, n in zip(starts, sizes)]
+
+
 def layer_range(dims: HFModelDims, coords: RankCoords) -> range:
     """The global decoder layers held by this rank's pipeline stage."""
-    per_stage = dims.num_layers // coords.pp
-    return range(coords.pp_rank * per_stage, (coords.pp_rank + 1) * per_stage)
+    return stage_ranges(dims.num_layers, coords.pp, coords.first_stage_layers,
+                        coords.last_stage_layers)[coords.pp_rank]
 
 
 def _whole(name: str, hf_name: str, shape: tuple[int, ...]) -> LocalParam:

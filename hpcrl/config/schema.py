@@ -219,10 +219,10 @@ class TrainerConfig:
     """Context parallel size (Megatron context_parallel_size); `hpcrl plan` only, runs need 1."""
     first_stage_layers: int = 0
     """Decoder layers of the first pipeline stage (Megatron num_layers_in_first_pipeline_stage);
-    0 splits the layers evenly. `hpcrl plan` only, runs need 0."""
+    0 splits the layers evenly."""
     last_stage_layers: int = 0
     """Decoder layers of the last pipeline stage (Megatron num_layers_in_last_pipeline_stage);
-    0 splits the layers evenly. `hpcrl plan` only, runs need 0."""
+    0 splits the layers evenly."""
     num_procs: int = 1
     """Trainer ranks; data parallel size = num_procs / (tp * cp * pp)."""
     micro_batch_size: int = 64

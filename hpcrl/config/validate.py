@@ -25,7 +25,7 @@ from hpcrl.config.validate_data import (  # noqa: F401 (read_model_config, promp
     check_data_and_reward, job_tokenizer, prompt_limit, read_model_config)
 from hpcrl.dataflows._declared import PER_ALGORITHM_KEYS, declared
 from hpcrl.tasks import TASKS
-from moe.hf_megatron import HFModelDims
+from moe.hf_megatron import HFModelDims, stage_ranges
 
 ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo", "ppo", "sft")  # hpcrl.controller.api.BUILTIN_ALGORITHMS
 DTYPES = ("float32", "bfloat16")
@@ -389,8 +389,12 @@ def _check_parallel(job: JobConfig, m: ModelDims) -> None:
     if m.vocab_size % t.tp:
         raise ConfigError("trainer.tp", t.tp, f"vocab_size={m.vocab_size} of {src} is not divisible by "
                                               f"tp={t.tp} (vocab-parallel embedding); {valid_tp}")
-    for key, dim_name, dim in (("trainer.pp", "num_hidden_layers", m.num_hidden_layers),
-                               ("trainer.ep", "num_experts", m.num_experts),
+    try:
+        stage_ranges(m.num_hidden_layers, t.pp, t.first_stage_layers, t.last_stage_layers)
+    except ValueError as exc:
+        raise ConfigError("trainer.pp", t.pp, f"{exc} (of {src}); valid pp with even stages: "
+                                              f"{_nearest(_divisors(m.num_hidden_layers), t.pp)}") from None
+    for key, dim_name, dim in (("trainer.ep", "num_experts", m.num_experts),
                                ("trainer.etp", "expert FFN size", m.expert_ffn_size)):
         size = job_field(job, key)
         if dim % size:
@@ -511,8 +515,6 @@ def _check_context(job: JobConfig, m: ModelDims, prompt_len: int | None) -> None
                           f"{TASKS[job.data.task].answer_len} tokens)")
 
 _PLAN_ONLY = (("trainer.cp", 1, "context parallelism"),
-              ("trainer.first_stage_layers", 0, "uneven pipeline stages"),
-              ("trainer.last_stage_layers", 0, "uneven pipeline stages"),
               ("rollout.ep", 1, "expert parallelism inside an engine"),
               ("rollout.dp_attention", 1, "DP attention"))
 """Keys that describe full-scale layouts for `hpcrl plan`; the run path does not pass them on yet."""

@@ -27,7 +27,7 @@ PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def check_layout(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: int, dispatcher: str,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", first_stage_layers: int = 0, last_stage_layers: int = 0) -> None:
     """Raise ValueError (naming the trainer field) for a layout this trainer cannot run."""
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"trainer.dispatcher={dispatcher!r}; valid: {', '.join(DISPATCHERS)}")
@@ -44,11 +44,13 @@ def check_layout(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: int, dis
     if dims.tied_embeddings and pp > 1 and device == "cpu":
         # language_module.py:244 moves the shared embedding copy with Tensor.cuda().
         raise ValueError("tie_word_embeddings=true with trainer.pp > 1 is not supported on CPU; use pp=1")
-    RankCoords(tp=tp, pp=pp, ep=ep, etp=etp).check(dims)
+    RankCoords(tp=tp, pp=pp, ep=ep, etp=etp, first_stage_layers=first_stage_layers,
+               last_stage_layers=last_stage_layers).check(dims)
 
 
 def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: int, dispatcher: str,
-                       aux_loss_coef: float, device: str = "cpu", dtype: str = "float32"):  # -> TransformerConfig
+                       aux_loss_coef: float, device: str = "cpu", dtype: str = "float32",
+                       first_stage_layers: int = 0, last_stage_layers: int = 0):  # -> TransformerConfig
     """The TransformerConfig of `hf_config` under the layout (tp, pp, ep, etp), with parameters
     of `dtype` ("float32" or "bfloat16"; the router and softmax compute in fp32 either way).
 
@@ -57,7 +59,8 @@ def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: in
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    check_layout(hf_config, tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=dispatcher, device=device)
+    check_layout(hf_config, tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=dispatcher, device=device,
+                 first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
     if dtype not in PARAM_DTYPES:
         raise ValueError(f"model.dtype={dtype!r}; valid: {', '.join(PARAM_DTYPES)}")
     params_dtype = PARAM_DTYPES[dtype]
@@ -95,6 +98,8 @@ def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: in
         # layout
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        num_layers_in_first_pipeline_stage=first_stage_layers or None if pp > 1 else None,
+        num_layers_in_last_pipeline_stage=last_stage_layers or None if pp > 1 else None,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
         sequence_parallel=tp > 1,

@@ -169,7 +169,9 @@ class MegatronPolicy:
         if trainer.micro_batch_size < 1:
             raise ValueError(f"trainer.micro_batch_size={trainer.micro_batch_size}; must be >= 1")
         self.dims = HFModelDims.from_hf_config(hf_config)
-        check_layout(hf_config, tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=trainer.dispatcher, device=device)
+        stages = dict(first_stage_layers=trainer.first_stage_layers, last_stage_layers=trainer.last_stage_layers)
+        check_layout(hf_config, tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=trainer.dispatcher, device=device,
+                     **stages)
         megatron_compat.apply()
         if device == "cuda":
             # gpu: this rank's GPU from hpcrl.rollout.placement; else one per rank, round robin
@@ -195,7 +197,7 @@ class MegatronPolicy:
         self.coords = RankCoords(
             tp_rank=ps.get_tensor_model_parallel_rank(), tp=tp, pp_rank=ps.get_pipeline_model_parallel_rank(),
             pp=pp, ep_rank=ps.get_expert_model_parallel_rank(), ep=ep,
-            etp_rank=ps.get_expert_tensor_parallel_rank(), etp=etp)
+            etp_rank=ps.get_expert_tensor_parallel_rank(), etp=etp, **stages)
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.first_stage, self.last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         all_coords: list[Any] = [None] * world
@@ -203,7 +205,7 @@ class MegatronPolicy:
         self._export_plan = self._make_export_plan(all_coords)
 
         self.layout = layout = dict(tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=trainer.dispatcher,
-                                    aux_loss_coef=algorithm.aux_loss_coef, device=device, dtype=dtype)
+                                    aux_loss_coef=algorithm.aux_loss_coef, device=device, dtype=dtype, **stages)
         self._build_policy(layout)
         self.critic: Any = None  # PPO's value model on these ranks (hpcrl/trainer/critic.py), if any
         self.ref: torch.nn.Module | None = None

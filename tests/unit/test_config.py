@@ -142,7 +142,7 @@ BAD = [
      "num_key_value_heads=2 of preset 'tiny-qwen3-moe' is not divisible by tp=4"),
     ("tp-vocab", "model: {config_path: model.json}\ntrainer: {tp: 4, num_procs: 4}", [],
      lambda p: model_file(p, vocab_size=130), "trainer.tp", "4", "vocab_size=130"),
-    ("pp-layers", "trainer: {pp: 3, num_procs: 3}", [], None, "trainer.pp", "3", "valid pp: 1, 2"),
+    ("pp-layers", "trainer: {pp: 3, num_procs: 3}", [], None, "trainer.pp", "3", "valid pp with even stages: 1, 2"),
     ("etp-ffn", "model: {config_path: model.json}\ntrainer: {etp: 5, num_procs: 5, dispatcher: allgather}",
      [],
      lambda p: model_file(p, moe_intermediate_size=48), "trainer.etp", "5", "expert ffn size=48"),

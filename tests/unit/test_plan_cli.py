@@ -180,12 +180,13 @@ def test_plan_purpose_loads_deepseek_while_run_refuses_it():
     assert (job.trainer.first_stage_layers, job.rollout.dp_attention) == (3, 32)
     with pytest.raises(ConfigError) as exc:
         load_job(DEEPSEEK)  # hpcrl validate/run/submit: plan-only keys are named before the model
-    assert exc.value.path == "trainer.first_stage_layers"
+    assert exc.value.path == "rollout.ep"
     assert "`hpcrl plan` only" in exc.value.hint
-    with pytest.raises(ConfigError) as exc:  # with those at defaults, the trainer's model parser speaks
-        load_job(DEEPSEEK, ["trainer.first_stage_layers=0", "trainer.last_stage_layers=0", "rollout.ep=1",
-                            "rollout.dp_attention=1"])
-    assert exc.value.path == "model.config_path" and "deepseek" in str(exc.value).lower()
+    # With those at defaults the trainer reads DeepSeek-V3 (stages of 3, 14 x 4 and 2 layers) and the
+    # resources check speaks: an engine of 32 GPUs does not fit a node of 8 without DP attention.
+    with pytest.raises(ConfigError) as exc:
+        load_job(DEEPSEEK, ["rollout.ep=1", "rollout.dp_attention=1"])
+    assert exc.value.path == "resources.gpus_per_node"
 
 
 TINY = REPO / "examples" / "tiny_moe_grpo.yaml"

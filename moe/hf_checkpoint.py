@@ -14,6 +14,13 @@ Two on-disk expert layouts are accepted:
     [E, H, I] and the router at `model.layers.{i}.mlp.gate.weight` for both families.
 A box of a per-expert name is then a box of the fused tensor at expert e (up rows offset by I).
 
+FP8 block-scaled checkpoints (the official DeepSeek-V3 / Kimi-K2 releases; format in
+`moe.fp8_blocks`) are read as they are stored: config.json's `quantization_config` gives the block
+size, a float8_e4m3fn tensor needs its float32 `<name>_scale_inv` (which may sit in another file of
+the index), and `read(name, box)` reads only the box's FP8 bytes and the scale blocks overlapping it
+and returns the box dequantized (float32 by default: each element is one fp8 x fp32 product, exact
+before the one rounding to float32; a bf16 caller gets that value rounded once).
+
 Errors are `CheckpointFormatError` (a ValueError) naming the directory, file, tensor, what was
 expected and found, and the fix. Shape legend: E experts, I expert FFN size, H hidden.
 """
@@ -27,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moe.fp8_blocks import FP8_TAG, FP8FormatError, check_fp8_tensors, parse_quantization_config, read_box
 from moe.hf_megatron import HFModelDims, expert_names, router_name
 from moe.slices import Box
 
@@ -35,6 +43,7 @@ if TYPE_CHECKING:
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
 # Buffers some older checkpoints carry; transformers recomputes them and ignores the stored ones.
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
@@ -55,6 +64,9 @@ class StoredTensor:
     dtype: str
 
 
+_Where = tuple[StoredTensor, int | None, int, StoredTensor | None]
+"""(stored tensor, expert index in a fused tensor or None, row offset, its FP8 scale or None)."""
+
 _ITEM_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
                "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
@@ -72,7 +84,8 @@ def read_header(file: Path) -> dict[str, Any]:
             header = json.loads(f.read(length))
             size = file.stat().st_size
     except (OSError, ValueError, struct.error) as exc:
-        raise CheckpointFormatError(f"{file}: not a readable safetensors file ({exc}); re-download it") from None
+        raise CheckpointFormatError(f"{file}: not a readable safetensors file ({exc}); re-download it") \
+            from None
     _check_extent(file, header, 8 + length, size)
     return header
 
@@ -95,8 +108,8 @@ def _check_extent(file: Path, header: dict[str, Any], data_start: int, size: int
         if item is not None and stop - begin != numel * item:
             raise CheckpointFormatError(
                 f"{file}: tensor {name!r} ({meta['dtype']} {list(meta['shape'])}) spans bytes {begin}-{stop} "
-                f"of the data, {stop - begin} bytes where its shape needs {numel * item}; the file is corrupt: "
-                "re-download it")
+                f"of the data, {stop - begin} bytes where its shape needs {numel * item}; the file is "
+                "corrupt: re-download it")
         end = max(end, stop)
     if size != data_start + end:
         what = "truncated" if size < data_start + end else "longer than its header says"
@@ -130,6 +143,27 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     raise CheckpointFormatError(f"{model_dir} has no weights ({SINGLE_FILE} or {INDEX_FILE}): {hint}")
 
 
+def weight_block_size(model_dir: Path) -> tuple[int, int] | None:
+    """The FP8 block size (bN, bK) that `model_dir/config.json`'s quantization_config gives, or None
+    for unquantized weights (no quantization_config, or no config.json). CheckpointFormatError for a
+    quantization method hpcrl cannot read."""
+    path = model_dir / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointFormatError(f"{path}: not a readable JSON file ({exc}); restore the model's "
+                                    "config.json") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointFormatError(f"{path}: holds {type(cfg).__name__}, not a JSON object; restore the "
+                                    "model's config.json")
+    try:
+        return parse_quantization_config(cfg, str(path))
+    except FP8FormatError as exc:
+        raise CheckpointFormatError(str(exc)) from None
+
+
 def has_weights(model_dir: Path) -> bool:
     return (model_dir / INDEX_FILE).is_file() or (model_dir / SINGLE_FILE).is_file()
 
@@ -149,6 +183,8 @@ class HFCheckpoint:
         self.dir = Path(model_dir)
         self.dims = dims
         files = weight_files(self.dir)
+        self.weight_block_size = weight_block_size(self.dir)
+        """The FP8 block size (bN, bK) of config.json's quantization_config; None: unquantized."""
         stored: dict[str, StoredTensor] = {}
         for file in sorted(set(files.values())):
             for name, meta in read_header(file).items():
@@ -185,10 +221,16 @@ class HFCheckpoint:
             return prefix + "down_proj", expert, 0
         return prefix + "gate_up_proj", expert, 0 if proj == gate else self.dims.moe_ffn_size
 
-    def _locate(self, stored: dict[str, StoredTensor]) -> dict[str, tuple[StoredTensor, int | None, int]]:
-        """checkpoint name -> (stored tensor, expert index in a fused tensor or None, row offset);
-        raises CheckpointFormatError for a missing, unexpected or misshapen tensor."""
-        where: dict[str, tuple[StoredTensor, int | None, int]] = {}
+    def _locate(self, stored: dict[str, StoredTensor]) -> dict[str, _Where]:
+        """checkpoint name -> (stored tensor, expert index in a fused tensor or None, row offset, its
+        FP8 scale or None); raises CheckpointFormatError for a missing, unexpected or misshapen
+        tensor, and for an FP8 tensor without its scale, with a scale grid that does not tile it at
+        the config's block size, or in a directory whose config.json has no quantization_config."""
+        try:
+            scales = check_fp8_tensors(stored, self.weight_block_size)
+        except FP8FormatError as exc:
+            raise CheckpointFormatError(str(exc)) from None
+        where: dict[str, _Where] = {}
         used: set[str] = set()
         E, I, H = self.dims.num_experts, self.dims.moe_ffn_size, self.dims.hidden_size
         routers = {router_name(self.dims, i): f"model.layers.{i}.mlp.gate.weight"
@@ -200,49 +242,75 @@ class HFCheckpoint:
             st = stored.get(disk)
             if st is None:
                 raise CheckpointFormatError(
-                    f"{self.dir}: tensor {disk!r} (shape {list(want)}) is missing from the checkpoint; is config.json ({self.dims.family}, "
-                    f"{self.dims.num_layers} layers, {E} experts) the one these weights were saved with?")
+                    f"{self.dir}: tensor {disk!r} (shape {list(want)}) is missing from the checkpoint; is "
+                    f"config.json ({self.dims.family}, {self.dims.num_layers} layers, {E} experts) the one "
+                    "these weights were saved with?")
             if st.shape != tuple(want):
                 raise CheckpointFormatError(
                     f"{st.file.name}: tensor {disk!r} has shape {list(st.shape)}, but config.json gives "
                     f"{list(want)}; the weights do not belong to this config.json (check hidden_size, "
                     f"num_experts, moe_intermediate_size/intermediate_size, vocab_size, head_dim)")
-            if st.dtype not in _SAFETENSORS_DTYPES:
-                raise CheckpointFormatError(f"{st.file.name}: tensor {disk!r} has dtype {st.dtype}; only "
-                                            f"{sorted(_SAFETENSORS_DTYPES)} weights are supported")
-            where[name] = (st, None, 0) if fused is None else (st, fused[1], fused[2])
+            scale = stored[scales[disk]] if disk in scales else None
+            if scale is None and st.dtype not in _SAFETENSORS_DTYPES:
+                raise CheckpointFormatError(
+                    f"{st.file.name}: tensor {disk!r} has dtype {st.dtype}; only "
+                    f"{sorted(_SAFETENSORS_DTYPES)} weights, or {FP8_TAG} ones with block scales, are "
+                    "supported: convert it to bf16")
+            where[name] = (st, None, 0, scale) if fused is None else (st, fused[1], fused[2], scale)
             used.add(disk)
+            if scale is not None:
+                used.add(scale.name)
         extra = sorted(n for n in stored if n not in used and not _IGNORED.match(n)
                        and not (n == "lm_head.weight" and self.dims.tied_embeddings))
         if extra:
             st = stored[extra[0]]
             raise CheckpointFormatError(
-                f"{st.file.name}: unexpected tensor {extra[0]!r} (shape {list(st.shape)}; {len(extra)} in all) "
-                f"that a {self.dims.family} model of this config.json does not have; the weights belong to "
-                "another architecture or config (e.g. shared experts or dense MLP layers are not supported)")
+                f"{st.file.name}: unexpected tensor {extra[0]!r} (shape {list(st.shape)}; {len(extra)} in "
+                f"all) that a {self.dims.family} model of this config.json does not have; the weights belong "
+                "to another architecture or config (e.g. shared experts or dense MLP layers are not "
+                "supported)")
         return where
 
     # -- reading ---------------------------------------------------------------------------------
 
-    def dtype_of(self, name: str) -> str:
-        """The stored dtype of a checkpoint-named tensor, as a torch dtype name ("bfloat16", ...)."""
-        return _SAFETENSORS_DTYPES[self._where[name][0].dtype]
+    def is_fp8(self, name: str) -> bool:
+        """Whether a checkpoint-named tensor is stored as block-scaled FP8 (read() dequantizes it)."""
+        return self._where[name][3] is not None
 
-    def read(self, name: str, box: Box | None = None) -> torch.Tensor:
-        """`hf[name][box]` (the whole tensor when box is None), in its stored dtype, reading only
-        that region's bytes. KeyError for a name the model does not have."""
-        st, expert, row0 = self._where[name]
+    def dtype_of(self, name: str) -> str:
+        """The dtype `read(name)` returns without a dtype, as a torch dtype name ("bfloat16", ...):
+        the stored one, or "float32" for an FP8 weight (its exact dequantized values; the trainer
+        casts every tensor to model.dtype, so a bf16 trainer gets them rounded once)."""
+        st, _, _, scale = self._where[name]
+        return "float32" if scale is not None else _SAFETENSORS_DTYPES[st.dtype]
+
+    def read(self, name: str, box: Box | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`hf[name][box]` (the whole tensor when box is None) in `dtype` (None: `dtype_of(name)`),
+        reading only that region's bytes; for an FP8 weight, the box's FP8 bytes and the scale
+        blocks overlapping it, dequantized in float32 (then cast to `dtype`). KeyError for a name
+        the model does not have."""
+        st, expert, row0, scale = self._where[name]
         box = box or Box.full(self.expected[name])
+        if expert is not None:  # a per-expert name inside a fused [E, rows, cols] tensor
+            box = Box((expert, box.offsets[0] + row0, box.offsets[1]), (1, *box.shape))
+        view = self._view(st)
+        if scale is None:
+            out = view[box.index]
+        else:
+            assert self.weight_block_size is not None  # check_fp8_tensors pairs scales only with a block
+            out = read_box(view, self._view(scale), box, self.weight_block_size)
+        if expert is not None:
+            out = out[0]
+        return out if dtype is None else out.to(dtype)
+
+    def _view(self, st: StoredTensor) -> Any:
+        """safetensors' lazy slice of a stored tensor (files opened once, kept until close())."""
         handle = self._handles.get(st.file)
         if handle is None:
             from safetensors import safe_open
 
             handle = self._handles[st.file] = safe_open(str(st.file), framework="pt")
-        view = handle.get_slice(st.name)
-        if expert is None:
-            return view[box.index]
-        rows, cols = box.index
-        return view[expert: expert + 1, rows.start + row0: rows.stop + row0, cols][0]
+        return handle.get_slice(st.name)
 
     def close(self) -> None:
         self._handles.clear()

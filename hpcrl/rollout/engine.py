@@ -5,7 +5,10 @@ init from a seed, nothing downloaded), takes weights under HF *checkpoint* names
 `load_weights` reads, see `hf_names`), and generates for a batch of ragged prompts in one left-padded
 batch: a prefill forward, then one forward per new token over a `DynamicCache`, with explicit
 position ids so padding changes nothing. A Qwen3-MoE model decodes through `DirectForward`
-(direct_forward.py: the model in torch ops, HF's logits within ~2e-7, far fewer ops).
+(direct_forward.py: the model in torch ops, HF's logits within ~2e-7, far fewer ops); every other
+model (Mixtral, DeepSeek-V3/V2) through transformers' own forward. For DeepSeek's multi-head latent
+attention the DynamicCache holds each layer's compressed latents (the normed kv_lora_rank part and
+the roped shared key, one "head" each), which transformers expands through kv_b_proj at every step.
 
 Sampling follows SGLang 0.5.x (`SamplingParams`, `Sampler`, `Req.check_finished`):
   * temperature 0 is greedy (SGLang turns it into top_k=1 at temperature 1); otherwise the logits are
@@ -36,11 +39,12 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 
 from hpcrl.rollout.direct_forward import DirectForward
-from hpcrl.rollout.hf_names import model_slots
+from hpcrl.rollout.hf_names import model_slots, mtp_names
 
 __all__ = ["ReferenceModel", "SamplingParams"]
 
@@ -156,6 +160,7 @@ class ReferenceModel:
             (() if eos is None else (int(eos),))
         self.pad_token_id: int = self.config.pad_token_id if self.config.pad_token_id is not None else 0
         self._seed_rng = random.Random(seed)
+        self.skipped_mtp: list[str] = []  # on-disk MTP tensors the last load_model_dir left out
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -188,13 +193,35 @@ class ReferenceModel:
 
     def load_model_dir(self, model_dir: str) -> int:
         """Load every weight of a HF model directory (per-expert or fused safetensors, one tensor at a
-        time); returns how many were loaded. CheckpointFormatError names a bad file or tensor."""
-        from moe.hf_checkpoint import HFCheckpoint
+        time, read and checked by moe.hf_checkpoint); returns how many were loaded.
+
+        DeepSeek's multi-token-prediction layers (`model.layers.{num_hidden_layers + k}.*`, k <
+        num_nextn_predict_layers) are not part of the model transformers builds: they are not loaded
+        (SGLang loads them only into a speculative-decoding draft model, which this engine does not
+        run), and `skipped_mtp` lists their on-disk names. Any other tensor the model lacks is refused,
+        and so is a directory without one the model has: CheckpointFormatError or ValueError names it,
+        before anything is written."""
+        from moe.hf_checkpoint import HFCheckpoint, weight_files
         from moe.hf_megatron import HFModelDims
 
         dims = HFModelDims.from_hf_config(self.config.to_dict())
+        layers = self.config.num_hidden_layers
+        nextn = getattr(self.config, "num_nextn_predict_layers", 0) or 0
         with HFCheckpoint(model_dir, dims) as ckpt:
-            return sum(self.load_weights([(name, ckpt.read(name))]) for name in ckpt.expected)
+            mtp = set(mtp_names(ckpt.expected, layers, nextn))
+            names = [name for name in ckpt.expected if name not in mtp]
+            unknown = [name for name in names if name not in self.slots]
+            missing = sorted(set(self.slots) - set(names))
+            if unknown or missing:
+                what, name = ("a tensor the model does not have", unknown[0]) if unknown else \
+                    ("no tensor for the model's weight", missing[0])
+                raise ValueError(f"{model_dir}: moe.hf_checkpoint reads {what}, {name!r} "
+                                 f"({len(unknown) or len(missing)} in all), for model_type "
+                                 f"{self.config.model_type!r}; its HFModelDims.hf_shapes and transformers' "
+                                 "model disagree: fix hf_shapes for this family")
+            loaded = sum(self.load_weights([(name, ckpt.read(name))]) for name in names)
+        self.skipped_mtp = mtp_names(weight_files(Path(model_dir)), layers, nextn)
+        return loaded
 
     def get_weight(self, name: str) -> torch.Tensor:
         """A copy of one tensor under its HF checkpoint name (ValueError if unknown)."""

@@ -25,17 +25,19 @@ with it gives a contiguous view, so reading a slot copies nothing and writing on
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EXPERT_NAMES", "ExpertNames", "Slot", "checkpoint_slots", "checkpoint_state_dict", "model_slots"]
+__all__ = ["EXPERT_NAMES", "ExpertNames", "Slot", "checkpoint_slots", "checkpoint_state_dict", "model_slots",
+           "mtp_names"]
 
 Slot = tuple[str, tuple[int | slice, ...]]
 
 _FUSED_RE = re.compile(r"(?P<prefix>.*\.)mlp\.experts\.(?P<kind>gate_up_proj|down_proj)")
 _ROUTER_RE = re.compile(r"(?P<prefix>.*\.)mlp\.gate\.weight")
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,3 +123,15 @@ def checkpoint_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """
     params = model.state_dict(keep_vars=True)
     return {ckpt: params[pname].detach()[index] for ckpt, (pname, index) in model_slots(model).items()}
+
+
+def mtp_names(names: Iterable[str], num_layers: int, num_mtp_layers: int) -> list[str]:
+    """The names among `names` that belong to DeepSeek's multi-token-prediction layers, which follow
+    the decoder on disk: `model.layers.{num_layers + k}.*` for k < num_mtp_layers (config.json's
+    num_hidden_layers and num_nextn_predict_layers). A layer index past them is not an MTP layer."""
+    out = []
+    for name in names:
+        m = _LAYER_RE.match(name)
+        if m is not None and num_layers <= int(m.group(1)) < num_layers + num_mtp_layers:
+            out.append(name)
+    return out

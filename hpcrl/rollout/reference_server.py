@@ -678,7 +678,11 @@ def main(argv: list[str] | None = None) -> None:
     hf_config = json.loads(Path(args.model_config).read_text())
     engine = ReferenceModel(hf_config, device=args.device, dtype=getattr(torch, args.dtype), seed=args.seed)
     if args.model_path:
-        engine.load_model_dir(args.model_path)
+        loaded = engine.load_model_dir(args.model_path)
+        mtp = engine.skipped_mtp
+        print(f"loaded {loaded} weights from {args.model_path}" + (
+            f"; {len(mtp)} MTP tensors not loaded (the reference engine runs no draft model)" if mtp else ""),
+              flush=True)
     # Warm-up (lazy imports, allocator) so the first real request is not slow; an explicit seed keeps
     # the engine's RNG for unseeded requests untouched.
     engine.generate([[0, 0], [0]], [{"max_new_tokens": 2, "temperature": 1.0, "sampling_seed": 0}] * 2)

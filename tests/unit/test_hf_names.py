@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hpcrl.models.presets import load_hf_config
-from hpcrl.rollout.hf_names import checkpoint_slots, checkpoint_state_dict, model_slots
+from hpcrl.rollout.hf_names import checkpoint_slots, checkpoint_state_dict, model_slots, mtp_names
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,3 +108,10 @@ def test_unknown_family_with_fused_experts_is_rejected():
         checkpoint_slots(shapes, "olmoe")
     with pytest.raises(ValueError, match="no matching model.layers.0.mlp.experts.down_proj"):
         checkpoint_slots({"model.layers.0.mlp.experts.gate_up_proj": (2, 8, 4)}, "qwen3_moe")
+
+
+def test_mtp_names_are_the_layers_right_after_the_decoder():
+    names = ["model.layers.2.mlp.gate.weight", "model.layers.3.eh_proj.weight", "model.layers.4.enorm.weight",
+             "model.layers.5.hnorm.weight", "model.layers.31.enorm.weight", "lm_head.weight"]
+    assert mtp_names(names, 3, 2) == ["model.layers.3.eh_proj.weight", "model.layers.4.enorm.weight"]
+    assert mtp_names(names, 3, 0) == []

@@ -53,7 +53,7 @@ install() {
     [[ $(basename "$w") == mpich-* ]] || wheels+=("$w")
   done
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --disable-pip-version-check --root-user-action=ignore --target "$SITE" "${wheels[@]}" || return 1
+    --disable-pip-version-check --target "$SITE" "${wheels[@]}" || return 1
   stamp "unpack mpich into $MPICH, SGLang's sources into $SGL_CACHE"
   "$PY" - "$MPICH" "$SGL_CACHE" "$WHEELS"/mpich-*.whl "$WHEELS"/sglang-0.5.23-cache.tar.xz <<'PY' || return 1
 import os, shutil, sys, tarfile, zipfile

@@ -324,12 +324,8 @@ class RankCoords:
                   ("num_experts", dims.num_experts, "ep", self.ep),
                   ("moe_intermediate_size", dims.moe_ffn_size, "etp", self.etp)]
         if dims.mla is not None:
-            # Megatron's local MLA splits the down projections' outputs over TP (and gathers them).
-            splits += [("kv_lora_rank + qk_rope_head_dim", dims.mla.kv_lora_rank + dims.mla.qk_rope_dim, "tp",
-                        self.tp), ("intermediate_size", dims.dense_ffn_size, "tp", self.tp),
+            splits += [("intermediate_size", dims.dense_ffn_size, "tp", self.tp),
                        ("moe_intermediate_size * n_shared_experts", dims.shared_ffn_size, "tp", self.tp)]
-            if dims.mla.q_lora_rank is not None:
-                splits.append(("q_lora_rank", dims.mla.q_lora_rank, "tp", self.tp))
         stage_ranges(dims.num_layers, self.pp, self.first_stage_layers, self.last_stage_layers)
         for what, n, axis, size in splits:
             if n % size:
@@ -414,19 +410,23 @@ def _gqa_params(dims: HFModelDims, coords: RankCoords, hp: str, mp: str) -> list
 
 
 def _mla_params(dims: HFModelDims, coords: RankCoords, hp: str, mp: str) -> list[LocalParam]:
-    """Multi-latent attention of one layer. Megatron's local MLA keeps HF's row orders (per head
+    """Multi-latent attention of one layer. Megatron's MLA keeps HF's row orders (per head
     [nope, rope] in q and [k nope, v] in kv_up; [kv latent, k rope] in kv_down) and de-interleaves
-    the RoPE dims itself, as transformers does with rope_interleave; every projection but linear_proj
-    splits its output rows over TP, the two latent norms are replicated."""
+    the RoPE dims itself, as transformers does with rope_interleave; the up projections (and a plain
+    q_proj) split their rows (heads) over TP, linear_proj its columns; the down projections and the
+    two latent norms are replicated (hpcrl.trainer.mla_attention says why)."""
     shapes = _mla_shapes(dims, hp + "self_attn.")
     tp, r = coords.tp, coords.tp_rank
     a, m = hp + "self_attn.", mp + "self_attention."
-    rows = [("linear_kv_down_proj", "kv_a_proj_with_mqa"), ("linear_kv_up_proj", "kv_b_proj")]
+    rows = [("linear_kv_up_proj", "kv_b_proj")]
+    whole = [("linear_kv_down_proj", "kv_a_proj_with_mqa")]
     if dims.mla.q_lora_rank is None:
         rows.append(("linear_q_proj", "q_proj"))
     else:
-        rows += [("linear_q_down_proj", "q_a_proj"), ("linear_q_up_proj", "q_b_proj")]
+        rows.append(("linear_q_up_proj", "q_b_proj"))
+        whole.append(("linear_q_down_proj", "q_a_proj"))
     out = [_split(f"{m}{mg}.weight", f"{a}{hf}.weight", shapes[f"{a}{hf}.weight"], 0, tp, r) for mg, hf in rows]
+    out += [_whole(f"{m}{mg}.weight", f"{a}{hf}.weight", shapes[f"{a}{hf}.weight"]) for mg, hf in whole]
     out.append(_whole(m + "kv_layernorm.weight", a + "kv_a_layernorm.weight", shapes[a + "kv_a_layernorm.weight"]))
     if dims.mla.q_lora_rank is not None:
         out.append(_whole(m + "q_layernorm.weight", a + "q_a_layernorm.weight", shapes[a + "q_a_layernorm.weight"]))

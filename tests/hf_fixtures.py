@@ -72,7 +72,8 @@ def train_tokenizer(out: Path, vocab_size: int = 320, chat_template: str | None 
 
 
 def model_dir(out: Path, family: str = "qwen3_moe", *, seed: int = 0, fused: bool = False,
-              config: dict | None = None, tokenizer: bool = True, max_shard_size: str = "150KB") -> Path:
+              config: dict | None = None, tokenizer: bool = True, max_shard_size: str = "150KB",
+              perturb: float = 0.0) -> Path:
     """Write a HF model directory into `out` and return it.
 
     `config` (an HF config dict) replaces the family's default small config. The safetensors are
@@ -80,6 +81,9 @@ def model_dir(out: Path, family: str = "qwen3_moe", *, seed: int = 0, fused: boo
     (`...experts.{e}.gate_proj.weight`, what hub checkpoints hold) unless `fused`, which keeps
     transformers 5.x's in-memory fused tensors (`...experts.gate_up_proj`). With `tokenizer`, a BPE
     tokenizer with a chat template and a generation_config.json whose eos is `<|im_end|>`.
+    `perturb` > 0 adds perturb * N(0, 1) (drawn from `seed`) to every weight and buffer, norms and
+    DeepSeek's router bias included: transformers' init leaves those at 1 and 0, and its small router
+    weights leave sigmoid routers near-tied.
     """
     from transformers import GenerationConfig
 
@@ -92,6 +96,14 @@ def model_dir(out: Path, family: str = "qwen3_moe", *, seed: int = 0, fused: boo
         eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
         cfg.update(eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
     model = build_hf_model(cfg, seed)
+    if perturb:
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                if t.is_floating_point() and t.dim() > 0 and "inv_freq" not in str(t.shape):
+                    t.add_(perturb * torch.randn(t.shape, generator=g))
     model.save_pretrained(str(out), max_shard_size=max_shard_size, save_original_format=not fused)
     if tokenizer:
         GenerationConfig(eos_token_id=[eos], pad_token_id=pad).save_pretrained(str(out))

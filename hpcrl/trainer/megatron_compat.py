@@ -8,6 +8,9 @@ and measurements: notes/python_stack.md sections 2-2.4):
       `te_general_gemm`, which 0.16.1 defines only when transformer-engine imports;
       `multi_latent_attention.py:62` sets HAVE_TE when the TE extension module imports, which it does
       without TE (its classes are MagicMocks then), and line 185 calls isinstance with such a mock.
+  Router fix (GPU too): `router.py:542 _apply_expert_bias` (token counts for the expert bias, which
+      DeepSeek-V3 models enable) ANDs routing_map [tokens, experts] with a padding mask [tokens],
+      which broadcasts wrongly and raises; the patched method broadcasts the mask over the experts.
   CPU only (nothing below is touched when CUDA is available):
   1. `torch` stand-in inside the Megatron modules listed in `_CPU_MODULES`: their `torch.cuda` is
      a CPU namespace (current_device() -> "cpu"; streams/events are no-ops; synchronize and
@@ -145,7 +148,7 @@ _CPU_MODULES = (
 _FACTORIES = frozenset({"tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn",
                         "randint", "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor"})
 
-_applied = {"te": False, "cpu": False}
+_applied = {"te": False, "cpu": False, "router": False}
 
 
 def _cpu_device(device: Any) -> Any:
@@ -309,6 +312,23 @@ def _apply_te_fix() -> None:
     # Without TE, megatron.core.extensions.transformer_engine still imports, its TE classes being
     # MagicMock stand-ins, so MLA believes TE is there and calls isinstance(linear, <a mock>).
     multi_latent_attention.HAVE_TE = False
+
+
+def _count_tokens_per_expert(self: Any, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None
+                             ) -> None:
+    """`router.py:532 TopKRouter._apply_expert_bias` with the padding mask [tokens] broadcast over the
+    experts of routing_map [tokens, experts] (0.16.1 broadcasts it over the tokens and raises)."""
+    if self.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+def _apply_router_fix() -> None:
+    from megatron.core.transformer.moe import router
+
+    router.TopKRouter._apply_expert_bias = _count_tokens_per_expert
 
 
 def _cpu_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -649,6 +669,9 @@ def apply() -> None:
     Raises RuntimeError when megatron-core is not version 0.16.1.
     """
     _check_version()
+    if not _applied["router"]:
+        _apply_router_fix()
+        _applied["router"] = True
     if not _applied["te"] and not _have_transformer_engine():
         _apply_te_fix()
         _applied["te"] = True

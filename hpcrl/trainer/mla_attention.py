@@ -6,6 +6,14 @@ rope) and `v_channels` (the value head dim), which only TE's attention accepts; 
 otherwise works for any key and value head dims (the matmuls reshape with -1), so this subclass
 takes both arguments, keeps the softmax scale MLA computes (YaRN mscale included) and sizes the
 output by the value head dim. `mla_layer_spec` puts it into a decoder block spec.
+
+The local spec also makes MLA's down projections (q_a, kv_a) column-parallel: under TP each rank
+computes a slice of [kv latent, k rope] and all-gathers it. Then the RoPE key, which every rank's
+heads use, gets only this rank's heads' gradient: 0.16.1 reduces it nowhere (the TE spec's duplicated
+linears take the other branch, which gathers it from the sequence-parallel region and reduce-scatters
+its gradient). `mla_layer_spec` therefore builds the down projections as Megatron's duplicated
+`Linear` (the whole weight on every TP rank, sequence-parallel gradients all-reduced over TP), as the
+TE spec does: log-probs under TP2 were right either way, gradients only this way.
 """
 
 from __future__ import annotations
@@ -33,7 +41,12 @@ class MLADotProductAttention(DotProductAttention):
 
 def mla_layer_spec(block_spec: Any) -> Any:
     """`block_spec` (Megatron's decoder block spec of an MLA model) with every layer's core
-    attention replaced by `MLADotProductAttention`; returns the same object."""
+    attention replaced by `MLADotProductAttention` and its down projections by the duplicated
+    `Linear`; returns the same object."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
     for layer in block_spec.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = MLADotProductAttention
+        attention = layer.submodules.self_attention.submodules
+        attention.core_attention = MLADotProductAttention
+        attention.linear_q_down_proj = attention.linear_kv_down_proj = Linear
     return block_spec

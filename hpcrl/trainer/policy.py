@@ -702,6 +702,10 @@ class MegatronPolicy:
             self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        tracker = get_moe_layer_wise_logging_tracker()
+        if tracker.get("load_balancing_loss", {}).get("values", torch.zeros(self.dims.num_layers)).numel() \
+                != self.dims.num_layers:  # sized by another model of this process (one value per layer)
+            del tracker["load_balancing_loss"]
         clear_aux_losses_tracker()
         loss_fn = partial(self._train_loss, policy_loss, temperature, counts, n_mb * self.dp_size)
         store = self._run(self.ddp, mbs, n_mb, mb, L, False, loss_fn)
@@ -713,7 +717,6 @@ class MegatronPolicy:
             for d in store:
                 local += d["metrics"].detach().cpu()
         aux = torch.zeros(1, dtype=torch.float32)
-        tracker = get_moe_layer_wise_logging_tracker()
         # The tracker is process-global: a key left by another policy in this process says nothing
         # about this one, whose aux loss exists only with a coefficient.
         has_aux = self.algorithm.aux_loss_coef > 0 and "load_balancing_loss" in tracker
@@ -721,7 +724,7 @@ class MegatronPolicy:
             if dist.get_world_size() > 1:  # every group has one rank otherwise: all identities
                 reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
             values = tracker["load_balancing_loss"]["values"]
-            aux[0] = float(values.sum()) / self.dims.num_layers / n_mb
+            aux[0] = float(values.sum()) / len(self.dims.moe_layers) / n_mb  # mean over the MoE layers
             clear_aux_losses_tracker()
         logprobs_BT = self._gather_rows(store, "logp_BT", n_mb, mb, batch)
         summed = self._to_rank0(local)

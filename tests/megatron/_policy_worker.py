@@ -1,10 +1,13 @@
 """mpiexec worker for tests/megatron/test_policy_layouts.py: one MegatronPolicy run in one layout.
 
 Usage: mpiexec -n N python _policy_worker.py --tp 1 --pp 1 --ep 1 --etp 1 --dispatcher alltoall \
-           [--model-dir DIR] OUT.pt
+           [--model-dir DIR] [--deepseek-dir DIR2] OUT.pt
 The weights come from the HF model directory DIR (each rank reading its slices) or, without it, from
 `init_from_seed(SEED)`; the test builds DIR from that same seed, so both give the same weights.
 Rank 0 saves a dict with the batch, log-probs, metrics, exported HF weights and hashes to OUT.pt.
+With DIR2 (a tiny-deepseek-v3 directory) the same ranks then build a DeepSeek-V3 policy in the same
+layout (with PP, its 3 layers split 2 + 1: the dense layer on the first stage) and add its log-probs,
+exports and one train step under `ds_*` keys.
 """
 
 from __future__ import annotations
@@ -77,12 +80,35 @@ def replicas_agree(policy) -> bool:
     return all(seen.setdefault(key, digest) == digest for held in every for key, digest in held.items())
 
 
+def deepseek_run(args, trainer_kw: dict, algorithm, batch) -> dict:
+    """The DeepSeek-V3 policy of `args.deepseek_dir` in this layout: log-probs, export, hash, one
+    train step and the export after it (rank 0's values; None elsewhere)."""
+    import json
+    from pathlib import Path
+
+    from hpcrl.config.schema import TrainerConfig
+    from hpcrl.trainer.policy import MegatronPolicy
+
+    cfg = json.loads((Path(args.deepseek_dir) / "config.json").read_text())
+    trainer = TrainerConfig(**trainer_kw, last_stage_layers=1 if args.pp == 2 else 0)
+    policy = MegatronPolicy(cfg, trainer, algorithm)
+    policy.load_hf_dir(args.deepseek_dir)
+    out = {"ds_sd0": policy.export_hf_state_dict(), "ds_sha0": policy.policy_sha256()}
+    out["ds_logp"] = logp = policy.compute_logprobs(batch)
+    out["ds_m1"] = policy.train_step(batch, torch.linspace(-1.0, 1.0, batch.batch_size), logp)
+    if out["ds_m1"] is not None:
+        out["ds_m1"].pop("logprobs_BT", None)
+    out["ds_sd1"] = policy.export_hf_state_dict()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     for axis in ("tp", "pp", "ep", "etp"):
         ap.add_argument(f"--{axis}", type=int, default=1)
     ap.add_argument("--dispatcher", default="alltoall")
     ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--deepseek-dir", default=None)
     ap.add_argument("out")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -98,8 +124,9 @@ def main() -> None:
     from hpcrl.models.presets import load_hf_config
     from hpcrl.trainer.policy import MegatronPolicy
 
-    trainer = TrainerConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dispatcher=args.dispatcher,
-                            num_procs=dist.get_world_size(), micro_batch_size=MICRO_BATCH, seed=3)
+    trainer_kw = dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dispatcher=args.dispatcher,
+                      num_procs=dist.get_world_size(), micro_batch_size=MICRO_BATCH, seed=3)
+    trainer = TrainerConfig(**trainer_kw)
     # adam_eps = lr: Adam's update lr * m / (sqrt(v) + eps) then moves at most 1.25 * lr / eps = 1.25 times
     # any change of the gradient (at eps << |g| it is lr * sign(g), and fp32 reordering noise in a
     # gradient near zero flips it: weights 1e-5 apart after two steps with eps 1e-6, on AVX-512), so
@@ -162,6 +189,9 @@ def main() -> None:
     out["cm2"] = policy.critic.train_step(batch, returns, out["v0"])  # clipped: V moved past 0.05
     out["v2"] = policy.critic.values(batch)
     out["policy_after_critic"] = policy.export_hf_state_dict()
+    if args.deepseek_dir:
+        out.update(deepseek_run(args, trainer_kw, AlgorithmConfig(lr=1e-2, grad_clip=0.5, aux_loss_coef=0.01,
+                                                                  adam_eps=1e-2), batch))
     if rank0:
         out["batch"] = batch
         torch.save(out, args.out)

@@ -6,6 +6,9 @@ Starting weights: TP1, EP2, TP2-EP2 and PP2 read a HF model directory written by
 (per-expert safetensors in several files; TP2-EP2 reads transformers' fused expert layout), each
 rank reading only its slices; TP2-ETP2 draws transformers' init from the seed. The directories hold
 that same seed's weights, so every layout must agree and match `AutoModelForCausalLM.from_pretrained`.
+The same launches then run the tiny DeepSeek-V3 (MLA, a dense layer, shared and grouped experts) from
+its directory in the same layout (PP2 splits its 3 layers 2 + 1): log-probs equal to transformers',
+its export equal to the directory bit for bit, and one train step equal to the 1-rank run's.
 
 Each layout is one `mpiexec` launch of `_policy_worker.py` (init from a seed, log-probs for policy
 and reference, three train steps with Adam, KL, an entropy bonus, grad clipping and micro-batching,
@@ -46,6 +49,7 @@ LAYOUTS = {
 # chain and another forward one, and its Adam update moves at most 1.25 times any change of the
 # gradient (adam_eps = lr in _policy_worker.py). Measured on AVX2 and AVX-512: 1-2 ulps everywhere.
 D, N = 16, 128
+D_DS = 32  # tiny-deepseek-v3: 10 reductions per MLA layer (numerics.MLA_LAYER_DEPTH) x 3, lm_head, LSE
 
 
 def tol(magnitude: float, steps: int = 0, extra: int = 0) -> float:
@@ -95,13 +99,16 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     cfg = load_hf_config("tiny-qwen3-moe", None)
     root = tmp_path_factory.mktemp("hf")
     return {"dir": model_dir(root / "per-expert", config=cfg, seed=SEED, tokenizer=False),
-            "fused-dir": model_dir(root / "fused", config=cfg, seed=SEED, tokenizer=False, fused=True)}
+            "fused-dir": model_dir(root / "fused", config=cfg, seed=SEED, tokenizer=False, fused=True),
+            "deepseek": model_dir(root / "deepseek", config=load_hf_config("tiny-deepseek-v3", None), seed=SEED,
+                                  tokenizer=False, perturb=0.3)}
 
 
 def launch(name: str, out: Path, model_dirs: dict[str, Path]) -> dict:
     ranks, flags, weights = LAYOUTS[name]
     if weights != "seed":
         flags = [*flags, "--model-dir", str(model_dirs[weights])]
+    flags = [*flags, "--deepseek-dir", str(model_dirs["deepseek"])]
     run_mpiexec(ranks, WORKER, *flags, str(out), timeout_s=LAUNCH_TIMEOUT_S, label=name)
     return torch.load(out, weights_only=False)
 
@@ -192,6 +199,41 @@ def test_baseline_matches_hf_and_round_trips(baseline: dict, model_dirs: dict[st
     assert baseline["m3"]["clip_frac"] == 0.0 and baseline["m3"]["kl"] > 0
     assert max_diff(baseline["sd3"], baseline["sd2"]) > 1e-4
     _check_critic(baseline, baseline["head"])
+    check_deepseek(baseline, baseline, model_dirs["deepseek"])
+
+
+def check_deepseek(run: dict, baseline: dict, path: Path) -> None:
+    """The DeepSeek-V3 part of a launch: the directory read by slices exports bit for bit and hashes
+    as its tensors; log-probs equal transformers' `from_pretrained` (routing clear of near-ties) and the
+    1-rank run's; one train step gives the 1-rank run's metrics and weights, within D_DS's bounds."""
+    from transformers import AutoModelForCausalLM
+
+    from moe.digest import state_dict_digest
+    from moe.hf_checkpoint import HFCheckpoint
+    from moe.hf_megatron import HFModelDims
+    from numerics import hf_routing
+
+    batch = run["batch"]
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with HFCheckpoint(path, HFModelDims.from_hf_config(model.config.to_dict())) as ckpt:
+        source = {n: ckpt.read(n) for n in ckpt.expected}
+    assert list(run["ds_sd0"]) == list(source) and all(torch.equal(run["ds_sd0"][n], source[n]) for n in source)
+    assert run["ds_sha0"] == state_dict_digest(source)
+    assert hf_routing(model, batch)[1] > 1.5, "a DeepSeek router near-tie: pick other rows"
+
+    def close(what: str, a: torch.Tensor, b: torch.Tensor, steps: int = 0) -> None:
+        diff, mag = (a - b).abs().max().item(), max(a.abs().max().item(), b.abs().max().item())
+        assert diff <= reordered(N, (1 + 2 * steps) * D_DS, mag), (what, diff)
+
+    close("deepseek logp against HF", run["ds_logp"], hf_logprobs(batch, 1.0, model_dir=path))
+    close("deepseek logp against 1 rank", run["ds_logp"], baseline["ds_logp"])
+    for key, value in baseline["ds_m1"].items():
+        bound = reordered(max(v.numel() for v in source.values()), D_DS + 2, abs(value)) if key == "grad_norm" \
+            else 8 * reordered(N, D_DS + 1, max(1.0, abs(value)))
+        assert abs(run["ds_m1"][key] - value) <= bound, (key, run["ds_m1"][key], value)
+    bound = 1.25 * reordered(N, D_DS, 0.5) + 2.0 ** -23 * max(v.abs().max().item() for v in source.values())
+    assert max_diff(run["ds_sd1"], baseline["ds_sd1"]) <= bound
+    assert max_diff(run["ds_sd1"], run["ds_sd0"]) > 1e-3  # the step moved the weights
 
 
 def hf_final_hidden(batch, sd: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -263,3 +305,4 @@ def test_layout_matches_baseline(name: str, baseline: dict, tmp_path: Path, mode
         check_close(key, run[key], baseline[key], steps, extra=1)
     for steps, key in ((3, "cm1"), (4, "cm2")):
         assert not (bad := metrics_close(run[key], baseline[key], steps, numel)), (key, bad)
+    check_deepseek(run, baseline, model_dirs["deepseek"])

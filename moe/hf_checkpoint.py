@@ -46,6 +46,7 @@ SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 # Buffers some older checkpoints carry; transformers recomputes them and ignores the stored ones.
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
@@ -221,6 +222,12 @@ class HFCheckpoint:
             return prefix + "down_proj", expert, 0
         return prefix + "gate_up_proj", expert, 0 if proj == gate else self.dims.moe_ffn_size
 
+    def _is_mtp(self, name: str) -> bool:
+        """Whether `name` belongs to one of DeepSeek's MTP layers, `model.layers.{L + k}.*` for
+        k < num_nextn_predict_layers (L = num_hidden_layers)."""
+        m = _LAYER.match(name)
+        return m is not None and 0 <= int(m.group(1)) - self.dims.num_layers < self.dims.mtp_layers
+
     def _locate(self, stored: dict[str, StoredTensor]) -> dict[str, _Where]:
         """checkpoint name -> (stored tensor, expert index in a fused tensor or None, row offset, its
         FP8 scale or None); raises CheckpointFormatError for a missing, unexpected or misshapen
@@ -260,8 +267,10 @@ class HFCheckpoint:
             used.add(disk)
             if scale is not None:
                 used.add(scale.name)
+        self.mtp_names = sorted(n for n in stored if self._is_mtp(n))
+        """DeepSeek's MTP tensors (and their FP8 scales): not loaded, carried into exports unchanged."""
         extra = sorted(n for n in stored if n not in used and not _IGNORED.match(n)
-                       and not (n == "lm_head.weight" and self.dims.tied_embeddings))
+                       and not (n == "lm_head.weight" and self.dims.tied_embeddings) and not self._is_mtp(n))
         if extra:
             st = stored[extra[0]]
             raise CheckpointFormatError(

@@ -164,7 +164,6 @@ def build_gpt_model(hf_config: Mapping, config) -> torch.nn.Module:  # config: T
 
         spec = mla_layer_spec(get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                                          normalization="RMSNorm"))
-        # (its duplicated down projections are torch Linears, made on the CPU: moved below)
     else:
         spec = get_gpt_layer_local_spec(num_experts=dims.num_experts, moe_grouped_gemm=False,
                                         qk_layernorm=dims.qk_norm, normalization="RMSNorm")
@@ -183,7 +182,9 @@ def build_gpt_model(hf_config: Mapping, config) -> torch.nn.Module:  # config: T
     )
     # Norms without TE are torch modules made in fp32 whatever params_dtype says; a bf16 model is
     # bf16 throughout (Float16Module would convert the policy's; the reference's too, here).
-    if dims.mla is not None and not config.use_cpu_initialization:
+    if not config.use_cpu_initialization:
+        # Torch norms (no TE) and MLA's duplicated down projections are made on the CPU; on a GPU
+        # the fp32 model's first forward stopped there (RuntimeError: weight is on cpu; H200, dev/LOG.md).
         gpt.cuda(torch.cuda.current_device())
     return keep_expert_bias_fp32(gpt.bfloat16()) if config.bf16 else gpt
 

@@ -38,7 +38,10 @@ BLOCK_BYTES = 16 << 20  # rows copied to the CPU and written per pwrite batch
 def config_at_dtype(hf_config: dict, dtypes: set[str]) -> str:
     """config.json's text for weights stored at `dtypes`: one dtype ("bfloat16") becomes `dtype`,
     which transformers reads (5.x; `torch_dtype` before) to choose what `from_pretrained(...,
-    dtype="auto")` loads in; mixed dtypes leave the config as it is."""
+    dtype="auto")` loads in; mixed dtypes leave the config as it is. An FP8 source's
+    `quantization_config` is dropped: the export is never quantized, and transformers and SGLang
+    would read its weights as FP8 by it."""
+    hf_config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
     if len(dtypes) != 1:
         return json.dumps(hf_config, indent=2) + "\n"
     clean = {k: v for k, v in hf_config.items() if k != "torch_dtype"}

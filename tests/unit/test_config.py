@@ -164,7 +164,11 @@ BAD = [
      "model: {config_path: model.json}\nrollout: {backend: sglang, weight_sync: shard}\n"
      "resources: {device: cuda}",
      [], lambda p: (p / "model.json").write_text(json.dumps(MIXTRAL)),
-     "rollout.weight_sync", "'shard'", "model_type 'mixtral': use rollout.weight_sync: broadcast"),
+     "rollout.weight_sync", "'shard'", "model_type 'mixtral': hpcrl's loader writes qwen3_moe parameters only. "
+     "Use rollout.weight_sync: broadcast"),
+    ("sglang-shard-sync-deepseek",
+     "model: {preset: tiny-deepseek-v3}\nrollout: {backend: sglang, weight_sync: shard}\nresources: {device: cuda}",
+     [], None, "rollout.weight_sync", "'shard'", "w_kc/w_vc"),
     ("shard-sync-on-cuda", "rollout: {weight_sync: shard}\nresources: {device: cuda}", [], None,
      "rollout.weight_sync", "'shard'", "gloo on CPU tensors"),
     ("sglang-shard-quantized",

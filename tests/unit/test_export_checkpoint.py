@@ -79,3 +79,18 @@ def test_export_memory_is_a_block_not_the_model(tmp_path) -> None:
         export_checkpoint(str(run), 1, str(tmp_path / "out"), "40MB")
     assert len(list((tmp_path / "out").glob("*.safetensors"))) == 4
     assert m.rise_bytes < 40 * MB, f"peak RSS rose {m.rise_bytes / MB:.0f} MiB for 128 MiB of weights"
+
+
+def test_export_config_drops_an_fp8_sources_quantization_config() -> None:
+    """An export is never FP8: its config.json must not carry the source's quantization_config (transformers
+    and SGLang would read the weights as FP8 blocks by it); the dtype is the stored one."""
+    import json
+
+    from hpcrl.trainer.hf_export import config_at_dtype
+
+    source = {"model_type": "deepseek_v3", "torch_dtype": "bfloat16",
+              "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    for dtypes in ({"bfloat16"}, {"bfloat16", "float32"}):
+        written = json.loads(config_at_dtype(source, dtypes))
+        assert "quantization_config" not in written and written["model_type"] == "deepseek_v3"
+    assert json.loads(config_at_dtype(source, {"float32"}))["dtype"] == "float32"

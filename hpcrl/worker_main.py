@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
 
     set_process_keys(job_keys(run_dir))  # this rank's engine clients send the job's engine keys
     world = join_world_within(job.trainer.num_procs, job.resources.startup_timeout_s)
+    from hpcrl.rollout.placement import set_shared_gpu_host
+
+    set_shared_gpu_host(job, f"rank{world.rank}")  # NCCL refuses two ranks of a group on one GPU
     plan = cpu_bind.CpuPlan.from_env()  # set by `hpcrl run` (resources.cpu_bind)
     cores = None if plan is None else plan.for_rank(world.rank, job.trainer.num_procs)
     if cores is not None and world.role == "controller":  # worker ranks bind after their init (serve)

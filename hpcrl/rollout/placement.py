@@ -13,6 +13,13 @@ A node whose ranks need more GPUs than it has is an error naming the job keys, u
 Under a per-task GPU binding (the step run with `--gpus-per-task`, so Slurm sets
 SLURM_GPUS_PER_TASK and each task sees only its own GPUs) a rank uses the GPUs it sees, from 0.
 
+Shared GPUs and NCCL: NCCL refuses a communicator with two ranks on one GPU ("Duplicate GPU
+detected", NCCL 2.28.9 on an H200: a trainer rank and its engine sharing GPU 0 could not form the
+weight-update group). With `resources.share_gpus` on CUDA every rank process therefore takes its
+own NCCL_HOSTID (`share_gpu_host_id`), which its engine inherits: NCCL then treats the processes as
+separate hosts and connects them over its network transport (slower than NVLink or shared memory,
+and only in this debug mode; a NCCL_HOSTID the user set is kept).
+
     gpus = rank_gpus(world, job)                   # in the rank's process
     sglang_gpu_args(gpus) -> ["--base-gpu-id", "2"]
     node_plan([(0, "controller"), (1, "trainer"), (2, "rollout")], tp_per_engine=2, num_gpus=4)
@@ -25,8 +32,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["PlacementError", "gpus_needed", "node_plan", "rank_gpus", "sglang_gpu_args", "slurm_node_roles",
-           "visible_gpu_count"]
+__all__ = ["PlacementError", "gpus_needed", "node_plan", "rank_gpus", "set_shared_gpu_host", "sglang_gpu_args",
+           "share_gpu_host_id", "slurm_node_roles", "visible_gpu_count"]
 
 FIX = ("use fewer trainer.num_procs / rollout.num_engines / rollout.tp_per_engine per node, more "
        "resources.nodes / resources.rollout_nodes, or set resources.share_gpus: true to let ranks share GPUs")
@@ -34,6 +41,24 @@ FIX = ("use fewer trainer.num_procs / rollout.num_engines / rollout.tp_per_engin
 
 class PlacementError(ValueError):
     """The ranks of a node do not fit its GPUs; the message names the keys to change."""
+
+
+def share_gpu_host_id(tag: str) -> str:
+    """A NCCL_HOSTID unique to one process of this host (`tag`: e.g. its world rank)."""
+    import socket
+
+    return f"{socket.gethostname()}-hpcrl-{tag}"
+
+
+def set_shared_gpu_host(job: Any, tag: str, env: dict[str, str] | None = None) -> bool:
+    """Give this process its own NCCL_HOSTID when `resources.share_gpus` is on with CUDA (see the
+    module docstring), unless NCCL_HOSTID is set already. Call before any NCCL communicator exists;
+    processes started afterwards (the engines) inherit it. Returns whether it set one."""
+    env = os.environ if env is None else env
+    if not (job.resources.share_gpus and job.resources.device == "cuda") or "NCCL_HOSTID" in env:
+        return False
+    env["NCCL_HOSTID"] = share_gpu_host_id(tag)
+    return True
 
 
 def gpus_needed(role: str, tp_per_engine: int) -> int:

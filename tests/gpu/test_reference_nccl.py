@@ -34,19 +34,35 @@ GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def placed_engine(tmp_path_factory):
     """(this process's GPU, engine client, engine GPU): placement as a run does it for one trainer
-    rank and one engine on this node; sharing only where the machine has a single GPU."""
+    rank and one engine on this node; sharing only where the machine has a single GPU, and then, as
+    a run with resources.share_gpus does (hpcrl.rollout.placement), each side with its own NCCL_HOSTID
+    (the engine's inherited from the rank that starts it)."""
+    import os
+
+    from hpcrl.rollout.placement import share_gpu_host_id
+
     num_gpus = torch.cuda.device_count()
-    plan = node_plan([(1, "trainer"), (2, "rollout")], 1, num_gpus, share=num_gpus < 2)
+    share = num_gpus < 2
+    plan = node_plan([(1, "trainer"), (2, "rollout")], 1, num_gpus, share=share)
     torch.cuda.set_device(plan[1][0])
     log = tmp_path_factory.mktemp("engine") / "engine.log"
+    before = os.environ.get("NCCL_HOSTID")
+    if share:
+        os.environ["NCCL_HOSTID"] = share_gpu_host_id("rank2")
     proc, url = launch_reference_server(str(CONFIG_PATH), f"cuda:{plan[2][0]}", 0, str(log), threads=1,
                                         startup_timeout_s=300)
+    if share:  # read by NCCL when this process's communicator forms, after the engine started
+        os.environ["NCCL_HOSTID"] = share_gpu_host_id("rank1")
     client = EngineClient(url, timeout_s=120)
     try:
         yield plan[1][0], client, plan[2][0]
     finally:
         client.close()
         stop_process(proc, 30)
+        if before is None:
+            os.environ.pop("NCCL_HOSTID", None)
+        else:
+            os.environ["NCCL_HOSTID"] = before
 
 
 def test_nccl_push_into_reference_engine_on_cuda(placed_engine):

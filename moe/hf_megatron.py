@@ -279,6 +279,12 @@ def router_bias_name(layer: int) -> str:
     return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
 
 
+def is_router_bias(name: str) -> bool:
+    """Whether `name` is a DeepSeek-V3 router bias: float32 in checkpoints, in the trainer and in
+    SGLang whatever the model's dtype, so it moves (sync, export) in float32."""
+    return name.endswith(".mlp.gate.e_score_correction_bias")
+
+
 def router_name(dims: HFModelDims, layer: int) -> str:
     block = "block_sparse_moe" if dims.family == "mixtral" else "mlp"
     return f"model.layers.{layer}.{block}.gate.weight"

@@ -32,7 +32,7 @@ from hpcrl.dist import master_store, routable_host
 from hpcrl.rollout.reshard_route import PlanRequest, spec_fingerprint
 from hpcrl.rollout.weight_sender import init_custom_process_group
 from hpcrl.trainer.model import weight_tensors
-from moe.hf_megatron import local_params
+from moe.hf_megatron import is_router_bias, local_params
 from moe.network import Topology
 from moe.runtime import Shards, Staging, reshard
 from moe.slices import Box
@@ -57,7 +57,8 @@ class LocalHFShards:
     Built once: a tensor that is one piece of one parameter (most of them) is a view of that
     parameter, so nothing is copied; the others (q/k/v rows of several TP groups, a dtype change)
     get a buffer that `refresh()` fills. Megatron updates its parameters in place, so the views stay
-    current; call `refresh()` before each sync.
+    current; call `refresh()` before each sync. Tensors move at `dtype`, DeepSeek's router bias at
+    float32 (as moe.specs lists it, and as the engines keep it).
     """
 
     def __init__(self, params: dict[str, torch.Tensor], dims: Any, coords: Any, dtype: torch.dtype) -> None:
@@ -74,10 +75,11 @@ class LocalHFShards:
             hi = tuple(max(b.end[d] for b in boxes) for d in range(len(lo)))
             union = Box(lo, tuple(h - o for o, h in zip(lo, hi)))
             assert union.numel == sum(b.numel for b in boxes), f"{name}: this rank's pieces do not tile a box"
-            if len(parts) == 1 and parts[0][0].dtype == dtype:
+            want = torch.float32 if is_router_bias(name) else dtype
+            if len(parts) == 1 and parts[0][0].dtype == want:
                 self.shards[name] = (union, parts[0][0])
                 continue
-            buf = torch.empty(union.shape, dtype=dtype, device=parts[0][0].device)
+            buf = torch.empty(union.shape, dtype=want, device=parts[0][0].device)
             self._copies += [(buf[box.relative_to(union)], view) for view, box in parts]
             self.shards[name] = (union, buf)
 

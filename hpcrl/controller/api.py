@@ -40,7 +40,7 @@ import numpy as np
 
 from hpcrl.config.schema import AlgorithmConfig, JobConfig, critic_enabled
 from hpcrl.controller.groups import Rollout
-from hpcrl.controller.sync_check import logprob_sync_check
+from hpcrl.controller.sync_check import logprob_sync_check, mismatch_metrics
 
 BUILTIN_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo", "ppo", "sft")
 STEP_SIGNATURE = "def step(rl: hpcrl.controller.api.RL, step: int) -> None"
@@ -183,7 +183,8 @@ class RL:
         for rollout, trainer_BT in self._unchecked:
             worst, mean = logprob_sync_check(rollout, trainer_BT, r.logprob_tolerance,
                                              r.logprob_mean_tolerance, self.step)
-            self.log(**{"sync/logprob_max_abs_diff": worst, "sync/logprob_mean_abs_diff": mean})
+            self.log(**{"sync/logprob_max_abs_diff": worst, "sync/logprob_mean_abs_diff": mean,
+                        **mismatch_metrics(rollout, trainer_BT, r.logprob_tolerance)})
         self._unchecked = []
 
     def sync_weights(self) -> dict[str, float]:

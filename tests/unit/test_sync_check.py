@@ -66,3 +66,27 @@ def test_the_mean_check_lets_bf16_rounding_through_and_stops_a_shift_of_every_to
     with pytest.raises(WeightSyncError, match=r"step 4: .* differ by 0.05 on average over 48 response tokens "
                                               r"\(max 0.05\) > rollout.logprob_mean_tolerance=0.02"):
         logprob_sync_check(rollout(TRAINER + 0.05), TRAINER, 1.0, 0.02, 4)
+
+
+def test_mismatch_metrics_are_k3_and_the_share_over_tolerance_of_response_tokens():
+    """mismatch/kl is the token mean of exp(d) - 1 - d, d = trainer - engine, over response tokens only
+    (padding past a response never enters); the share counts |d| > tolerance. Same float64 arithmetic
+    as the test's on the same numbers: compared to a few ulps of the sum of 13 terms."""
+    from hpcrl.controller.sync_check import mismatch_metrics
+
+    lengths = [6, 3, 0, 4]
+    trainer = TRAINER[:4].copy()
+    d = np.zeros_like(trainer)
+    d[0, :6] = [0.0, 0.1, -0.2, 0.0, 0.3, 0.0]
+    d[1, :3] = [0.05, 0.0, -0.05]
+    d[3, :4] = [0.0, 0.0, 0.0, 0.5]
+    engine_rows = [(trainer[b] - d[b])[:n] for b, n in enumerate(lengths)]
+    for b, n in enumerate(lengths):
+        trainer[b, n:] = 99.0
+    got = mismatch_metrics(rollout(engine_rows), trainer, 0.15)
+    d_N = np.concatenate([d[b, :n] for b, n in enumerate(lengths)])
+    want = float(np.mean(np.expm1(d_N) - d_N))
+    assert abs(got["mismatch/kl"] - want) <= 13 * 2.0 ** -52 * want and want > 0.01
+    assert got["mismatch/over_tolerance_frac"] == 3 / 13  # 0.2, 0.3 and 0.5; not 0.1 or 0.05
+    same = mismatch_metrics(rollout([trainer[b, :n] for b, n in enumerate(lengths)]), trainer, 0.15)
+    assert same == {"mismatch/kl": 0.0, "mismatch/over_tolerance_frac": 0.0}

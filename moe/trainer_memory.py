@@ -3,22 +3,34 @@
 `TrainerBuild` states what the trainer allocates (the choices `hpcrl run` makes in
 hpcrl/trainer/policy.py) and `trainer_memory(spec, layout, build)` turns it into per-rank bytes:
 
-    params      the rank's shard of every tensor at the parameter dtype (`build.param_dtype`)
-    grads       Megatron DDP's contiguous grad buffer: the same elements in fp32 (grad_reduce_in_fp32),
-                whole on every rank, also with the distributed optimizer (it reduce-scatters into it)
+    params      the rank's shard of every tensor at the parameter dtype (`build.param_dtype`), but
+                DeepSeek-V3's score-correction bias (`e_score_correction_bias`, a [E] router vector):
+                Megatron's router keeps it as a frozen fp32 buffer, not a parameter, so it counts
+                4 bytes an element here and has no grad and no optimizer state
+    grads       Megatron DDP's contiguous grad buffer: the parameters' elements in fp32
+                (grad_reduce_in_fp32), whole on every rank, also with the distributed optimizer (it
+                reduce-scatters into it)
     optimizer   Adam exp_avg + exp_avg_sq in fp32, plus fp32 main params when the params are not
                 fp32 (Megatron's mixed-precision optimizer); with the distributed optimizer each
                 rank keeps 1/dp of them: dense tensors over the dp*cp replicas of its TP shard,
                 expert tensors over the expert data-parallel group (edp)
-    reference   the frozen reference model (algorithm.kl_coef > 0): the same shards at the
-                parameter dtype, no grads, no optimizer state
+    reference   the frozen reference model (algorithm.kl_coef > 0): the same shards as params, no
+                grads, no optimizer state
     critic      PPO's value model (hpcrl/trainer/critic.py) on the same ranks with the same layout:
-                params, grads and optimizer of every tensor but lm_head, plus the [H] + [1] value
-                head on the last pipeline stage's ranks
+                params (and the fp32 bias), grads and optimizer of every tensor but lm_head, plus the
+                [H] + [1] value head on the last pipeline stage's ranks
+
+What a rank holds is what `layout.placement(spec)` gives it: the plan's spec has no DeepSeek MTP
+layers (the trainer does not build them), MLA's down projections (q_a_proj, kv_a_proj_with_mqa) and
+the latent norms are whole on every TP rank, the up projections split by heads (checked against
+moe.hf_megatron.local_params in tests/unit/test_trainer_memory.py).
 
 Not counted: Adam's per-tensor `step` scalars (4 bytes per tensor), the distributed optimizer's
-alignment padding (at most 64 elements per tensor and lcm(dp, 128) per bucket), activations,
-buffers such as DeepSeek-V3's expert score bias, and allocator overhead.
+alignment padding (each parameter starts at a multiple of 64 elements and each bucket ends at a
+multiple of lcm(dp, 128): under 64 elements per parameter and lcm(dp, 128) per bucket), the router's
+token-count buffer beside the bias ([E] per MoE layer at the parameter dtype), MLA's YaRN cos/sin
+caches (2 x original_max_position_embeddings x qk_rope_head_dim per layer, at the parameter dtype,
+rebuilt for longer sequences), activations and allocator overhead.
 """
 
 from __future__ import annotations
@@ -28,10 +40,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from moe.layouts import TrainerLayout, bytes_per_rank
-from moe.specs import MoESpec, Role
+from moe.layouts import TrainerLayout
+from moe.specs import MoESpec, Role, TensorSpec
 
-__all__ = ["TrainerBuild", "megatron_build", "memory_hint", "trainer_memory"]
+__all__ = ["TrainerBuild", "is_frozen_buffer", "megatron_build", "memory_hint", "trainer_memory"]
 
 FP32_BYTES = 4
 PARAM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -76,7 +88,8 @@ class TrainerBuild:
         return f"{self.param_dtype} params, fp32 grads (DDP buffer), {opt} {where}{ref}{critic}"
 
 
-def megatron_build(param_dtype: str, reference_model: bool = False, critic_model: bool = False) -> TrainerBuild:
+def megatron_build(param_dtype: str, reference_model: bool = False,
+                   critic_model: bool = False) -> TrainerBuild:
     """The build hpcrl's trainer uses for `param_dtype`.
 
     float32: fp32 params, non-distributed Adam (what `hpcrl run` builds, CPU and GPU);
@@ -87,60 +100,85 @@ def megatron_build(param_dtype: str, reference_model: bool = False, critic_model
                         reference_model=reference_model, critic_model=critic_model)
 
 
-def _numel_per_rank(spec: MoESpec, layout: TrainerLayout, *, sharded: bool) -> np.ndarray:
-    """Elements each rank holds; with `sharded`, each divided over the group that shards its optimizer."""
+def is_frozen_buffer(t: TensorSpec) -> bool:
+    """Whether the trainer holds `t` as a frozen fp32 buffer instead of a parameter: a [E] router
+    vector (Role.ROUTER, 1-D) is DeepSeek-V3's score-correction bias, Megatron's router.expert_bias
+    with update rate 0 (hpcrl/trainer/model.py keeps it fp32 in bf16 models too)."""
+    return t.role is Role.ROUTER and len(t.shape) == 1
+
+
+@dataclass(frozen=True)
+class _Elements:
+    """Per-rank element counts (arrays over trainer ranks) of the rank's placed tensors."""
+
+    params: np.ndarray      # parameters (every tensor but the frozen buffers)
+    sharded: np.ndarray     # the same, each divided over the group that shards its optimizer state
+    buffers: np.ndarray     # frozen fp32 buffers (`is_frozen_buffer`)
+    lm_head: np.ndarray     # lm_head's elements (the critic has none)
+    lm_head_sharded: np.ndarray
+    last_stage: np.ndarray  # bool: the rank is on the last pipeline stage (it holds the final norm)
+
+
+def _elements(spec: MoESpec, layout: TrainerLayout) -> _Elements:
     dense_dp, expert_dp = layout.dp * layout.cp, layout.expert_dp
-    acc: dict[tuple[tuple[int, ...], int], float] = {}
+    world = layout.world_size
+    # (group key, ranks) -> elements; summed per group first: a 671B spec has ~45k tensors
+    acc: dict[tuple[str, tuple[int, ...]], float] = {}
     for t, pl in zip(spec.tensors, layout.placement(spec)):
-        div = (expert_dp if t.role in _EXPERT_ROLES else dense_dp) if sharded else 1
+        if is_frozen_buffer(t):
+            key = "buffers"
+        elif t.role is Role.LM_HEAD:
+            key = "lm_head"
+        else:
+            key = "expert" if t.role in _EXPERT_ROLES else "dense"
         for box, ranks in pl:
-            acc[ranks, div] = acc.get((ranks, div), 0.0) + box.numel
-    out = np.zeros(layout.world_size, dtype=np.float64)
-    for (ranks, div), n in acc.items():
-        out[list(ranks)] += n / div
-    return out
+            acc[key, ranks] = acc.get((key, ranks), 0.0) + box.numel
+        if t.layer is None and t.role is Role.REPLICATED:  # the final norm: on the last stage's ranks
+            acc["last", pl[0][1]] = 1.0
+    sums = {k: np.zeros(world, dtype=np.float64) for k in ("dense", "expert", "lm_head", "buffers", "last")}
+    for (key, ranks), n in acc.items():
+        sums[key][list(ranks)] += n
+    params = sums["dense"] + sums["expert"] + sums["lm_head"]
+    sharded = (sums["dense"] + sums["lm_head"]) / dense_dp + sums["expert"] / expert_dp
+    return _Elements(params, sharded, sums["buffers"], sums["lm_head"], sums["lm_head"] / dense_dp,
+                     sums["last"] > 0)
 
 
 def trainer_memory(spec: MoESpec, layout: TrainerLayout, build: TrainerBuild) -> dict[str, np.ndarray]:
-    """Per-rank bytes (arrays over trainer ranks) of params, grads, optimizer, reference and total.
+    """Per-rank bytes (arrays over trainer ranks) of params, grads, optimizer, reference, critic and total.
 
-    Also `adam_state_bytes` and `main_params_bytes`, the two parts of `optimizer_bytes`. Params
-    are counted at `build.param_dtype`, whatever the spec's dtype.
+    Also `adam_state_bytes` and `main_params_bytes`, the two parts of `optimizer_bytes`, and
+    `buffer_bytes`, the frozen fp32 buffers' part of `params_bytes`. Params are counted at
+    `build.param_dtype`, whatever the spec's dtype; the frozen buffers at fp32.
     """
-    placement = layout.placement(spec)
-    numel = bytes_per_rank(spec, placement, layout.world_size, bytes_per_param=1)
-    params = numel * PARAM_BYTES[build.param_dtype]
-    opt_numel = _numel_per_rank(spec, layout, sharded=True) if build.distributed_optimizer else numel
+    el = _elements(spec, layout)
+    buffers = el.buffers * FP32_BYTES
+    params = el.params * PARAM_BYTES[build.param_dtype] + buffers
+    opt_numel = el.sharded if build.distributed_optimizer else el.params
     adam = opt_numel * 2 * FP32_BYTES
-    main = opt_numel * FP32_BYTES if build.main_params else np.zeros_like(numel)
-    grads = numel * FP32_BYTES
-    reference = params.copy() if build.reference_model else np.zeros_like(numel)
+    main = opt_numel * FP32_BYTES if build.main_params else np.zeros_like(params)
+    grads = el.params * FP32_BYTES
+    reference = params.copy() if build.reference_model else np.zeros_like(params)
     optimizer = adam + main
-    critic = _critic_bytes(spec, layout, build, numel, opt_numel) if build.critic_model else np.zeros_like(numel)
+    critic = _critic_bytes(spec, layout, build, el) if build.critic_model else np.zeros_like(params)
     return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer,
             "adam_state_bytes": adam, "main_params_bytes": main, "reference_bytes": reference,
-            "critic_bytes": critic, "total_bytes": params + grads + optimizer + reference + critic}
+            "critic_bytes": critic, "buffer_bytes": buffers,
+            "total_bytes": params + grads + optimizer + reference + critic}
 
 
-def _critic_bytes(spec: MoESpec, layout: TrainerLayout, build: TrainerBuild, numel: np.ndarray,
-                  opt_numel: np.ndarray) -> np.ndarray:
-    """The critic's params, grads and optimizer per rank: the policy's elements without lm_head's, plus
-    the value head (H + 1, replicated) on the ranks of the last stage (those holding the final norm)."""
-    placement = layout.placement(spec)
-    lm_head = np.zeros_like(numel)
-    last_stage: set[int] = set()
-    for t, pl in zip(spec.tensors, placement):
-        for box, ranks in pl:
-            if t.role == Role.LM_HEAD:
-                lm_head[list(ranks)] += box.numel
-            elif t.layer is None and t.role == Role.REPLICATED:  # the final norm
-                last_stage.update(ranks)
-    head = np.zeros_like(numel)
-    head[sorted(last_stage)] = spec.dims.hidden_size + 1
-    body_share = np.divide(opt_numel, numel, out=np.ones_like(numel), where=numel > 0)
-    elements = numel - lm_head + head
+def _critic_bytes(spec: MoESpec, layout: TrainerLayout, build: TrainerBuild, el: _Elements) -> np.ndarray:
+    """The critic's params, grads and optimizer per rank: the policy's parameters without lm_head's,
+    plus the value head (H + 1, replicated over TP, sharded over dp*cp like any dense tensor) on the
+    ranks of the last stage; its frozen buffers as the policy's."""
+    head = np.where(el.last_stage, spec.dims.hidden_size + 1, 0).astype(np.float64)
+    elements = el.params - el.lm_head + head
+    if build.distributed_optimizer:
+        opt_numel = el.sharded - el.lm_head_sharded + head / (layout.dp * layout.cp)
+    else:
+        opt_numel = elements
     per_param = PARAM_BYTES[build.param_dtype] + FP32_BYTES  # the param and its fp32 grad
-    return elements * per_param + elements * body_share * build.optimizer_bytes_per_param
+    return elements * per_param + el.buffers * FP32_BYTES + opt_numel * build.optimizer_bytes_per_param
 
 
 def memory_hint(spec: MoESpec, layout: TrainerLayout, build: TrainerBuild, budget_bytes: float) -> str:

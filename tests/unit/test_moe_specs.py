@@ -107,3 +107,27 @@ def test_debug_specs_match_transformers_checkpoints(tmp_path) -> None:
             with safe_open(f, "pt") as sf:
                 saved.update({k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()})
         assert saved == {t.name: t.shape for t in spec.tensors}, name
+
+
+@pytest.mark.parametrize("config", ["tiny-deepseek-v3", "tiny-deepseek-v3-no-q-lora", "deepseek-v3"])
+def test_the_planned_deepseek_spec_is_what_the_trainer_holds(config: str) -> None:
+    """`hpcrl plan`'s spec (spec_at_dtype, as hpcrl.models.job_model.build_spec builds it) names the
+    tensors the Megatron trainer holds, with their shapes: moe.hf_megatron's inventory, which has no
+    MTP layer (num_nextn_predict_layers = 1 in these configs; the trainer does not build it)."""
+    from moe.hf_megatron import HFModelDims
+    from moe.specs import spec_at_dtype
+
+    if config == "deepseek-v3":
+        cfg = load_config(CONFIG_DIR / "deepseek-v3.json")
+    else:
+        cfg = load_config(HPCRL_CONFIG_DIR / "tiny-deepseek-v3.json")
+        if config.endswith("no-q-lora"):
+            cfg = {**cfg, "q_lora_rank": None}
+    assert cfg["num_nextn_predict_layers"] == 1
+    spec = spec_at_dtype(cfg, "bfloat16")
+    dims = HFModelDims.from_hf_config(cfg)
+    assert {t.name: t.shape for t in spec.tensors} == dims.hf_shapes()
+    assert spec.dims.num_mtp_layers == 0 and spec.dims.num_layers == dims.num_layers
+    bias = [t for t in spec.tensors if t.name.endswith("e_score_correction_bias")]
+    assert len(bias) == dims.num_layers - dims.first_dense_layers
+    assert {(t.dtype, t.role, t.shape) for t in bias} == {("float32", Role.ROUTER, (dims.num_experts,))}

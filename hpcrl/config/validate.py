@@ -37,6 +37,7 @@ CPU_BINDS = ("none", "auto")
 DISPATCHERS = ("alltoall", "allgather")
 BACKENDS = ("reference", "sglang")
 WEIGHT_SYNCS = ("auto", "shard", "broadcast")
+ROUTING_REPLAYS = ("none", "r3")
 SYNC_CHECKSUMS = ("sampled", "full", "off")  # moe._reshard_runtime.VERIFY_MODES (torch-free here)
 
 
@@ -144,6 +145,7 @@ _CHOICES: list[tuple[str, tuple[str, ...]]] = [
     ("trainer.dispatcher", DISPATCHERS),
     ("rollout.backend", BACKENDS),
     ("rollout.weight_sync", WEIGHT_SYNCS),
+    ("rollout.routing_replay", ROUTING_REPLAYS),
     ("rollout.sync_checksum", SYNC_CHECKSUMS),
     ("resources.device", DEVICES),
     ("resources.cpu_bind", CPU_BINDS),

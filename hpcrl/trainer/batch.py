@@ -11,12 +11,20 @@ P_b + t - 1:
 for t < R_b; columns t >= R_b are padding (`response_mask_BT()` is False there, values are 0).
 This is the layout of `old_logp_BT`, `ref_logp_BT` and the output of `compute_logprobs`, and it
 matches what an engine returns as per-token output log-probs of each completion.
+
+With routing replay (rollout.routing_replay) a batch also carries the engines' MoE routes:
+`routes_BLNK[b, s, j]` are the K experts MoE layer j (the j-th MoE layer of the model) sent token
+`tokens_BL[b, s]` to, for s < P_b + R_b - 1 (every position that was a forward input of the engine;
+the last sampled token never was). Every other position (that last token, padding, dummy rows) holds
+`filler_routes` (K distinct valid ids: Megatron's alltoall dispatcher needs K experts per row).
+Stored compactly (uint8 up to 256 experts, int16 beyond); cast to int64 per micro-batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,6 +38,7 @@ class TrainBatch:
     tokens_BL: torch.Tensor
     prompt_lens_B: torch.Tensor
     response_lens_B: torch.Tensor
+    routes_BLNK: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         t, p, r = self.tokens_BL, self.prompt_lens_B, self.response_lens_B
@@ -47,6 +56,9 @@ class TrainBatch:
         if int(r.min()) < 0 or int((p + r).max()) > L:
             raise ValueError(f"prompt_lens_B + response_lens_B must lie in [1, L={L}] and response_lens_B "
                              f">= 0; got max {int((p + r).max())}, min response {int(r.min())}")
+        if self.routes_BLNK is not None and (self.routes_BLNK.dim() != 4 or self.routes_BLNK.shape[:2] != (B, L)):
+            raise ValueError(f"routes_BLNK must be [B={B}, L={L}, moe layers, top_k], got "
+                             f"{tuple(self.routes_BLNK.shape)}")
 
     @property
     def batch_size(self) -> int:
@@ -87,11 +99,13 @@ class TrainBatch:
     def rows(self, start: int, stop: int) -> TrainBatch:
         """Rows [start, stop) (same L, so log-prob columns keep their meaning)."""
         return TrainBatch(self.tokens_BL[start:stop], self.prompt_lens_B[start:stop],
-                          self.response_lens_B[start:stop])
+                          self.response_lens_B[start:stop], _cut(self.routes_BLNK, slice(start, stop)))
 
     @staticmethod
-    def from_lists(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> TrainBatch:
-        """Build a batch from per-row prompt ids and response ids (equal-length lists)."""
+    def from_lists(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                   routes: Sequence[Any] | None = None) -> TrainBatch:
+        """Build a batch from per-row prompt ids and response ids (equal-length lists) and, for routing
+        replay, per-row routes: arrays [P + R - 1, moe layers, top_k] (numpy or torch, any int dtype)."""
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses; "
                              "pass one response per prompt")
@@ -100,7 +114,8 @@ class TrainBatch:
         # one tensor from padded lists: a tensor per row costs ~20 us each
         tokens = torch.tensor([row + [PAD_ID] * (L - len(row)) for row in rows] or [[]], dtype=torch.int64)
         return TrainBatch(tokens[: len(rows)], torch.tensor([len(p) for p in prompts], dtype=torch.int64),
-                          torch.tensor([len(r) for r in responses], dtype=torch.int64))
+                          torch.tensor([len(r) for r in responses], dtype=torch.int64),
+                          None if routes is None else _routes_BLNK(routes, [len(row) for row in rows], L))
 
     def mini_batches(self, size: int) -> list[tuple[slice, TrainBatch]]:
         """The contiguous blocks of `size` rows (0: the whole batch), in order, each with its rows and
@@ -111,7 +126,8 @@ class TrainBatch:
         if B % size:
             raise ValueError(f"mini_batch_size={size} does not divide the batch of {B} rows")
         blocks = (slice(start, start + size) for start in range(0, B, size))
-        return [(rows, TrainBatch(self.tokens_BL[rows], self.prompt_lens_B[rows], self.response_lens_B[rows]))
+        return [(rows, TrainBatch(self.tokens_BL[rows], self.prompt_lens_B[rows], self.response_lens_B[rows],
+                                  _cut(self.routes_BLNK, rows)))
                 for rows in blocks]
 
     def padded(self, num_rows: int, seq_len: int) -> TrainBatch:
@@ -122,5 +138,50 @@ class TrainBatch:
         tokens = torch.full((num_rows, seq_len), PAD_ID, dtype=torch.int64)
         tokens[:B, :L] = self.tokens_BL
         extra = num_rows - B
+        routes = None
+        if self.routes_BLNK is not None:
+            _, _, N, K = self.routes_BLNK.shape
+            routes = filler_routes(K, self.routes_BLNK.dtype).expand(num_rows, seq_len, N, K).clone()
+            routes[:B, :L] = self.routes_BLNK
         return TrainBatch(tokens, torch.cat([self.prompt_lens_B, torch.ones(extra, dtype=torch.int64)]),
-                          torch.cat([self.response_lens_B, torch.zeros(extra, dtype=torch.int64)]))
+                          torch.cat([self.response_lens_B, torch.zeros(extra, dtype=torch.int64)]), routes)
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The compact dtype of expert ids: uint8 up to 256 experts, int16 up to 32768."""
+    if num_experts <= 256:
+        return torch.uint8
+    if num_experts <= 32768:
+        return torch.int16
+    raise ValueError(f"{num_experts} experts: routes are stored as int16 at most (32768)")
+
+
+def filler_routes(top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The route of a position no engine route exists for: experts 0..K-1 (distinct, valid)."""
+    return torch.arange(top_k).to(dtype)
+
+
+def _cut(routes: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if routes is None else routes[rows]
+
+
+def _routes_BLNK(routes: Sequence[Any], lengths: list[int], L: int) -> torch.Tensor:
+    """[B, L, N, K] from per-row [P + R - 1, N, K] arrays, filler elsewhere; ValueError naming the row
+    whose route count or shape does not match its tokens."""
+    if len(routes) != len(lengths):
+        raise ValueError(f"{len(routes)} route arrays for {len(lengths)} rows; pass one per row")
+    arrays = [torch.as_tensor(r) for r in routes]
+    shapes = {tuple(a.shape[1:]) for a in arrays}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise ValueError(f"route arrays must be [tokens, moe layers, top_k] with one (layers, top_k) for "
+                         f"every row, got {sorted(shapes)}")
+    N, K = next(iter(shapes))
+    top = max((int(a.max()) for a in arrays if a.numel()), default=0)
+    dtype = route_dtype(max(top + 1, K))
+    out = filler_routes(K, dtype).expand(len(arrays), L, N, K).clone()
+    for b, (a, n) in enumerate(zip(arrays, lengths)):
+        if a.shape[0] != n - 1:
+            raise ValueError(f"row {b}: {a.shape[0]} routes for {n} tokens; the engine routes every token but "
+                             f"the last sampled one ({n - 1})")
+        out[b, : n - 1] = a.to(dtype)
+    return out

@@ -50,7 +50,8 @@ def check_layout(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: int, dis
 
 def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: int, dispatcher: str,
                        aux_loss_coef: float, device: str = "cpu", dtype: str = "float32",
-                       first_stage_layers: int = 0, last_stage_layers: int = 0):  # -> TransformerConfig
+                       first_stage_layers: int = 0, last_stage_layers: int = 0,
+                       routing_replay: bool = False):  # -> TransformerConfig
     """The TransformerConfig of `hf_config` under the layout (tp, pp, ep, etp), with parameters
     of `dtype` ("float32" or "bfloat16"; the router and softmax compute in fp32 either way).
 
@@ -122,6 +123,8 @@ def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: in
         cross_entropy_loss_fusion=False,
     )
     kwargs.update(family_kwargs)
+    # every router gets a RouterReplay (hpcrl/trainer/routing_replay.py); only the policy replays
+    kwargs["moe_enable_routing_replay"] = routing_replay
     return config_class(**kwargs)
 
 

@@ -27,6 +27,7 @@ of the bf16 ones (`ddp_and_adam`).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from functools import partial
@@ -149,7 +150,8 @@ class MegatronPolicy:
     """
 
     def __init__(self, hf_config: dict, trainer: TrainerConfig, algorithm: AlgorithmConfig,
-                 device: str = "cpu", gpu: int | None = None, dtype: str = "float32") -> None:
+                 device: str = "cpu", gpu: int | None = None, dtype: str = "float32",
+                 routing_replay: str = "none") -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}; valid: 'cpu', 'cuda'")
         if not dist.is_initialized():
@@ -204,6 +206,11 @@ class MegatronPolicy:
         dist.all_gather_object(all_coords, self.coords)
         self._export_plan = self._make_export_plan(all_coords)
 
+        from hpcrl.config.validate import ROUTING_REPLAYS
+
+        if routing_replay not in ROUTING_REPLAYS:
+            raise ValueError(f"rollout.routing_replay={routing_replay!r}; valid: {', '.join(ROUTING_REPLAYS)}")
+        self.routing_replay = routing_replay
         self.layout = layout = dict(tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=trainer.dispatcher,
                                     aux_loss_coef=algorithm.aux_loss_coef, device=device, dtype=dtype, **stages)
         self._build_policy(layout)
@@ -219,8 +226,14 @@ class MegatronPolicy:
         self._losses: dict[str, Any] = {}
 
     def _build_policy(self, layout: dict) -> None:
-        config = transformer_config(self.hf_config, **layout)
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        from hpcrl.trainer.routing_replay import Replay
+
+        RouterReplay.clear_global_router_replay_instances()  # a class-level list of every router built
+        config = transformer_config(self.hf_config, **layout, routing_replay=self.routing_replay != "none")
         gpt = build_gpt_model(self.hf_config, config)
+        self.replay = Replay(gpt, self.dims.first_dense_layers, self.coords.tp, self.coords.tp_rank)
         names = set(weight_tensors(gpt))
         expected = {p.name for p in local_params(self.dims, self.coords)}
         assert names == expected, f"Megatron params differ from the HF map: {sorted(names ^ expected)}"
@@ -312,42 +325,61 @@ class MegatronPolicy:
 
     @torch.no_grad()
     def export_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full HF checkpoint-named policy tensors (CPU, sorted by name) on trainer rank 0; None
-        elsewhere. Collective: every rank sends rank 0 the regions it is the first holder of."""
+        """Full HF checkpoint-named policy tensors (CPU, sorted by name) on trainer rank 0, at the
+        export's dtypes (hpcrl.trainer.hf_export.export_dtypes: model.dtype, the router biases
+        float32); None elsewhere. No MTP tensors (the trainer holds none). Collective: every rank
+        sends rank 0 the regions it is the first holder of, one flat message per dtype."""
+        from hpcrl.trainer.hf_export import export_dtypes
+
         params = weight_tensors(self.gpt)
+        dtypes = export_dtypes(self.dims, next(self.gpt.parameters()).dtype)
+        order = sorted(set(dtypes.values()), key=str)  # the messages' order, the same on every rank
         mine = self._export_plan[self.rank]
         if self.rank != 0:
-            if mine:
-                flat = torch.cat([params[n][pc.local_box.index].reshape(-1) for n, pc in mine])
-                dist.send(flat.contiguous(), dst=0)
+            for dtype in order:
+                flat = [params[n][pc.local_box.index].reshape(-1) for n, pc in mine
+                        if dtypes[pc.hf_name] == dtype]
+                if flat:
+                    dist.send(torch.cat(flat).contiguous(), dst=0)
             return None
-        shapes = self.dims.hf_shapes()
-        dtype = next(iter(params.values())).dtype
-        out = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
+        out = {name: torch.empty(shape, dtype=dtypes[name]) for name, shape in self.dims.hf_shapes().items()}
         for n, pc in mine:
             out[pc.hf_name][pc.hf_box.index] = params[n][pc.local_box.index].cpu()
         for src in range(1, len(self._export_plan)):
-            pieces = self._export_plan[src]
-            if not pieces:
-                continue
-            flat = torch.empty(sum(pc.hf_box.numel for _, pc in pieces), dtype=dtype, device=self.device)
-            dist.recv(flat, src=src)
-            flat, offset = flat.cpu(), 0
-            for _, pc in pieces:
-                out[pc.hf_name][pc.hf_box.index] = flat[offset: offset + pc.hf_box.numel].view(
-                    pc.hf_box.shape)
-                offset += pc.hf_box.numel
+            for dtype in order:
+                pieces = [pc for _, pc in self._export_plan[src] if dtypes[pc.hf_name] == dtype]
+                if not pieces:
+                    continue
+                flat = torch.empty(sum(pc.hf_box.numel for pc in pieces), dtype=dtype, device=self.device)
+                dist.recv(flat, src=src)
+                flat, offset = flat.cpu(), 0
+                for pc in pieces:
+                    out[pc.hf_name][pc.hf_box.index] = flat[offset: offset + pc.hf_box.numel].view(
+                        pc.hf_box.shape)
+                    offset += pc.hf_box.numel
         return out
 
     @torch.no_grad()
-    def policy_sha256(self) -> str | None:
-        """The layout-independent policy hash (moe/digest.py, docs/policy_hash.md) on rank 0; None
-        elsewhere. Collective, no gather: each rank digests, where they live, the HF regions it is
-        the first holder of (the export plan); one all-reduce of LANES int64 per tensor."""
+    def policy_sha256(self, source_dir: str | None = None) -> str | None:
+        """The layout-independent policy hash (docs/policy_hash.md) of the tensors
+        `export_hf_dir(..., source_dir)` writes, each at its export dtype, on rank 0; None elsewhere.
+        `source_dir` (model.path) adds its MTP tensors (DeepSeek-V3), as the export carries them.
+        Collective, no gather: each rank digests, where they live, the HF regions it is the first
+        holder of (the export plan) and streams the MTP tensors it would write; one all-reduce of
+        LANES int64 per tensor."""
+        from hpcrl.trainer.hf_export import (export_dtypes, export_entries, mtp_blocks, plan_loads,
+                                             sharded_digest)
+        from hpcrl.trainer.mtp_tensors import MTPSource, assign_owners
+
         params = weight_tensors(self.gpt)
-        pieces = ((pc.hf_name, params[n].detach()[pc.local_box.index], pc.hf_box)
-                  for n, pc in self._export_plan[self.rank])
-        return self.sharded_hash(self.dims.hf_shapes(), next(iter(params.values())).dtype, pieces)
+        model_dtype = next(self.gpt.parameters()).dtype
+        pieces = [(pc.hf_name, params[n].detach()[pc.local_box.index], pc.hf_box)
+                  for n, pc in self._export_plan[self.rank]]
+        with MTPSource(source_dir, self.dims, model_dtype) as mtp:
+            owners = assign_owners(mtp.tensors, plan_loads(self._export_plan, export_dtypes(self.dims,
+                                                                                            model_dtype)))
+            return sharded_digest(export_entries(self.dims, model_dtype, mtp),
+                                  itertools.chain(pieces, mtp_blocks(mtp, owners, self.rank)), self.device)
 
     def sharded_hash(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, pieces: Any) -> str | None:
         """The policy hash's definition over the tensors `shapes` (name -> global shape, in that
@@ -370,11 +402,13 @@ class MegatronPolicy:
 
     def export_hf_dir(self, out_dir: str, max_shard_bytes: int, source_dir: str | None = None) -> str | None:
         """Write the policy as a HF model directory (sharded safetensors, index, config.json; the
-        tokenizer files of `source_dir` if given); see hpcrl/trainer/hf_export.py. Collective, no
-        gather: each rank writes the regions it is the first holder of. Returns out_dir on rank 0."""
+        tokenizer files and DeepSeek's MTP tensors of `source_dir`, model.path, if given); see
+        hpcrl/trainer/hf_export.py. Collective, no gather: each rank writes the regions it is the
+        first holder of and the MTP tensors it is given. Returns out_dir on rank 0. The directory
+        hashes (dir_digest) to `policy_sha256(source_dir)`."""
         from hpcrl.trainer.hf_export import export_hf_dir
 
-        return export_hf_dir(self.gpt, self.dims, self.hf_config, self._export_plan[self.rank], out_dir,
+        return export_hf_dir(self.gpt, self.dims, self.hf_config, self._export_plan, out_dir,
                              max_shard_bytes, source_dir)
 
     # ------------------------------------------------------------------ compute
@@ -426,6 +460,8 @@ class MegatronPolicy:
         full = {"tokens_BL": padded.tokens_BL, "pad_BL": padded.padding_mask_BL(),
                 "pos_BT": padded.logit_positions_BT(), "tgt_BT": padded.response_tokens_BT(),
                 "mask_BT": padded.response_mask_BT()}
+        if padded.routes_BLNK is not None and self.routing_replay == "r3":
+            full["routes"] = padded.routes_BLNK
         for name, t in per_row.items():
             full[name] = torch.cat([t, t.new_zeros((padded.batch_size - B, *t.shape[1:]))])
         position_ids = torch.arange(L, device=self.device).unsqueeze(0).expand(mb, L)
@@ -445,6 +481,8 @@ class MegatronPolicy:
             # mask only on the first stage, so cut this TP rank's columns here.
             s = pad_BL.shape[1] // self.coords.tp
             pad_BL = pad_BL[:, self.coords.tp_rank * s: (self.coords.tp_rank + 1) * s]
+        if model is self.ddp:  # only the policy replays (its routers own the RouterReplays)
+            self.replay.before_forward(mbd.get("routes"))
         out = model(mbd["tokens_BL"], mbd["position_ids"], None, padding_mask=pad_BL)
         return out, partial(loss_fn, mbd)
 
@@ -452,10 +490,13 @@ class MegatronPolicy:
              forward_only: bool, loss_fn: Any) -> list[dict[str, torch.Tensor]]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, loss_fn=loss_fn), data_iterator=iter(mbs),
-            model=[model], num_microbatches=n_mb, seq_length=L, micro_batch_size=mb,
-            forward_only=forward_only)
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, loss_fn=loss_fn), data_iterator=iter(mbs),
+                model=[model], num_microbatches=n_mb, seq_length=L, micro_batch_size=mb,
+                forward_only=forward_only)
+        finally:
+            self.replay.clear()
 
     def _to_rank0(self, local: torch.Tensor) -> torch.Tensor | None:
         """Sum of `local` over all ranks, on rank 0 (callers zero it where it must not count)."""

@@ -67,7 +67,8 @@ def make_policy(hf_config: dict, **algo):  # -> MegatronPolicy
     from hpcrl.trainer.policy import MegatronPolicy
 
     trainer_kw = {k: algo.pop(k) for k in ("micro_batch_size",) if k in algo}
-    return MegatronPolicy(hf_config, TrainerConfig(**trainer_kw), AlgorithmConfig(**algo))
+    replay = algo.pop("routing_replay", "none")
+    return MegatronPolicy(hf_config, TrainerConfig(**trainer_kw), AlgorithmConfig(**algo), routing_replay=replay)
 
 
 def random_batch(vocab: int, rows: int = 8, seed: int = 0):  # -> TrainBatch
@@ -374,3 +375,57 @@ def test_a_loss_must_return_a_scalar(world1, tmp_path, monkeypatch) -> None:
     with pytest.raises(ValueError, match=r"loss 'vector_loss:loss' returned Tensor of shape \(8,\); it must "
                                          "return a scalar tensor"):
         policy.train_step(random_batch(64, seed=6), torch.zeros(8), on_policy=True, loss="vector_loss:loss")
+
+
+def random_routes(batch, num_moe_layers: int, experts: int, top_k: int, seed: int) -> list[torch.Tensor]:
+    """Per row [P + R - 1, N, K]: K distinct random experts per token and MoE layer."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = (batch.prompt_lens_B + batch.response_lens_B).tolist()
+    return [torch.rand(n - 1, num_moe_layers, experts, generator=g).argsort(-1)[..., :top_k] for n in lengths]
+
+
+def used_routes(policy, batch) -> dict[int, torch.Tensor]:
+    """MoE layer j -> the bool routing map [B * L, E] (rows b-major) the policy's routers used in one
+    compute_logprobs of `batch` (one micro-batch: L is the batch's own)."""
+    policy.replay.observe()
+    policy.compute_logprobs(batch)
+    maps = policy.replay.observed_routes()
+    L = batch.seq_len
+    # the router sees [L, B] sequence-major rows: reorder to b-major
+    return {j: m[0].view(L, batch.batch_size, -1).transpose(0, 1).reshape(batch.batch_size * L, -1)
+            for j, m in maps.items()}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_replay_routes_every_token_to_the_given_experts(world1, family: str) -> None:
+    """rollout.routing_replay r3: each MoE layer sends each token to exactly the experts the batch
+    gives (random K distinct experts, not what the router would choose), the real positions and the
+    filler ones; swapping two tokens' routes is seen. Without replay the same model routes by itself."""
+    from hpcrl.trainer.batch import TrainBatch
+    from hpcrl.trainer.routing_replay import agreement
+    from moe.hf_megatron import HFModelDims
+
+    cfg = qwen_config() if family == "qwen3_moe" else deepseek_config()
+    dims = HFModelDims.from_hf_config(cfg)
+    N = len(dims.moe_layers)
+    policy = make_policy(cfg, routing_replay="r3", micro_batch_size=8)
+    policy.init_from_seed(3)
+    plain = random_batch(cfg["vocab_size"], rows=6, seed=4)
+    routes = random_routes(plain, N, dims.num_experts, dims.top_k, seed=5)
+    rows = zip(plain.tokens_BL.tolist(), plain.prompt_lens_B.tolist(), plain.response_lens_B.tolist())
+    prompts, responses = zip(*((row[:p], row[p: p + n]) for row, p, n in rows))
+    batch = TrainBatch.from_lists(prompts, responses, routes)
+    wanted = batch.routes_BLNK.reshape(-1, N, dims.top_k)
+    every = torch.ones(wanted.shape[0], dtype=torch.bool)
+    used = used_routes(policy, batch)
+    assert sorted(used) == list(range(N))
+    for j, map_TE in used.items():
+        assert agreement(map_TE, wanted[:, j], every) == (every.numel(),) * 2, j
+    swapped = [r.clone() for r in routes]
+    swapped[0][[0, 1]] = swapped[0][[1, 0]]  # two tokens of row 0 trade routes
+    assert not torch.equal(swapped[0], routes[0])
+    moved = TrainBatch.from_lists(prompts, responses, swapped)
+    hits = [agreement(m, wanted[:, j], every)[0] for j, m in used_routes(policy, moved).items()]
+    assert min(hits) < every.numel()
+    free = [agreement(m, wanted[:, j], every)[0] for j, m in used_routes(policy, plain).items()]
+    assert max(free) < every.numel() // 2  # the router's own choice is not the random routes

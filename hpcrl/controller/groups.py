@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from hpcrl.controller.comm import PendingCall, RankFailure, RoleGroup, World
+from hpcrl.controller.routes import RouteFormat
 from hpcrl.rollout.client import EngineClient, EngineError, PendingResponse
 from hpcrl.rollout.shard_requests import ShardRequests
 from hpcrl.tasks import Example
@@ -24,29 +25,35 @@ from hpcrl.tasks import Example
 
 @dataclass
 class Rollout:
-    """One step's completions, group after group (G completions of each prompt are adjacent)."""
+    """One step's completions, group after group (G completions of each prompt are adjacent).
+    `routes` (rollout.routing_replay): per completion the engine's MoE routes [P + R - 1, MoE layers,
+    top_k] (hpcrl/controller/routes.py); select/concat move references to them, never the routes."""
 
     examples: list[Example]
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
     engine_logprobs: list[list[float]]
     finish_reasons: list[str]
+    routes: list[np.ndarray] | None = None
 
     @property
     def num_tokens(self) -> int:
         return sum(len(r) for r in self.response_ids)
 
     def token_batch(self) -> dict:
-        return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids}
+        batch = {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids}
+        return batch if self.routes is None else {**batch, "routes": self.routes}
 
     def select(self, rows: list[int]) -> Rollout:
         """The completions at `rows`, in that order."""
-        return Rollout(*([getattr(self, f.name)[i] for i in rows] for f in fields(self)))
+        return Rollout(*(None if getattr(self, f.name) is None else [getattr(self, f.name)[i] for i in rows]
+                         for f in fields(self)))
 
     @staticmethod
     def concat(parts: list[Rollout]) -> Rollout:
-        """The completions of `parts`, one after the other."""
-        return Rollout(*([x for part in parts for x in getattr(part, f.name)] for f in fields(Rollout)))
+        """The completions of `parts`, one after the other (routes only when every part has them)."""
+        return Rollout(*(None if any(getattr(part, f.name) is None for part in parts) else
+                         [x for part in parts for x in getattr(part, f.name)] for f in fields(Rollout)))
 
     def response_mask_BT(self) -> np.ndarray:
         """Bool [B, T]: True on response tokens (T = the longest response, at least 1: the trainer's
@@ -233,9 +240,10 @@ class RolloutGroup:
     named even if its engine still answers, and idle ranks keep hearing from the controller.
     """
 
-    def __init__(self, world: World, timeout_s: float) -> None:
+    def __init__(self, world: World, timeout_s: float, routes: RouteFormat | None = None) -> None:
         self.group = RoleGroup(world, "rollout")
         self.timeout_s = timeout_s
+        self.routes = routes  # ask the engines for their MoE routes (rollout.routing_replay)
         self.engines: list[EngineClient] = []
         self._heartbeat: PendingCall | None = None
 
@@ -250,10 +258,12 @@ class RolloutGroup:
 
     def prepare(self, examples: list[Example], prompt_ids: list[list[int]],
                 sampling_params: list[dict]) -> GenerateRequest:
-        """Split a step's prompts evenly across the engines and encode each engine's /generate body."""
+        """Split a step's prompts evenly across the engines and encode each engine's /generate body
+        (asking for the routed experts when `self.routes` is set: rollout.routing_replay)."""
         bounds = np.linspace(0, len(prompt_ids), len(self.engines) + 1).astype(int)
+        extra = {"return_routed_experts": True} if self.routes is not None else {}
         bodies = [json.dumps({"input_ids": prompt_ids[lo:hi], "sampling_params": sampling_params[lo:hi],
-                              "return_logprob": True}).encode() if hi > lo else None
+                              "return_logprob": True, **extra}).encode() if hi > lo else None
                   for lo, hi in zip(bounds[:-1], bounds[1:])]
         return GenerateRequest(examples, prompt_ids, bodies)
 
@@ -273,9 +283,14 @@ class RolloutGroup:
             with self._engine_of(rank, started.step):
                 outs += answer.result()
         r = started.request
+        routes = None
+        if self.routes is not None:
+            routes = [self.routes.decode(o["meta_info"], len(p) + len(o["output_ids"]),
+                                         f"step {started.step}, completion {i}")
+                      for i, (p, o) in enumerate(zip(r.prompt_ids, outs))]
         return Rollout(r.examples, r.prompt_ids, [o["output_ids"] for o in outs],
                        [[lp[0] for lp in o["meta_info"]["output_token_logprobs"]] for o in outs],
-                       [o["meta_info"]["finish_reason"]["type"] for o in outs])
+                       [o["meta_info"]["finish_reason"]["type"] for o in outs], routes)
 
     @contextmanager
     def _engine_of(self, rank: int, step: int) -> Iterator[None]:

@@ -24,6 +24,17 @@ from hpcrl.rewards.pool import Scores, reward_scorer
 from hpcrl.tasks import build_sampler, load_tokenizer, open_examples, prompt_format
 
 
+def route_format(job: JobConfig, run_dir: Path):  # -> RouteFormat | None
+    """The engines' route format when rollout.routing_replay asks for their routes, else None (the
+    model's config as the trainer reads it: RUN_DIR/model_config.json)."""
+    if job.rollout.routing_replay == "none":
+        return None
+    from hpcrl.controller.routes import RouteFormat
+    from moe.hf_megatron import HFModelDims
+
+    return RouteFormat.of(HFModelDims.from_hf_config(json.loads((run_dir / "model_config.json").read_text())))
+
+
 def sampling_seed(seed: int, block: int, index: int) -> int:
     """Per-completion sampling seed: a pure function of (seed, prompt block, index), so reruns and
     resumes sample the same tokens (block == step when every step draws one batch)."""
@@ -35,7 +46,7 @@ class Session:
         self.job, self.run_dir, self.world = job, run_dir, world
         res = job.resources
         self.policy = PolicyGroup(world, res.timeout_s)
-        self.rollouts = RolloutGroup(world, res.timeout_s)
+        self.rollouts = RolloutGroup(world, res.timeout_s, route_format(job, run_dir))
         self.tokenizer = load_tokenizer(job)
         self.prompts = prompt_format(job, self.tokenizer, *prompt_limit(job))
         self.sampler = build_sampler(job, self.prompts)

@@ -32,6 +32,18 @@ from hpcrl.rollout.placement import rank_gpus, sglang_gpu_args
 from launch.procs import die_with_parent, stop as stop_process
 
 
+ROUTES_FLAG = "--enable-return-routed-experts"
+
+
+def engine_server_args(job: JobConfig) -> list[str]:
+    """rollout.server_args, plus SGLang's flag that makes an engine return its MoE routes when
+    rollout.routing_replay asks for them (without it SGLang drops the request field silently)."""
+    args = list(job.rollout.server_args)
+    if job.rollout.routing_replay != "none" and ROUTES_FLAG not in args:
+        args.append(ROUTES_FLAG)
+    return args
+
+
 def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
                    gpus: tuple[int, ...] = ()) -> list[str]:
     """SGLang's launch command: `--model-path` is the job's model directory (its real weights) or,
@@ -54,7 +66,7 @@ def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", host,
            "--port", str(port), "--tp-size", str(job.rollout.tp_per_engine), *sglang_gpu_args(gpus), *load,
            "--skip-tokenizer-init", "--dtype", engine_dtype(job), "--config", str(keys_path(run_dir)),
-           "--enable-deterministic-inference", *job.rollout.server_args]
+           "--enable-deterministic-inference", *engine_server_args(job)]
     if weight_sync_mode(job) == "shard":
         from hpcrl.rollout.sglang_shard_loader import LOADER
 
@@ -129,7 +141,7 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world, plan: CpuPlan | None 
                 str(run_dir / "model_config.json"), reference_device(job, gpus), engine_init_seed(job),
                 str(log_path),
                 host=host, dtype=engine_dtype(job), threads=job.resources.cpus_per_rank,
-                startup_timeout_s=job.resources.startup_timeout_s, extra_args=job.rollout.server_args,
+                startup_timeout_s=job.resources.startup_timeout_s, extra_args=engine_server_args(job),
                 model_path=job.model.path, config_path=str(keys_path(run_dir)))
             if plan is not None:
                 bind_process(plan.for_engine(engine_index), state["proc"].pid)

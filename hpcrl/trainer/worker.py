@@ -77,7 +77,8 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         # Dr. GRPO's constant defaults to the generation budget (algorithm.loss_agg_norm: 0)
         algorithm = dataclasses.replace(job.algorithm,
                                         loss_agg_norm=job.algorithm.loss_agg_norm or job.rollout.max_new_tokens)
-        policy = MegatronPolicy(hf_config, job.trainer, algorithm, device=device, gpu=gpu, dtype=job.model.dtype)
+        policy = MegatronPolicy(hf_config, job.trainer, algorithm, device=device, gpu=gpu, dtype=job.model.dtype,
+                                routing_replay=job.rollout.routing_replay)
         if job.model.path:
             policy.load_hf_dir(job.model.path)  # each rank reads only its slices
         else:
@@ -115,7 +116,7 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
     def batch_of(payload):
         from hpcrl.trainer.batch import TrainBatch
 
-        return TrainBatch.from_lists(payload["prompt_ids"], payload["response_ids"])
+        return TrainBatch.from_lists(payload["prompt_ids"], payload["response_ids"], payload.get("routes"))
 
     def ref_logprobs(cmd):
         p = cmd.payload

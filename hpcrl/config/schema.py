@@ -274,10 +274,11 @@ class RolloutConfig:
     """Weight-sync bucket size (flattened-bucket broadcast) and, for shard sync, the per-round staging
     budget of each rank."""
     routing_replay: str = "none"
-    """none | r3. r3: the engines return the experts they routed every token to (SGLang's
-    --enable-return-routed-experts, which hpcrl adds), and the policy's old-log-prob and training
-    forwards route each token to those experts (megatron-core's RouterReplay; hpcrl/trainer/
-    routing_replay.py). MoE models only."""
+    """none | observe | r3. observe: the engines return the experts they routed every token to
+    (SGLang's --enable-return-routed-experts, which hpcrl adds) and each step logs
+    mismatch/router_agreement, the share of (token, MoE layer) routes the trainer's training forward
+    chose as the engine did. r3: the same, and the policy's old-log-prob and training forwards route
+    each token to the engine's experts (megatron-core's RouterReplay; hpcrl/trainer/routing_replay.py)."""
     weight_sync: str = "auto"
     """auto | shard | broadcast. shard: every trainer rank sends its Megatron shards straight to the
     engines along a moe plan (the reference engine's extension route; SGLang's Qwen3-MoE engines

@@ -37,7 +37,7 @@ CPU_BINDS = ("none", "auto")
 DISPATCHERS = ("alltoall", "allgather")
 BACKENDS = ("reference", "sglang")
 WEIGHT_SYNCS = ("auto", "shard", "broadcast")
-ROUTING_REPLAYS = ("none", "r3")
+ROUTING_REPLAYS = ("none", "observe", "r3")
 SYNC_CHECKSUMS = ("sampled", "full", "off")  # moe._reshard_runtime.VERIFY_MODES (torch-free here)
 
 

@@ -170,7 +170,7 @@ class RL:
                 self.step, rollout, advantages, ref_logprobs, self._temperature, loss=loss, tensors=tensors,
                 epochs=self.algo.ppo_epochs if epochs is None else epochs,
                 mini_batch_size=self.algo.mini_batch_size if mini_batch_size is None else mini_batch_size)
-        self.log(**{f"train/{k}": v for k, v in train.metrics.items()})
+        self.log(**{("mismatch/" if k == "router_agreement" else "train/") + k: v for k, v in train.metrics.items()})
         if rollout.engine_logprobs:  # demonstrations have none: no engine sampled them
             self._unchecked.append((rollout, train.logprobs_BT))
         return train.metrics

@@ -460,7 +460,7 @@ class MegatronPolicy:
         full = {"tokens_BL": padded.tokens_BL, "pad_BL": padded.padding_mask_BL(),
                 "pos_BT": padded.logit_positions_BT(), "tgt_BT": padded.response_tokens_BT(),
                 "mask_BT": padded.response_mask_BT()}
-        if padded.routes_BLNK is not None and self.routing_replay == "r3":
+        if padded.routes_BLNK is not None:  # replayed (r3) or compared with the routers' own (observe)
             full["routes"] = padded.routes_BLNK
         for name, t in per_row.items():
             full[name] = torch.cat([t, t.new_zeros((padded.batch_size - B, *t.shape[1:]))])
@@ -482,7 +482,7 @@ class MegatronPolicy:
             s = pad_BL.shape[1] // self.coords.tp
             pad_BL = pad_BL[:, self.coords.tp_rank * s: (self.coords.tp_rank + 1) * s]
         if model is self.ddp:  # only the policy replays (its routers own the RouterReplays)
-            self.replay.before_forward(mbd.get("routes"))
+            self.replay.before_forward(mbd.get("routes"), mbd["pad_BL"], self.routing_replay == "r3")
         out = model(mbd["tokens_BL"], mbd["position_ids"], None, padding_mask=pad_BL)
         return out, partial(loss_fn, mbd)
 
@@ -749,6 +749,7 @@ class MegatronPolicy:
             del tracker["load_balancing_loss"]
         clear_aux_losses_tracker()
         loss_fn = partial(self._train_loss, policy_loss, temperature, counts, n_mb * self.dp_size)
+        self.replay.take_agreement()  # count this training forward's routes only
         store = self._run(self.ddp, mbs, n_mb, mb, L, False, loss_fn)
         _, grad_norm, _ = self.optimizer.step()
 
@@ -768,10 +769,13 @@ class MegatronPolicy:
             aux[0] = float(values.sum()) / len(self.dims.moe_layers) / n_mb  # mean over the MoE layers
             clear_aux_losses_tracker()
         logprobs_BT = self._gather_rows(store, "logp_BT", n_mb, mb, batch)
+        routed = self._to_rank0(torch.tensor(self.replay.take_agreement(), dtype=torch.float64))
         summed = self._to_rank0(local)
         if summed is None:
             return None
         out: dict[str, Any] = {name: float(v) for name, v in zip(names, summed)}
+        if batch.routes_BLNK is not None and routed[1] > 0:  # each (token, layer) on one rank: a sum
+            out["router_agreement"] = float(routed[0] / routed[1])
         out["logprobs_BT"] = logprobs_BT
         if grad_norm is not None:
             out["grad_norm"] = float(grad_norm)

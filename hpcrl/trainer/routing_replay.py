@@ -36,6 +36,8 @@ class Replay:
         self.routers.sort(key=lambda jr: jr[0])
         self.replaying = False
         self.observed: dict[int, list[torch.Tensor]] | None = None
+        self.current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # j -> (engine rows, real rows)
+        self.same = self.total = 0
         for j, router in self.routers:
             router.register_forward_hook(self._observe_hook(j))
 
@@ -53,21 +55,36 @@ class Replay:
             rows_LBK = rows_LBK[self.tp_rank * chunk: (self.tp_rank + 1) * chunk]
         return rows_LBK.reshape(-1, rows_LBK.shape[-1]).long()
 
-    def before_forward(self, routes_BLNK: torch.Tensor | None) -> None:
-        """Set this micro-batch's routes on every router of this stage (REPLAY_FORWARD), or route
-        freely when `routes_BLNK` is None."""
+    def before_forward(self, routes_BLNK: torch.Tensor | None, pad_BL: torch.Tensor | None = None,
+                       replay: bool = True) -> None:
+        """Before a micro-batch's forward: with its engine routes, count how many of this stage's
+        (token, layer) routes come out as the engine's (`pad_BL`: the batch's padding mask; a
+        position routes a real token when the next one is not padding) and, with `replay`, set them
+        on every router (REPLAY_FORWARD); without routes, route freely."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+        self.current = {}
+        if routes_BLNK is not None and pad_BL is not None:
+            real_BL = torch.cat([~pad_BL[:, 1:], torch.zeros_like(pad_BL[:, :1])], dim=1)
+            real_T = self.local_rows(real_BL.unsqueeze(-1).unsqueeze(-1), 0)[:, 0].bool()
+            self.current = {j: (self.local_rows(routes_BLNK, j), real_T) for j, _ in self.routers}
         if not self.enabled:
             return
-        self.replaying = routes_BLNK is not None
+        self.replaying = routes_BLNK is not None and replay
         for j, router in self.routers:
-            replay = router.router_replay
-            if routes_BLNK is None:
-                replay.clear_router_replay_action()
+            state = router.router_replay
+            if not self.replaying:
+                state.clear_router_replay_action()
                 continue
-            replay.set_target_indices(self.local_rows(routes_BLNK, j).to(router.weight.device))
-            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            state.set_target_indices(self.current[j][0].to(router.weight.device) if j in self.current
+                                     else self.local_rows(routes_BLNK, j).to(router.weight.device))
+            state.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def take_agreement(self) -> tuple[int, int]:
+        """(token-layer routes equal to the engine's, routes compared) since the last call, this rank."""
+        out = (self.same, self.total)
+        self.same = self.total = 0
+        return out
 
     def clear(self) -> None:
         """After a forward(-backward) pass: drop the targets (RouterReplay keeps a list of every set
@@ -78,6 +95,7 @@ class Replay:
                 replay.clear_indices()
                 replay.clear_router_replay_action()
         self.replaying = False
+        self.current = {}
 
     # -- observation -------------------------------------------------------------------------------
 
@@ -94,6 +112,10 @@ class Replay:
         def hook(module: Any, inputs: Any, output: Any) -> None:
             if self.observed is not None:
                 self.observed[j].append(output[1].detach().cpu())
+            if j in self.current:
+                wanted_TK, real_T = self.current[j]
+                same, total = agreement(output[1].detach().cpu(), wanted_TK, real_T)
+                self.same, self.total = self.same + same, self.total + total
         return hook
 
 

@@ -7,7 +7,8 @@ The weights come from the HF model directory DIR (each rank reading its slices) 
 Rank 0 saves a dict with the batch, log-probs, metrics, exported HF weights and hashes to OUT.pt.
 With DIR2 (a tiny-deepseek-v3 directory) the same ranks then build a DeepSeek-V3 policy in the same
 layout (with PP, its 3 layers split 2 + 1: the dense layer on the first stage) and add its log-probs,
-exports and one train step under `ds_*` keys.
+exports and one train step under `ds_*` keys; with --deepseek-fp8-dir (its FP8 block-quantized copy) it
+then loads that and adds its export and log-probs.
 """
 
 from __future__ import annotations
@@ -80,6 +81,37 @@ def replicas_agree(policy) -> bool:
     return all(seen.setdefault(key, digest) == digest for held in every for key, digest in held.items())
 
 
+REPLAY_SEED = 41
+
+
+def random_routes(batch, num_moe_layers: int, experts: int, top_k: int) -> list:
+    """Per row [P + R - 1, N, K]: K distinct random experts per token and MoE layer (REPLAY_SEED)."""
+    g = torch.Generator().manual_seed(REPLAY_SEED)
+    lengths = (batch.prompt_lens_B + batch.response_lens_B).tolist()
+    return [torch.rand(n - 1, num_moe_layers, experts, generator=g).argsort(-1)[..., :top_k] for n in lengths]
+
+
+def replayed_routes(policy, batch) -> list | None:
+    """Replay random routes (rollout.routing_replay r3) in one compute_logprobs of `batch` and collect,
+    on rank 0, what every rank's routers used: [(dp_rank, tp_rank, moe layer j, [bool maps per
+    micro-batch])] from all ranks (the test puts them back together)."""
+    import torch.distributed as dist
+
+    from hpcrl.trainer.batch import TrainBatch
+
+    d = policy.dims
+    rows = zip(batch.tokens_BL.tolist(), batch.prompt_lens_B.tolist(), batch.response_lens_B.tolist())
+    prompts, responses = zip(*((row[:p], row[p: p + n]) for row, p, n in rows))
+    routed = TrainBatch.from_lists(prompts, responses, random_routes(batch, len(d.moe_layers), d.num_experts,
+                                                                     d.top_k))
+    policy.replay.observe()
+    policy.compute_logprobs(routed)
+    mine = [(policy.dp_rank, policy.coords.tp_rank, j, maps) for j, maps in policy.replay.observed_routes().items()]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return [x for part in every for x in part] if dist.get_rank() == 0 else None
+
+
 def deepseek_run(args, trainer_kw: dict, algorithm, batch) -> dict:
     """The DeepSeek-V3 policy of `args.deepseek_dir` in this layout: log-probs, export, hash, one
     train step and the export after it (rank 0's values; None elsewhere)."""
@@ -90,15 +122,20 @@ def deepseek_run(args, trainer_kw: dict, algorithm, batch) -> dict:
     from hpcrl.trainer.policy import MegatronPolicy
 
     cfg = json.loads((Path(args.deepseek_dir) / "config.json").read_text())
+    out: dict = {}
     trainer = TrainerConfig(**trainer_kw, last_stage_layers=1 if args.pp == 2 else 0)
-    policy = MegatronPolicy(cfg, trainer, algorithm)
+    policy = MegatronPolicy(cfg, trainer, algorithm, routing_replay="r3")
     policy.load_hf_dir(args.deepseek_dir)
-    out = {"ds_sd0": policy.export_hf_state_dict(), "ds_sha0": policy.policy_sha256()}
+    out["ds_replayed"] = replayed_routes(policy, batch)
+    out.update({"ds_sd0": policy.export_hf_state_dict(), "ds_sha0": policy.policy_sha256()})
     out["ds_logp"] = logp = policy.compute_logprobs(batch)
     out["ds_m1"] = policy.train_step(batch, torch.linspace(-1.0, 1.0, batch.batch_size), logp)
     if out["ds_m1"] is not None:
         out["ds_m1"].pop("logprobs_BT", None)
     out["ds_sd1"] = policy.export_hf_state_dict()
+    if args.deepseek_fp8_dir:  # its FP8 copy: each rank dequantizes only its slices
+        policy.load_hf_dir(args.deepseek_fp8_dir)
+        out["ds_fp8_sd"], out["ds_fp8_logp"] = policy.export_hf_state_dict(), policy.compute_logprobs(batch)
     return out
 
 
@@ -109,6 +146,7 @@ def main() -> None:
     ap.add_argument("--dispatcher", default="alltoall")
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--deepseek-dir", default=None)
+    ap.add_argument("--deepseek-fp8-dir", default=None)
     ap.add_argument("out")
     args = ap.parse_args()
     torch.set_num_threads(1)

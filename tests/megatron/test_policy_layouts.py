@@ -96,19 +96,24 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     from hpcrl.models.presets import load_hf_config
 
+    from fp8_quantize import quantize_dir
+
     cfg = load_hf_config("tiny-qwen3-moe", None)
     root = tmp_path_factory.mktemp("hf")
-    return {"dir": model_dir(root / "per-expert", config=cfg, seed=SEED, tokenizer=False),
-            "fused-dir": model_dir(root / "fused", config=cfg, seed=SEED, tokenizer=False, fused=True),
-            "deepseek": model_dir(root / "deepseek", config=load_hf_config("tiny-deepseek-v3", None), seed=SEED,
-                                  tokenizer=False, perturb=0.3)}
+    deepseek = model_dir(root / "deepseek", config=load_hf_config("tiny-deepseek-v3", None), seed=SEED,
+                         tokenizer=False, perturb=0.3)
+    # blocks of 20 x 24: TP and EP boxes start and end inside blocks (q_b_proj's 48 rows per TP rank)
+    return {"deepseek": deepseek, "deepseek-fp8": quantize_dir(deepseek, root / "deepseek-fp8", block=(20, 24)),
+            "dir": model_dir(root / "per-expert", config=cfg, seed=SEED, tokenizer=False),
+            "fused-dir": model_dir(root / "fused", config=cfg, seed=SEED, tokenizer=False, fused=True)}
 
 
 def launch(name: str, out: Path, model_dirs: dict[str, Path]) -> dict:
     ranks, flags, weights = LAYOUTS[name]
     if weights != "seed":
         flags = [*flags, "--model-dir", str(model_dirs[weights])]
-    flags = [*flags, "--deepseek-dir", str(model_dirs["deepseek"])]
+    flags = [*flags, "--deepseek-dir", str(model_dirs["deepseek"]), "--deepseek-fp8-dir",
+             str(model_dirs["deepseek-fp8"])]
     run_mpiexec(ranks, WORKER, *flags, str(out), timeout_s=LAUNCH_TIMEOUT_S, label=name)
     return torch.load(out, weights_only=False)
 
@@ -199,13 +204,15 @@ def test_baseline_matches_hf_and_round_trips(baseline: dict, model_dirs: dict[st
     assert baseline["m3"]["clip_frac"] == 0.0 and baseline["m3"]["kl"] > 0
     assert max_diff(baseline["sd3"], baseline["sd2"]) > 1e-4
     _check_critic(baseline, baseline["head"])
-    check_deepseek(baseline, baseline, model_dirs["deepseek"])
+    check_deepseek(baseline, baseline, model_dirs["deepseek"], model_dirs["deepseek-fp8"])
 
 
-def check_deepseek(run: dict, baseline: dict, path: Path) -> None:
+def check_deepseek(run: dict, baseline: dict, path: Path, fp8_path: Path) -> None:
     """The DeepSeek-V3 part of a launch: the directory read by slices exports bit for bit and hashes
     as its tensors; log-probs equal transformers' `from_pretrained` (routing clear of near-ties) and the
-    1-rank run's; one train step gives the 1-rank run's metrics and weights, within D_DS's bounds."""
+    1-rank run's; one train step gives the 1-rank run's metrics and weights, within D_DS's bounds. Its
+    FP8 copy, each rank dequantizing its own slices, exports the element-wise dequantized weights
+    exactly, and its log-probs equal transformers' on those weights."""
     from transformers import AutoModelForCausalLM
 
     from moe.digest import state_dict_digest
@@ -234,6 +241,58 @@ def check_deepseek(run: dict, baseline: dict, path: Path) -> None:
     bound = 1.25 * reordered(N, D_DS, 0.5) + 2.0 ** -23 * max(v.abs().max().item() for v in source.values())
     assert max_diff(run["ds_sd1"], baseline["ds_sd1"]) <= bound
     assert max_diff(run["ds_sd1"], run["ds_sd0"]) > 1e-3  # the step moved the weights
+
+    check_replayed_routes(run["ds_replayed"], batch, model.config.to_dict())
+
+    from fp8_quantize import dequantized_state_dict
+    from moe.hf_megatron import hf_checkpoint_to_fused
+
+    dequantized = dequantized_state_dict(fp8_path)
+    assert list(run["ds_fp8_sd"]) == list(source)
+    assert all(torch.equal(run["ds_fp8_sd"][n], dequantized[n].float()) for n in source)
+    assert max_diff(run["ds_fp8_sd"], source) > 0  # FP8 rounding moved the weights: not the bf16 dir again
+    model.load_state_dict(hf_checkpoint_to_fused(dequantized, HFModelDims.from_hf_config(model.config.to_dict())))
+    assert hf_routing(model, batch)[1] > 1.5, "a router near-tie under the FP8 weights: pick other rows"
+    with torch.no_grad():
+        logits_BLV = model(batch.tokens_BL).logits.float()
+    logp_BLV = torch.log_softmax(logits_BLV, dim=-1)
+    pos_BT = batch.logit_positions_BT()
+    want = logp_BLV.gather(1, pos_BT.unsqueeze(-1).expand(-1, -1, logp_BLV.shape[-1])).gather(
+        2, batch.response_tokens_BT().unsqueeze(-1)).squeeze(-1)
+    close("deepseek FP8 logp against HF", run["ds_fp8_logp"], torch.where(batch.response_mask_BT(), want, 0.0))
+
+
+def check_replayed_routes(replayed: list, batch, cfg: dict) -> None:
+    """rollout.routing_replay r3 under this layout: every rank's routers (its pipeline stage's MoE
+    layers, its TP rank's sequence chunk, its DP rank's micro-batches) sent every token, padding
+    included, to exactly the random experts the batch gave it (_policy_worker.random_routes); put
+    back together, every (row, position, MoE layer) was routed once."""
+    from _policy_worker import random_routes
+
+    from hpcrl.trainer.batch import TrainBatch
+    from hpcrl.trainer.routing_replay import agreement
+    from moe.hf_megatron import HFModelDims
+
+    d = HFModelDims.from_hf_config(cfg)
+    tp, dp = 1 + max(t for _, t, _, _ in replayed), 1 + max(r for r, _, _, _ in replayed)
+    L = -(-batch.seq_len // tp) * tp
+    n_mb = len(replayed[0][3])
+    mb = replayed[0][3][0].shape[0] // (L // tp)
+    rows = zip(batch.tokens_BL.tolist(), batch.prompt_lens_B.tolist(), batch.response_lens_B.tolist())
+    prompts, responses = zip(*((row[:p], row[p: p + n]) for row, p, n in rows))
+    given = TrainBatch.from_lists(prompts, responses, random_routes(batch, len(d.moe_layers), d.num_experts,
+                                                                    d.top_k)).padded(dp * n_mb * mb, L).routes_BLNK
+    seen = torch.zeros(given.shape[:3], dtype=torch.int64)
+    for dp_rank, tp_rank, j, maps in replayed:
+        for m, map_TE in enumerate(maps):
+            b0, s0 = (dp_rank * n_mb + m) * mb, tp_rank * (L // tp)
+            want_SBK = given[b0: b0 + mb, s0: s0 + L // tp, j].transpose(0, 1)
+            want_TK = want_SBK.reshape(-1, d.top_k)
+            every = torch.ones(want_TK.shape[0], dtype=torch.bool)
+            assert agreement(map_TE, want_TK, every) == (every.numel(),) * 2, (dp_rank, tp_rank, j, m)
+            seen[b0: b0 + mb, s0: s0 + L // tp, j] += 1
+    # each position once per TP replica group; DP ranks hold other rows, EP ranks of a DP rank the same
+    assert torch.equal(seen.clamp(max=1), torch.ones_like(seen)), "some (row, position, layer) was never routed"
 
 
 def hf_final_hidden(batch, sd: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -305,4 +364,4 @@ def test_layout_matches_baseline(name: str, baseline: dict, tmp_path: Path, mode
         check_close(key, run[key], baseline[key], steps, extra=1)
     for steps, key in ((3, "cm1"), (4, "cm2")):
         assert not (bad := metrics_close(run[key], baseline[key], steps, numel)), (key, bad)
-    check_deepseek(run, baseline, model_dirs["deepseek"])
+    check_deepseek(run, baseline, model_dirs["deepseek"], model_dirs["deepseek-fp8"])

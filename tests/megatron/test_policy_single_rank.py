@@ -429,3 +429,31 @@ def test_replay_routes_every_token_to_the_given_experts(world1, family: str) -> 
     assert min(hits) < every.numel()
     free = [agreement(m, wanted[:, j], every)[0] for j, m in used_routes(policy, plain).items()]
     assert max(free) < every.numel() // 2  # the router's own choice is not the random routes
+
+
+def test_router_agreement_counts_the_training_forwards_routes(world1) -> None:
+    """mismatch/router_agreement: the share of real (token, MoE layer) routes the training forward
+    took as the engine did. Given the routes the model itself takes (recorded from its own forward),
+    observe mode measures 1; given random ones it measures what random sets of 2 of 4 share with its
+    own choice (< 1); replaying them (r3) measures 1 again."""
+    from hpcrl.trainer.batch import TrainBatch
+
+    cfg = qwen_config()
+    plain = random_batch(cfg["vocab_size"], rows=6, seed=4)
+    rows = zip(plain.tokens_BL.tolist(), plain.prompt_lens_B.tolist(), plain.response_lens_B.tolist())
+    prompts, responses = zip(*((row[:p], row[p: p + n]) for row, p, n in rows))
+    adv = torch.linspace(-1, 1, 6)
+    got = {}
+    for mode in ("observe", "r3"):
+        policy = make_policy(cfg, routing_replay=mode, micro_batch_size=8, lr=0.0)
+        policy.init_from_seed(3)
+        used = used_routes(policy, plain)  # its own routes: bool maps [B * L, E] b-major
+        own = [torch.stack([m.view(plain.batch_size, plain.seq_len, -1)[b, : int(p + n) - 1].nonzero()[:, 1]
+                            .view(int(p + n) - 1, -1) for m in used.values()], dim=1)
+               for b, (p, n) in enumerate(zip(plain.prompt_lens_B, plain.response_lens_B))]
+        own_batch = TrainBatch.from_lists(prompts, responses, own)
+        random = TrainBatch.from_lists(prompts, responses, random_routes(plain, 2, 4, 2, seed=6))
+        got[mode] = [policy.train_step(b, adv, policy.compute_logprobs(b))["router_agreement"]
+                     for b in (own_batch, random)]
+    assert got["observe"][0] == 1.0 and got["observe"][1] < 0.8
+    assert got["r3"] == [1.0, 1.0]

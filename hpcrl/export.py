@@ -5,10 +5,16 @@ Writes HF-sharded safetensors (`model.safetensors`, or `model-0000i-of-0000n.saf
 HF checkpoint names (per-expert tensors, what `save_pretrained` writes and transformers and SGLang
 load), `config.json` (the run's model_config.json) and, when the run started from a model
 directory (`model.path`), that directory's tokenizer files and generation_config.json. Works for
-any trainer layout the checkpoint was saved under. Memory stays bounded: the files are planned up
-front and each stored slice of the checkpoint is copied in blocks of rows (the checkpoint's
-checksum blocks, 16 MiB by default) straight to its offsets (checkpoints/hf_safetensors.py).
-The exported weights hash (`checkpoints.hf_safetensors.dir_digest`) to the run's policy_sha256.
+any trainer layout the checkpoint was saved under. Each tensor keeps the dtype it was saved at:
+model.dtype, DeepSeek-V3's router score-correction biases float32. A DeepSeek-V3 model.path's MTP
+layers (`model.layers.{L + k}.*`, which the trainer does not hold) are copied after the policy's
+tensors, streamed a block of rows at a time: unquantized ones byte for byte, FP8 ones dequantized
+to model.dtype without their `_scale_inv` (hpcrl/trainer/mtp_tensors.py). Memory stays bounded:
+the files are planned up front and each stored slice of the checkpoint is copied in blocks of rows
+(the checkpoint's checksum blocks, 16 MiB by default) straight to its offsets
+(checkpoints/hf_safetensors.py). The exported weights hash (`checkpoints.hf_safetensors.dir_digest`)
+to the run's policy_sha256 computed with the MTP tensors (`MegatronPolicy.policy_sha256(model.path)`;
+without MTP layers, the final.json value).
 """
 
 from __future__ import annotations
@@ -17,8 +23,12 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpcrl.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hpcrl.trainer.mtp_tensors import MTPSource
 
 POLICY_PREFIX = "policy/"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -48,14 +58,38 @@ def _run_config(run: Path, run_dir: str) -> dict:
     return json.loads(config_path.read_text())
 
 
+def _mtp_source(config: dict, model_config: dict, source: str | None) -> MTPSource:
+    """The MTPSource of the run's model.path (none when the model has no MTP layers or the path is
+    gone, with a warning then); ConfigError (exit 2) for a source whose MTP tensors cannot be read."""
+    from hpcrl.trainer.model import PARAM_DTYPES
+    from hpcrl.trainer.mtp_tensors import MTPSource
+    from moe.hf_checkpoint import CheckpointFormatError
+    from moe.hf_megatron import HFModelDims
+
+    mtp_layers = int(model_config.get("num_nextn_predict_layers") or 0)
+    if source and not Path(source).is_dir():
+        lost = f" and its {mtp_layers} MTP layer(s) (SGLang's speculative decoding)" if mtp_layers else ""
+        print(f"warning: the run's model.path {source} is gone; its tokenizer files{lost} are not copied",
+              file=sys.stderr)
+        source = None
+    if not source or not mtp_layers:
+        return MTPSource(None, None)
+    dtype = PARAM_DTYPES[(config.get("model") or {}).get("dtype") or "float32"]
+    try:
+        return MTPSource(source, HFModelDims.from_hf_config(model_config), dtype)
+    except CheckpointFormatError as exc:
+        raise ConfigError("model.path", source, f"its MTP layer cannot be exported: {exc}") from None
+
+
 def export_checkpoint(run_dir: str, step: int | None, out_dir: str,
                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
-    """Export; returns the output directory. ConfigError (exit 2) for a bad run dir, step or size."""
+    """Export; returns the output directory. ConfigError (exit 2) for a bad run dir, step or size,
+    or a model.path whose MTP tensors cannot be read."""
     from checkpoints import CheckpointNotFoundError, list_checkpoints, open_checkpoint
     from checkpoints._dtypes import dtype_name, to_storage
     from checkpoints.hf_safetensors import (ShardWriter, create_files, parse_size, plan_shards, remove_stale,
                                             write_index)
-    from hpcrl.trainer.hf_export import config_at_dtype
+    from hpcrl.trainer.hf_export import ROUTER_BIAS, config_at_dtype
     from moe.slices import Box
 
     try:
@@ -73,16 +107,22 @@ def export_checkpoint(run_dir: str, step: int | None, out_dir: str,
         reader = open_checkpoint(ckpt_dir, step)
     except CheckpointNotFoundError as exc:
         raise ConfigError("--step", step, str(exc)) from None
+    model_config = json.loads((run / "model_config.json").read_text())
+    source = (config.get("model") or {}).get("path")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with reader:
+    with reader, _mtp_source(config, model_config, source) as mtp:
         names = [n for n in reader.tensor_names() if n.startswith(POLICY_PREFIX)]
         if not names:
             raise ConfigError("--step", reader.step, f"checkpoint {reader.step} in {ckpt_dir} holds no "
                               f"{POLICY_PREFIX} tensors (not a policy checkpoint)")
-        plan = plan_shards([(n[len(POLICY_PREFIX):], dtype_name(reader.dtype(n)), reader.global_shape(n))
-                            for n in names], max_shard_bytes, {"hpcrl_step": str(reader.step)})
-        dtypes = {dtype_name(reader.dtype(n)) for n in names}
+        entries = [(n[len(POLICY_PREFIX):], dtype_name(reader.dtype(n)), reader.global_shape(n))
+                   for n in names]
+        entries += [(name, dtype_name(dtype), shape) for name, dtype, shape in mtp.entries()]
+        plan = plan_shards(entries, max_shard_bytes, {"hpcrl_step": str(reader.step)})
+        # the weights' dtype(s), for config.json: not the router biases, float32 in every run
+        dtypes = {dtype_name(reader.dtype(n)) for n in names
+                  if not ROUTER_BIAS.fullmatch(n[len(POLICY_PREFIX):])}
         remove_stale(out)
         create_files(out, plan)
         with ShardWriter(out, plan) as writer:
@@ -95,14 +135,11 @@ def export_checkpoint(run_dir: str, step: int | None, out_dir: str,
                         writer.write(n[len(POLICY_PREFIX):], part, to_storage(reader.read(n, part)))
                     if not s.box.shape:
                         writer.write(n[len(POLICY_PREFIX):], s.box, to_storage(reader.read(n, s.box)))
+            for t in mtp.tensors:
+                for box, block in mtp.blocks(t):
+                    writer.write(t.name, box, to_storage(block))
         write_index(out, plan)
-    (out / "config.json").write_text(config_at_dtype(json.loads((run / "model_config.json").read_text()),
-                                                     dtypes))
-    source = (config.get("model") or {}).get("path")
-    if source:
-        if Path(source).is_dir():
-            copy_model_files(source, out)
-        else:
-            print(f"warning: the run's model.path {source} is gone; its tokenizer files are not copied",
-                  file=sys.stderr)
+    (out / "config.json").write_text(config_at_dtype(model_config, dtypes))
+    if source and Path(source).is_dir():
+        copy_model_files(source, out)
     return out

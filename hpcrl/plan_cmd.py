@@ -84,6 +84,7 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
         summary["build"]["note"] = note if today else f"{note}; not built by hpcrl run"
     report["weight_sync"] = {"rollout_backend": job.rollout.backend, "weight_sync": job.rollout.weight_sync,
                              "route": weight_sync_mode(job)}
+    report["routes"] = routes_report(job)
     moved = report["plan"]["nic_bytes"] + report["plan"]["nvlink_bytes"]
     report["mean_recv_bytes_per_gpu"] = moved / rollout.world_size
     errors = {}
@@ -99,6 +100,27 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
     report["fits"] = not errors
     report["memory_errors"] = errors
     return {"job": job.name, **report}
+
+
+def routes_report(job: JobConfig) -> dict[str, Any] | None:
+    """rollout.routing_replay's extra memory: the engines' routes of one step's samples, held by the
+    controller and sent to trainer rank 0 (uint8/int16 [tokens, MoE layers, top_k] per sample, at
+    most data.max_prompt_tokens + rollout.max_new_tokens - 1 tokens: the model's context without
+    max_prompt_tokens). None without routing replay."""
+    if job.rollout.routing_replay == "none":
+        return None
+    from hpcrl.controller.routes import RouteFormat
+    from hpcrl.models.job_model import model_config
+    from moe.hf_megatron import HFModelDims
+
+    dims = HFModelDims.from_hf_config(model_config(job)[3])
+    fmt = RouteFormat.of(dims)
+    tokens = (job.data.max_prompt_tokens + job.rollout.max_new_tokens if job.data.max_prompt_tokens
+              else dims.max_position_embeddings) - 1
+    per_sample = fmt.bytes_per_token() * tokens
+    samples = job.data.num_prompts_per_step * job.algorithm.group_size
+    return {"bytes_per_token": fmt.bytes_per_token(), "max_tokens_per_sample": tokens,
+            "bytes_per_sample": per_sample, "bytes_per_step": per_sample * samples}
 
 
 def _gib(x: float) -> str:
@@ -123,6 +145,11 @@ def render(report: dict[str, Any]) -> str:
         "                 pipeline stage, then broadcast every tensor to every rollout GPU. Per-GPU memory",
         "                 figures are maxima over GPUs; rollout memory is weights only (no KV cache).",
     ]
+    routes = report.get("routes")
+    if routes:
+        extra.insert(1, f"  routes         rollout.routing_replay: {routes['bytes_per_token']} B per token, at most "
+                        f"{_gib(routes['bytes_per_sample'])} per sample ({routes['max_tokens_per_sample']} tokens), "
+                        f"{_gib(routes['bytes_per_step'])} per step on the controller and trainer rank 0")
     text = render_text(report, first_route=ws["route"], weight_sync_note=note)
     return f"job              {report['job']}\n" + text + "\n" + "\n".join(extra)
 

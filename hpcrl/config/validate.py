@@ -183,6 +183,7 @@ class ModelDims:
     max_position_embeddings: int
     tied_embeddings: bool
     model_type: str
+    num_moe_layers: int = 0
 
 
 def _read_model(job: JobConfig) -> ModelDims:
@@ -203,7 +204,8 @@ def _read_model(job: JobConfig) -> ModelDims:
                      num_attention_heads=dims.num_heads, num_key_value_heads=dims.num_kv_heads,
                      num_hidden_layers=dims.num_layers, vocab_size=dims.vocab_size,
                      expert_ffn_size=dims.moe_ffn_size, max_position_embeddings=dims.max_position_embeddings,
-                     tied_embeddings=dims.tied_embeddings, model_type=str(hf.get("model_type")))
+                     tied_embeddings=dims.tied_embeddings, model_type=str(hf.get("model_type")),
+                     num_moe_layers=len(dims.moe_layers))
 
 
 def _check_weights(job: JobConfig, dims: HFModelDims, key: str, path: str) -> None:
@@ -447,6 +449,30 @@ SHARD_ROUTE_REFUSALS = {
 """Why the shard route refuses a model type, where there is more to say than 'not mapped'."""
 
 
+ROUTES_UNSUPPORTED_ARGS = {
+    "--speculative-algorithm": "speculative decoding's verify tokens are not in SGLang 0.5.23's route buffer",
+    "--enable-hierarchical-cache": "a prefix loaded back from the hierarchical cache reads stale routes",
+    "--enable-pdmux": "it has not been checked with the routes capture",
+}
+"""SGLang server arguments rollout.routing_replay refuses (dev/notes_routing_replay.md)."""
+
+
+def _check_routing_replay(job: JobConfig, m: ModelDims) -> None:
+    """rollout.routing_replay needs MoE layers and engine arguments under which SGLang's routes are the
+    ones that produced the tokens."""
+    r = job.rollout
+    if r.routing_replay == "none":
+        return
+    if not m.num_moe_layers:
+        raise ConfigError("rollout.routing_replay", r.routing_replay,
+                          f"{m.source} has no MoE layer to replay routes in; set rollout.routing_replay: none")
+    for i, arg in enumerate(r.server_args):
+        why = ROUTES_UNSUPPORTED_ARGS.get(arg.split("=", 1)[0])
+        if why:
+            raise ConfigError(f"rollout.server_args[{i}]", arg, f"rollout.routing_replay={r.routing_replay}: {why}; "
+                                                                 "drop it or set rollout.routing_replay: none")
+
+
 def _check_devices(job: JobConfig, m: ModelDims) -> None:
     """dtype/backend/device consistency and GPU counts; nothing here touches the hardware."""
     r, res = job.rollout, job.resources
@@ -565,6 +591,7 @@ def validate(job: JobConfig, purpose: str = "run") -> None:
     dims = _read_model(job)
     prompt_len = check_data_and_reward(job)
     _check_devices(job, dims)
+    _check_routing_replay(job, dims)
     _check_parallel(job, dims)
     _check_context(job, dims, prompt_len)
     _check_eval(job)

@@ -17,6 +17,7 @@ import yaml
 from hf_fixtures import MIXTRAL
 from hpcrl.config import (ConfigError, JobConfig, job_from_dict, load_job, to_dict, valid_keys,
                           validate)
+from hpcrl.models.presets import CONFIG_DIR
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -166,6 +167,14 @@ BAD = [
      [], lambda p: (p / "model.json").write_text(json.dumps(MIXTRAL)),
      "rollout.weight_sync", "'shard'", "model_type 'mixtral': hpcrl's loader writes qwen3_moe parameters only. "
      "Use rollout.weight_sync: broadcast"),
+    ("routing-replay-bad", "rollout: {routing_replay: r4}", [], None, "rollout.routing_replay", "'r4'",
+     "none, observe, r3"),
+    ("routing-replay-dense-model", "model: {config_path: model.json}\nrollout: {routing_replay: r3}", [],
+     lambda p: (p / "model.json").write_text(json.dumps({**json.loads((CONFIG_DIR / "tiny-deepseek-v3.json")
+                                                                      .read_text()), "first_k_dense_replace": 3})),
+     "rollout.routing_replay", "'r3'", "no MoE layer"),
+    ("routing-replay-speculative", "rollout: {routing_replay: r3, server_args: [--speculative-algorithm=EAGLE]}",
+     [], None, "rollout.server_args[0]", "'--speculative-algorithm=EAGLE'", "verify tokens"),
     ("sglang-shard-sync-deepseek",
      "model: {preset: tiny-deepseek-v3}\nrollout: {backend: sglang, weight_sync: shard}\nresources: {device: cuda}",
      [], None, "rollout.weight_sync", "'shard'", "w_kc/w_vc"),

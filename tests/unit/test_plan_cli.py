@@ -277,3 +277,17 @@ def test_model_path_problems_name_model_path(tmp_path, what):
     assert exc.value.path == "model.path"
     assert {"no directory": "no such directory", "no config.json": "no config.json",
             "not JSON": "is not a JSON file"}[what] in exc.value.hint
+
+
+def test_plan_counts_the_routes_of_routing_replay():
+    """rollout.routing_replay: the plan shows the routes' bytes: per token MoE layers x top_k ids of
+    one byte (<= 256 experts), per sample the context's tokens but the last, per step all samples."""
+    from hpcrl.plan_cmd import plan_job
+
+    job = load_job(TINY, ["rollout.routing_replay=r3"], purpose="plan")
+    routes = plan_job(job)["routes"]
+    assert routes["bytes_per_token"] == 2 * 2  # tiny-qwen3-moe: 2 MoE layers, top-2, uint8
+    assert routes["bytes_per_sample"] == 4 * routes["max_tokens_per_sample"]
+    assert routes["bytes_per_step"] == routes["bytes_per_sample"] * job.data.num_prompts_per_step * \
+        job.algorithm.group_size
+    assert plan_job(load_job(TINY, purpose="plan"))["routes"] is None

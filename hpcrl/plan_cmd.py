@@ -84,7 +84,7 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
         summary["build"]["note"] = note if today else f"{note}; not built by hpcrl run"
     report["weight_sync"] = {"rollout_backend": job.rollout.backend, "weight_sync": job.rollout.weight_sync,
                              "route": weight_sync_mode(job)}
-    report["routes"] = routes_report(job)
+    report["routing_replay"] = routes_report(job)
     moved = report["plan"]["nic_bytes"] + report["plan"]["nvlink_bytes"]
     report["mean_recv_bytes_per_gpu"] = moved / rollout.world_size
     errors = {}
@@ -145,7 +145,7 @@ def render(report: dict[str, Any]) -> str:
         "                 pipeline stage, then broadcast every tensor to every rollout GPU. Per-GPU memory",
         "                 figures are maxima over GPUs; rollout memory is weights only (no KV cache).",
     ]
-    routes = report.get("routes")
+    routes = report.get("routing_replay")
     if routes:
         extra.insert(1, f"  routes         rollout.routing_replay: {routes['bytes_per_token']} B per token, at most "
                         f"{_gib(routes['bytes_per_sample'])} per sample ({routes['max_tokens_per_sample']} tokens), "

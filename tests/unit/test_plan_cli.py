@@ -285,9 +285,9 @@ def test_plan_counts_the_routes_of_routing_replay():
     from hpcrl.plan_cmd import plan_job
 
     job = load_job(TINY, ["rollout.routing_replay=r3"], purpose="plan")
-    routes = plan_job(job)["routes"]
+    routes = plan_job(job)["routing_replay"]
     assert routes["bytes_per_token"] == 2 * 2  # tiny-qwen3-moe: 2 MoE layers, top-2, uint8
     assert routes["bytes_per_sample"] == 4 * routes["max_tokens_per_sample"]
     assert routes["bytes_per_step"] == routes["bytes_per_sample"] * job.data.num_prompts_per_step * \
         job.algorithm.group_size
-    assert plan_job(load_job(TINY, purpose="plan"))["routes"] is None
+    assert plan_job(load_job(TINY, purpose="plan"))["routing_replay"] is None

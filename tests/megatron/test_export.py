@@ -1,7 +1,8 @@
 """`hpcrl export` and the trainer's `export_hf_dir`: a 2-rank (EP=2) policy becomes HF-sharded
 safetensors that transformers loads, with weights and log-probs equal to the trainer's and a directory
 digest equal to the policy hash; the tokenizer of the run's model.path comes along; bad arguments
-exit 2 with one message."""
+exit 2 with one message. In the same world, a bf16 DeepSeek-V3 policy exports (both ways) its source's
+MTP layer and its float32 router biases bit for bit, from a bf16 directory and from its FP8 copy."""
 
 import json
 import subprocess
@@ -9,16 +10,21 @@ import sys
 from pathlib import Path
 
 import pytest
+from deepseek_dirs import bf16_deepseek_dir
+from fp8_quantize import quantize_dir
 from mpi_launch import run_mpiexec
 
-LAUNCH_TIMEOUT_S = 280  # a hang guard: 2 ranks on 2 shared cores train, save and export in ~60 s
-pytestmark = [pytest.mark.megatron, pytest.mark.mpi, pytest.mark.timeout(330)]
+LAUNCH_TIMEOUT_S = 280  # a hang guard: 2 ranks on 2 shared cores run both parts in ~40 s
+pytestmark = [pytest.mark.megatron, pytest.mark.mpi, pytest.mark.timeout(360)]
 MB = 1 << 20
+FP8_BLOCK = (24, 40)  # tiles none of tiny-deepseek-v3's dims: partial scale blocks everywhere
 
 
 def test_export_matches_trainer(tmp_path):
     script = Path(__file__).with_name("_export_check.py")
-    log = run_mpiexec(2, script, str(tmp_path), timeout_s=LAUNCH_TIMEOUT_S)
+    ds = bf16_deepseek_dir(tmp_path / "deepseek", seed=5)
+    fp8 = quantize_dir(ds, tmp_path / "deepseek-fp8", FP8_BLOCK, shards=3)
+    log = run_mpiexec(2, script, str(tmp_path), str(ds), str(fp8), timeout_s=LAUNCH_TIMEOUT_S)
     r = json.loads(next(line for line in log.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
     assert r["changed"] and len(r["sha"]) == 64
     assert json.loads((tmp_path / "run" / "final.json").read_text())["policy_sha256"] == r["sha"]
@@ -41,6 +47,35 @@ def test_export_matches_trainer(tmp_path):
     assert "exported to" in r["stdout"] and "model-00001-of-" in r["stdout"]
     for exact, rise in r["peaks"]:  # one block of rows at most (the model is 0.3 MB; blocks 16 MB)
         assert exact and rise < 48 * MB, r["peaks"]
+    check_deepseek(r["deepseek"])
+
+
+def check_deepseek(ds: dict) -> None:
+    """(a) bf16 source: load, one train step at lr 0, export: every tensor of the source, MTP layer
+    included, bit for bit, at its dtype (the router biases float32 in this bf16 run), loadable by
+    transformers; the checkpoint round trip keeps them. (b) FP8 source: the dequantized source,
+    FP8 weights rounded once to bf16 (model.dtype), no scales, no quantization_config. Both through
+    the trainer's export and `hpcrl export` of the run's checkpoint; each directory hashes to
+    policy_sha256(model.path)."""
+    bf16, fp8 = ds["bf16"], ds["fp8"]
+    assert bf16["grad_norm"] is not None and bf16["grad_norm"] > 0, bf16["grad_norm"]  # a real step, at lr 0
+    assert fp8["num_fp8"] > 0 and fp8["num_fp8_mtp"] > 0, fp8  # FP8 in the main model and the MTP layer
+    for kind, res in ds.items():
+        assert res["state_dict_differ"] == [], (kind, res["state_dict_differ"])
+        assert res["sd_bias_dtypes"] == ["torch.float32"], (kind, res["sd_bias_dtypes"])
+        assert res["sha_is_state_dict_digest"] and res["sha_mtp_differs"], kind
+        for path in ("trainer", "cli"):
+            d = res[path]
+            where = (kind, path)
+            assert d["missing"] == [] and d["extra"] == [], (where, d["missing"], d["extra"])
+            assert d["dtype_differ"] == [] and d["bits_differ"] == [], (where, d["dtype_differ"],
+                                                                         d["bits_differ"])
+            assert d["num_mtp"] == 44, where  # 6 MTP-only tensors + the 38 of a MoE decoder layer
+            assert d["digest_ok"], where
+            assert d["config_dtype"] == "bfloat16" and not d["quantization_config"], where
+            assert d["hf_dtype"] == "torch.bfloat16" and d["hf_bias_dtypes"] == ["torch.float32"], where
+            assert d["hf_differ"] == [], (where, d["hf_differ"])
+    assert bf16["round_trip_differ"] == [], bf16["round_trip_differ"]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

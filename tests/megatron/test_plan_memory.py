@@ -85,7 +85,8 @@ def test_plan_counts_the_critic_it_builds(world1, preset: str) -> None:  # noqa:
     critic.train_step(batch, values + 1.0, values)
     buffers = [*critic.ddp.buffers, *critic.ddp.expert_parallel_buffers]
     optimizers = getattr(critic.optimizer, "chained_optimizers", [critic.optimizer])
-    states = [v for o in optimizers for st in o.optimizer.state.values() for k, v in st.items() if k != "step"]
+    states = [v for o in optimizers for st in o.optimizer.state.values() for k, v in st.items()
+              if k != "step"]
     assert len(states) == 2 * len(list(critic.gpt.parameters()))
     held = weight_bytes(critic.gpt) + nbytes(b.grad_data for b in buffers) + nbytes(states)
     ppo = plan_job(job_from_dict({"model": {"preset": preset}, "algorithm": {"name": "ppo"}}))["trainer"]

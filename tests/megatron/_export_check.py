@@ -2,8 +2,9 @@
 through the trainer's checkpoint I/O, hash the policy (no gather), export it twice without a gather
 (the trainer's collective `export_hf_dir`, its peak RSS measured; `hpcrl export` of the checkpoint
 into several small files, with the tokenizer of the run's model.path) and check both against the
-trainer. Then the same ranks build a bf16 DeepSeek-V3 policy (`deepseek_exports`) and export it from
-a bf16 directory with an MTP layer and from its FP8 copy. argv: WORK_DIR DEEPSEEK_DIR FP8_DIR.
+trainer. Then the same ranks build a bf16 DeepSeek-V3 policy under PP2 (`deepseek_exports`) and
+export it from a bf16 directory with an MTP layer and from its FP8 copy. argv: WORK_DIR DEEPSEEK_DIR
+FP8_DIR.
 Rank 0 prints `RESULT <json>`."""
 
 import json
@@ -148,7 +149,7 @@ def _bytes(t) -> bytes:
 
 
 def deepseek_exports(work: Path, ds_dir: Path, fp8_dir: Path) -> dict | None:
-    """A bf16 DeepSeek-V3 policy (EP2) loads the bf16 directory, takes one train step at lr 0,
+    """A bf16 DeepSeek-V3 policy (PP2) loads the bf16 directory, takes one train step at lr 0,
     exports (trainer and `hpcrl export` of its checkpoint), round-trips its checkpoint; then loads
     the FP8 copy and exports it both ways. Rank 0 returns the checks; None elsewhere. Collective."""
     import torch
@@ -165,10 +166,15 @@ def deepseek_exports(work: Path, ds_dir: Path, fp8_dir: Path) -> dict | None:
     from hpcrl.trainer.policy import MegatronPolicy
     from moe.digest import state_dict_digest
 
+    from megatron.core import parallel_state
+
     rank = dist.get_rank()
     cfg = json.loads((ds_dir / "config.json").read_text())
-    policy = MegatronPolicy(cfg, TrainerConfig(ep=2, num_procs=2), AlgorithmConfig(lr=0.0, kl_coef=0.0),
-                            dtype="bfloat16")
+    # PP2 (layers 0-1 | layer 2, norm, lm_head): rank 1 then sends rank 0 bf16 weights and a float32
+    # bias (export_hf_state_dict's per-dtype messages) and writes its own part of the export
+    parallel_state.destroy_model_parallel()  # the qwen part's EP2 groups
+    trainer = TrainerConfig(pp=2, num_procs=2, last_stage_layers=1)
+    policy = MegatronPolicy(cfg, trainer, AlgorithmConfig(lr=0.0, kl_coef=0.0), dtype="bfloat16")
     g = torch.Generator().manual_seed(9)
     batch = TrainBatch.from_lists([torch.randint(3, 60, (3,), generator=g).tolist() for _ in range(4)],
                                   [torch.randint(3, 60, (3,), generator=g).tolist() for _ in range(4)])

@@ -1,8 +1,9 @@
 """`hpcrl export` and the trainer's `export_hf_dir`: a 2-rank (EP=2) policy becomes HF-sharded
 safetensors that transformers loads, with weights and log-probs equal to the trainer's and a directory
 digest equal to the policy hash; the tokenizer of the run's model.path comes along; bad arguments
-exit 2 with one message. In the same world, a bf16 DeepSeek-V3 policy exports (both ways) its source's
-MTP layer and its float32 router biases bit for bit, from a bf16 directory and from its FP8 copy."""
+exit 2 with one message. In the same world, a bf16 DeepSeek-V3 policy (PP2) exports (both ways) its
+source's MTP layer and its float32 router biases bit for bit, from a bf16 directory and from its FP8
+copy."""
 
 import json
 import subprocess

@@ -12,10 +12,15 @@ than SGLang 0.5.23 have no weight-update session routes; `begin_weight_update`/`
 then return None after a 404 instead of failing.
 
 `launch_reference_server` starts `python -m hpcrl.rollout.reference_server` and waits for it.
+
+Routed experts (SGLang 0.5.23, both servers): an engine started with `ROUTED_EXPERTS_FLAG` answers a
+/generate body holding `routed_experts_fields()` with meta_info["routed_experts"], which
+`decode_routed_experts` turns into an int32 array [P + R - 1 - start_len, num_hidden_layers, top_k].
 """
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import os
@@ -30,12 +35,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import numpy as np
 import orjson
 
 from hpcrl.rollout.engine_auth import ADMIN_ROUTES, EngineKeys, process_keys
 from launch.procs import die_with_parent
 
-__all__ = ["EngineClient", "EngineError", "PendingResponse", "launch_reference_server", "open_private_log"]
+__all__ = ["ROUTED_EXPERTS_FLAG", "EngineClient", "EngineError", "PendingResponse", "decode_routed_experts",
+           "launch_reference_server", "open_private_log", "routed_experts_fields"]
+
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+"""The server flag (SGLang's and the reference server's) without which no answer carries routes."""
 
 SECRET_SERVER_FIELDS = frozenset({"api_key", "admin_api_key", "launch_command"})
 """/server_info fields that carry or may carry the engine keys (SGLang 0.5.23 server_args: api_key,
@@ -172,10 +182,13 @@ class EngineClient:
     # -- generation ------------------------------------------------------------------------------
 
     def generate(self, input_ids=None, sampling_params=None, return_logprob: bool = False, *,
-                 text=None, rid=None, **extra):
+                 text=None, rid=None, return_routed_experts: bool = False, routed_experts_start_len: int = 0,
+                 **extra):
         """POST /generate. `input_ids` is one prompt (list of ints) or a batch (list of lists); the
         answer is one dict or a list of dicts {"text", "output_ids", "meta_info"}; with
-        `return_logprob`, meta_info["output_token_logprobs"] is [[logprob, token_id, None], ...]."""
+        `return_logprob`, meta_info["output_token_logprobs"] is [[logprob, token_id, None], ...]; with
+        `return_routed_experts` (on an engine started with ROUTED_EXPERTS_FLAG), meta_info["routed_experts"]
+        from position `routed_experts_start_len` on (decode_routed_experts reads it)."""
         payload: dict = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
         if input_ids is not None:
             payload["input_ids"] = input_ids
@@ -183,6 +196,8 @@ class EngineClient:
             payload["text"] = text
         if rid is not None:
             payload["rid"] = rid
+        if return_routed_experts:
+            payload.update(routed_experts_fields(routed_experts_start_len))
         payload.update(extra)
         return self.request("POST", "/generate", payload)
 
@@ -316,6 +331,33 @@ class EngineClient:
 
     def resume_memory_occupation(self, tags: list[str] | None = None):
         return self.request("POST", "/resume_memory_occupation", {"tags": tags})
+
+
+def routed_experts_fields(start_len: int = 0) -> dict:
+    """The /generate body fields asking for routed experts from absolute position `start_len` on
+    (SGLang's GenerateReqInput.return_routed_experts and routed_experts_start_len: one value for
+    every item of a batched body; 0 <= start_len <= each prompt's length, else the engine answers 400)."""
+    return {"return_routed_experts": True, "routed_experts_start_len": int(start_len)}
+
+
+def decode_routed_experts(meta_info: dict, num_layers: int, top_k: int) -> np.ndarray | None:
+    """meta_info["routed_experts"] of a /generate answer as int32 [rows, num_layers, top_k] (read-only):
+    row i holds the experts each layer (num_hidden_layers of them, dense layers' rows 0) routed the
+    token at position start_len + i to, rows = prompt + output tokens - 1 - start_len; the columns'
+    order within a row is the engine's kernel's (compare rows as sets). None when the key is absent:
+    not asked, the engine runs without ROUTED_EXPERTS_FLAG (SGLang then says nothing), or the request
+    was aborted before it ran. ValueError when the bytes are not whole [num_layers, top_k] int32 rows."""
+    encoded = meta_info.get("routed_experts")
+    if encoded is None:
+        return None
+    raw = base64.b64decode(encoded)
+    row_bytes = 4 * num_layers * top_k
+    if row_bytes <= 0 or len(raw) % row_bytes:
+        raise ValueError(f"meta_info['routed_experts'] holds {len(raw)} bytes, not whole rows of "
+                         f"num_layers={num_layers} x top_k={top_k} int32 ({row_bytes} bytes): the engine "
+                         "serves another model, or num_layers/top_k are not its num_hidden_layers and "
+                         "num_experts_per_tok")
+    return np.frombuffer(raw, dtype="<i4").reshape(-1, num_layers, top_k)
 
 
 class PendingResponse:

@@ -15,11 +15,14 @@ tests/unit/test_direct_forward.py compares them, padded and not, dense and MoE l
 
 With left padding, a query at a padding position sees no key at all; torch's SDPA gives such a row
 zeros, not NaN, and no real token ever sees a padding key. Models it does not describe keep
-transformers' forward: `DirectForward.refusal` says why.
+transformers' forward: `DirectForward.refusal` says why. `on_route`, when set, is called with each MoE
+layer's index and the experts its top-k chose ([B * T, top_k], in descending probability), the routes
+the engine returns (engine.py, "Routed experts").
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +41,7 @@ class DirectForward:
         c = model.config
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.top_k, self.norm_top_k, self.eps = c.num_experts_per_tok, c.norm_topk_prob, c.rms_norm_eps
+        self.on_route: Callable[[int, torch.Tensor], None] | None = None
 
     @staticmethod
     def refusal(model: Any) -> str | None:
@@ -72,8 +76,8 @@ class DirectForward:
             h = h + self._attention(layer.self_attn, self._norm(h, layer.input_layernorm), cos, sin, mask,
                                     cache, i)
             x = self._norm(h, layer.post_attention_layernorm)
-            h = h + (self._moe(layer.mlp, x.view(B * T, -1)).view(B, T, -1) if hasattr(layer.mlp, "experts")
-                     else self._dense(layer.mlp, x))
+            h = h + (self._moe(layer.mlp, x.view(B * T, -1), i).view(B, T, -1)
+                     if hasattr(layer.mlp, "experts") else self._dense(layer.mlp, x))
         return F.linear(self._norm(h[:, -1:], inner.norm), self.model.lm_head.weight)
 
     def _norm(self, x: torch.Tensor, norm: Any) -> torch.Tensor:
@@ -101,12 +105,14 @@ class DirectForward:
                                              enable_gqa=self.heads != self.kv_heads)
         return _linear(attn.o_proj, out.transpose(1, 2).reshape(B, T, -1))
 
-    def _moe(self, block: Any, x: torch.Tensor) -> torch.Tensor:
+    def _moe(self, block: Any, x: torch.Tensor, index: int) -> torch.Tensor:
         """Top-k routing (softmax in fp32, optionally renormalised), then the tokens sorted by expert
         through two grouped GEMMs and added back, weighted, to their rows."""
         experts = block.experts
         probs = torch.softmax(F.linear(x, block.gate.weight), -1, dtype=torch.float32)
         weights, chosen = probs.topk(self.top_k, -1)
+        if self.on_route is not None:
+            self.on_route(index, chosen)
         if self.norm_top_k:
             weights = weights / weights.sum(-1, keepdim=True)
         flat = chosen.view(-1)

@@ -32,12 +32,25 @@ temperature (T = 1 for greedy), taken before top-k/top-p filtering. This is SGLa
 definition of `output_token_logprobs` (its sampler computes log-probs of the temperature-scaled
 distribution, before filtering, unless SGLANG_RETURN_ORIGINAL_LOGPROB is set, in which case it returns
 raw log_softmax(logits)); a trainer recomputing log-probs at the same temperature gets the same numbers.
+
+Routed experts (SGLang's --enable-return-routed-experts, issue 33): with `return_routes`, a request's
+result also holds `routed_experts`, int32 [P + R - 1, num_hidden_layers, top_k]: row i is the top-k
+each MoE layer chose for the token at absolute position i when it was a forward input (prompt tokens
+in the prefill, each fed-back output token in its decode step; the last output token was never an
+input and has no row), expert ids logical in [0, num_experts). Dense layers' rows are zeros, as SGLang's
+zero-initialised capture buffer leaves them. Left padding never reaches a row. The ids are the ones the
+forward used: DirectForward's own top-k, or a forward hook on each router (`mlp.gate`, whose third
+output is the chosen ids) around transformers' forward; nothing is recorded without `return_routes`.
+Column order within a row: Qwen3-MoE and Mixtral, descending router probability (torch.topk sorted);
+DeepSeek-V3/V2, whatever torch.topk(sorted=False) gives. SGLang's order depends on its kernel as well:
+compare rows as sets.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -150,6 +163,11 @@ class ReferenceModel:
         self.model = model.to(self.device).eval().requires_grad_(False)
         direct = DirectForward.refusal(self.model) is None
         self._forward = DirectForward(self.model) if direct else self._hf_forward  # logits [B, 1, V]
+        # (global layer index, router) of every MoE layer; dense layers have no `experts`
+        self.routers = [(i, layer.mlp.gate) for i, layer in enumerate(self.model.model.layers)
+                        if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")]
+        self.num_layers: int = self.config.num_hidden_layers
+        self.top_k: int = getattr(self.config, "num_experts_per_tok", 0) or 0
         self.slots = model_slots(self.model)
         self._params = self.model.state_dict(keep_vars=True)
         self._views: dict[str, torch.Tensor] = {}  # HF name -> view of the model's weight, made once
@@ -249,30 +267,51 @@ class ReferenceModel:
                              f"allows ({self.context_len} tokens, prompts up to {self.context_len - 6})")
         return min(requested, self.context_len - 2 - prompt_len)
 
+    def routes_refusal(self) -> str | None:
+        """Why this model cannot return routed experts (no MoE layer), or None."""
+        if not self.routers or self.top_k < 1:
+            return (f"model_type {self.config.model_type!r} with these settings has no MoE layer "
+                    "(no router): there are no routed experts to return")
+        return None
+
     @torch.inference_mode()
     def generate(self, input_ids: Sequence[Sequence[int]],
-                 sampling_params: Sequence[Mapping | SamplingParams]) -> list[dict]:
-        """Generate for every prompt; one dict per request with output_ids, finish_reason, output_logprobs.
+                 sampling_params: Sequence[Mapping | SamplingParams],
+                 return_routes: bool | Sequence[bool] = False) -> list[dict]:
+        """Generate for every prompt; one dict per request with output_ids, finish_reason, output_logprobs,
+        and, for the requests `return_routes` selects (one bool for all, or one per prompt),
+        routed_experts.
 
-        `output_logprobs[i]` is log_softmax(logits / T)[output_ids[i]] (T = 1 when greedy), see the
-        module docstring. ValueError for malformed prompts or sampling params.
+        `output_logprobs[i]` is log_softmax(logits / T)[output_ids[i]] (T = 1 when greedy);
+        `routed_experts` is an int32 tensor [P + R - 1, num_hidden_layers, top_k] (see the module
+        docstring). ValueError for malformed prompts or sampling params, or routes asked of a model
+        without MoE layers.
         """
         prompts, params, max_new = self._validated(input_ids, sampling_params)
         if not prompts:
             return []
+        want = [return_routes] * len(prompts) if isinstance(return_routes, bool) else list(return_routes)
+        if len(want) != len(prompts):
+            raise ValueError(f"return_routes has {len(want)} entries for {len(prompts)} prompts")
+        if any(want) and self.routes_refusal():
+            raise ValueError(self.routes_refusal())
         seeds = [sp.sampling_seed if sp.sampling_seed is not None else self._seed_rng.getrandbits(63)
                  for sp in params]
         num_steps = max(max_new)
-        if num_steps == 0:
+        if num_steps == 0 and not any(want):
             return [_result([], [], {"type": "length", "length": 0}) for _ in prompts]
-        tokens_BT, logprobs_BT, lengths_B, stopped_B = self._decode(prompts, params, max_new, seeds,
-                                                                    num_steps)
-        out = []
+        # With routes, max_new_tokens 0 still runs the prefill (as SGLang does): its rows are the routes.
+        tokens_BT, logprobs_BT, lengths_B, stopped_B, routes = self._decode(
+            prompts, params, max_new, seeds, max(num_steps, 1), any(want))
+        out, max_len = [], max(len(p) for p in prompts)
         rows = zip(lengths_B.tolist(), tokens_BT.tolist(), logprobs_BT.tolist())
         for b, (n, ids, logprobs) in enumerate(rows):
             ids = ids[:n]
             reason = {"type": "stop", "matched": ids[-1]} if stopped_B[b] else {"type": "length", "length": n}
             out.append(_result(ids, logprobs[:n], reason))
+            if want[b]:  # left padded: the prompt starts at column L - P; the last output token has none
+                first = max_len - len(prompts[b])
+                out[-1]["routed_experts"] = routes[b, first:max_len + n - 1].clone()
         return out
 
     def validate(self, input_ids: Sequence[Sequence[int]],
@@ -307,7 +346,29 @@ class ReferenceModel:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           cache=cache, use_cache=True, logits_to_keep=1).logits
 
-    def _decode(self, prompts, params, max_new, seeds, num_steps):
+    @contextmanager
+    def _recording(self, recorder: _RouteRecorder | None) -> Iterator[None]:
+        """Route every MoE layer's chosen experts to `recorder` for the forwards inside (nothing when
+        None): DirectForward calls it itself; transformers' forward through hooks on the routers."""
+        if recorder is None:
+            yield
+            return
+        if isinstance(self._forward, DirectForward):
+            self._forward.on_route = recorder
+            try:
+                yield
+            finally:
+                self._forward.on_route = None
+            return
+        hooks = [gate.register_forward_hook(lambda mod, args, out, i=i: recorder(i, out[2]))
+                 for i, gate in self.routers]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _decode(self, prompts, params, max_new, seeds, num_steps, record_routes=False):
         from transformers import DynamicCache
 
         dev, B, V = self.device, len(prompts), self.vocab_size
@@ -357,22 +418,46 @@ class ReferenceModel:
         # Without left padding the mask is all ones: then HF's plain causal path needs none (building
         # the 4-D mask costs ~5% of a tiny model's generation).
         padded = min(lengths) != L
-        for t in range(num_steps):
-            logits_BV = self._forward(ids_in, mask_BN[:, :L + t] if padded else None, pos_in,
-                                      cache)[:, -1].float()
-            tok_B, lp_B = _sample(logits_BV, u_BT[:, t], all_greedy, *sampler_args)
-            tokens_BT[:, t] = tok_B
-            logprobs_BT[:, t] = lp_B
-            active_B = ~finished_B
-            lengths_B += active_B
-            at_len_B = active_B & (lengths_B >= max_new_B)
-            at_stop_B = active_B & ~at_len_B & stop_BV[rows, tok_B]
-            stopped_B |= at_stop_B
-            finished_B |= at_len_B | at_stop_B
-            if t + 1 == num_steps or bool(finished_B.all()):
-                break
-            ids_in, pos_in = tok_B[:, None], pos_in[:, -1:] + 1
-        return tokens_BT.cpu(), logprobs_BT.cpu(), lengths_B.cpu(), stopped_B.tolist()
+        # The inputs of all forwards: L prompt columns, then one per fed-back token (the last is never fed).
+        recorder = _RouteRecorder(B, L + num_steps - 1, self.num_layers, self.top_k, dev) \
+            if record_routes else None
+        with self._recording(recorder):
+            for t in range(num_steps):
+                if recorder is not None:
+                    recorder.column = 0 if t == 0 else L + t - 1
+                logits_BV = self._forward(ids_in, mask_BN[:, :L + t] if padded else None, pos_in,
+                                          cache)[:, -1].float()
+                tok_B, lp_B = _sample(logits_BV, u_BT[:, t], all_greedy, *sampler_args)
+                tokens_BT[:, t] = tok_B
+                logprobs_BT[:, t] = lp_B
+                active_B = ~finished_B
+                lengths_B += active_B
+                at_len_B = active_B & (lengths_B >= max_new_B)
+                at_stop_B = active_B & ~at_len_B & stop_BV[rows, tok_B]
+                stopped_B |= at_stop_B
+                finished_B |= at_len_B | at_stop_B
+                if t + 1 == num_steps or bool(finished_B.all()):
+                    break
+                ids_in, pos_in = tok_B[:, None], pos_in[:, -1:] + 1
+        routes = None if recorder is None else recorder.routes_BCLK.cpu()
+        return tokens_BT.cpu(), logprobs_BT.cpu(), lengths_B.cpu(), stopped_B.tolist(), routes
+
+
+class _RouteRecorder:
+    """Collects the experts each MoE layer chose for every forward input of a batch, in
+    `routes_BCLK` [B, columns, num_layers, top_k] int32 (zeros where no router wrote: dense layers,
+    and columns a finished batch never reached). The engine sets `column` before each forward; the
+    forward's T inputs per row land in columns [column, column + T)."""
+
+    def __init__(self, batch: int, columns: int, num_layers: int, top_k: int, device) -> None:
+        self.routes_BCLK = torch.zeros(batch, columns, num_layers, top_k, dtype=torch.int32, device=device)
+        self.column = 0
+
+    def __call__(self, layer: int, chosen_NK: torch.Tensor) -> None:
+        """Record layer `layer`'s chosen expert ids, [B * T, top_k] in (row, position) order."""
+        B = self.routes_BCLK.shape[0]
+        T = chosen_NK.shape[0] // B
+        self.routes_BCLK[:, self.column:self.column + T, layer] = chosen_NK.view(B, T, -1)
 
 
 def _sample(logits_BV, u_B, all_greedy, greedy_B, temp_B, top_p_B, top_k_B):

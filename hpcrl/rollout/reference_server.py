@@ -3,7 +3,7 @@
 
     python -m hpcrl.rollout.reference_server --model-config config.json --host 127.0.0.1 --port 30000 \
         [--model-path DIR] [--device cpu] [--dtype float32] [--seed 0] [--tokenizer char|none] [--threads 1]
-        [--config engine_keys.yaml] [--api-key KEY] [--admin-api-key KEY]
+        [--config engine_keys.yaml] [--api-key KEY] [--admin-api-key KEY] [--enable-return-routed-experts]
 
 With --model-path (a HF model directory, as SGLang's --model-path) the engine starts from its weights;
 without it from random weights drawn from --seed (SGLang's --load-format dummy).
@@ -37,11 +37,21 @@ tensor name) changes no weight; SGLang skips unknown names silently, the referen
 them. Differences by design: streaming, input-token log-probs and top log-probs are refused with
 400; on CPU, releasing memory only changes state. JSON answers are written by orjson with
 non-string keys allowed, as SGLang's `/generate` writes them (so a non-finite float is `null`).
+
+Routed experts as SGLang 0.5.23's (issue 33): with --enable-return-routed-experts, a /generate request
+with "return_routed_experts": true (and "routed_experts_start_len" S, default 0; both scalars, for every
+item of a batch) gets meta_info["routed_experts"]: base64 of little-endian int32 in C order,
+[P + R - 1 - S, num_hidden_layers, top_k], the routes of the tokens at positions S .. P + R - 2
+(engine.py, "Routed experts"). Without the flag the key is absent, silently, as SGLang's. S < 0 or
+S > P answers HTTP 400 with SGLang's abort message, flag or not. An aborted request carries no routes
+(SGLang answers one aborted while running with its partial output and that output's routes; the
+reference engine answers it without output tokens, see /pause_generation above).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import signal
@@ -54,6 +64,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 import orjson
 import torch
 import torch.distributed as dist
@@ -67,7 +78,7 @@ from hpcrl.rollout.weight_sender import init_custom_process_group, parse_dtype, 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "stream",
                   "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
-                  "log_metrics"}
+                  "log_metrics", "return_routed_experts", "routed_experts_start_len"}
 
 
 class _Fail(Exception):
@@ -77,10 +88,10 @@ class _Fail(Exception):
 
 
 class _Job:
-    __slots__ = ("prompts", "params", "done", "outputs", "error", "epoch", "aborted")
+    __slots__ = ("prompts", "params", "routes", "done", "outputs", "error", "epoch", "aborted")
 
-    def __init__(self, prompts, params) -> None:
-        self.prompts, self.params = prompts, params
+    def __init__(self, prompts, params, routes: bool = False) -> None:
+        self.prompts, self.params, self.routes = prompts, params, routes
         self.done = threading.Event()
         self.outputs: list[dict] | None = None
         self.error: _Fail | None = None
@@ -168,8 +179,9 @@ class ReferenceServer:
             params = self.engine.validate(prompts, [s if s is not None else {} for s in sampling])
         except ValueError as exc:
             raise _Fail(str(exc)) from None
+        routes_from = self._routes_from(req, prompts)
         self._check_not_released()
-        job = _Job(prompts, params)
+        job = _Job(prompts, params, routes_from is not None)
         self._run_queued(job)
         if job.error is not None:
             raise job.error
@@ -179,9 +191,36 @@ class ReferenceServer:
         latency = time.perf_counter() - start
         with_text = bool(req.get("return_text_in_logprobs"))
         base = uuid.uuid4().hex[:20]  # ids unique like SGLang's uuid4 hex, 12 hex digits per answer
-        answers = [self._answer(p, o, rid if rid is not None else f"{base}{i:012x}", lp, with_text, latency)
+        answers = [self._answer(p, o, rid if rid is not None else f"{base}{i:012x}", lp, with_text, latency,
+                                routes_from)
                    for i, (p, o, rid, lp) in enumerate(zip(prompts, job.outputs, rids, return_logprob))]
         return answers if batched else answers[0]
+
+    def _routes_from(self, req: dict, prompts: list[list[int]]) -> int | None:
+        """The first position whose routes the answers carry (routed_experts_start_len), or None when
+        they carry none (not asked, or the server runs without --enable-return-routed-experts).
+        A start outside [0, prompt length] is refused with SGLang's abort message (scheduler.py's
+        check runs whether the flag is on or not)."""
+        want = req.get("return_routed_experts")
+        start = req.get("routed_experts_start_len")
+        start = 0 if start is None else start
+        if want is not None and not isinstance(want, bool):
+            raise _Fail(f"/generate field 'return_routed_experts'={want!r} must be true or false (one value "
+                        "for every item of the request, as SGLang's GenerateReqInput)")
+        if not isinstance(start, int) or isinstance(start, bool):
+            raise _Fail(f"/generate field 'routed_experts_start_len'={start!r} must be an integer (one "
+                        "value for every item of the request, as SGLang's GenerateReqInput)")
+        if not want:
+            return None
+        for prompt in prompts:  # SGLang's messages (its f-strings' "name=" forms), HTTP 400
+            if start < 0:
+                raise _Fail(f"recv_req.routed_experts_start_len={start} is lower than 0. "
+                            "Please use a non-negative routed_experts_start_len.")
+            if start > len(prompt):
+                raise _Fail(f"recv_req.routed_experts_start_len={start} is higher than the number of input "
+                            f"tokens len(req.origin_input_ids)={len(prompt)}. Please use a smaller "
+                            "routed_experts_start_len.")
+        return start if getattr(self.args, "enable_return_routed_experts", False) else None
 
     def _prompts(self, req: dict) -> tuple[list[list[int]], bool]:
         ids, text = req.get("input_ids"), req.get("text")
@@ -200,7 +239,8 @@ class ReferenceServer:
             return ids, True
         return [ids], False
 
-    def _answer(self, prompt, out: dict, rid, return_logprob: bool, with_text: bool, latency: float) -> dict:
+    def _answer(self, prompt, out: dict, rid, return_logprob: bool, with_text: bool, latency: float,
+                routes_from: int | None = None) -> dict:
         ids = out["output_ids"]
         meta = {"id": rid, "finish_reason": out["finish_reason"],
                 "prompt_tokens": len(prompt), "completion_tokens": len(ids), "cached_tokens": 0,
@@ -210,6 +250,8 @@ class ReferenceServer:
             decode = self.tokenizer.decode if (with_text and self.tokenizer is not None) else None
             meta["output_token_logprobs"] = [[lp, t, decode([t]) if decode else None]
                                              for lp, t in zip(out["output_logprobs"], ids)]
+        if routes_from is not None and "routed_experts" in out:
+            meta["routed_experts"] = encode_routed_experts(out["routed_experts"][routes_from:])
         text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
@@ -255,7 +297,8 @@ class ReferenceServer:
         try:
             self._check_not_released()
             outputs = self.engine.generate([p for j in jobs for p in j.prompts],
-                                           [s for j in jobs for s in j.params])
+                                           [s for j in jobs for s in j.params],
+                                           return_routes=[j.routes for j in jobs for _ in j.prompts])
         except _Fail as exc:
             for j in jobs:
                 j.error = exc
@@ -292,6 +335,7 @@ class ReferenceServer:
         return {"model_path": self.model_path, "host": a.host, "port": a.port, "device": a.device,
                 "dtype": a.dtype, "api_key": self.api_key, "admin_api_key": self.admin_api_key,
                 "random_seed": a.seed, "tp_size": 1, "dp_size": 1, "weight_version": self.weight_version,
+                "enable_return_routed_experts": bool(getattr(a, "enable_return_routed_experts", False)),
                 "version": "hpcrl-reference",
                 "internal_states": [{"released_tags": sorted(self.released),
                                      "weight_update_session": self.session_open,
@@ -531,6 +575,12 @@ class ReferenceServer:
             self.model_lock.release()
 
 
+def encode_routed_experts(routes: torch.Tensor) -> str:
+    """SGLang's meta_info["routed_experts"]: base64 of the int32 array's bytes, little-endian, C order
+    (its detokenizer's `pybase64.b64encode(tensor.numpy().tobytes())` on a little-endian host)."""
+    return base64.b64encode(np.ascontiguousarray(routes.numpy(), dtype="<i4").tobytes()).decode("ascii")
+
+
 def _field(req: dict, key: str, kind):
     if key not in req:
         raise _Fail(f"missing field {key!r}")
@@ -671,12 +721,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default=None, help="Bearer key of ordinary routes (SGLang's)")
     parser.add_argument("--admin-api-key", default=None, help="Bearer key of weight/memory routes (SGLang's)")
     parser.add_argument("--config", default=None, help="YAML file of options, read as SGLang's --config")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="answer requests with return_routed_experts with meta_info routed_experts "
+                             "(SGLang's flag)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(_with_config(argv))
     if args.threads:
         torch.set_num_threads(args.threads)
     hf_config = json.loads(Path(args.model_config).read_text())
     engine = ReferenceModel(hf_config, device=args.device, dtype=getattr(torch, args.dtype), seed=args.seed)
+    if args.enable_return_routed_experts and engine.routes_refusal():
+        raise SystemExit(f"--enable-return-routed-experts: {engine.routes_refusal()}; drop the flag")
     if args.model_path:
         loaded = engine.load_model_dir(args.model_path)
         mtp = engine.skipped_mtp

@@ -18,7 +18,7 @@ import numpy as np
 
 from hpcrl.controller.comm import PendingCall, RankFailure, RoleGroup, World
 from hpcrl.controller.routes import RouteFormat
-from hpcrl.rollout.client import EngineClient, EngineError, PendingResponse
+from hpcrl.rollout.client import EngineClient, EngineError, PendingResponse, routed_experts_fields
 from hpcrl.rollout.shard_requests import ShardRequests
 from hpcrl.tasks import Example
 
@@ -261,7 +261,7 @@ class RolloutGroup:
         """Split a step's prompts evenly across the engines and encode each engine's /generate body
         (asking for the routed experts when `self.routes` is set: rollout.routing_replay)."""
         bounds = np.linspace(0, len(prompt_ids), len(self.engines) + 1).astype(int)
-        extra = {"return_routed_experts": True} if self.routes is not None else {}
+        extra = routed_experts_fields() if self.routes is not None else {}
         bodies = [json.dumps({"input_ids": prompt_ids[lo:hi], "sampling_params": sampling_params[lo:hi],
                               "return_logprob": True, **extra}).encode() if hi > lo else None
                   for lo, hi in zip(bounds[:-1], bounds[1:])]

@@ -11,10 +11,11 @@ travel by reference through `Rollout.select` / `concat` and to the trainer (Trai
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass
 
 import numpy as np
+
+from hpcrl.rollout.client import ROUTED_EXPERTS_FLAG, decode_routed_experts
 
 
 class RoutesError(ValueError):
@@ -45,17 +46,18 @@ class RouteFormat:
     def decode(self, meta_info: dict, num_tokens: int, where: str) -> np.ndarray:
         """[num_tokens - 1, MoE layers, top_k] in `dtype` from one answer's meta_info (num_tokens:
         prompt + completion); RoutesError naming `where` when the routes are missing or misshapen."""
-        text = meta_info.get("routed_experts")
-        if text is None:
+        try:
+            full = decode_routed_experts(meta_info, self.num_layers, self.top_k)
+        except ValueError as exc:
+            raise RoutesError(f"{where}: {exc}") from None
+        if full is None:
             raise RoutesError(f"{where}: the engine answered without meta_info.routed_experts although "
-                              "rollout.routing_replay asks for them; SGLang returns them only when started with "
-                              "--enable-return-routed-experts (hpcrl adds it: check rollout.server_args)")
-        flat = np.frombuffer(base64.b64decode(text), dtype="<i4")
-        per_token = self.num_layers * self.top_k
-        if flat.size != (num_tokens - 1) * per_token:
-            raise RoutesError(f"{where}: {flat.size} routed-expert ids, expected (tokens - 1) x layers x top_k = "
+                              f"rollout.routing_replay asks for them; SGLang returns them only when started with "
+                              f"{ROUTED_EXPERTS_FLAG} (hpcrl adds it: check rollout.server_args)")
+        if full.shape[0] != num_tokens - 1:
+            raise RoutesError(f"{where}: routes of {full.shape[0]} tokens, expected (tokens - 1) x layers x top_k = "
                               f"{num_tokens - 1} x {self.num_layers} x {self.top_k}")
-        routes = flat.reshape(num_tokens - 1, self.num_layers, self.top_k)[:, list(self.moe_layers)]
+        routes = full[:, list(self.moe_layers)]
         if routes.size and (routes.min() < 0 or routes.max() >= self.num_experts):
             raise RoutesError(f"{where}: expert ids outside [0, {self.num_experts})")
         return routes.astype(self.dtype)

@@ -32,15 +32,14 @@ from hpcrl.rollout.placement import rank_gpus, sglang_gpu_args
 from launch.procs import die_with_parent, stop as stop_process
 
 
-ROUTES_FLAG = "--enable-return-routed-experts"
-
-
 def engine_server_args(job: JobConfig) -> list[str]:
     """rollout.server_args, plus SGLang's flag that makes an engine return its MoE routes when
     rollout.routing_replay asks for them (without it SGLang drops the request field silently)."""
+    from hpcrl.rollout.client import ROUTED_EXPERTS_FLAG
+
     args = list(job.rollout.server_args)
-    if job.rollout.routing_replay != "none" and ROUTES_FLAG not in args:
-        args.append(ROUTES_FLAG)
+    if job.rollout.routing_replay != "none" and ROUTED_EXPERTS_FLAG not in args:
+        args.append(ROUTED_EXPERTS_FLAG)
     return args
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from hpcrl.config import JobConfig
 from hpcrl.controller.groups import RolloutGroup
+from hpcrl.controller.routes import RouteFormat
 from hpcrl.controller.session import Session
 from hpcrl.rollout.weight_sender import _buckets, dtype_name, flatten_bucket, parse_dtype
 from moe.runtime import gather_buckets, source_buckets
@@ -29,9 +30,10 @@ from stores import hosted_store, init_method
 PROBE = Path(__file__).parent / "_sglang_probe.py"
 
 
-def _generate_bodies(num_engines: int) -> tuple[list[dict], list[list[int]]]:
+def _generate_bodies(num_engines: int, routes: bool = False) -> tuple[list[dict], list[list[int]]]:
     """The /generate bodies of step 3 as hpcrl's controller builds them (Session._request and
-    RolloutGroup.prepare, the code a run executes), for a job with every sampling knob set."""
+    RolloutGroup.prepare, the code a run executes), for a job with every sampling knob set (and
+    with rollout.routing_replay's request for the routed experts when `routes`)."""
     job = JobConfig()
     job.rollout.temperature, job.rollout.top_p, job.rollout.max_new_tokens = 0.7, 0.9, 17
     job.rollout.ignore_eos = True
@@ -39,6 +41,7 @@ def _generate_bodies(num_engines: int) -> tuple[list[dict], list[list[int]]]:
     examples = [SimpleNamespace(prompt_ids=(5, 6, 7)), SimpleNamespace(prompt_ids=(8, 9))]
     group = RolloutGroup.__new__(RolloutGroup)
     group.engines = [None] * num_engines
+    group.routes = RouteFormat(2, (0, 1), 2, 4) if routes else None
     session = SimpleNamespace(job=job, rollouts=group, tokenizer=SimpleNamespace(stop_token_ids=(1, 2)),
                               sampler=SimpleNamespace(batch=lambda step: examples, dropped=lambda step: []))
     request = Session._request(session, 3)
@@ -46,9 +49,10 @@ def _generate_bodies(num_engines: int) -> tuple[list[dict], list[list[int]]]:
     return bodies, [list(p) for p in request.prompt_ids]
 
 
-@pytest.mark.parametrize("num_engines", [1, 4])
-def test_generate_body_passes_sglang_schema(api_types, num_engines):
-    bodies, prompts = _generate_bodies(num_engines)
+@pytest.mark.parametrize(("num_engines", "routes"), [(1, False), (4, False), (2, True)])
+def test_generate_body_passes_sglang_schema(api_types, num_engines, routes):
+    bodies, prompts = _generate_bodies(num_engines, routes)
+    assert all(("return_routed_experts" in b) == routes for b in bodies)
     assert sum(len(b["input_ids"]) for b in bodies) == len(prompts) == 6
     got = []
     for body in bodies:

@@ -103,9 +103,11 @@ def sharded_digest(entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
     from moe.digest import LANES, digest_box, policy_hash
 
     shapes = {name: shape for name, _, shape in entries}
+    dtypes = {name: dtype for name, dtype, _ in entries}
     row = {name: k for k, name in enumerate(shapes)}
     lanes = torch.zeros(len(entries), LANES, dtype=torch.int64, device=device)
     for name, tensor, box in pieces:
+        assert tensor.dtype == dtypes[name], (name, tensor.dtype, dtypes[name])  # the line names its dtype
         lanes[row[name]] += digest_box(name, tensor.to(device), box, shapes[name])
     if dist.get_world_size() > 1:
         dist.all_reduce(lanes)  # int64 sums wrap: the uint64 lanes add mod 2^64

@@ -187,8 +187,8 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         meta = checkpoint_io.load(state["policy"], cmd.payload["dir"], cmd.step)
         return meta if is_leader else None
 
-    def sha256(cmd):
-        return state["policy"].policy_sha256()
+    def sha256(cmd):  # the export's hash: model.path's MTP tensors (DeepSeek-V3) included
+        return state["policy"].policy_sha256(job.model.path)
 
     def critic_sha256(cmd):
         return state["policy"].critic.sha256()

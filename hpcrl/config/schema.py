@@ -274,11 +274,13 @@ class RolloutConfig:
     """Weight-sync bucket size (flattened-bucket broadcast) and, for shard sync, the per-round staging
     budget of each rank."""
     routing_replay: str = "none"
-    """none | observe | r3. observe: the engines return the experts they routed every token to
+    """none | observe | r3 | r2. observe: the engines return the experts they routed every token to
     (SGLang's --enable-return-routed-experts, which hpcrl adds) and each step logs
     mismatch/router_agreement, the share of (token, MoE layer) routes the trainer's training forward
     chose as the engine did. r3: the same, and the policy's old-log-prob and training forwards route
-    each token to the engine's experts (megatron-core's RouterReplay; hpcrl/trainer/routing_replay.py)."""
+    each token to the engine's experts (megatron-core's RouterReplay; hpcrl/trainer/routing_replay.py).
+    r2: the training forwards replay the routes of the trainer's own old-log-prob forward (only where
+    one runs: ppo_epochs > 1 or mini-batches); the engines return none."""
     weight_sync: str = "auto"
     """auto | shard | broadcast. shard: every trainer rank sends its Megatron shards straight to the
     engines along a moe plan (the reference engine's extension route; SGLang's Qwen3-MoE engines
@@ -451,6 +453,12 @@ def engine_dtype(job: JobConfig) -> str:
     """The engines' weight dtype: `rollout.dtype`, or model.dtype when it is auto. Weight syncs move
     the policy at this dtype."""
     return job.model.dtype if job.rollout.dtype == "auto" else job.rollout.dtype
+
+
+def engine_routes(job: JobConfig) -> bool:
+    """Whether the engines return their MoE routes: rollout.routing_replay observe or r3 (r2 replays
+    the trainer's own)."""
+    return job.rollout.routing_replay in ("observe", "r3")
 
 
 def weight_sync_mode(job: JobConfig) -> str:

@@ -37,7 +37,7 @@ CPU_BINDS = ("none", "auto")
 DISPATCHERS = ("alltoall", "allgather")
 BACKENDS = ("reference", "sglang")
 WEIGHT_SYNCS = ("auto", "shard", "broadcast")
-ROUTING_REPLAYS = ("none", "observe", "r3")
+ROUTING_REPLAYS = ("none", "observe", "r3", "r2")
 SYNC_CHECKSUMS = ("sampled", "full", "off")  # moe._reshard_runtime.VERIFY_MODES (torch-free here)
 
 
@@ -466,7 +466,7 @@ def _check_routing_replay(job: JobConfig, m: ModelDims) -> None:
     if not m.num_moe_layers:
         raise ConfigError("rollout.routing_replay", r.routing_replay,
                           f"{m.source} has no MoE layer to replay routes in; set rollout.routing_replay: none")
-    for i, arg in enumerate(r.server_args):
+    for i, arg in enumerate(r.server_args if r.routing_replay in ("observe", "r3") else ()):
         why = ROUTES_UNSUPPORTED_ARGS.get(arg.split("=", 1)[0])
         if why:
             raise ConfigError(f"rollout.server_args[{i}]", arg, f"rollout.routing_replay={r.routing_replay}: {why}; "

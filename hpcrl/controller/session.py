@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcrl.config.schema import JobConfig, critic_enabled
+from hpcrl.config.schema import JobConfig, critic_enabled, engine_routes
 from hpcrl.config.validate import prompt_limit
 from hpcrl.controller.checkpointing import Checkpointer, resume_mode_from_env
 from hpcrl.controller.comm import World
@@ -27,7 +27,7 @@ from hpcrl.tasks import build_sampler, load_tokenizer, open_examples, prompt_for
 def route_format(job: JobConfig, run_dir: Path):  # -> RouteFormat | None
     """The engines' route format when rollout.routing_replay asks for their routes, else None (the
     model's config as the trainer reads it: RUN_DIR/model_config.json)."""
-    if job.rollout.routing_replay == "none":
+    if not engine_routes(job):
         return None
     from hpcrl.controller.routes import RouteFormat
     from moe.hf_megatron import HFModelDims

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from hpcrl import faults
-from hpcrl.config.schema import JobConfig, engine_dtype, weight_sync_mode
+from hpcrl.config.schema import JobConfig, engine_dtype, engine_routes, weight_sync_mode
 from hpcrl.cpu_bind import CpuPlan, bind_process, report_line
 from hpcrl.dist import free_port, routable_host
 from hpcrl.rollout.engine_auth import job_keys, keys_path
@@ -38,7 +38,7 @@ def engine_server_args(job: JobConfig) -> list[str]:
     from hpcrl.rollout.client import ROUTED_EXPERTS_FLAG
 
     args = list(job.rollout.server_args)
-    if job.rollout.routing_replay != "none" and ROUTED_EXPERTS_FLAG not in args:
+    if engine_routes(job) and ROUTED_EXPERTS_FLAG not in args:
         args.append(ROUTED_EXPERTS_FLAG)
     return args
 

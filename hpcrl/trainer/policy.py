@@ -442,6 +442,40 @@ class MegatronPolicy:
             for i, value in zip(missing, payload[0]):
                 items[i] = value
 
+    def _split_shape(self, batch: TrainBatch) -> tuple[int, int, int]:
+        """`_split`'s micro-batches per DP rank, rows per micro-batch and padded sequence length."""
+        per_rank = math.ceil(batch.batch_size / self.dp_size)
+        n_mb = math.ceil(per_rank / self.trainer.micro_batch_size)
+        return n_mb, math.ceil(per_rank / n_mb), math.ceil(batch.seq_len / self.coords.tp) * self.coords.tp
+
+    def _recorded_routes(self, batch: TrainBatch, temperature: float) -> tuple[torch.Tensor | None, TrainBatch]:
+        """rollout.routing_replay r2: the old log-probs of `batch` (rank 0) and `batch` carrying the
+        routes that forward took, every rank's (its stage's layers, its TP chunk, its DP rows) put
+        together on every rank, for the training forwards to replay."""
+        from hpcrl.trainer.batch import filler_routes, route_dtype
+
+        self.replay.observe()
+        old = self.compute_logprobs(batch, temperature=temperature)
+        n_mb, mb, L = self._split_shape(batch)
+        chunk, K = L // self.coords.tp, self.dims.top_k
+        mine = [(self.dp_rank * n_mb + m, self.coords.tp_rank, j,
+                 map_TE.nonzero()[:, 1].view(chunk, mb, K).to(route_dtype(self.dims.num_experts)))
+                for j, maps in self.replay.observed_routes().items() for m, map_TE in enumerate(maps)]
+        every: list[Any] = [mine]
+        if dist.get_world_size() > 1:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+        N = len(self.dims.moe_layers)
+        routes = filler_routes(K, route_dtype(self.dims.num_experts)).expand(
+            self.dp_size * n_mb * mb, L, N, K).clone()
+        for part in every:
+            for block, tp_rank, j, idx_SBK in part:
+                routes[block * mb: (block + 1) * mb, tp_rank * chunk: (tp_rank + 1) * chunk, j] = \
+                    idx_SBK.transpose(0, 1)
+        B, S = batch.batch_size, batch.seq_len
+        return old, TrainBatch(batch.tokens_BL, batch.prompt_lens_B, batch.response_lens_B,
+                               routes[:B, :S].contiguous())
+
     def _split(self, batch: TrainBatch, per_row: dict[str, torch.Tensor]
                ) -> tuple[list[dict[str, torch.Tensor]], int, int, int]:
         """This DP rank's micro-batches (equal shapes), their count, rows and sequence length.
@@ -450,11 +484,8 @@ class MegatronPolicy:
         mb <= micro_batch_size); DP rank d takes the d-th contiguous block. L is padded to a
         multiple of tp (sequence parallelism splits it).
         """
-        B, tp = batch.batch_size, self.coords.tp
-        per_rank = math.ceil(B / self.dp_size)
-        n_mb = math.ceil(per_rank / self.trainer.micro_batch_size)
-        mb = math.ceil(per_rank / n_mb)
-        L = math.ceil(batch.seq_len / tp) * tp
+        n_mb, mb, L = self._split_shape(batch)
+        B = batch.batch_size
         padded = batch.padded(self.dp_size * n_mb * mb, L)
         assert padded.response_width == batch.response_width
         full = {"tokens_BL": padded.tokens_BL, "pad_BL": padded.padding_mask_BL(),
@@ -482,7 +513,7 @@ class MegatronPolicy:
             s = pad_BL.shape[1] // self.coords.tp
             pad_BL = pad_BL[:, self.coords.tp_rank * s: (self.coords.tp_rank + 1) * s]
         if model is self.ddp:  # only the policy replays (its routers own the RouterReplays)
-            self.replay.before_forward(mbd.get("routes"), mbd["pad_BL"], self.routing_replay == "r3")
+            self.replay.before_forward(mbd.get("routes"), mbd["pad_BL"], self.routing_replay in ("r3", "r2"))
         out = model(mbd["tokens_BL"], mbd["position_ids"], None, padding_mask=pad_BL)
         return out, partial(loss_fn, mbd)
 
@@ -662,8 +693,11 @@ class MegatronPolicy:
         if epochs == 1 and size >= B and self.algorithm.rollout_correction != "mis":
             return self.train_step(batch, t["adv"], None, t["ref"], temperature, on_policy=True, loss=loss,
                                    tensors=tensors)
+        if self.routing_replay == "r2":  # this forward's routes, replayed in every training forward
+            old, batch = self._recorded_routes(batch, temperature)
+        else:
+            old = self.compute_logprobs(batch, temperature=temperature)
         parts = batch.mini_batches(size)
-        old = self.compute_logprobs(batch, temperature=temperature)
         _, shared = self._share(batch, {"old": old, **{f"t:{k}": v for k, v in (tensors or {}).items()}})
         named = {"advantages": t["adv"], **{k[2:]: v for k, v in shared.items() if k.startswith("t:")}}
         sums: dict[str, float] = {}

@@ -457,3 +457,21 @@ def test_router_agreement_counts_the_training_forwards_routes(world1) -> None:
                      for b in (own_batch, random)]
     assert got["observe"][0] == 1.0 and got["observe"][1] < 0.8
     assert got["r3"] == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("mode", ["none", "r2"])
+def test_r2_replays_the_old_forwards_routes_in_every_epoch(world1, mode: str) -> None:
+    """rollout.routing_replay r2: two epochs in two mini-batches, at an lr that moves the routers.
+    With r2 every training forward routes each token as the old-log-prob forward did; without, the
+    moved weights route some tokens elsewhere (the check can fail)."""
+    cfg = qwen_config()
+    policy = make_policy(cfg, routing_replay=mode, micro_batch_size=4, lr=0.3, adam_eps=1e-8)
+    policy.init_from_seed(3)
+    batch = random_batch(cfg["vocab_size"], rows=8, seed=7)
+    policy.replay.observe()
+    policy.update(batch, torch.linspace(-1, 1, 8), epochs=2, mini_batch_size=4)
+    maps = policy.replay.observed_routes()
+    # the old forward: 2 micro-batches of 4 rows; then 4 training steps (2 epochs x 2 mini-batches),
+    # each one micro-batch of 4 rows: mini-batch i is old micro-batch i
+    same = [torch.equal(m[2 + step], m[step % 2]) for m in maps.values() for step in range(4)]
+    assert all(same) if mode == "r2" else not all(same)

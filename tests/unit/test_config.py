@@ -168,7 +168,7 @@ BAD = [
      "rollout.weight_sync", "'shard'", "model_type 'mixtral': hpcrl's loader writes qwen3_moe parameters only. "
      "Use rollout.weight_sync: broadcast"),
     ("routing-replay-bad", "rollout: {routing_replay: r4}", [], None, "rollout.routing_replay", "'r4'",
-     "none, observe, r3"),
+     "none, observe, r3, r2"),
     ("routing-replay-dense-model", "model: {config_path: model.json}\nrollout: {routing_replay: r3}", [],
      lambda p: (p / "model.json").write_text(json.dumps({**json.loads((CONFIG_DIR / "tiny-deepseek-v3.json")
                                                                       .read_text()), "first_k_dense_replace": 3})),

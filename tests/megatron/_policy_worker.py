@@ -127,6 +127,7 @@ def deepseek_run(args, trainer_kw: dict, algorithm, batch) -> dict:
     policy = MegatronPolicy(cfg, trainer, algorithm, routing_replay="r3")
     policy.load_hf_dir(args.deepseek_dir)
     out["ds_replayed"] = replayed_routes(policy, batch)
+    out["ds_recorded"] = policy._recorded_routes(batch, 1.0)[1].routes_BLNK  # r2's record, put together
     out.update({"ds_sd0": policy.export_hf_state_dict(), "ds_sha0": policy.policy_sha256()})
     out["ds_logp"] = logp = policy.compute_logprobs(batch)
     out["ds_m1"] = policy.train_step(batch, torch.linspace(-1.0, 1.0, batch.batch_size), logp)

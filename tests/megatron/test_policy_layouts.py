@@ -243,6 +243,10 @@ def check_deepseek(run: dict, baseline: dict, path: Path, fp8_path: Path) -> Non
     assert max_diff(run["ds_sd1"], run["ds_sd0"]) > 1e-3  # the step moved the weights
 
     check_replayed_routes(run["ds_replayed"], batch, model.config.to_dict())
+    # r2's record of the routes every rank took, put together on every rank: the 1-rank run's
+    # (the same weights route every token alike: hf_routing's margin check above)
+    assert torch.equal(run["ds_recorded"], baseline["ds_recorded"])
+    assert run["ds_recorded"].shape[:2] == batch.tokens_BL.shape
 
     from fp8_quantize import dequantized_state_dict
     from moe.hf_megatron import hf_checkpoint_to_fused

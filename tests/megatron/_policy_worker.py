@@ -134,6 +134,11 @@ def deepseek_run(args, trainer_kw: dict, algorithm, batch) -> dict:
     if out["ds_m1"] is not None:
         out["ds_m1"].pop("logprobs_BT", None)
     out["ds_sd1"] = policy.export_hf_state_dict()
+    if args.deepseek_plain_dir:  # DeepSeek-V2-Lite's attention: plain q_proj, plain RoPE
+        plain = json.loads((Path(args.deepseek_plain_dir) / "config.json").read_text())
+        other = MegatronPolicy(plain, trainer, algorithm)
+        other.load_hf_dir(args.deepseek_plain_dir)
+        out["dsp_sd0"], out["dsp_logp"] = other.export_hf_state_dict(), other.compute_logprobs(batch)
     if args.deepseek_fp8_dir:  # its FP8 copy: each rank dequantizes only its slices
         policy.load_hf_dir(args.deepseek_fp8_dir)
         out["ds_fp8_sd"], out["ds_fp8_logp"] = policy.export_hf_state_dict(), policy.compute_logprobs(batch)
@@ -148,6 +153,7 @@ def main() -> None:
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--deepseek-dir", default=None)
     ap.add_argument("--deepseek-fp8-dir", default=None)
+    ap.add_argument("--deepseek-plain-dir", default=None)
     ap.add_argument("out")
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -10,6 +10,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
+DEEPSEEK_EXAMPLE = REPO / "examples" / "tiny_deepseek_v3_grpo.yaml"
 
 
 def hpcrl(*args: str, timeout_s: float = 600, env_extra: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
@@ -33,12 +34,13 @@ def leftover_processes(marker: str) -> list[str]:
     return found
 
 
-def start_run(run_dir: Path, *args: str) -> subprocess.Popen:
-    """`hpcrl run EXAMPLE --run-dir run_dir ARGS` in the background (its own session; stdout and
+def start_run(run_dir: Path, *args: str, example: Path = EXAMPLE) -> subprocess.Popen:
+    """`hpcrl run example --run-dir run_dir ARGS` in the background (its own session; stdout and
     stderr together, text)."""
     env = dict(os.environ)
     env.pop("HPCRL_FAULT", None)
-    return subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "run", str(EXAMPLE), "--run-dir", str(run_dir), *args],
+    return subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "run", str(example), "--run-dir", str(run_dir),
+                             *args],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 

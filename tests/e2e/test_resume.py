@@ -1,15 +1,17 @@
-"""Preemption-safe, bit-identical resume of `hpcrl run` (CPU example, fixed seed): interrupted by a
+"""Preemption-safe, bit-identical resume of `hpcrl run` (CPU examples, fixed seed): interrupted by a
 signal or by kill -9 between checkpoints, then rerun, a run ends with the same policy_sha256 and the
 same per-step reward/mean as an uninterrupted run; corrupted checkpoints are detected."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
-from e2e_util import EXAMPLE, hpcrl, leftover_processes, start_run, wait_for_step as _wait_for_step
+from e2e_util import (DEEPSEEK_EXAMPLE, EXAMPLE, hpcrl, leftover_processes, start_run,
+                       wait_for_step as _wait_for_step)
 
 from launch.result import REQUEUE_EXIT_CODE as EXIT_REQUEUE
 
@@ -36,21 +38,43 @@ def _start(run_dir: Path) -> subprocess.Popen:
     return start_run(run_dir, *ARGS)
 
 
+@pytest.fixture(scope="module")
+def deepseek_uninterrupted(deepseek_example_run):
+    run_dir, _, _, args = deepseek_example_run  # tests/e2e/conftest.py: shared with test_run_example
+    return _result(run_dir), args
+
+
+def _baseline(request, example: str) -> tuple[Path, list[str], int, tuple]:
+    """(job file, its --set args, the step count at which to signal, the uninterrupted run's result).
+    The tiny example: 8 steps with checkpoints, signalled after 4. The DeepSeek-V3 example: its whole
+    80-step run, without checkpoints (the signal saves one), signalled after 40."""
+    if example == "tiny_moe":
+        return EXAMPLE, ARGS, 4, request.getfixturevalue("uninterrupted")
+    result, args = request.getfixturevalue("deepseek_uninterrupted")
+    return DEEPSEEK_EXAMPLE, args, 40, result
+
+
 # The local launcher hands SIGUSR1 and SIGTERM to the controller the same way (as TERM), so one
 # signal covers both here; tests/slurm/test_preemption.py covers Slurm's USR1 path end to end.
-@pytest.mark.parametrize("signame", ["SIGUSR1"])
-def test_signal_saves_exits_for_requeue_and_resume_is_bit_identical(tmp_path, uninterrupted, signame):
+@pytest.mark.parametrize("example,signame", [
+    ("tiny_moe", "SIGUSR1"),
+    # the shared uninterrupted run (up to 840 s when this test is the first to ask for it) comes first
+    pytest.param("tiny_deepseek_v3", "SIGUSR1", marks=pytest.mark.timeout(1500))])
+def test_signal_saves_exits_for_requeue_and_resume_is_bit_identical(tmp_path, request, example, signame):
+    job, args, steps, uninterrupted = _baseline(request, example)
     run_dir = tmp_path / "run"
-    proc = _start(run_dir)
-    _wait_for_step(proc, run_dir, 4)
+    proc = start_run(run_dir, *args, example=job)
+    _wait_for_step(proc, run_dir, steps)
     proc.send_signal(getattr(signal, signame))
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == EXIT_REQUEUE, out[-3000:]
     assert "preempted" in out and "requeue" in out
     assert not (run_dir / "final.json").exists()
-    resumed, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, timeout_s=400)
+    resumed, _ = hpcrl("run", str(job), "--run-dir", str(run_dir), *args, timeout_s=400)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    assert "resumed from checkpoint step" in resumed.stdout
+    saved = re.search(r"resumed from checkpoint step (\d+)", resumed.stdout)
+    # the checkpoint the signal made: after the last step done when it came, before the last step
+    assert saved and steps - 1 <= int(saved.group(1)) < len(uninterrupted[0]) - 1, resumed.stdout[-2000:]
     assert _result(run_dir) == uninterrupted
     assert not leftover_processes(str(run_dir))
 

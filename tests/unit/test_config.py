@@ -169,6 +169,18 @@ BAD = [
      "Use rollout.weight_sync: broadcast"),
     ("routing-replay-bad", "rollout: {routing_replay: r4}", [], None, "rollout.routing_replay", "'r4'",
      "none, observe, r3, r2"),
+    ("deepseek-n-group", "model: {config_path: model.json}", [],
+     lambda p: (p / "model.json").write_text(json.dumps({**json.loads((CONFIG_DIR / "tiny-deepseek-v3.json")
+                                                                      .read_text()), "n_group": 3})),
+     "model.config_path", "model.json", "n_group=3: must divide n_routed_experts=8"),
+    ("deepseek-topk-group", "model: {config_path: model.json}", [],
+     lambda p: (p / "model.json").write_text(json.dumps({**json.loads((CONFIG_DIR / "tiny-deepseek-v3.json")
+                                                                      .read_text()), "topk_group": 5})),
+     "model.config_path", "model.json", "topk_group=5: must be between 1 and n_group=4"),
+    ("deepseek-group-score", "model: {config_path: model.json}", [],
+     lambda p: (p / "model.json").write_text(json.dumps({**json.loads((CONFIG_DIR / "tiny-deepseek-v3.json")
+                                                                      .read_text()), "num_experts_per_tok": 2})),
+     "model.config_path", "model.json", "num_experts_per_tok // topk_group must be 2"),
     ("routing-replay-dense-model", "model: {config_path: model.json}\nrollout: {routing_replay: r3}", [],
      lambda p: (p / "model.json").write_text(json.dumps({**json.loads((CONFIG_DIR / "tiny-deepseek-v3.json")
                                                                       .read_text()), "first_k_dense_replace": 3})),

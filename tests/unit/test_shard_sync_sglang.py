@@ -42,7 +42,7 @@ class _Policy:
 
         self.dims = HFModelDims.from_hf_config(cfg)
         self.coords = RankCoords(tp_rank=rank, tp=TRAINERS, ep_rank=rank, ep=TRAINERS)
-        self.gpt = self  # policy.gpt.named_parameters(): Megatron's names
+        self.gpt = self  # policy.gpt's named_parameters() / named_buffers(): Megatron's names
         self.params: dict[str, torch.Tensor] = {}
 
     def hold(self, full: dict[str, torch.Tensor]) -> None:
@@ -56,6 +56,9 @@ class _Policy:
 
     def named_parameters(self):
         return iter(self.params.items())
+
+    def named_buffers(self):  # a torch module's: DeepSeek's router bias would be one (none here)
+        return iter(())
 
 
 def _job(cfg_path: str):

@@ -5,6 +5,7 @@ release stores one (nothing is downloaded): what the MTP export tests start from
                                     # weight in bf16 and the router biases in float32; the MTP layer
                                     # (model.layers.{L}.*) in model-mtp.safetensors, named in the index
     load_dir(path)                  # every tensor of a directory, by name (tiny models only)
+    add_shard(out, tensors, file)   # more tensors in a shard file of their own, named in the index
 
 transformers' save_pretrained writes no MTP tensors, so `mtp_tensors` draws them: for layer
 L = num_hidden_layers, embed_tokens, enorm, hnorm, eh_proj [H, 2H], shared_head.norm and
@@ -63,6 +64,18 @@ def mtp_tensors(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def add_shard(out: Path, tensors: dict[str, torch.Tensor], file: str) -> None:
+    """Write `tensors` into the safetensors file `file` of the directory `out` and name them in its
+    index (weight map sorted, total_size grown), as a sharded download has them."""
+    from safetensors.torch import save_file
+
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / file), metadata={"format": "pt"})
+    index = json.loads((out / INDEX).read_text())
+    index["weight_map"] = dict(sorted({**index["weight_map"], **{n: file for n in tensors}}.items()))
+    index["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
 def bf16_deepseek_dir(out: Path, seed: int, max_shard_size: str = "150KB") -> Path:
     """The tiny-deepseek-v3 preset saved by save_pretrained (weights perturbed by 0.3 * N(0, 1): norms
     and router biases are not their 1 / 0 init), cast to bf16 except the float32 router biases,
@@ -81,11 +94,9 @@ def bf16_deepseek_dir(out: Path, seed: int, max_shard_size: str = "150KB") -> Pa
                    for n, t in load_file(str(out / f)).items()}
         save_file(tensors, str(out / f), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
-    mtp = mtp_tensors(cfg, seed + 1)
-    save_file(mtp, str(out / MTP_FILE), metadata={"format": "pt"})
-    index["weight_map"] = dict(sorted({**index["weight_map"], **{n: MTP_FILE for n in mtp}}.items()))
-    index["metadata"]["total_size"] = total + sum(t.numel() * t.element_size() for t in mtp.values())
+    index["metadata"]["total_size"] = total
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    add_shard(out, mtp_tensors(cfg, seed + 1), MTP_FILE)
     written = {k: v for k, v in json.loads((out / "config.json").read_text()).items() if k != "torch_dtype"}
     (out / "config.json").write_text(json.dumps({**written, "dtype": "bfloat16"}, indent=2) + "\n")
     return out

@@ -1,5 +1,7 @@
 """A real reference-engine subprocess for the tests that drive it over HTTP (tests/unit/
-test_reference_server.py, test_engine_refusals.py): the tiny preset, its prompts and greedy params."""
+test_reference_server.py, test_engine_refusals.py, test_reference_engine_deepseek.py): the tiny
+preset, its prompts and greedy params; and the decode-loop errors the engine tests' bounds must
+catch (DECODE_MUTATIONS: wrappers of the engine's `_hf_forward`)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,12 +24,14 @@ GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
 
 @contextmanager
-def reference_server(log: Path) -> Iterator[tuple[subprocess.Popen, EngineClient]]:
-    """The tiny preset's reference engine (CPU, one thread) and a client; on exit the engine gets
-    SIGTERM and must stop cleanly (exit 0, its log saying so) within 30 s."""
+def reference_server(log: Path, config_path: Path = CONFIG_PATH, **launch: Any
+                     ) -> Iterator[tuple[subprocess.Popen, EngineClient]]:
+    """The reference engine of `config_path` (the tiny preset's; CPU, one thread; `launch`: further
+    launch_reference_server arguments) and a client; on exit the engine gets SIGTERM and must stop
+    cleanly (exit 0, its log saying so) within 30 s."""
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
-    proc, url = launch_reference_server(str(CONFIG_PATH), "cpu", 0, str(log), threads=1)
+    proc, url = launch_reference_server(str(config_path), "cpu", 0, str(log), threads=1, **launch)
     client = EngineClient(url, timeout_s=60)
     try:
         yield proc, client
@@ -43,3 +48,22 @@ def reference_server(log: Path) -> Iterator[tuple[subprocess.Popen, EngineClient
                 raise AssertionError(f"reference server ignored SIGTERM; log:\n{log.read_text()}") from None
             assert code == 0, log.read_text()
             assert "reference server stopped" in log.read_text()
+
+
+def unmasked_padding(forward):
+    return lambda ids, mask, pos, cache: forward(ids, None, pos, cache)
+
+
+def positions_from_padded_start(forward):
+    def wrapped(ids, mask, pos, cache):
+        prefill = ids.shape[1] > 1
+        return forward(ids, mask, torch.arange(ids.shape[1]).expand_as(pos) if prefill else pos, cache)
+    return wrapped
+
+
+def decode_positions_one_ahead(forward):
+    return lambda ids, mask, pos, cache: forward(ids, mask, pos + (ids.shape[1] == 1), cache)
+
+
+DECODE_MUTATIONS = [unmasked_padding, positions_from_padded_start, decode_positions_one_ahead]
+"""Padding left unmasked, positions counted from the padded start, decode positions one ahead."""

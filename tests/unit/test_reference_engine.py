@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from numerics import logit_bound, logprob_bound, longest_reduction, routing_margin_ratio
+from reference_engine import DECODE_MUTATIONS, decode_positions_one_ahead
 
 import hpcrl.rollout.engine as engine_module
 from hpcrl.models.presets import load_hf_config
@@ -165,23 +166,7 @@ def test_results_do_not_depend_on_batch_composition(engine, temperature, monkeyp
     _check_same_as_alone(mixed[3], alone, steer, 3, logits, temperature)
 
 
-def _unmasked_padding(forward):
-    return lambda ids, mask, pos, cache: forward(ids, None, pos, cache)
-
-
-def _positions_from_padded_start(forward):
-    def wrapped(ids, mask, pos, cache):
-        prefill = ids.shape[1] > 1
-        return forward(ids, mask, torch.arange(ids.shape[1]).expand_as(pos) if prefill else pos, cache)
-    return wrapped
-
-
-def _decode_positions_one_ahead(forward):
-    return lambda ids, mask, pos, cache: forward(ids, mask, pos + (ids.shape[1] == 1), cache)
-
-
-@pytest.mark.parametrize("mutation", [_unmasked_padding, _positions_from_padded_start,
-                                      _decode_positions_one_ahead])
+@pytest.mark.parametrize("mutation", DECODE_MUTATIONS)
 def test_bounds_catch_real_errors(engine, mutation, monkeypatch):
     """The bounds above reject an engine whose batched decode has a real error: a left-padded batch
     against its prompts alone (padding, prefill positions), the KV cache against a full forward
@@ -193,7 +178,7 @@ def test_bounds_catch_real_errors(engine, mutation, monkeypatch):
     monkeypatch.setattr(engine, "_forward", mutation(engine._forward))
     steer.run(engine, prompts, params, monkeypatch)
     want = [logits for _, logits in singles]
-    if mutation is _decode_positions_one_ahead:  # the prompts alone have it too: a full forward has not
+    if mutation is decode_positions_one_ahead:  # the prompts alone have it too: a full forward has not
         want = [_full_forward(engine, p, out["output_ids"]) for p, (out, _) in zip(prompts, singles)]
     gap = max((steer.row(b, 10) - logits).abs().max().item() for b, logits in enumerate(want))
     bound = max(_logit_tol(logits) for logits in want)

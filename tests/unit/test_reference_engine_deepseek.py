@@ -22,20 +22,16 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import signal
-import subprocess
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from deepseek_dirs import MTP_FILE, add_shard, mtp_tensors
 from numerics import U_FP32, logprob_bound, reordered, topk_margin
-from safetensors.torch import save_file
+from reference_engine import DECODE_MUTATIONS, reference_server
 
 import hpcrl.rollout.engine as engine_module
 from hpcrl.models.presets import CONFIG_DIR, load_hf_config
-from hpcrl.rollout.client import EngineClient, launch_reference_server
 from hpcrl.rollout.direct_forward import DirectForward
 from hpcrl.rollout.engine import ReferenceModel
 from hpcrl.rollout.hf_names import checkpoint_state_dict
@@ -210,23 +206,7 @@ class _Forced:
         return tok_B, torch.log_softmax(logits_BV, -1).gather(1, tok_B[:, None])[:, 0]
 
 
-def _unmasked_padding(forward):
-    return lambda ids, mask, pos, cache: forward(ids, None, pos, cache)
-
-
-def _positions_from_padded_start(forward):
-    def wrapped(ids, mask, pos, cache):
-        prefill = ids.shape[1] > 1
-        return forward(ids, mask, torch.arange(ids.shape[1]).expand_as(pos) if prefill else pos, cache)
-    return wrapped
-
-
-def _decode_positions_one_ahead(forward):
-    return lambda ids, mask, pos, cache: forward(ids, mask, pos + (ids.shape[1] == 1), cache)
-
-
-@pytest.mark.parametrize("mutation", [_unmasked_padding, _positions_from_padded_start,
-                                      _decode_positions_one_ahead])
+@pytest.mark.parametrize("mutation", DECODE_MUTATIONS)
 def test_bounds_catch_real_errors(engine, mutation, monkeypatch):
     """The bound above rejects a decode loop with a real error: fed the tokens of the correct run,
     the broken engine's logits are more than 10x the bound away from the full forward's."""
@@ -326,35 +306,6 @@ def test_the_shard_routes_tensors_load_bit_exactly(dtype):
 
 # -- model directories (load_model_dir) ------------------------------------------------------------------
 
-MTP_FILE = "model-mtp.safetensors"
-
-
-def _mtp_tensors(named: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """DeepSeek-V3's MTP layer as the official checkpoint stores it after the decoder (layer L =
-    num_hidden_layers): its own embed_tokens, enorm, hnorm, eh_proj [H, 2H], shared_head.norm and
-    shared_head.head, and a full MoE decoder layer (router bias included)."""
-    L, H, V = LAYERS, HF_CONFIG["hidden_size"], VOCAB
-    g = torch.Generator().manual_seed(seed)
-    shapes = {"embed_tokens.weight": (V, H), "enorm.weight": (H,), "hnorm.weight": (H,),
-              "eh_proj.weight": (H, 2 * H), "shared_head.norm.weight": (H,),
-              "shared_head.head.weight": (V, H)}
-    last = f"model.layers.{L - 1}."
-    shapes |= {n[len(last):]: tuple(t.shape) for n, t in named.items() if n.startswith(last)}
-    return {f"model.layers.{L}.{n}": torch.randn(shape, generator=g) for n, shape in shapes.items()}
-
-
-def _add_to_index(model_dir: Path, tensors: dict[str, torch.Tensor], file: str) -> None:
-    """Write `tensors` into a safetensors file of the directory and name them in its index, as a
-    sharded download has them."""
-    save_file({n: t.contiguous() for n, t in tensors.items()}, str(model_dir / file),
-              metadata={"format": "pt"})
-    index_path = model_dir / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    index["weight_map"] |= {n: file for n in tensors}
-    index["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in tensors.values())
-    index_path.write_text(json.dumps(index, indent=2))
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     """tiny-deepseek-v3 with every tensor drawn at random (norms and router biases too), saved by
@@ -367,7 +318,7 @@ def model_dir(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
                      for n, t in checkpoint_state_dict(src.model).items())
     src.model.save_pretrained(str(out), max_shard_size="100KB")
     named = {n: t.clone() for n, t in checkpoint_state_dict(src.model).items()}
-    _add_to_index(out, _mtp_tensors(named, seed=2), MTP_FILE)
+    add_shard(out, mtp_tensors(HF_CONFIG, seed=2), MTP_FILE)
     return out, named
 
 
@@ -391,7 +342,7 @@ def test_load_model_dir_loads_the_main_model_and_skips_the_mtp_layer(model_dir):
 def test_load_model_dir_refuses_tensors_the_model_does_not_have(model_dir, extra, tmp_path):
     path, _ = model_dir
     bad = Path(shutil.copytree(path, tmp_path / "bad"))
-    _add_to_index(bad, {extra: torch.zeros(4, 4)}, "model-extra.safetensors")
+    add_shard(bad, {extra: torch.zeros(4, 4)}, "model-extra.safetensors")
     eng = ReferenceModel(json.loads((path / "config.json").read_text()), seed=5)
     before = {name: _bytes(eng.get_weight(name)) for name in eng.slots}
     with pytest.raises(ValueError, match=re.escape(extra)):
@@ -414,26 +365,6 @@ def test_load_model_dir_refuses_a_directory_without_the_router_bias(model_dir, t
 # -- the reference server ---------------------------------------------------------------------------------
 
 
-@contextmanager
-def _server(log: Path, **kwargs) -> Iterator[EngineClient]:
-    """A reference server subprocess (CPU, one thread) and a client; SIGTERM on exit, which it must
-    obey cleanly within 30 s."""
-    proc, url = launch_reference_server(str(CONFIG_DIR / "tiny-deepseek-v3.json"), "cpu", 0, str(log),
-                                        threads=1, startup_timeout_s=90, **kwargs)
-    client = EngineClient(url, timeout_s=60)
-    try:
-        yield client
-    finally:
-        client.close()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(timeout=30) == 0, log.read_text()
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise AssertionError(f"reference server ignored SIGTERM; log:\n{log.read_text()}") from None
-
-
 def test_server_answers_generate_in_sglang_shapes(tmp_path):
     """The server started from the preset's config.json (random weights from seed 0) against a twin
     engine in this process with the same weights: the same requests in the same batches give the same
@@ -441,7 +372,8 @@ def test_server_answers_generate_in_sglang_shapes(tmp_path):
     twin = ReferenceModel(HF_CONFIG, seed=0)
     prompts = _prompts(3, seed=2)
     sampled = [{"temperature": 1.0, "max_new_tokens": 8, "sampling_seed": 40 + i} for i in range(3)]
-    with _server(tmp_path / "engine.log") as client:
+    with reference_server(tmp_path / "engine.log", CONFIG_DIR / "tiny-deepseek-v3.json",
+                          startup_timeout_s=90) as (_, client):
         single = client.generate(prompts[0], GREEDY, return_logprob=True, rid="req-1")
         batch = client.generate(prompts, sampled, return_logprob=True)
         assert client.model_info()["model_type"] == "deepseek_v3"
@@ -463,11 +395,12 @@ def test_server_answers_generate_in_sglang_shapes(tmp_path):
 def test_server_loads_a_model_dir_and_says_it_left_the_mtp_layer_out(model_dir, tmp_path):
     path, named = model_dir
     log = tmp_path / "engine.log"
-    with _server(log, model_path=str(path)) as client:
+    with reference_server(log, CONFIG_DIR / "tiny-deepseek-v3.json", startup_timeout_s=90,
+                          model_path=str(path)) as (_, client):
         got = client.generate(_prompts(2, seed=3), [GREEDY] * 2)
     twin = ReferenceModel(HF_CONFIG, seed=0)
     twin.load_weights(named.items())
     assert [a["output_ids"] for a in got] == [o["output_ids"] for o in twin.generate(_prompts(2, seed=3),
                                                                                       [GREEDY] * 2)]
-    mtp = len(_mtp_tensors(named, seed=2))
+    mtp = len(mtp_tensors(HF_CONFIG, seed=2))
     assert f"loaded {len(named)} weights from {path}; {mtp} MTP tensors not loaded" in log.read_text()

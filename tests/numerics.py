@@ -102,24 +102,28 @@ def routing_margin_ratio(router_logits: list[torch.Tensor], k: int, n: int) -> f
 
 
 def grouped_margin_ratio(router_logits: list[torch.Tensor], biases: list[torch.Tensor], hf_config: dict,
-                         n: int, first_layer: int) -> float:
-    """routing_margin_ratio for DeepSeek-V3's router (layers from `first_layer` on): choice scores
-    s = sigmoid(logit) + bias, groups ranked by the sum of their top-2 scores, top-k among the chosen
-    groups. A logit B off moves s by at most B / 4 (sigmoid's slope) and a group score by B / 2, so
-    the routing stands where the topk_group-th group's margin exceeds 2 * B / 2 and the k-th expert's
-    margin among the chosen groups exceeds 2 * B / 4; the ratio is the smaller of margin / that."""
+                         n: int, first_layer: int, per_layer: int | None = None) -> float:
+    """routing_margin_ratio for DeepSeek-V3's router (layers from `first_layer` on; `per_layer`
+    reductions per layer, layer_depth's by default): choice scores s = sigmoid(logit) + bias, groups
+    ranked by the sum of their top-2 scores, top-k among the chosen groups. A logit B off moves s by at
+    most B / 4 (sigmoid's slope), plus the rounding of the sigmoid and of the bias add
+    (4 u (1 + max|bias|)): e in all, a group score 2 e. So the routing stands where the
+    topk_group-th group's margin exceeds 2 * 2 e and the k-th expert's margin among the chosen groups
+    exceeds 2 e; the ratio is the smaller of margin / that."""
     k, groups, top_groups = hf_config["num_experts_per_tok"], hf_config["n_group"], hf_config["topk_group"]
+    per_layer = layer_depth(hf_config) if per_layer is None else per_layer
     ratios = []
     for i, (logits, bias) in enumerate(zip(router_logits, biases)):
-        B = reordered(n, router_depth(first_layer + i, layer_depth(hf_config)), logits.abs().max().item())
+        B = reordered(n, router_depth(first_layer + i, per_layer), logits.abs().max().item())
+        e = B / 4 + 4 * U_FP32 * (1 + bias.float().abs().max().item())
         s = logits.float().sigmoid() + bias.float()
         group_scores = s.view(s.shape[0], groups, -1).topk(2, -1).values.sum(-1)
-        ratios.append((topk_margin(group_scores, top_groups).min() / B).item() if top_groups < groups
-                      else float("inf"))
+        if top_groups < groups:
+            ratios.append((topk_margin(group_scores, top_groups).min() / (4 * e)).item())
         chosen = group_scores.topk(top_groups, -1).indices
         mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
         masked = s.masked_fill(~mask.repeat_interleave(s.shape[1] // groups, 1), float("-inf"))
-        ratios.append((topk_margin(masked, k).min() / (B / 2)).item())
+        ratios.append((topk_margin(masked, k).min() / (2 * e)).item())
     return min(ratios)
 
 
@@ -129,20 +133,11 @@ def hf_routing(model, batch) -> tuple[object, float]:
     cfg = model.config.to_dict()
     real = ~batch.padding_mask_BL().reshape(-1)
     n = longest_reduction(cfg, batch.seq_len)
-    if cfg.get("model_type") == "deepseek_v3":  # router logits from hooks on the routers
-        gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
-        logits: list[torch.Tensor] = []
-        hooks = [g.register_forward_hook(lambda mod, inp, out: logits.append(out[0])) for g in gates]
-        try:
-            with torch.no_grad():
-                out = model(batch.tokens_BL)
-        finally:
-            for h in hooks:
-                h.remove()
-        biases = [g.e_score_correction_bias for g in gates]
-        return out, grouped_margin_ratio([r[real] for r in logits], biases, cfg, n,
-                                         cfg.get("first_k_dense_replace", 0))
     with torch.no_grad():
         out = model(batch.tokens_BL, output_router_logits=True)
     routers = [r.reshape(-1, r.shape[-1])[real] for r in out.router_logits]
+    if cfg.get("model_type") == "deepseek_v3":  # its MoE layers' routers, after the dense layers
+        biases = [layer.mlp.gate.e_score_correction_bias for layer in model.model.layers
+                  if hasattr(layer.mlp, "gate")]
+        return out, grouped_margin_ratio(routers, biases, cfg, n, cfg.get("first_k_dense_replace", 0))
     return out, routing_margin_ratio(routers, cfg["num_experts_per_tok"], n)

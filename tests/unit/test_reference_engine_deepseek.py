@@ -10,11 +10,11 @@ hidden and heads * v_head_dim 64, q_lora_rank 48, kv_lora_rank 32, and at most K
 DEPTH = 2 + 12 L: per layer the input norm, q_a_proj, q_a_layernorm, q_b_proj, q.k, attention.v,
 o_proj, the post-attention norm, the router, the top-k weights' normalising sum, the (expert, shared or
 dense) up and down projections; then the final norm and lm_head. Routing is compared only where no
-near-tie lies within that bound (`routing_margin_ratio`: DeepSeek's choice is made on sigmoid scores
+near-tie lies within that bound (`numerics.grouped_margin_ratio`: DeepSeek's choice is made on sigmoid scores
 plus the bias, first between groups, then between experts), and tokens only where the full forward's
 top-1 leads its top-2 by more than twice the bound. test_bounds_catch_real_errors shows that padding
-left unmasked, positions counted from the padded start and decode positions one ahead each move a
-logit by more than 10x the bound.
+left unmasked, positions counted from the padded start and decode positions one ahead each move a logit
+by more than 10x the bound.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from deepseek_dirs import MTP_FILE, add_shard, mtp_tensors
-from numerics import U_FP32, logprob_bound, reordered, topk_margin
+from numerics import grouped_margin_ratio, logprob_bound, reordered
 from reference_engine import DECODE_MUTATIONS, reference_server
 
 import hpcrl.rollout.engine as engine_module
@@ -96,35 +96,6 @@ def _logit_tol(*logits: torch.Tensor) -> float:
     return reordered(N, DEPTH, max(x.abs().max().item() for x in logits))
 
 
-def routing_margin_ratio(model, router_logits: list[torch.Tensor]) -> float:
-    """DeepSeek-V3's numerics.routing_margin_ratio: min over MoE layers and tokens of each choice's
-    margin over twice its worst-case error; above 1.5 every evaluation within the rounding bound routes
-    every token as this one does (the ratio moves by at most 1/2 on another host, as numerics says).
-
-    A router logit of layer i is B = reordered(N, 12 i + 9, max|logit|) off (12 reductions per earlier
-    layer, then 9 up to and including the router's own). The sigmoid is 1/4-Lipschitz, so a score plus
-    bias is B/4 off, plus the rounding of the sigmoid and of the bias add (4 u (1 + max|bias|)); a
-    group's score, the sum of its top-2 scores, twice that. Groups are chosen by the topk_group-th
-    group margin, then experts by the top_k-th margin among the chosen groups' experts."""
-    cfg = model.config
-    groups, top_groups, k = cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok
-    ratios = []
-    for i, logits_TE in zip(MOE_LAYERS, router_logits):
-        bias_E = model.model.layers[i].mlp.gate.e_score_correction_bias.float()
-        z_TE = logits_TE.float()
-        score_err = (reordered(N, PER_LAYER * i + 9, z_TE.abs().max().item()) / 4
-                     + 4 * U_FP32 * (1 + bias_E.abs().max().item()))
-        choice_TE = z_TE.sigmoid() + bias_E
-        group_TG = choice_TE.view(len(z_TE), groups, -1).topk(2, -1).values.sum(-1)
-        if top_groups < groups:
-            ratios.append((topk_margin(group_TG, top_groups).min() / (2 * 2 * score_err)).item())
-        chosen_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(
-            1, group_TG.topk(top_groups, -1).indices, True)
-        kept_TE = choice_TE.masked_fill(~chosen_TG.repeat_interleave(len(bias_E) // groups, 1), float("-inf"))
-        ratios.append((topk_margin(kept_TE, k).min() / (2 * score_err)).item())
-    return min(ratios)
-
-
 @torch.inference_mode()
 def _full_forward(engine: ReferenceModel, prompt, output_ids) -> torch.Tensor:
     """The logits that predict output_ids, [T, V], from one transformers forward over the whole
@@ -133,7 +104,8 @@ def _full_forward(engine: ReferenceModel, prompt, output_ids) -> torch.Tensor:
     assert seq.shape[1] <= KEYS
     out = engine.model(input_ids=seq, output_router_logits=True)
     assert len(out.router_logits) == len(MOE_LAYERS)
-    ratio = routing_margin_ratio(engine.model, list(out.router_logits))
+    biases = [engine.model.model.layers[i].mlp.gate.e_score_correction_bias for i in MOE_LAYERS]
+    ratio = grouped_margin_ratio(list(out.router_logits), biases, HF_CONFIG, N, MOE_LAYERS[0], PER_LAYER)
     assert ratio > 1.5, f"a router near-tie within the rounding bound ({ratio:.2f}): use other inputs"
     return out.logits[0, len(prompt) - 1:-1].float()
 

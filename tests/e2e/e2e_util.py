@@ -55,3 +55,20 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, steps: int, timeout_s: 
         assert proc.poll() is None, proc.communicate()[0][-2000:]
         time.sleep(0.1)
     raise AssertionError(f"run did not reach {steps} steps")
+
+
+def preempt_then_resume(run_dir: Path, args: list[str], at_step: int, timeout_s: float = 400) -> None:
+    """Run the example, send SIGUSR1 once `at_step` steps are done (it checkpoints and exits for
+    requeue), then run it again: it must resume from that checkpoint and finish."""
+    import signal
+
+    from launch.result import REQUEUE_EXIT_CODE
+
+    proc = start_run(run_dir, *args)
+    wait_for_step(proc, run_dir, at_step)
+    proc.send_signal(signal.SIGUSR1)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == REQUEUE_EXIT_CODE, out[-3000:]
+    resumed, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *args, timeout_s=timeout_s)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "resumed from checkpoint step" in resumed.stdout

@@ -5,12 +5,9 @@ hashes to the run's policy_sha256; a run interrupted between checkpoints resumes
 The same job runs on GPUs (tests/gpu/test_gpu_example.py, test_sglang_example.py)."""
 
 import json
-import signal
 
 import pytest
-from e2e_util import EXAMPLE, hpcrl, start_run, wait_for_step
-
-from launch.result import REQUEUE_EXIT_CODE as EXIT_REQUEUE
+from e2e_util import EXAMPLE, hpcrl, preempt_then_resume
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -52,22 +49,10 @@ def test_bf16_run_checks_every_sync_and_exports_what_it_hashed(uninterrupted, tm
     assert json.loads((exported / "config.json").read_text())["dtype"] == "bfloat16"  # from_pretrained's "auto"
 
 
-def _preempt_then_resume(run_dir, args: list[str], at_step: int) -> None:
-    """Run, send SIGUSR1 once `at_step` steps are done (checkpoint, exit for requeue), run again."""
-    proc = start_run(run_dir, *args)
-    wait_for_step(proc, run_dir, at_step)
-    proc.send_signal(signal.SIGUSR1)
-    out = proc.communicate(timeout=300)[0]
-    assert proc.returncode == EXIT_REQUEUE, out[-3000:]
-    resumed, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *args, timeout_s=400)
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    assert "resumed from checkpoint step" in resumed.stdout
-
-
 def test_bf16_resume_after_a_signal_is_bit_identical(uninterrupted, tmp_path):
     _, records, sha = uninterrupted
     run_dir = tmp_path / "run"
-    _preempt_then_resume(run_dir, ARGS, at_step=5)
+    preempt_then_resume(run_dir, ARGS, at_step=5)
     again, sha_again = _result(run_dir)
     assert sha_again == sha
     assert [(r["step"], r["reward/mean"]) for r in again] == [(r["step"], r["reward/mean"]) for r in records]
@@ -81,7 +66,7 @@ def test_bf16_ppo_resumes_policy_and_critic_bit_identical(tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(whole), *args, timeout_s=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    _preempt_then_resume(cut, args, at_step=4)
+    preempt_then_resume(cut, args, at_step=4)
     keys = ("reward/mean", "train/loss", "critic/vf_loss", "critic/values_mean")
     first, again = (_result(d)[0] for d in (whole, cut))
     assert [[r[k] for k in keys] for r in again] == [[r[k] for k in keys] for r in first]

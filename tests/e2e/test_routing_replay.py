@@ -5,14 +5,11 @@ interrupted by SIGUSR1 and resumed ends bit-identical to the uninterrupted one (
 policy_sha256 and per-step rewards): the routes are regenerated with the samples, nothing to save."""
 
 import json
-import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
-from e2e_util import EXAMPLE, hpcrl, leftover_processes, start_run, wait_for_step
-
-from launch.result import REQUEUE_EXIT_CODE
+from e2e_util import EXAMPLE, hpcrl, leftover_processes, preempt_then_resume
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -43,14 +40,7 @@ def test_the_copy_example_learns_with_r3_routing_the_engines_way(r3_run):
 
 def test_resume_with_r3_is_bit_identical(tmp_path, r3_run):
     run_dir = tmp_path / "run"
-    proc = start_run(run_dir, *ARGS)
-    wait_for_step(proc, run_dir, 5)
-    proc.send_signal(signal.SIGUSR1)
-    out = proc.communicate(timeout=300)[0]
-    assert proc.returncode == REQUEUE_EXIT_CODE, out[-3000:]
-    resumed, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, timeout_s=800)
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    assert "resumed from checkpoint step" in resumed.stdout
+    preempt_then_resume(run_dir, ARGS, at_step=5, timeout_s=800)
     final = [json.loads((d / "final.json").read_text())["policy_sha256"] for d in (run_dir, r3_run)]
     assert final[0] == final[1]
     assert [(r["step"], r["reward/mean"]) for r in records(run_dir)] == \

@@ -139,3 +139,14 @@ def dequantized_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
         scale = tensors.get(name + "_scale_inv")
         out[name] = t if scale is None else dequantize(t, scale, block)  # type: ignore[arg-type]
     return dict(sorted(out.items()))
+
+
+class Recorder:
+    """A safetensors slice view that records every index it is asked for."""
+
+    def __init__(self, view) -> None:
+        self.view, self.asked = view, []
+
+    def __getitem__(self, index):
+        self.asked.append(index)
+        return self.view[index]

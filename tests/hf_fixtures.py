@@ -140,3 +140,17 @@ def reward_model_dir(causal_dir: Path, out: Path, *, labels: int = 1, seed: int 
         if (causal_dir / extra).is_file():
             shutil.copy(causal_dir / extra, out / extra)
     return out
+
+
+def validate(tmp: Path, path: Path) -> tuple[int, str]:
+    """`hpcrl validate` of a copy-task job with model.path `path` (job file in `tmp`): (exit code,
+    output); never a traceback."""
+    import subprocess
+    import sys
+
+    job = tmp / "job.yaml"
+    job.write_text(f"model: {{path: {path}}}\ndata: {{task: copy}}\n")
+    proc = subprocess.run([sys.executable, "-m", "hpcrl.cli", "validate", str(job)], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.returncode, proc.stderr + proc.stdout

@@ -7,26 +7,17 @@ from __future__ import annotations
 
 
 import pytest
+from reference_engine import reference_server
 from test_wire_formats import _generate_bodies
 
-from hpcrl.models.presets import CONFIG_DIR
-from hpcrl.rollout.client import EngineClient, launch_reference_server
-from launch.procs import stop as stop_process
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    log = tmp_path_factory.mktemp("engine") / "engine.log"
-    proc, url = launch_reference_server(str(CONFIG_DIR / "tiny-qwen3-moe.json"), "cpu", 0, str(log),
-                                        threads=1)
-    c = EngineClient(url, timeout_s=60)
-    try:
+    with reference_server(tmp_path_factory.mktemp("engine") / "engine.log") as (_, c):
         yield c
-    finally:
-        c.close()
-        stop_process(proc, 30)
 
 
 def test_reference_answers_decode_as_sglang_responses(api_types, client):

@@ -27,13 +27,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from reference_engine import reference_server
 from test_request_bodies import _struct_fields
 
 from hpcrl.models.presets import CONFIG_DIR, load_hf_config
-from hpcrl.rollout.client import (ROUTED_EXPERTS_FLAG, EngineClient, EngineError, decode_routed_experts,
-                                  launch_reference_server, routed_experts_fields)
+from hpcrl.rollout.client import (ROUTED_EXPERTS_FLAG, EngineError, decode_routed_experts,
+                                  routed_experts_fields)
 from hpcrl.rollout.engine import ReferenceModel
-from launch.procs import stop as stop_process
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,14 +75,8 @@ def sglang(sglang_root):
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     log = tmp_path_factory.mktemp("engine") / "engine.log"
-    proc, url = launch_reference_server(str(CONFIG_DIR / f"{CONFIG}.json"), "cpu", 0, str(log), threads=1,
-                                        extra_args=[ROUTED_EXPERTS_FLAG])
-    c = EngineClient(url, timeout_s=60)
-    try:
+    with reference_server(log, CONFIG_DIR / f"{CONFIG}.json", extra_args=[ROUTED_EXPERTS_FLAG]) as (_, c):
         yield c
-    finally:
-        c.close()
-        stop_process(proc, 30)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fp8_quantize import Recorder
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -61,17 +62,6 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torc
     tensors = _tensors()
     save_file(tensors, str(path))
     return path, tensors
-
-
-class Recorder:
-    """A safetensors slice view that records every index it is asked for."""
-
-    def __init__(self, view) -> None:
-        self.view, self.asked = view, []
-
-    def __getitem__(self, index):
-        self.asked.append(index)
-        return self.view[index]
 
 
 def _overlapping(lo: int, hi: int, block: int) -> slice:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hf_fixtures import model_dir, reward_model_dir
+from hf_fixtures import model_dir, reward_model_dir, validate
 
 from moe.hf_checkpoint import CheckpointFormatError, HFCheckpoint
 from moe.hf_megatron import HFModelDims, hf_fused_to_checkpoint
@@ -83,15 +83,6 @@ def test_sharded_init_boxes_equal_the_whole_tensor() -> None:
 
 
 # -- bad model directories: hpcrl validate exits 2 with one message ------------------------------
-
-
-def validate(tmp: Path, path: Path) -> tuple[int, str]:
-    job = tmp / "job.yaml"
-    job.write_text(f"model: {{path: {path}}}\ndata: {{task: copy}}\n")
-    proc = subprocess.run([sys.executable, "-m", "hpcrl.cli", "validate", str(job)], capture_output=True,
-                          text=True, timeout=120, cwd=REPO)
-    assert "Traceback" not in proc.stderr, proc.stderr
-    return proc.returncode, proc.stderr + proc.stdout
 
 
 def broken_copy(dirs: dict[str, Path], tmp: Path, which: str = "qwen3_moe") -> Path:

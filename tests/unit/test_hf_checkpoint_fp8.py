@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from fp8_quantize import (E4M3_MAX, dequantize, dequantized_state_dict, is_quantized, quantization_config,
+from fp8_quantize import (E4M3_MAX, Recorder, dequantize, dequantized_state_dict, is_quantized, quantization_config,
                           quantize_dir)
-from hf_fixtures import model_dir
+from hf_fixtures import model_dir, validate
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -195,17 +195,6 @@ def test_every_tensor_and_edge_box_equals_the_dequantized_reference(dirs: dict[s
         assert not ckpt.is_fp8(unquantized) and ckpt.dtype_of(unquantized) == "float32"
 
 
-class Recorder:
-    """A safetensors slice view that records every index it is asked for."""
-
-    def __init__(self, view) -> None:
-        self.view, self.asked = view, []
-
-    def __getitem__(self, index):
-        self.asked.append(index)
-        return self.view[index]
-
-
 @pytest.mark.parametrize("which", ["qwen", "mixtral"])
 def test_a_box_reads_only_its_fp8_bytes_and_overlapping_scale_blocks(dirs: dict[str, Path], which: str,
                                                                      monkeypatch) -> None:
@@ -304,15 +293,6 @@ def test_trainer_loads_the_dequantized_weights(dirs: dict[str, Path]) -> None:
 
 
 # -- bad FP8 directories: hpcrl validate exits 2 with one message ------------------------------
-
-
-def validate(tmp: Path, path: Path) -> tuple[int, str]:
-    job = tmp / "job.yaml"
-    job.write_text(f"model: {{path: {path}}}\ndata: {{task: copy}}\n")
-    proc = subprocess.run([sys.executable, "-m", "hpcrl.cli", "validate", str(job)], capture_output=True,
-                          text=True, timeout=120, cwd=REPO)
-    assert "Traceback" not in proc.stderr, proc.stderr
-    return proc.returncode, proc.stderr + proc.stdout
 
 
 def edit_config(path: Path, **qc) -> None:

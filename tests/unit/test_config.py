@@ -50,6 +50,12 @@ def data_file(tmp_path: Path, text: str) -> None:
 
 # (id, job yaml, --set overrides, setup(tmp_path) or None, expected ConfigError.path,
 #  text that shows the bad value, a word of the hint)
+def deepseek_json(**changes):
+    """A `setup` writing tmp/model.json: the tiny-deepseek-v3 preset with `changes`."""
+    cfg = {**json.loads((CONFIG_DIR / "tiny-deepseek-v3.json").read_text()), **changes}
+    return lambda p: (p / "model.json").write_text(json.dumps(cfg))
+
+
 BAD = [
     ("unknown-section", "modle: {preset: tiny-qwen3-moe}", [], None,
      "modle", "modle", "did you mean 'model'"),
@@ -170,20 +176,16 @@ BAD = [
     ("routing-replay-bad", "rollout: {routing_replay: r4}", [], None, "rollout.routing_replay", "'r4'",
      "none, observe, r3, r2"),
     ("deepseek-n-group", "model: {config_path: model.json}", [],
-     lambda p: (p / "model.json").write_text(json.dumps({**json.loads((CONFIG_DIR / "tiny-deepseek-v3.json")
-                                                                      .read_text()), "n_group": 3})),
+     deepseek_json(n_group=3),
      "model.config_path", "model.json", "n_group=3: must divide n_routed_experts=8"),
     ("deepseek-topk-group", "model: {config_path: model.json}", [],
-     lambda p: (p / "model.json").write_text(json.dumps({**json.loads((CONFIG_DIR / "tiny-deepseek-v3.json")
-                                                                      .read_text()), "topk_group": 5})),
+     deepseek_json(topk_group=5),
      "model.config_path", "model.json", "topk_group=5: must be between 1 and n_group=4"),
     ("deepseek-group-score", "model: {config_path: model.json}", [],
-     lambda p: (p / "model.json").write_text(json.dumps({**json.loads((CONFIG_DIR / "tiny-deepseek-v3.json")
-                                                                      .read_text()), "num_experts_per_tok": 2})),
+     deepseek_json(num_experts_per_tok=2),
      "model.config_path", "model.json", "num_experts_per_tok // topk_group must be 2"),
     ("routing-replay-dense-model", "model: {config_path: model.json}\nrollout: {routing_replay: r3}", [],
-     lambda p: (p / "model.json").write_text(json.dumps({**json.loads((CONFIG_DIR / "tiny-deepseek-v3.json")
-                                                                      .read_text()), "first_k_dense_replace": 3})),
+     deepseek_json(first_k_dense_replace=3),
      "rollout.routing_replay", "'r3'", "no MoE layer"),
     ("routing-replay-speculative", "rollout: {routing_replay: r3, server_args: [--speculative-algorithm=EAGLE]}",
      [], None, "rollout.server_args[0]", "'--speculative-algorithm=EAGLE'", "verify tokens"),

@@ -89,7 +89,8 @@ def export_checkpoint(run_dir: str, step: int | None, out_dir: str,
     from checkpoints._dtypes import dtype_name, to_storage
     from checkpoints.hf_safetensors import (ShardWriter, create_files, parse_size, plan_shards, remove_stale,
                                             write_index)
-    from hpcrl.trainer.hf_export import ROUTER_BIAS, config_at_dtype
+    from hpcrl.trainer.hf_export import config_at_dtype
+    from moe.hf_megatron import is_router_bias
     from moe.slices import Box
 
     try:
@@ -122,7 +123,7 @@ def export_checkpoint(run_dir: str, step: int | None, out_dir: str,
         plan = plan_shards(entries, max_shard_bytes, {"hpcrl_step": str(reader.step)})
         # the weights' dtype(s), for config.json: not the router biases, float32 in every run
         dtypes = {dtype_name(reader.dtype(n)) for n in names
-                  if not ROUTER_BIAS.fullmatch(n[len(POLICY_PREFIX):])}
+                  if not is_router_bias(n[len(POLICY_PREFIX):])}
         remove_stale(out)
         create_files(out, plan)
         with ShardWriter(out, plan) as writer:

@@ -27,7 +27,6 @@ last, so a directory whose export died midway has no index (or a stale single fi
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,12 +38,10 @@ from checkpoints._dtypes import dtype_name, to_storage
 from checkpoints.hf_safetensors import ShardWriter, create_files, plan_shards, remove_stale, write_index
 from hpcrl.trainer.model import weight_tensors
 from hpcrl.trainer.mtp_tensors import MTPSource, assign_owners
-from moe.hf_megatron import HFModelDims, Piece
+from moe.hf_megatron import HFModelDims, Piece, is_router_bias
 from moe.slices import Box
 
 BLOCK_BYTES = 16 << 20  # rows copied to the CPU and written per pwrite batch
-ROUTER_BIAS = re.compile(r"model\.layers\.\d+\.mlp\.gate\.e_score_correction_bias")
-"""The names moe.hf_megatron.router_bias_name gives: float32 in every export."""
 
 ExportPlan = Sequence[Sequence[tuple[str, Piece]]]
 """Per trainer rank, the (Megatron param name, Piece) pairs it exports: each HF region once."""
@@ -68,7 +65,7 @@ def export_dtypes(dims: HFModelDims, model_dtype: torch.dtype) -> dict[str, torc
     """HF name -> the dtype the export stores it at (and the policy hash reads), for every tensor
     the trainer holds: `model_dtype`, except the router score-correction biases, float32 in every
     run (the trainer keeps them so: hpcrl.trainer.model.keep_expert_bias_fp32)."""
-    return {name: torch.float32 if ROUTER_BIAS.fullmatch(name) else model_dtype for name in dims.hf_shapes()}
+    return {name: torch.float32 if is_router_bias(name) else model_dtype for name in dims.hf_shapes()}
 
 
 def export_entries(dims: HFModelDims, model_dtype: torch.dtype, mtp: MTPSource

@@ -40,7 +40,7 @@ import numpy as np
 
 from hpcrl.config.schema import AlgorithmConfig, JobConfig, critic_enabled
 from hpcrl.controller.groups import Rollout
-from hpcrl.controller.sync_check import logprob_sync_check, mismatch_metrics
+from hpcrl.controller.sync_check import sync_check_metrics
 
 BUILTIN_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo", "ppo", "sft")
 STEP_SIGNATURE = "def step(rl: hpcrl.controller.api.RL, step: int) -> None"
@@ -170,7 +170,8 @@ class RL:
                 self.step, rollout, advantages, ref_logprobs, self._temperature, loss=loss, tensors=tensors,
                 epochs=self.algo.ppo_epochs if epochs is None else epochs,
                 mini_batch_size=self.algo.mini_batch_size if mini_batch_size is None else mini_batch_size)
-        self.log(**{("mismatch/" if k == "router_agreement" else "train/") + k: v for k, v in train.metrics.items()})
+        self.log(**{("mismatch/" if k == "router_agreement" else "train/") + k: v
+                    for k, v in train.metrics.items()})
         if rollout.engine_logprobs:  # demonstrations have none: no engine sampled them
             self._unchecked.append((rollout, train.logprobs_BT))
         return train.metrics
@@ -181,10 +182,8 @@ class RL:
         rollout.logprob_tolerance / logprob_mean_tolerance)."""
         r = self.job.rollout
         for rollout, trainer_BT in self._unchecked:
-            worst, mean = logprob_sync_check(rollout, trainer_BT, r.logprob_tolerance,
-                                             r.logprob_mean_tolerance, self.step)
-            self.log(**{"sync/logprob_max_abs_diff": worst, "sync/logprob_mean_abs_diff": mean,
-                        **mismatch_metrics(rollout, trainer_BT, r.logprob_tolerance)})
+            self.log(**sync_check_metrics(rollout, trainer_BT, r.logprob_tolerance, r.logprob_mean_tolerance,
+                                          self.step))
         self._unchecked = []
 
     def sync_weights(self) -> dict[str, float]:

@@ -31,7 +31,8 @@ def _response_tokens(rollout, trainer_logp_BT: np.ndarray) -> tuple[np.ndarray, 
     tiny example's controller)."""
     engine = rollout.engine_logprobs
     lengths_B = np.fromiter(map(len, engine), dtype=np.int64, count=len(engine))
-    engine_N = np.fromiter(itertools.chain.from_iterable(engine), dtype=np.float64, count=int(lengths_B.sum()))
+    engine_N = np.fromiter(itertools.chain.from_iterable(engine), dtype=np.float64,
+                           count=int(lengths_B.sum()))
     assert lengths_B.max(initial=0) <= trainer_logp_BT.shape[1], "a response is longer than the trainer's"
     mask_BT = np.arange(trainer_logp_BT.shape[1])[None, :] < lengths_B[:, None]
     return engine_N, trainer_logp_BT[mask_BT].astype(np.float64), lengths_B
@@ -40,7 +41,20 @@ def _response_tokens(rollout, trainer_logp_BT: np.ndarray) -> tuple[np.ndarray, 
 def mismatch_metrics(rollout, trainer_logp_BT: np.ndarray, tolerance: float) -> dict[str, float]:
     """`mismatch/kl` and `mismatch/over_tolerance_frac` of the engine's log-probs against the
     trainer's (module docstring); 0 for a rollout without response tokens."""
-    engine_N, trainer_N, _ = _response_tokens(rollout, trainer_logp_BT)
+    return _mismatch(*_response_tokens(rollout, trainer_logp_BT)[:2], tolerance)
+
+
+def sync_check_metrics(rollout, trainer_logp_BT: np.ndarray, tolerance: float, mean_tolerance: float,
+                       step: int) -> dict[str, float]:
+    """`logprob_sync_check` (WeightSyncError as there) and `mismatch_metrics` of one rollout from one
+    pass over its response tokens: sync/logprob_max_abs_diff, sync/logprob_mean_abs_diff, mismatch/*."""
+    engine_N, trainer_N, lengths_B = _response_tokens(rollout, trainer_logp_BT)
+    worst, mean = _check(engine_N, trainer_N, lengths_B, tolerance, mean_tolerance, step)
+    return {"sync/logprob_max_abs_diff": worst, "sync/logprob_mean_abs_diff": mean,
+            **_mismatch(engine_N, trainer_N, tolerance)}
+
+
+def _mismatch(engine_N: np.ndarray, trainer_N: np.ndarray, tolerance: float) -> dict[str, float]:
     if not engine_N.size:
         return {"mismatch/kl": 0.0, "mismatch/over_tolerance_frac": 0.0}
     d_N = trainer_N - engine_N
@@ -61,7 +75,11 @@ def logprob_sync_check(rollout, trainer_logp_BT: np.ndarray, tolerance: float, m
     """(max, mean) |engine - trainer| log-prob over all response tokens. WeightSyncError when the max
     exceeds `tolerance`, or the mean exceeds `mean_tolerance` (> 0; the check for bf16 engines,
     whose rounding moves single tokens by 1e-2-1e-1 while a wrong weight moves all of them)."""
-    engine_N, trainer_N, lengths_B = _response_tokens(rollout, trainer_logp_BT)
+    return _check(*_response_tokens(rollout, trainer_logp_BT), tolerance, mean_tolerance, step)
+
+
+def _check(engine_N: np.ndarray, trainer_N: np.ndarray, lengths_B: np.ndarray, tolerance: float,
+           mean_tolerance: float, step: int) -> tuple[float, float]:
     d_N = np.abs(engine_N - trainer_N)
     d_N[~np.isfinite(d_N)] = np.inf
     worst = float(d_N.max(initial=0.0))

@@ -72,7 +72,7 @@ def test_mismatch_metrics_are_k3_and_the_share_over_tolerance_of_response_tokens
     """mismatch/kl is the token mean of exp(d) - 1 - d, d = trainer - engine, over response tokens only
     (padding past a response never enters); the share counts |d| > tolerance. Same float64 arithmetic
     as the test's on the same numbers: compared to a few ulps of the sum of 13 terms."""
-    from hpcrl.controller.sync_check import mismatch_metrics
+    from hpcrl.controller.sync_check import mismatch_metrics, sync_check_metrics
 
     lengths = [6, 3, 0, 4]
     trainer = TRAINER[:4].copy()
@@ -88,5 +88,10 @@ def test_mismatch_metrics_are_k3_and_the_share_over_tolerance_of_response_tokens
     want = float(np.mean(np.expm1(d_N) - d_N))
     assert abs(got["mismatch/kl"] - want) <= 13 * 2.0 ** -52 * want and want > 0.01
     assert got["mismatch/over_tolerance_frac"] == 3 / 13  # 0.2, 0.3 and 0.5; not 0.1 or 0.05
+    # the check and the metrics from one pass over the response tokens: the same numbers
+    diff_N = np.concatenate([np.abs(r - trainer[b, : len(r)]) for b, r in enumerate(engine_rows)])
+    assert sync_check_metrics(rollout(engine_rows), trainer, 1.0, 0.0, 3) == {
+        **mismatch_metrics(rollout(engine_rows), trainer, 1.0),
+        "sync/logprob_max_abs_diff": float(diff_N.max()), "sync/logprob_mean_abs_diff": float(diff_N.mean())}
     same = mismatch_metrics(rollout([trainer[b, :n] for b, n in enumerate(lengths)]), trainer, 0.15)
     assert same == {"mismatch/kl": 0.0, "mismatch/over_tolerance_frac": 0.0}

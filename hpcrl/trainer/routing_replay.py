@@ -34,7 +34,6 @@ class Replay:
             if isinstance(module, TopKRouter):
                 self.routers.append((module.layer_number - 1 - first_dense_layers, module))
         self.routers.sort(key=lambda jr: jr[0])
-        self.replaying = False
         self.observed: dict[int, list[torch.Tensor]] | None = None
         self.current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # j -> (engine rows, real rows)
         self.same = self.total = 0
@@ -55,8 +54,7 @@ class Replay:
             rows_LBK = rows_LBK[self.tp_rank * chunk: (self.tp_rank + 1) * chunk]
         return rows_LBK.reshape(-1, rows_LBK.shape[-1]).long()
 
-    def before_forward(self, routes_BLNK: torch.Tensor | None, pad_BL: torch.Tensor | None = None,
-                       replay: bool = True) -> None:
+    def before_forward(self, routes_BLNK: torch.Tensor | None, pad_BL: torch.Tensor, replay: bool) -> None:
         """Before a micro-batch's forward: with its engine routes, count how many of this stage's
         (token, layer) routes come out as the engine's (`pad_BL`: the batch's padding mask; a
         position routes a real token when the next one is not padding) and, with `replay`, set them
@@ -64,20 +62,18 @@ class Replay:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         self.current = {}
-        if routes_BLNK is not None and pad_BL is not None:
+        if routes_BLNK is not None:
             real_BL = torch.cat([~pad_BL[:, 1:], torch.zeros_like(pad_BL[:, :1])], dim=1)
             real_T = self.local_rows(real_BL.unsqueeze(-1).unsqueeze(-1), 0)[:, 0].bool()
             self.current = {j: (self.local_rows(routes_BLNK, j), real_T) for j, _ in self.routers}
         if not self.enabled:
             return
-        self.replaying = routes_BLNK is not None and replay
         for j, router in self.routers:
             state = router.router_replay
-            if not self.replaying:
+            if not (self.current and replay):
                 state.clear_router_replay_action()
                 continue
-            state.set_target_indices(self.current[j][0].to(router.weight.device) if j in self.current
-                                     else self.local_rows(routes_BLNK, j).to(router.weight.device))
+            state.set_target_indices(self.current[j][0].to(router.weight.device))
             state.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def take_agreement(self) -> tuple[int, int]:
@@ -94,7 +90,6 @@ class Replay:
             if replay is not None:
                 replay.clear_indices()
                 replay.clear_router_replay_action()
-        self.replaying = False
         self.current = {}
 
     # -- observation -------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moe.fp8_blocks import FP8_TAG, FP8FormatError, check_fp8_tensors, parse_quantization_config, read_box
-from moe.hf_megatron import HFModelDims, expert_names, router_name
+from moe.hf_megatron import HFModelDims, expert_names, mtp_names, router_name
 from moe.slices import Box
 
 if TYPE_CHECKING:
@@ -46,7 +46,6 @@ SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 # Buffers some older checkpoints carry; transformers recomputes them and ignores the stored ones.
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
@@ -222,12 +221,6 @@ class HFCheckpoint:
             return prefix + "down_proj", expert, 0
         return prefix + "gate_up_proj", expert, 0 if proj == gate else self.dims.moe_ffn_size
 
-    def _is_mtp(self, name: str) -> bool:
-        """Whether `name` belongs to one of DeepSeek's MTP layers, `model.layers.{L + k}.*` for
-        k < num_nextn_predict_layers (L = num_hidden_layers)."""
-        m = _LAYER.match(name)
-        return m is not None and 0 <= int(m.group(1)) - self.dims.num_layers < self.dims.mtp_layers
-
     def _locate(self, stored: dict[str, StoredTensor]) -> dict[str, _Where]:
         """checkpoint name -> (stored tensor, expert index in a fused tensor or None, row offset, its
         FP8 scale or None); raises CheckpointFormatError for a missing, unexpected or misshapen
@@ -267,10 +260,10 @@ class HFCheckpoint:
             used.add(disk)
             if scale is not None:
                 used.add(scale.name)
-        self.mtp_names = sorted(n for n in stored if self._is_mtp(n))
-        """DeepSeek's MTP tensors (and their FP8 scales): not loaded, carried into exports unchanged."""
+        # DeepSeek's MTP layers (and their FP8 scales) are not loaded; exports carry them unchanged
+        mtp = set(mtp_names(stored, self.dims.num_layers, self.dims.mtp_layers))
         extra = sorted(n for n in stored if n not in used and not _IGNORED.match(n)
-                       and not (n == "lm_head.weight" and self.dims.tied_embeddings) and not self._is_mtp(n))
+                       and not (n == "lm_head.weight" and self.dims.tied_embeddings) and n not in mtp)
         if extra:
             st = stored[extra[0]]
             raise CheckpointFormatError(

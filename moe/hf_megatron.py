@@ -22,6 +22,7 @@ nq query heads, ng KV heads (query groups).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     import torch  # the tensor functions import it when called: config validation stays torch-free
 
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
@@ -277,6 +279,18 @@ def _mla_shapes(dims: HFModelDims, p: str) -> dict[str, tuple[int, ...]]:
 def router_bias_name(layer: int) -> str:
     """DeepSeek-V3's score-correction bias of one MoE layer (a buffer: not trained, kept as loaded)."""
     return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+
+
+def mtp_names(names: Iterable[str], num_layers: int, num_mtp_layers: int) -> list[str]:
+    """The names among `names` that belong to DeepSeek's multi-token-prediction layers, which follow
+    the decoder on disk: `model.layers.{num_layers + k}.*` for k < num_mtp_layers (config.json's
+    num_hidden_layers and num_nextn_predict_layers). A layer index past them is not an MTP layer."""
+    out = []
+    for name in names:
+        m = _LAYER_RE.match(name)
+        if m is not None and num_layers <= int(m.group(1)) < num_layers + num_mtp_layers:
+            out.append(name)
+    return out
 
 
 def is_router_bias(name: str) -> bool:

@@ -57,7 +57,8 @@ from pathlib import Path
 import torch
 
 from hpcrl.rollout.direct_forward import DirectForward
-from hpcrl.rollout.hf_names import model_slots, mtp_names
+from hpcrl.rollout.hf_names import model_slots
+from moe.hf_megatron import mtp_names
 
 __all__ = ["ReferenceModel", "SamplingParams"]
 

@@ -17,7 +17,7 @@ Every other tensor keeps its in-memory name: DeepSeek's router bias
 all the same), its shared experts `<layer>.mlp.shared_experts.{gate,up,down}_proj.weight`, its dense
 MLP layers' `<layer>.mlp.{gate,up,down}_proj.weight` and the MLA projections. DeepSeek's MTP layers
 (`model.layers.{num_hidden_layers + k}.*` on disk) are not part of transformers' model and have no
-slot. A `Slot` says where an on-disk tensor lives in memory:
+slot (moe.hf_megatron.mtp_names picks them out). A `Slot` says where an on-disk tensor lives in memory:
 the in-memory parameter name and an index into it (`()` for a whole parameter); indexing a parameter
 with it gives a contiguous view, so reading a slot copies nothing and writing one is `copy_`.
 """
@@ -25,19 +25,17 @@ with it gives a contiguous view, so reading a slot copies nothing and writing on
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EXPERT_NAMES", "ExpertNames", "Slot", "checkpoint_slots", "checkpoint_state_dict", "model_slots",
-           "mtp_names"]
+__all__ = ["EXPERT_NAMES", "ExpertNames", "Slot", "checkpoint_slots", "checkpoint_state_dict", "model_slots"]
 
 Slot = tuple[str, tuple[int | slice, ...]]
 
 _FUSED_RE = re.compile(r"(?P<prefix>.*\.)mlp\.experts\.(?P<kind>gate_up_proj|down_proj)")
 _ROUTER_RE = re.compile(r"(?P<prefix>.*\.)mlp\.gate\.weight")
-_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,14 +122,3 @@ def checkpoint_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     params = model.state_dict(keep_vars=True)
     return {ckpt: params[pname].detach()[index] for ckpt, (pname, index) in model_slots(model).items()}
 
-
-def mtp_names(names: Iterable[str], num_layers: int, num_mtp_layers: int) -> list[str]:
-    """The names among `names` that belong to DeepSeek's multi-token-prediction layers, which follow
-    the decoder on disk: `model.layers.{num_layers + k}.*` for k < num_mtp_layers (config.json's
-    num_hidden_layers and num_nextn_predict_layers). A layer index past them is not an MTP layer."""
-    out = []
-    for name in names:
-        m = _LAYER_RE.match(name)
-        if m is not None and num_layers <= int(m.group(1)) < num_layers + num_mtp_layers:
-            out.append(name)
-    return out

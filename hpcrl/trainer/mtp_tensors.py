@@ -28,11 +28,10 @@ from typing import Any
 
 import torch
 
-from hpcrl.rollout.hf_names import mtp_names
 from moe.fp8_blocks import FP8FormatError, check_fp8_tensors, read_box
 from moe.hf_checkpoint import (CheckpointFormatError, StoredTensor, read_header, weight_block_size,
                                weight_files)
-from moe.hf_megatron import HFModelDims
+from moe.hf_megatron import HFModelDims, mtp_names
 from moe.slices import Box
 
 BLOCK_BYTES = 16 << 20  # bytes of rows read, converted and written (or digested) at a time

@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hpcrl.models.presets import load_hf_config
-from hpcrl.rollout.hf_names import checkpoint_slots, checkpoint_state_dict, model_slots, mtp_names
+from hpcrl.rollout.hf_names import checkpoint_slots, checkpoint_state_dict, model_slots
+from moe.hf_megatron import mtp_names
 
 pytestmark = pytest.mark.timeout(120)
 

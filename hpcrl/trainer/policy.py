@@ -803,12 +803,14 @@ class MegatronPolicy:
             aux[0] = float(values.sum()) / len(self.dims.moe_layers) / n_mb  # mean over the MoE layers
             clear_aux_losses_tracker()
         logprobs_BT = self._gather_rows(store, "logp_BT", n_mb, mb, batch)
-        routed = self._to_rank0(torch.tensor(self.replay.take_agreement(), dtype=torch.float64))
+        # every rank has the batch: all or none take part in the reduce (none without routes)
+        routed = (self._to_rank0(torch.tensor(self.replay.take_agreement(), dtype=torch.float64))
+                  if batch.routes_BLNK is not None else None)
         summed = self._to_rank0(local)
         if summed is None:
             return None
         out: dict[str, Any] = {name: float(v) for name, v in zip(names, summed)}
-        if batch.routes_BLNK is not None and routed[1] > 0:  # each (token, layer) on one rank: a sum
+        if routed is not None and routed[1] > 0:  # each (token, layer) on one rank: a sum
             out["router_agreement"] = float(routed[0] / routed[1])
         out["logprobs_BT"] = logprobs_BT
         if grad_norm is not None:

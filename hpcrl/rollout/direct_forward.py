@@ -17,7 +17,8 @@ With left padding, a query at a padding position sees no key at all; torch's SDP
 zeros, not NaN, and no real token ever sees a padding key. Models it does not describe keep
 transformers' forward: `DirectForward.refusal` says why. `on_route`, when set, is called with each MoE
 layer's index and the experts its top-k chose ([B * T, top_k], in descending probability), the routes
-the engine returns (engine.py, "Routed experts").
+the engine returns (engine.py, "Routed experts"). With `fp32_lm_head` the LM head runs in float32 on
+the final norm's output (`lm_head_logits`), as SGLang's --enable-fp32-lm-head does.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class DirectForward:
     """`model(input_ids, attention_mask, position_ids, cache, use_cache=True, logits_to_keep=1).logits`
     of a transformers `Qwen3MoeForCausalLM` in inference, in torch ops."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, fp32_lm_head: bool = False) -> None:
         reason = self.refusal(model)
         if reason:
             raise ValueError(f"DirectForward cannot run this model: {reason}")
@@ -41,6 +42,7 @@ class DirectForward:
         c = model.config
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.top_k, self.norm_top_k, self.eps = c.num_experts_per_tok, c.norm_topk_prob, c.rms_norm_eps
+        self.fp32_lm_head = fp32_lm_head
         self.on_route: Callable[[int, torch.Tensor], None] | None = None
 
     @staticmethod
@@ -78,7 +80,7 @@ class DirectForward:
             x = self._norm(h, layer.post_attention_layernorm)
             h = h + (self._moe(layer.mlp, x.view(B * T, -1), i).view(B, T, -1)
                      if hasattr(layer.mlp, "experts") else self._dense(layer.mlp, x))
-        return F.linear(self._norm(h[:, -1:], inner.norm), self.model.lm_head.weight)
+        return lm_head_logits(self._norm(h[:, -1:], inner.norm), self.model.lm_head.weight, self.fp32_lm_head)
 
     def _norm(self, x: torch.Tensor, norm: Any) -> torch.Tensor:
         """HF's Qwen3MoeRMSNorm: in fp32, then back to x's dtype, times the weight."""
@@ -127,6 +129,16 @@ class DirectForward:
     @staticmethod
     def _dense(mlp: Any, x: torch.Tensor) -> torch.Tensor:
         return _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+
+
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """The LM head: `hidden @ weight.T` in the model's dtype, or with `fp32` in float32 from the same
+    (bf16) hidden states and weight, SGLang's `_compute_lm_head` with use_fp32_lm_head
+    (layers/logits_processor.py: hidden.to(fp32) @ weight.to(fp32).T; on CUDA a bf16 mm with an fp32
+    output, the same products, each exact in fp32)."""
+    if fp32:
+        return F.linear(hidden.float(), weight.float())
+    return F.linear(hidden, weight)
 
 
 def _linear(layer: Any, x: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from hpcrl.rollout.direct_forward import DirectForward
+from hpcrl.rollout.direct_forward import DirectForward, lm_head_logits
 from hpcrl.rollout.hf_names import model_slots
 from moe.hf_megatron import mtp_names
 
@@ -146,7 +146,7 @@ class ReferenceModel:
     """
 
     def __init__(self, hf_config: Mapping, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 seed: int = 0) -> None:
+                 seed: int = 0, fp32_lm_head: bool = False) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         cfg = dict(hf_config)
@@ -158,12 +158,13 @@ class ReferenceModel:
         self.config = AutoConfig.for_model(model_type, **cfg)
         self.device = torch.device(device)
         self.dtype = dtype
+        self.fp32_lm_head = fp32_lm_head  # SGLang's --enable-fp32-lm-head (a no-op in float32)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(self.config, dtype=dtype)
         self.model = model.to(self.device).eval().requires_grad_(False)
         direct = DirectForward.refusal(self.model) is None
-        self._forward = DirectForward(self.model) if direct else self._hf_forward  # logits [B, 1, V]
+        self._forward = DirectForward(self.model, fp32_lm_head) if direct else self._hf_forward  # [B, 1, V]
         # (global layer index, router) of every MoE layer; dense layers have no `experts`
         self.routers = [(i, layer.mlp.gate) for i, layer in enumerate(self.model.model.layers)
                         if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")]
@@ -344,8 +345,12 @@ class ReferenceModel:
         return ids
 
     def _hf_forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          cache=cache, use_cache=True, logits_to_keep=1).logits
+        if not self.fp32_lm_head:
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              cache=cache, use_cache=True, logits_to_keep=1).logits
+        hidden = self.model.model(input_ids=input_ids, attention_mask=attention_mask,
+                                  position_ids=position_ids, cache=cache, use_cache=True).last_hidden_state
+        return lm_head_logits(hidden[:, -1:], self.model.lm_head.weight, True)
 
     @contextmanager
     def _recording(self, recorder: _RouteRecorder | None) -> Iterator[None]:

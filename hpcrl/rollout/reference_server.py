@@ -724,12 +724,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--enable-return-routed-experts", action="store_true",
                         help="answer requests with return_routed_experts with meta_info routed_experts "
                              "(SGLang's flag)")
+    parser.add_argument("--enable-fp32-lm-head", action="store_true",
+                        help="the LM head in float32 from the model-dtype hidden states (SGLang's flag)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(_with_config(argv))
     if args.threads:
         torch.set_num_threads(args.threads)
     hf_config = json.loads(Path(args.model_config).read_text())
-    engine = ReferenceModel(hf_config, device=args.device, dtype=getattr(torch, args.dtype), seed=args.seed)
+    engine = ReferenceModel(hf_config, device=args.device, dtype=getattr(torch, args.dtype), seed=args.seed,
+                            fp32_lm_head=args.enable_fp32_lm_head)
     if args.enable_return_routed_experts and engine.routes_refusal():
         raise SystemExit(f"--enable-return-routed-experts: {engine.routes_refusal()}; drop the flag")
     if args.model_path:

@@ -32,14 +32,22 @@ from hpcrl.rollout.placement import rank_gpus, sglang_gpu_args
 from launch.procs import die_with_parent, stop as stop_process
 
 
+FP32_LM_HEAD_FLAG = "--enable-fp32-lm-head"
+"""SGLang's flag for rollout.fp32_lm_head (exec.features.enable_fp32_lm_head); the reference server
+takes the same spelling."""
+
+
 def engine_server_args(job: JobConfig) -> list[str]:
     """rollout.server_args, plus SGLang's flag that makes an engine return its MoE routes when
-    rollout.routing_replay asks for them (without it SGLang drops the request field silently)."""
+    rollout.routing_replay asks for them (without it SGLang drops the request field silently), and
+    its fp32 LM head flag with rollout.fp32_lm_head. Both backends take these flags."""
     from hpcrl.rollout.client import ROUTED_EXPERTS_FLAG
 
     args = list(job.rollout.server_args)
     if engine_routes(job) and ROUTED_EXPERTS_FLAG not in args:
         args.append(ROUTED_EXPERTS_FLAG)
+    if job.rollout.fp32_lm_head and FP32_LM_HEAD_FLAG not in args:
+        args.append(FP32_LM_HEAD_FLAG)
     return args
 
 

@@ -1,0 +1,61 @@
+"""The generation pipeline's checkpoint state (hpcrl/controller/pipeline.py): the batches sampled
+ahead survive to_bytes / restore exactly (token ids, float64 log-probs bit for bit, routes with their
+dtype, versions, finish reasons), in order; and the state is what no completed step took."""
+
+import numpy as np
+
+from hpcrl.controller.groups import GenerateRequest, Rollout
+from hpcrl.controller.pipeline import Flight, GenerationPipeline
+from hpcrl.tasks import Example
+
+
+def _examples(block: int, n: int) -> list[Example]:
+    return [Example(prompt=f"p{block}-{i}", prompt_ids=(block, i), answer="a") for i in range(n)]
+
+
+def _pipeline() -> GenerationPipeline:
+    request_of = lambda block: GenerateRequest(_examples(block, 2), [[block, 0], [block, 1]], [])  # noqa: E731
+    return GenerationPipeline(rollouts=None, request_of=request_of, take_block=lambda: 0, max_staleness=2,
+                              num_steps=10)
+
+
+def _rollout(block: int, version: int, routes: bool) -> Rollout:
+    rng = np.random.default_rng(block)
+    responses = [[5, 6, 7], []]
+    logprobs = [rng.standard_normal(3).tolist(), []]  # full float64 mantissas
+    r = [rng.integers(0, 200, (4, 2, 3)).astype(np.uint8), rng.integers(0, 200, (1, 2, 3)).astype(np.uint8)]
+    return Rollout(_examples(block, 2), [[block, 0], [block, 1]], responses, logprobs, ["length", "stop"],
+                   r if routes else None, [version, version])
+
+
+def test_state_round_trips_exactly_in_order():
+    p = _pipeline()
+    flights = [Flight(3, 1, rollout=_rollout(3, 1, True)), Flight(4, 2, rollout=_rollout(4, 2, False))]
+    p._taken.append(flights[0])  # taken by the step in progress: still state
+    p._ahead.append(flights[1])
+    data = p.to_bytes()
+    q = _pipeline()
+    q.restore(data)
+    assert [(f.block, f.version) for f in q._ahead] == [(3, 1), (4, 2)]
+    for f, g in zip(flights, q._ahead):
+        a, b = f.rollout, g.rollout
+        assert (b.prompt_ids, b.response_ids, b.finish_reasons, b.versions) == \
+               (a.prompt_ids, a.response_ids, a.finish_reasons, a.versions)
+        assert [x.hex() for row in b.engine_logprobs for x in row] == \
+               [x.hex() for row in a.engine_logprobs for x in row]
+        assert [e.prompt for e in b.examples] == [e.prompt for e in a.examples]
+        if a.routes is None:
+            assert b.routes is None
+        else:
+            assert all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a.routes, b.routes))
+
+
+def test_a_completed_step_takes_its_batches_out_of_the_state():
+    p = _pipeline()
+    p._taken.append(Flight(3, 1, rollout=_rollout(3, 1, False)))
+    p.step_done()
+    assert p.to_bytes() is None
+    p._ahead.append(Flight(4, 1, rollout=_rollout(4, 1, False)))
+    q = _pipeline()
+    q.restore(p.to_bytes())
+    assert [f.block for f in q._ahead] == [4]

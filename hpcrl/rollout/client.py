@@ -16,6 +16,16 @@ then return None after a 404 instead of failing.
 Routed experts (SGLang 0.5.23, both servers): an engine started with `ROUTED_EXPERTS_FLAG` answers a
 /generate body holding `routed_experts_fields()` with meta_info["routed_experts"], which
 `decode_routed_experts` turns into an int32 array [P + R - 1 - start_len, num_hidden_layers, top_k].
+
+Scoring (SGLang 0.5.23's input-token log-probs, both servers; asynchronous RL's sync check, issue 32):
+`scoring_body(pairs)` is the /generate body asking for the log-probs of each (prompt_ids, response_ids)
+pair's response tokens without generating (input_ids prompt + response, max_new_tokens 0,
+return_logprob, logprob_start_len len(prompt) - 1: SGLang's first input entry carries no log-prob, so
+the start is one before the response); `parse_scores(answers, pairs)` reads the answer back into one
+list of floats per pair, log p(response[t] | prompt, response[:t]), checking every entry against the
+tokens sent (ValueError on a malformed answer); `EngineClient.score(pairs)` does both. The values are
+at temperature 1 whatever the sampling temperature (SGLang does not scale input log-probs): compare
+them with the trainer's log_softmax(logits) at T = 1 (dev/notes_input_logprobs.md).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import math
 import os
 import select
 import socket
@@ -42,7 +53,8 @@ from hpcrl.rollout.engine_auth import ADMIN_ROUTES, EngineKeys, process_keys
 from launch.procs import die_with_parent
 
 __all__ = ["ROUTED_EXPERTS_FLAG", "EngineClient", "EngineError", "PendingResponse", "decode_routed_experts",
-           "launch_reference_server", "open_private_log", "routed_experts_fields"]
+           "launch_reference_server", "open_private_log", "parse_scores", "routed_experts_fields",
+           "scoring_body"]
 
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
 """The server flag (SGLang's and the reference server's) without which no answer carries routes."""
@@ -201,6 +213,12 @@ class EngineClient:
         payload.update(extra)
         return self.request("POST", "/generate", payload)
 
+    def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], vocab_size: int | None = None
+              ) -> list[list[float]]:
+        """The engine's log-probs of each (prompt_ids, response_ids) pair's response tokens, one
+        /generate scoring request for all (`scoring_body`, read by `parse_scores`); temperature 1."""
+        return parse_scores(self.request("POST", "/generate", scoring_body(pairs)), pairs, vocab_size)
+
     def health(self) -> bool:
         """True when GET /health answers 200; False when the server is down, starting or unhealthy."""
         try:
@@ -358,6 +376,72 @@ def decode_routed_experts(meta_info: dict, num_layers: int, top_k: int) -> np.nd
                          "serves another model, or num_layers/top_k are not its num_hidden_layers and "
                          "num_experts_per_tok")
     return np.frombuffer(raw, dtype="<i4").reshape(-1, num_layers, top_k)
+
+
+def scoring_body(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> dict:
+    """The /generate body scoring each (prompt_ids, response_ids) pair without generating: input_ids
+    prompt + response, sampling_params {"max_new_tokens": 0}, return_logprob, and logprob_start_len
+    len(prompt) - 1 per item (SGLang 0.5.23 answers input_token_logprobs from that position on, the
+    first entry without a log-prob: the prompt's last token, then one entry per response token).
+    ValueError for no pairs or an empty prompt (a response's first token needs a position before it)."""
+    if not pairs:
+        raise ValueError("scoring_body needs at least one (prompt_ids, response_ids) pair")
+    ids, starts = [], []
+    for i, (prompt, response) in enumerate(pairs):
+        if len(prompt) == 0:
+            raise ValueError(f"pairs[{i}] has an empty prompt: the log-prob of a response's first token is "
+                             "read at the prompt's last position; give at least one prompt token")
+        ids.append([int(t) for t in prompt] + [int(t) for t in response])
+        starts.append(len(prompt) - 1)
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+            "logprob_start_len": starts}
+
+
+def parse_scores(answers, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+                 vocab_size: int | None = None) -> list[list[float]]:
+    """The response tokens' log-probs, one list of floats per pair, from the answer to
+    `scoring_body(pairs)`. Each answer's meta_info["input_token_logprobs"] must be SGLang 0.5.23's:
+    1 + len(response) [logprob, token_id, text] entries for the prompt's last token and the response,
+    the first logprob None, the others numbers, the ids those sent (SGLang reports the id
+    vocab_size - 1 as 0: with `vocab_size` only that id may read 0, without it any). ValueError naming
+    the pair, the entry and what is wrong otherwise (an engine that ignored logprob_start_len, a
+    shifted or truncated answer, a non-finite log-prob, which JSON carries as null)."""
+    if not isinstance(answers, list) or len(answers) != len(pairs):
+        got = f"a list of {len(answers)}" if isinstance(answers, list) else type(answers).__name__
+        raise ValueError(f"a scoring answer must be a list of one answer per pair ({len(pairs)}); got {got}")
+    out = []
+    for i, (answer, (prompt, response)) in enumerate(zip(answers, pairs)):
+        meta = answer.get("meta_info") if isinstance(answer, dict) else None
+        entries = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+        if not isinstance(entries, list):
+            raise ValueError(f"answer {i} has no meta_info['input_token_logprobs'] list: the engine did not "
+                             "return input log-probs (was the body scoring_body's, with return_logprob?)")
+        sent = [int(prompt[-1]), *(int(t) for t in response)]
+        if len(entries) != len(sent):
+            raise ValueError(f"answer {i}: {len(entries)} input_token_logprobs entries, expected {len(sent)} "
+                             f"(the prompt's last token and {len(response)} response tokens): the engine "
+                             "read logprob_start_len otherwise")
+        values = []
+        for j, (entry, token) in enumerate(zip(entries, sent)):
+            if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+                raise ValueError(f"answer {i}, input_token_logprobs[{j}]={entry!r} is not a [logprob, "
+                                 "token_id, text] triple")
+            logprob, got = entry[0], entry[1]
+            if got != token and not (got == 0 and (vocab_size is None or token == vocab_size - 1)):
+                raise ValueError(f"answer {i}, input_token_logprobs[{j}] is for token {got!r} but the body "
+                                 f"sent {token} there: the answer is shifted or for other tokens")
+            if j == 0:
+                if logprob is not None:
+                    raise ValueError(f"answer {i}, input_token_logprobs[0] has logprob {logprob!r}; SGLang "
+                                     "0.5.23 leaves the first entry None: the engine follows another rule")
+                continue
+            if isinstance(logprob, bool) or not isinstance(logprob, (int, float)) \
+                    or not math.isfinite(logprob):
+                raise ValueError(f"answer {i}, input_token_logprobs[{j}] has logprob {logprob!r}, not a "
+                                 "finite number (a NaN or infinite log-prob arrives as null)")
+            values.append(float(logprob))
+        out.append(values)
+    return out
 
 
 class PendingResponse:

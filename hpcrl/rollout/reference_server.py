@@ -34,8 +34,8 @@ sender must read the HTTP answer, not wait for the broadcast: hpcrl.rollout.weig
 /begin_weight_update is HTTP 400; /pause_generation defaults to mode "abort" (queued and running
 requests answer 200 with finish_reason abort). A load that fails after the receive (an unknown
 tensor name) changes no weight; SGLang skips unknown names silently, the reference engine refuses
-them. Differences by design: streaming, input-token log-probs and top log-probs are refused with
-400; on CPU, releasing memory only changes state. JSON answers are written by orjson with
+them. Differences by design: streaming and top log-probs (top_logprobs_num, token_ids_logprob) are
+refused with 400; on CPU, releasing memory only changes state. JSON answers are written by orjson with
 non-string keys allowed, as SGLang's `/generate` writes them (so a non-finite float is `null`).
 
 Routed experts as SGLang 0.5.23's (issue 33): with --enable-return-routed-experts, a /generate request
@@ -46,6 +46,19 @@ item of a batch) gets meta_info["routed_experts"]: base64 of little-endian int32
 S > P answers HTTP 400 with SGLang's abort message, flag or not. An aborted request carries no routes
 (SGLang answers one aborted while running with its partial output and that output's routes; the
 reference engine answers it without output tokens, see /pause_generation above).
+
+Input-token log-probs as SGLang 0.5.23's (issue 32's scoring requests; dev/notes_input_logprobs.md):
+every answer to a request with return_logprob carries meta_info["input_token_logprobs"] and
+"output_token_logprobs_length". With "logprob_start_len" L (one int, or one per item of a batch;
+default -1) in [0, P] the former holds P - L triples [logprob, token_id, text] for the input tokens
+L .. P - 1, the first logprob None, the others log_softmax(logits)[token] of the position before, at
+temperature 1 whatever the request's (engine_score.py); L = P or -1 gives []. As SGLang's detokenizer
+reports it, the id vocab_size - 1 appears as 0 (its logprob is that token's). L > P answers HTTP 400
+with SGLang's abort message; L < -1 also 400 (SGLang does not check it, and its scheduler then fails an
+assertion); without return_logprob L is ignored, as SGLang resets it. The input log-probs come from a
+forward of their own over the batch's scoring rows, after its generation: requests with
+max_new_tokens 0 (and no routes asked) are left out of the generation batch, so scoring requests
+change neither what generation requests return nor the seeds unseeded ones draw.
 """
 
 from __future__ import annotations
@@ -72,6 +85,7 @@ import torch.distributed as dist
 from hpcrl import faults
 from hpcrl.rollout.engine import ReferenceModel
 from hpcrl.rollout.engine_auth import decide_request_auth, route_level
+from hpcrl.rollout.engine_score import input_token_logprobs
 from hpcrl.rollout.reshard_route import ROUTE, PlanRequest, spec_at_dtype, spec_fingerprint
 from hpcrl.rollout.weight_sender import init_custom_process_group, parse_dtype, unflatten_bucket
 
@@ -88,10 +102,11 @@ class _Fail(Exception):
 
 
 class _Job:
-    __slots__ = ("prompts", "params", "routes", "done", "outputs", "error", "epoch", "aborted")
+    __slots__ = ("prompts", "params", "routes", "starts", "done", "outputs", "error", "epoch", "aborted")
 
-    def __init__(self, prompts, params, routes: bool = False) -> None:
+    def __init__(self, prompts, params, routes: bool = False, starts: list[int | None] | None = None) -> None:
         self.prompts, self.params, self.routes = prompts, params, routes
+        self.starts = starts or [None] * len(prompts)  # per prompt: the input log-probs' first position
         self.done = threading.Event()
         self.outputs: list[dict] | None = None
         self.error: _Fail | None = None
@@ -165,11 +180,10 @@ class ReferenceServer:
                 raise _Fail(f"/generate field {key!r} is not supported by the reference engine")
         if req.get("stream"):
             raise _Fail("stream=true is not supported by the reference engine; use a non-streaming request")
-        if req.get("logprob_start_len") not in (None, -1) or req.get("top_logprobs_num") \
-                or req.get("token_ids_logprob"):
-            raise _Fail("input-token and top log-probs (logprob_start_len, top_logprobs_num, "
-                        "token_ids_logprob) are not implemented by the reference engine; only "
-                        "output_token_logprobs are returned")
+        if req.get("top_logprobs_num") or req.get("token_ids_logprob"):
+            raise _Fail("top log-probs (top_logprobs_num, token_ids_logprob) are not implemented by the "
+                        "reference engine; it returns output_token_logprobs and, with logprob_start_len, "
+                        "input_token_logprobs")
         prompts, batched = self._prompts(req)
         n = len(prompts)
         sampling = _per_request(req.get("sampling_params"), n, batched, "sampling_params", {})
@@ -179,9 +193,10 @@ class ReferenceServer:
             params = self.engine.validate(prompts, [s if s is not None else {} for s in sampling])
         except ValueError as exc:
             raise _Fail(str(exc)) from None
+        starts = self._logprob_starts(req, prompts, batched, return_logprob)
         routes_from = self._routes_from(req, prompts)
         self._check_not_released()
-        job = _Job(prompts, params, routes_from is not None)
+        job = _Job(prompts, params, routes_from is not None, starts)
         self._run_queued(job)
         if job.error is not None:
             raise job.error
@@ -192,9 +207,38 @@ class ReferenceServer:
         with_text = bool(req.get("return_text_in_logprobs"))
         base = uuid.uuid4().hex[:20]  # ids unique like SGLang's uuid4 hex, 12 hex digits per answer
         answers = [self._answer(p, o, rid if rid is not None else f"{base}{i:012x}", lp, with_text, latency,
-                                routes_from)
-                   for i, (p, o, rid, lp) in enumerate(zip(prompts, job.outputs, rids, return_logprob))]
+                                routes_from, start)
+                   for i, (p, o, rid, lp, start) in enumerate(zip(prompts, job.outputs, rids, return_logprob,
+                                                                  job.starts))]
         return answers if batched else answers[0]
+
+    def _logprob_starts(self, req: dict, prompts: list[list[int]], batched: bool,
+                        return_logprob: list) -> list[int | None]:
+        """Per prompt, the first position of its input_token_logprobs (its length when it gets none),
+        or None without return_logprob (SGLang then ignores logprob_start_len). L > P is refused with
+        SGLang's abort message (scheduler.py), L < -1 with hpcrl's (SGLang does not check it)."""
+        value = req.get("logprob_start_len")
+        if isinstance(value, list) and not batched:
+            raise _Fail(f"/generate field 'logprob_start_len'={value!r} is a list but the request has one "
+                        "prompt; give one integer (a list gives one per item of a batched request)")
+        starts = _per_request(value, len(prompts), batched, "logprob_start_len", -1)
+        out: list[int | None] = []
+        for i, (prompt, start, want) in enumerate(zip(prompts, starts, return_logprob)):
+            if not isinstance(start, int) or isinstance(start, bool):
+                raise _Fail(f"/generate field 'logprob_start_len'={start!r} (item {i}) must be an integer: "
+                            "-1 (no input log-probs) or a position in [0, prompt length]")
+            if not want:
+                out.append(None)
+            elif start > len(prompt):  # SGLang's message (its f-string's "name=" forms), HTTP 400
+                raise _Fail(f"req.logprob_start_len={start} is higher than the number of input tokens "
+                            f"len(req.origin_input_ids)={len(prompt)}. Please use a smaller "
+                            "logprob_start_len.")
+            elif start < -1:
+                raise _Fail(f"/generate field 'logprob_start_len'={start} (item {i}) must be -1 (no input "
+                            f"log-probs) or a position in [0, {len(prompt)}] (the prompt's length)")
+            else:
+                out.append(len(prompt) if start == -1 else start)
+        return out
 
     def _routes_from(self, req: dict, prompts: list[list[int]]) -> int | None:
         """The first position whose routes the answers carry (routed_experts_start_len), or None when
@@ -240,7 +284,7 @@ class ReferenceServer:
         return [ids], False
 
     def _answer(self, prompt, out: dict, rid, return_logprob: bool, with_text: bool, latency: float,
-                routes_from: int | None = None) -> dict:
+                routes_from: int | None = None, start: int | None = None) -> dict:
         ids = out["output_ids"]
         meta = {"id": rid, "finish_reason": out["finish_reason"],
                 "prompt_tokens": len(prompt), "completion_tokens": len(ids), "cached_tokens": 0,
@@ -248,8 +292,16 @@ class ReferenceServer:
                 "e2e_latency": latency}
         if return_logprob:
             decode = self.tokenizer.decode if (with_text and self.tokenizer is not None) else None
+            # SGLang reports an input id >= vocab_size - 1 as 0 (logprob_result_processor.py, meant for
+            # multimodal hashes); the log-prob is still that token's.
+            last = self.engine.vocab_size - 1
+            inputs = [t if t < last else 0 for t in prompt[start:]] if start is not None else []
+            values = out.get("input_logprobs", [])
+            meta["input_token_logprobs"] = [[lp, t, decode([t]) if decode else None]
+                                            for lp, t in zip(values, inputs)]
             meta["output_token_logprobs"] = [[lp, t, decode([t]) if decode else None]
                                              for lp, t in zip(out["output_logprobs"], ids)]
+            meta["output_token_logprobs_length"] = len(ids)
         if routes_from is not None and "routed_experts" in out:
             meta["routed_experts"] = encode_routed_experts(out["routed_experts"][routes_from:])
         text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
@@ -294,11 +346,18 @@ class ReferenceServer:
                 self.batching.notify_all()
 
     def _run_batch(self, jobs: list[_Job]) -> None:
+        """Generate for the rows that produce tokens or routes, then score the rows that asked for
+        input log-probs (one forward each); rows with max_new_tokens 0 and no routes are answered
+        without generating (what the engine answers them: no token, finish_reason length 0)."""
+        rows = [(j, k) for j in jobs for k in range(len(j.prompts))]
+        gen = [(j, k) for j, k in rows if j.params[k].max_new_tokens > 0 or j.routes]
+        scored = [(j, k) for j, k in rows if j.starts[k] is not None and j.starts[k] < len(j.prompts[k])]
         try:
             self._check_not_released()
-            outputs = self.engine.generate([p for j in jobs for p in j.prompts],
-                                           [s for j in jobs for s in j.params],
-                                           return_routes=[j.routes for j in jobs for _ in j.prompts])
+            generated = self.engine.generate([j.prompts[k] for j, k in gen], [j.params[k] for j, k in gen],
+                                             return_routes=[j.routes for j, _ in gen])
+            values = input_token_logprobs(self.engine, [j.prompts[k] for j, k in scored],
+                                          [j.starts[k] for j, k in scored])
         except _Fail as exc:
             for j in jobs:
                 j.error = exc
@@ -308,9 +367,12 @@ class ReferenceServer:
             for j in jobs:
                 j.error = _Fail(f"generation failed: {type(exc).__name__}: {exc}", status=500)
             return
-        k = 0
+        outputs = {(id(j), k): out for (j, k), out in zip(gen, generated)}
+        for (j, k), vals in zip(scored, values):
+            out = outputs.setdefault((id(j), k), _no_output())
+            out["input_logprobs"] = vals
         for j in jobs:
-            j.outputs, k = outputs[k:k + len(j.prompts)], k + len(j.prompts)
+            j.outputs = [outputs.get((id(j), k)) or _no_output() for k in range(len(j.prompts))]
 
     def health(self, req: dict):
         if self.shutting_down:
@@ -573,6 +635,11 @@ class ReferenceServer:
                 dist.destroy_process_group(group)
             self.groups.clear()
             self.model_lock.release()
+
+
+def _no_output() -> dict:
+    """The engine's result for a request with max_new_tokens 0 (engine.py `_result`)."""
+    return {"output_ids": [], "output_logprobs": [], "finish_reason": {"type": "length", "length": 0}}
 
 
 def encode_routed_experts(routes: torch.Tensor) -> str:

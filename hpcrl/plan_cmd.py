@@ -85,6 +85,7 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
     report["weight_sync"] = {"rollout_backend": job.rollout.backend, "weight_sync": job.rollout.weight_sync,
                              "route": weight_sync_mode(job)}
     report["routing_replay"] = routes_report(job)
+    report["async"] = async_report(job, report["routing_replay"])
     moved = report["plan"]["nic_bytes"] + report["plan"]["nvlink_bytes"]
     report["mean_recv_bytes_per_gpu"] = moved / rollout.world_size
     errors = {}
@@ -123,6 +124,22 @@ def routes_report(job: JobConfig) -> dict[str, Any] | None:
             "bytes_per_sample": per_sample, "bytes_per_step": per_sample * samples}
 
 
+def async_report(job: JobConfig, routes: dict[str, Any] | None) -> dict[str, Any] | None:
+    """rollout.max_staleness's extra memory: the k batches sampled ahead, held by the controller and
+    saved in every checkpoint (hpcrl/controller/pipeline.py: 8-byte token ids of prompt and response,
+    8-byte engine log-probs of the response, and the routes with routing replay), at their largest.
+    None for a synchronous job."""
+    k = job.rollout.max_staleness
+    if not k:
+        return None
+    from hpcrl.models.job_model import model_config
+
+    prompt = job.data.max_prompt_tokens or model_config(job)[3]["max_position_embeddings"] - job.rollout.max_new_tokens
+    per_sample = 8 * prompt + 16 * job.rollout.max_new_tokens + (routes["bytes_per_sample"] if routes else 0)
+    per_batch = per_sample * job.data.num_prompts_per_step * job.algorithm.group_size
+    return {"max_staleness": k, "bytes_per_batch": per_batch, "buffered_bytes": k * per_batch}
+
+
 def _gib(x: float) -> str:
     return f"{x / GIB:.2f} GiB" if x >= 2**24 else f"{x / 2**20:.2f} MiB"
 
@@ -150,6 +167,12 @@ def render(report: dict[str, Any]) -> str:
         extra.insert(1, f"  routes         rollout.routing_replay: {routes['bytes_per_token']} B per token, at most "
                         f"{_gib(routes['bytes_per_sample'])} per sample ({routes['max_tokens_per_sample']} tokens), "
                         f"{_gib(routes['bytes_per_step'])} per step on the controller and trainer rank 0")
+    buffered = report.get("async")
+    if buffered:
+        extra.insert(1, f"  async          rollout.max_staleness {buffered['max_staleness']}: "
+                        f"{_gib(buffered['buffered_bytes'])} of batches sampled ahead at most "
+                        f"({_gib(buffered['bytes_per_batch'])} per batch), on the controller and in every "
+                        "checkpoint")
     text = render_text(report, first_route=ws["route"], weight_sync_note=note)
     return f"job              {report['job']}\n" + text + "\n" + "\n".join(extra)
 

@@ -291,9 +291,8 @@ class RolloutConfig:
     the policy of step max(0, s - k) (a function of the step, so resumes are exact); the loss
     corrects for the stale behaviour policy (decoupled PPO, docs/async.md)."""
     partial: bool = False
-    """With max_staleness >= 1: a weight push pauses the engines' in-flight requests instead of
-    waiting for them (SGLang's /pause_generation, /continue_generation); the new weights land and
-    generation continues. Every token keeps the policy version that sampled it."""
+    """Partial rollouts (a weight push pausing the engines' in-flight requests instead of waiting for
+    them): not built yet, true is refused (docs/async.md)."""
     weight_sync: str = "auto"
     """auto | shard | broadcast. shard: every trainer rank sends its Megatron shards straight to the
     engines along a moe plan (the reference engine's extension route; SGLang's Qwen3-MoE engines
@@ -480,6 +479,14 @@ def weight_sync_mode(job: JobConfig) -> str:
     if r.weight_sync != "auto":
         return r.weight_sync
     return "shard" if r.backend == "reference" and job.resources.device == "cpu" else "broadcast"
+
+
+def rollout_correction(job: JobConfig) -> str:
+    """The loss's rollout correction: algorithm.rollout_correction, except that an asynchronous run
+    (rollout.max_staleness >= 1) left at none gets tis: decoupled PPO's behaviour weight pi_old /
+    pi_engine on stale samples, truncated at algorithm.tis_cap (docs/async.md)."""
+    a = job.algorithm
+    return "tis" if a.rollout_correction == "none" and job.rollout.max_staleness > 0 else a.rollout_correction
 
 
 def critic_enabled(job: JobConfig) -> bool:

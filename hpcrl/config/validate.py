@@ -20,7 +20,8 @@ from typing import Any
 
 from hpcrl.algorithms import KL_ESTIMATORS, LOSS_AGGS, MIS_LEVELS
 from hpcrl.config.errors import ConfigError, did_you_mean, job_field
-from hpcrl.config.schema import AlgorithmConfig, CriticConfig, JobConfig, critic_enabled, engine_dtype
+from hpcrl.config.schema import (AlgorithmConfig, CriticConfig, JobConfig, critic_enabled, engine_dtype,
+                                 rollout_correction)
 from hpcrl.config.validate_data import (  # noqa: F401 (read_model_config, prompt_limit: re-exported)
     check_data_and_reward, job_tokenizer, prompt_limit, read_model_config)
 from hpcrl.dataflows._declared import PER_ALGORITHM_KEYS, declared
@@ -113,6 +114,8 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("rollout.logprob_tolerance", lambda v: v > 0, "> 0, e.g. 1e-4 (float32) or 1.0 (bfloat16 engines)"),
     ("rollout.logprob_mean_tolerance", lambda v: v >= 0, ">= 0 (0 disables it), e.g. 2e-2 for bfloat16 engines"),
     ("rollout.bucket_mb", lambda v: v >= 1, ">= 1 (MB)"),
+    ("rollout.max_staleness", lambda v: v >= 0, ">= 0 (0: synchronous; k >= 1 samples the next k batches "
+                                                "while the trainer trains)"),
     ("checkpoint.dir", lambda v: v is None or v != "", "a directory path, or null for RUN_DIR/checkpoints"),
     ("checkpoint.interval_steps", lambda v: v >= 0, ">= 0 (0 saves only at the end and on preemption)"),
     ("checkpoint.keep", lambda v: v >= 1, ">= 1 (the latest checkpoint is always kept)"),
@@ -247,7 +250,8 @@ def _check_algorithm(job: JobConfig) -> None:
                           "an entropy bonus applies to the RL algorithms; sft fits the data's answers. "
                           "Remove it")
     _check_per_algorithm_keys(a)
-    _check_rollout_correction(a)
+    _check_rollout_correction(a, rollout_correction(job))
+    _check_async(job)
     if a.loss_agg_norm and a.loss_agg != "seq-mean-token-sum-norm":
         raise ConfigError("algorithm.loss_agg_norm", a.loss_agg_norm,
                           f"is the constant of loss_agg seq-mean-token-sum-norm, and {a.name} aggregates "
@@ -296,16 +300,35 @@ def _check_per_algorithm_keys(a: AlgorithmConfig) -> None:
                                                          "what makes the algorithm); remove the key")
 
 
-def _check_rollout_correction(a: AlgorithmConfig) -> None:
-    """A correction needs engine samples (sft has none); a method's keys only with that method."""
+def _check_rollout_correction(a: AlgorithmConfig, effective: str) -> None:
+    """A correction needs engine samples (sft has none); a method's keys only with that method
+    (`effective`: the correction the loss applies, schema.rollout_correction)."""
     if a.name == "sft" and a.rollout_correction != "none":
         raise ConfigError("algorithm.rollout_correction", a.rollout_correction,
                           "sft trains on the data's answers, which no engine sampled; set it to none")
     for key, method in (("tis_cap", "tis"), ("mis_low", "mis"), ("mis_high", "mis"), ("mis_level", "mis")):
-        if a.rollout_correction != method and getattr(a, key) != getattr(AlgorithmConfig(), key):
+        if effective != method and getattr(a, key) != getattr(AlgorithmConfig(), key):
             raise ConfigError(f"algorithm.{key}", getattr(a, key),
                               f"applies to algorithm.rollout_correction: {method} (this job has "
-                              f"{a.rollout_correction}); remove it, or set the correction")
+                              f"{effective}); remove it, or set the correction")
+
+
+def _check_async(job: JobConfig) -> None:
+    """rollout.max_staleness needs engine samples; rollout.partial needs max_staleness."""
+    r, a = job.rollout, job.algorithm
+    if r.max_staleness and a.name == "sft":
+        raise ConfigError("rollout.max_staleness", r.max_staleness,
+                          "sft trains on the data's answers and generates nothing to overlap; set it to 0")
+    if r.max_staleness and r.temperature != 1.0:
+        raise ConfigError("rollout.max_staleness", r.max_staleness,
+                          f"with rollout.temperature={r.temperature:g}: the sync check scores the trained batch "
+                          "again on the engines, whose input-token log-probs SGLang 0.5.23 does not scale by "
+                          "the temperature (docs/async.md); set rollout.temperature: 1.0 or max_staleness: 0")
+    if r.partial:  # docs/async.md, "Partial rollouts": where a push cuts a request is a matter of timing
+        raise ConfigError("rollout.partial", r.partial, "partial rollouts are not built yet: a push that "
+                                                        "pauses in-flight requests cuts them where timing "
+                                                        "says, and hpcrl's resumes must be exact "
+                                                        "(docs/async.md); remove it")
 
 
 def _check_critic(job: JobConfig) -> None:

@@ -30,6 +30,7 @@ algorithm shares: the step range, evaluation, the metrics record and checkpoints
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import time
@@ -38,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcrl.config.schema import AlgorithmConfig, JobConfig, critic_enabled
+from hpcrl.config.schema import AlgorithmConfig, JobConfig, critic_enabled, rollout_correction
 from hpcrl.controller.groups import Rollout
 from hpcrl.controller.sync_check import sync_check_metrics
 
@@ -76,18 +77,29 @@ class RL:
         self._timing: dict[str, float] = {}
         self._t0 = 0.0
         self._temperature = self.job.rollout.temperature
-        self._unchecked: list[tuple[Rollout, np.ndarray]] = []  # (rollout, trainer log-probs) per update
+        self._unchecked: list[tuple[Rollout, np.ndarray, Any]] = []  # (rollout, trainer log-probs, scoring)
+        self._rescore = self.job.rollout.max_staleness > 0  # the sync check scores the trained batch again
 
     # -- the loop's side ---------------------------------------------------------------------------
 
     def begin_step(self, step: int) -> None:
         self.step, self._metrics, self._timing, self._t0 = step, {}, {}, time.perf_counter()
+        self._staleness: list[int] = []  # per completion generated this step: step - its policy version
 
     def end_step(self) -> dict[str, Any]:
         """The step's metrics record (timing/* included), for the metrics logger."""
         self._check_logprobs()  # updates of a step that did not call sync_weights
         timing = {f"timing/{k}_s": round(v, 6) for k, v in self._timing.items()}
-        return {**self._metrics, **timing, "timing/step_s": round(time.perf_counter() - self._t0, 6)}
+        end = time.perf_counter()
+        step_s = end - self._t0
+        trainer_busy = sum(self._timing.get(k, 0.0) for k in ("logprobs", "train", "sync"))
+        engine_busy = self._s.pipeline.busy_seconds(self._t0, end)
+        if self._staleness:
+            self.log(**{"rollout/staleness_mean": sum(self._staleness) / len(self._staleness),
+                        "rollout/staleness_max": max(self._staleness)})
+        return {**self._metrics, **timing, "timing/step_s": round(step_s, 6),
+                "timing/trainer_idle_s": round(max(step_s - trainer_busy, 0.0), 6),
+                "timing/engine_idle_s": round(max(step_s - engine_busy, 0.0), 6)}
 
     def _phase(self, name: str, timer: str | None = None) -> _Timed:
         self._s.phase(self.step, name)
@@ -98,11 +110,13 @@ class RL:
     def generate(self) -> Rollout:
         """The step's prompts (job.data), each sampled job.algorithm.group_size times, group after group."""
         with self._phase("generate", "rollout"):
-            rollout = self._s.generate(self.step)
+            rollout, flight, stale = self._s.generate(self.step)
         dropped = self._metrics.get("data/dropped_prompts", 0) + len(self._s.sampler.dropped(self._s.last_block))
+        self._staleness += [self.step - v for v in rollout.versions or [flight.version]]
         self.log(**{"rollout/tokens": rollout.num_tokens,
                     "rollout/response_len": rollout.num_tokens / len(rollout.response_ids),
-                    "data/dropped_prompts": dropped})
+                    "data/dropped_prompts": dropped,
+                    "rollout/dropped_stale": self._metrics.get("rollout/dropped_stale", 0) + stale})
         return rollout
 
     def demonstrations(self) -> Rollout:
@@ -163,25 +177,41 @@ class RL:
         log-probs of the sampled tokens against this forward before the update while the sync is in
         flight (WeightSyncError above rollout.logprob_tolerance), and waits for it.
         """
-        if self.algo.rollout_correction != "none" and rollout.engine_logprobs:
+        if rollout_correction(self.job) != "none" and rollout.engine_logprobs:
             tensors = {**(tensors or {}), "behaviour_logp": rollout.engine_logprobs_BT()}
+        scoring = None
+        if self._rescore and rollout.engine_logprobs:  # the engines hold the version this update starts from
+            rollouts = self._s.rollouts
+            scoring = rollouts.start(self.step, rollouts.prepare_scoring(rollout))
         with self._phase("train"):
             train = self._s.policy.train(
                 self.step, rollout, advantages, ref_logprobs, self._temperature, loss=loss, tensors=tensors,
                 epochs=self.algo.ppo_epochs if epochs is None else epochs,
-                mini_batch_size=self.algo.mini_batch_size if mini_batch_size is None else mini_batch_size)
+                mini_batch_size=self.algo.mini_batch_size if mini_batch_size is None else mini_batch_size,
+                # a push must not overtake the scoring requests: sync_weights collects them first
+                queue_sync=scoring is None)
         self.log(**{("mismatch/" if k == "router_agreement" else "train/") + k: v
                     for k, v in train.metrics.items()})
         if rollout.engine_logprobs:  # demonstrations have none: no engine sampled them
-            self._unchecked.append((rollout, train.logprobs_BT))
+            self._unchecked.append((rollout, train.logprobs_BT, scoring))
         return train.metrics
 
     def _check_logprobs(self) -> None:
         """The sync check of the updates since the last one: the engines' log-probs of the tokens
         they sampled against the trainer's forward of the same weights (WeightSyncError beyond
-        rollout.logprob_tolerance / logprob_mean_tolerance)."""
+        rollout.logprob_tolerance / logprob_mean_tolerance). An asynchronous run's batch was sampled
+        by an older policy: the engines' log-probs are then those of the scoring requests
+        `update_policy` sent while they held the version the trainer's forward ran."""
         r = self.job.rollout
-        for rollout, trainer_BT in self._unchecked:
+        for rollout, trainer_BT, scoring in self._unchecked:
+            if scoring is not None:
+                logprobs, versions = self._s.rollouts.collect_scores(scoring, rollout)
+                if set(versions) != {self.step}:
+                    raise RuntimeError(f"step {self.step}: the engines scored the batch with policy versions "
+                                       f"{sorted(set(versions))}, the trainer's forward ran version {self.step}: "
+                                       f"with rollout.max_staleness >= 1 algorithm {self.algo.name!r} must call "
+                                       "rl.sync_weights() after every rl.update_policy()")
+                rollout = dataclasses.replace(rollout, engine_logprobs=logprobs)
             self.log(**sync_check_metrics(rollout, trainer_BT, r.logprob_tolerance, r.logprob_mean_tolerance,
                                           self.step))
         self._unchecked = []
@@ -192,7 +222,7 @@ class RL:
         ends): it costs the step nothing unless it outlasts the push."""
         with self._phase("sync"):
             self._check_logprobs()
-            sync = self._s.policy.push_weights(self.step)
+            sync = self._s.push_weights(self.step)
         self.log(**{"sync/bytes": sync["bytes"],
                     "sync/gbps": sync["bytes"] * 8 / 1e9 / max(sync["seconds"], 1e-9)})
         return sync

@@ -6,7 +6,9 @@ Saving is collective on the trainer ranks (hpcrl/trainer/checkpoint_io.py writes
 HF names; the store in checkpoints/ commits atomically). The controller adds the metadata that
 makes a resume exact: step, resolved config, layouts, weight version, sampler position, counters,
 the last evaluation and the metrics history (metrics.jsonl is rewritten from it on resume, so no
-step is logged twice).
+step is logged twice); and, as a blob, the rollouts sampled and not yet trained on by a completed
+step (hpcrl/controller/pipeline.py: the batches sampled ahead with rollout.max_staleness, or the
+batch of a step abandoned after its generation), with the prompt cursor past them.
 
 Resume modes (`hpcrl run` flags, passed as HPCRL_RESUME): "auto" (default: latest complete
 checkpoint of the run, if any), "none" (`--no-resume`), or a step number (`--resume-from STEP`).
@@ -21,11 +23,12 @@ import time
 import uuid
 from pathlib import Path
 
-from checkpoints import discard_newer, latest_step, list_checkpoints
+from checkpoints import discard_newer, latest_step, list_checkpoints, open_checkpoint
 from hpcrl.config import to_dict
 from hpcrl.config.schema import JobConfig
 from hpcrl.controller.groups import PolicyGroup
 from hpcrl.controller.metrics import read_metrics
+from hpcrl.controller.pipeline import BUFFER_BLOB, GenerationPipeline
 from hpcrl.controller.preemption import Preempted, PreemptionWatch
 
 # Phases before the policy changes: a step abandoned there leaves the state of the previous step.
@@ -54,7 +57,8 @@ class Checkpointer:
         """{"last_step", "metrics"} of the last evaluation (hpcrl/controller/evaluation.py), or {}."""
         self.prompt_cursor = PromptCursor()
         """The prompt sampler's position (blocks of num_prompts_per_step prompts drawn so far)."""
-        self._cursor_done = 0  # the cursor when the last step completed: what a save records
+        self.pipeline: GenerationPipeline | None = None
+        """The rollouts sampled and not trained on by a completed step (set by the session)."""
         self.algorithm_state: dict = {}
         """The algorithm's own state across steps (RL.state), e.g. ppo's adaptive KL coefficient."""
         self._algorithm_state_done: dict = {}  # as of the last completed step: what a save records
@@ -91,7 +95,10 @@ class Checkpointer:
         self.saved_step = self.completed_step = step
         self.eval_state = meta.get("eval", {})
         # Checkpoints written before the cursor existed drew one block per step.
-        self.prompt_cursor.next_block = self._cursor_done = int(meta.get("sampler", {}).get("cursor", step + 1))
+        self.prompt_cursor.next_block = int(meta.get("sampler", {}).get("cursor", step + 1))
+        with open_checkpoint(self.dir, step) as reader:
+            if reader.blob_ranks(BUFFER_BLOB):
+                self.pipeline.restore(reader.blob(BUFFER_BLOB))
         self.algorithm_state.update(meta.get("algorithm_state", {}))
         self._algorithm_state_done = copy.deepcopy(self.algorithm_state)
         print(f"hpcrl: resumed from checkpoint step {step} ({self.dir})", flush=True)
@@ -111,7 +118,7 @@ class Checkpointer:
                 "rollout": {"backend": job.rollout.backend, "num_engines": job.rollout.num_engines,
                             "tp_per_engine": job.rollout.tp_per_engine},
                 "weight_version": str(step),
-                "sampler": {"seed": job.data.seed, "next_step": step + 1, "cursor": self._cursor_done},
+                "sampler": {"seed": job.data.seed, "next_step": step + 1, "cursor": self.prompt_cursor.next_block},
                 "counters": {"steps_done": step + 1},
                 "eval": self.eval_state,
                 "algorithm_state": self._algorithm_state_done,
@@ -120,8 +127,9 @@ class Checkpointer:
 
     def save(self, step: int) -> None:
         t0 = time.monotonic()
+        buffer = self.pipeline.to_bytes() if self.pipeline is not None else None
         self.policy.save_checkpoint(str(self.dir), step, self.attempt_id, self.job.checkpoint.keep,
-                                    self._metadata(step))
+                                    self._metadata(step), {BUFFER_BLOB: buffer} if buffer else None)
         self.save_s = time.monotonic() - t0
         self.saved_step = step
 
@@ -133,7 +141,8 @@ class Checkpointer:
         """Save after `step` if the interval, the last step, a preemption signal or the job's time
         limit asks for it; on preemption or time limit raise `Preempted` to end the run."""
         self.completed_step = step
-        self._cursor_done = self.prompt_cursor.next_block
+        if self.pipeline is not None:
+            self.pipeline.step_done()
         self._algorithm_state_done = copy.deepcopy(self.algorithm_state)
         now = time.monotonic()
         self.step_s = max(self.step_s * 0.8, now - self._last_step_end)

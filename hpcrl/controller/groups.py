@@ -27,7 +27,8 @@ from hpcrl.tasks import Example
 class Rollout:
     """One step's completions, group after group (G completions of each prompt are adjacent).
     `routes` (rollout.routing_replay): per completion the engine's MoE routes [P + R - 1, MoE layers,
-    top_k] (hpcrl/controller/routes.py); select/concat move references to them, never the routes."""
+    top_k] (hpcrl/controller/routes.py); select/concat move references to them, never the routes.
+    `versions`: per completion the policy version that sampled it (hpcrl/controller/pipeline.py)."""
 
     examples: list[Example]
     prompt_ids: list[list[int]]
@@ -35,6 +36,7 @@ class Rollout:
     engine_logprobs: list[list[float]]
     finish_reasons: list[str]
     routes: list[np.ndarray] | None = None
+    versions: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +96,21 @@ class PendingRollout:
     step: int
     request: GenerateRequest
     answers: list[tuple[int, PendingResponse]]  # (rollout rank, its engine's answer)
+    latency_s: float = 0.0  # the slowest engine's e2e_latency, once collected
+
+
+def weight_version(policy_version: int) -> str:
+    """The engines' weight_version of policy `policy_version` (after that many optimizer steps): the
+    push after step s names its weights str(s), the initial push "-1"."""
+    return str(policy_version - 1)
+
+
+def policy_version(weight_version: str | None) -> int:
+    """The inverse of `weight_version` (-1 for an engine that was never pushed to: "default")."""
+    try:
+        return int(weight_version) + 1
+    except (TypeError, ValueError):
+        return -1
 
 
 def _leader(replies: dict[int, object]) -> object:
@@ -186,16 +203,17 @@ class PolicyGroup:
 
     def train(self, step: int, rollout: Rollout, advantages: np.ndarray, ref_BT: np.ndarray | None,
               temperature: float, loss: str = "grpo", tensors: dict[str, np.ndarray] | None = None,
-              epochs: int = 1, mini_batch_size: int = 0) -> TrainResult:
+              epochs: int = 1, mini_batch_size: int = 0, queue_sync: bool = True) -> TrainResult:
         """The updates of `loss` on the rollout (one on-policy optimizer step, or `epochs` passes in
         mini-batches: MegatronPolicy.update). The step's sync is queued behind it, its engine requests
         (shard route) written now: the engines prepare while the trainer trains, and wait out the
-        update (twice the phase timeout)."""
+        update (twice the phase timeout). `queue_sync` False: the sync waits for `push_weights`."""
         payload = {**rollout.token_batch(), "advantages": advantages, "ref_logprobs": ref_BT,
                    "temperature": temperature, "loss": loss,
                    "tensors": tensors or {}, "epochs": epochs, "mini_batch_size": mini_batch_size}
         train = self._async("train", step, payload)
-        self._queued_sync = (step, self._send_sync(step, 2 * self.timeout_s))
+        if queue_sync:
+            self._queued_sync = (step, self._send_sync(step, 2 * self.timeout_s))
         out = train.wait()
         return TrainResult(out["metrics"], out["logprobs"])
 
@@ -208,10 +226,12 @@ class PolicyGroup:
         self._collect_queued_sync()
         return self._wait_sync(self._send_sync(step, self.timeout_s))
 
-    def save_checkpoint(self, ckpt_dir: str, step: int, attempt_id: str, keep: int, metadata: dict) -> None:
-        """Collective save of policy, reference, Adam state and RNG; committed when this returns."""
+    def save_checkpoint(self, ckpt_dir: str, step: int, attempt_id: str, keep: int, metadata: dict,
+                        blobs: dict[str, bytes] | None = None) -> None:
+        """Collective save of policy, reference, Adam state and RNG (and `blobs`, stored by trainer
+        rank 0); committed when this returns."""
         self._async("save", step, {"dir": ckpt_dir, "attempt_id": attempt_id, "keep": keep,
-                                   "metadata": metadata}).wait()
+                                   "metadata": metadata, "blobs": blobs or {}}).wait()
 
     def load_checkpoint(self, ckpt_dir: str, step: int) -> dict:
         """Collective load (any saved layout); returns the checkpoint's metadata."""
@@ -267,6 +287,30 @@ class RolloutGroup:
                   for lo, hi in zip(bounds[:-1], bounds[1:])]
         return GenerateRequest(examples, prompt_ids, bodies)
 
+    def prepare_scoring(self, rollout: Rollout) -> GenerateRequest:
+        """The rollout's completions as scoring requests, split evenly across the engines: prompt +
+        response in, nothing generated, the response tokens' log-probs asked back (SGLang's
+        input-token log-probs: hpcrl.rollout.client.scoring_body)."""
+        from hpcrl.rollout.client import scoring_body
+
+        pairs = list(zip(rollout.prompt_ids, rollout.response_ids))
+        bounds = np.linspace(0, len(pairs), len(self.engines) + 1).astype(int)
+        bodies = [json.dumps(scoring_body(pairs[lo:hi])).encode() if hi > lo else None
+                  for lo, hi in zip(bounds[:-1], bounds[1:])]
+        return GenerateRequest(rollout.examples, rollout.prompt_ids, bodies)
+
+    def collect_scores(self, started: PendingRollout, rollout: Rollout) -> tuple[list[list[float]], list[int]]:
+        """The engines' log-probs of every completion's response tokens, and per completion the policy
+        version that scored it."""
+        from hpcrl.rollout.client import parse_scores
+
+        outs = []
+        for rank, answer in started.answers:
+            with self._engine_of(rank, started.step, "sync check"):
+                outs += answer.result()
+        scores = parse_scores(outs, list(zip(rollout.prompt_ids, rollout.response_ids)))
+        return scores, [policy_version(o["meta_info"].get("weight_version")) for o in outs]
+
     def start(self, step: int, request: GenerateRequest) -> PendingRollout:
         """Write every engine's request (all before any answer is read); `collect` reads them."""
         self._beat(step)
@@ -288,12 +332,14 @@ class RolloutGroup:
             routes = [self.routes.decode(o["meta_info"], len(p) + len(o["output_ids"]),
                                          f"step {started.step}, completion {i}")
                       for i, (p, o) in enumerate(zip(r.prompt_ids, outs))]
+        started.latency_s = max((o["meta_info"].get("e2e_latency") or 0.0 for o in outs), default=0.0)
         return Rollout(r.examples, r.prompt_ids, [o["output_ids"] for o in outs],
                        [[lp[0] for lp in o["meta_info"]["output_token_logprobs"]] for o in outs],
-                       [o["meta_info"]["finish_reason"]["type"] for o in outs], routes)
+                       [o["meta_info"]["finish_reason"]["type"] for o in outs], routes,
+                       [policy_version(o["meta_info"].get("weight_version")) for o in outs])
 
     @contextmanager
-    def _engine_of(self, rank: int, step: int) -> Iterator[None]:
+    def _engine_of(self, rank: int, step: int, phase: str = "generate") -> Iterator[None]:
         """Turn an engine's EngineError into a RankFailure naming its rollout rank."""
         try:
             yield
@@ -302,12 +348,12 @@ class RolloutGroup:
             who = world.ranks[rank].describe()
             log = f"RUN_DIR/logs/engine{self.group.ranks.index(rank)}.log"
             if world.gone([rank]):
-                raise RankFailure(f"{who} exited during phase 'generate' of step {step}; its engine at "
+                raise RankFailure(f"{who} exited during phase '{phase}' of step {step}; its engine at "
                                   f"{exc.url} is gone with it (see its log in RUN_DIR/logs/)") from None
             if exc.status is None and "timed out" in exc.message:
-                raise RankFailure(f"no answer within {self.timeout_s:.0f} s in phase 'generate' of step "
+                raise RankFailure(f"no answer within {self.timeout_s:.0f} s in phase '{phase}' of step "
                                   f"{step} from the engine of {who} at {exc.url} (hung; see {log})") from None
-            raise RankFailure(f"the engine of {who} failed in phase 'generate' of step {step}: {exc} "
+            raise RankFailure(f"the engine of {who} failed in phase '{phase}' of step {step}: {exc} "
                               f"(see {log})") from None
 
     def _beat(self, step: int) -> None:

@@ -3,13 +3,16 @@ ahead of the trainer (rollout.max_staleness, asynchronous RL).
 
 Versions: version v is the policy after v optimizer steps; the engines hold v from the weight push
 at the end of step v - 1 (the initial push gives 0). Every `take` (one `rl.generate()`) hands out
-the oldest started request and keeps `max_staleness` requests started behind it, each sampled by
-the version the engines hold at that moment (none for steps past the run's last). With one
-generate per step, step s therefore trains on block s sampled by version max(0, s - k): which
-version samples which block is a function of the step, never of timing. A weight push waits for the requests in flight (SGLang's update takes
-its model-update writer lock, which every /generate holds as a reader), so a request never spans
-two versions, and the engines' answers say which version they used (meta_info weight_version):
-`take` checks it.
+the oldest started request (or starts one and waits for it when none is); right after each push
+(`fill`), the pipeline starts requests until k + 1 are waiting to be taken, each sampled by the
+version just pushed (none for steps past the run's last). With one generate per step, step s
+therefore trains on block s sampled by version max(0, s - k): which version samples which block is
+a function of the step, never of timing. A weight push waits for the requests in flight (SGLang's
+update takes its model-update writer lock, which every /generate holds as a reader), so a request
+never spans two versions; the engines' answers say which version sampled them (meta_info
+weight_version), and `take` checks it against the schedule. Starting right after a push, when the
+engines have nothing in flight, gives a request a whole step to reach its engine before the next
+push (a request that has not arrived when the push comes would be sampled by the newer version).
 
 k = 0 is the synchronous loop: `take` starts the step's request and waits for it.
 
@@ -71,12 +74,18 @@ class GenerationPipeline:
                 break
             dropped += 1  # sampled too long ago: sample its block again, first in line
             self._ahead.appendleft(self._start(flight.block, step))
-        while len(self._ahead) < min(self.max_staleness, self.num_steps - 1 - step):  # none the run won't take
-            self._ahead.append(self._start(self.take_block(), step))
         self._taken.append(flight)
         if flight.rollout is None:
             self.while_waiting()
         return self._collect(flight), flight, dropped
+
+    def fill(self, next_step: int) -> None:
+        """After a weight push (the engines hold `self.version`, nothing in flight): start requests
+        until k + 1 wait to be taken, none for steps past the run's last (k = 0: none)."""
+        if not self.max_staleness:
+            return
+        while len(self._ahead) < min(self.max_staleness + 1, self.num_steps - next_step):
+            self._ahead.append(self._start(self.take_block(), next_step))
 
     def busy_seconds(self, start: float, end: float) -> float:
         """Seconds of [start, end] during which the engines had a request of the pipeline (the

@@ -20,6 +20,7 @@ from hpcrl.controller.evaluation import Evaluator, read_val_examples
 from hpcrl.controller.groups import GenerateRequest, PolicyGroup, Rollout, RolloutGroup
 from hpcrl.controller.metrics import MetricsLogger
 from hpcrl.controller.phase_file import PhaseFile
+from hpcrl.controller.pipeline import Flight, GenerationPipeline
 from hpcrl.rewards.pool import Scores, reward_scorer
 from hpcrl.tasks import build_sampler, load_tokenizer, open_examples, prompt_format
 
@@ -58,6 +59,9 @@ class Session:
         self.metrics: MetricsLogger | None = None
         self.phase_file = PhaseFile(run_dir / ".phase.json")
         self._prepared: dict[int, GenerateRequest] = {}  # the next block's requests, built ahead
+        self.pipeline = self.checkpointer.pipeline = GenerationPipeline(
+            self.rollouts, self._request_of, self.checkpointer.prompt_cursor.take, job.rollout.max_staleness,
+            job.algorithm.num_steps, self._prepare_next)
         self.last_block = -1  # the prompt block of the last generate
         self._write_json(".ranks.json", [r.__dict__ for r in world.ranks])
         roles = {role: [r for r in world.ranks if r.role == role] for role in ("controller", "trainer", "rollout")}
@@ -85,25 +89,42 @@ class Session:
         trainers.wait()
         urls = engines.wait()
         self.phase(-1, "resume")
-        self.checkpointer.restore()
+        version = self.checkpointer.restore()  # the policy version: optimizer steps taken
         self.phase(-1, "connect")
         self.policy.connect_engines(urls)
         self.phase(-1, "initial sync")
-        self.policy.push_weights(-1)
+        self.policy.push_weights(version - 1)
+        self.pipeline.version = version
+        self.pipeline.fill(version)
         log = self.job.logging
         self.metrics = MetricsLogger(self.run_dir, self.job.algorithm.num_steps, self.checkpointer.resume_step(),
                                      tensorboard=log.tensorboard, progress=log.progress)
 
-    def generate(self, step: int) -> Rollout:
+    def generate(self, step: int) -> tuple[Rollout, Flight, int]:
         """Completions of the next block of prompts (the checkpointed prompt cursor: block `step` when
-        every step draws once). The next block's requests are built while the engines generate (the
-        controller is idle then; building them costs ~1 ms of the tiny run's step)."""
-        block = self.last_block = self.checkpointer.prompt_cursor.take()
-        request = self._prepared.pop(block, None) or self._request(block)
-        started = self.rollouts.start(step, request)
-        if step + 1 < self.job.algorithm.num_steps:
-            self._prepared = {block + 1: self._request(block + 1)}
-        return self.rollouts.collect(started)
+        every step draws once), sampled by policy version max(0, step - rollout.max_staleness) (the
+        generation pipeline); its flight and how many stale flights were dropped before it."""
+        rollout, flight, dropped = self.pipeline.take(step)
+        self.last_block = flight.block
+        return rollout, flight, dropped
+
+    def push_weights(self, step: int) -> dict[str, float]:
+        """The weight push after `step`'s update: the engines then hold policy version step + 1, and
+        the pipeline starts the batches they sample ahead (rollout.max_staleness)."""
+        sync = self.policy.push_weights(step)
+        self.pipeline.version = step + 1
+        self.pipeline.fill(step + 1)
+        return sync
+
+    def _request_of(self, block: int) -> GenerateRequest:
+        return self._prepared.pop(block, None) or self._request(block)
+
+    def _prepare_next(self) -> None:
+        """Build the next block's requests while the engines generate (the controller is idle then;
+        building them costs ~1 ms of the tiny run's step)."""
+        block = self.checkpointer.prompt_cursor.next_block
+        if block not in self._prepared and block < self.job.algorithm.num_steps + self.job.rollout.max_staleness:
+            self._prepared = {block: self._request(block)}
 
     def demonstrations(self) -> Rollout:
         """The next block's prompts with their reference answers as the responses (answer ids, then

@@ -166,9 +166,10 @@ def _models(policy: Any) -> list[_Model]:
 
 
 def save(policy: Any, ckpt_dir: str, step: int, attempt_id: str, keep: int,
-         metadata: dict | None) -> float:
+         metadata: dict | None, blobs: dict[str, bytes] | None = None) -> float:
     """Collective over the trainer ranks: write this rank's slices and commit (rank 0 writes the
-    manifest with `metadata`). Returns the bytes this rank wrote."""
+    manifest with `metadata`, and the controller's `blobs`, e.g. the rollouts sampled ahead:
+    hpcrl/controller/pipeline.py). Returns the bytes this rank wrote."""
     rank, world = dist.get_rank(), dist.get_world_size()
     writer = CheckpointWriter(ckpt_dir, step, rank=rank, world_size=world, attempt_id=attempt_id,
                               keep_last=keep)
@@ -201,6 +202,8 @@ def save(policy: Any, ckpt_dir: str, step: int, attempt_id: str, keep: int,
         if m.step_key:
             adam_steps[m.step_key] = _max_over_ranks(steps.pop() if steps else 0.0, policy.device)
     writer.write_blob("rng", _rng_blob())
+    for name, data in (blobs or {}).items():
+        writer.write_blob(name, data)
     writer.commit({**(metadata or {}), **adam_steps} if rank == 0 else None)
     writer.wait(for_commit=True)
     return float(nbytes)

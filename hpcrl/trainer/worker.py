@@ -58,6 +58,7 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
     def init(cmd):
         import torch
 
+        from hpcrl.config.schema import rollout_correction
         from hpcrl.dist import init_torch_distributed
         from hpcrl.trainer.policy import MegatronPolicy
 
@@ -75,8 +76,10 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
                                job.resources.timeout_s)
         hf_config = json.loads((run_dir / "model_config.json").read_text())
         # Dr. GRPO's constant defaults to the generation budget (algorithm.loss_agg_norm: 0)
+        # and an asynchronous run's loss corrects for its stale samples (decoupled PPO: docs/async.md)
         algorithm = dataclasses.replace(job.algorithm,
-                                        loss_agg_norm=job.algorithm.loss_agg_norm or job.rollout.max_new_tokens)
+                                        loss_agg_norm=job.algorithm.loss_agg_norm or job.rollout.max_new_tokens,
+                                        rollout_correction=rollout_correction(job))
         policy = MegatronPolicy(hf_config, job.trainer, algorithm, device=device, gpu=gpu, dtype=job.model.dtype,
                                 routing_replay=job.rollout.routing_replay)
         if job.model.path:
@@ -178,7 +181,7 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
 
         p = cmd.payload
         checkpoint_io.save(state["policy"], p["dir"], cmd.step, p["attempt_id"], p["keep"],
-                           p["metadata"] if is_leader else None)
+                           p["metadata"] if is_leader else None, p.get("blobs") if is_leader else None)
         return None
 
     def load(cmd):

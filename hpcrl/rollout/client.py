@@ -111,10 +111,17 @@ class EngineClient:
         if conn is None or fresh or conn.sock is None:  # sock None: the server closed it (HTTP/1.0)
             if conn is not None:
                 conn.close()
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+            conn = self._local.conn = self._new_connection()
+        return conn
+
+    def _new_connection(self) -> http.client.HTTPConnection:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        try:
             conn.connect()
-            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._local.conn = conn
+        except OSError:
+            conn.close()
+            raise
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
 
     def start(self, method: str, route: str, payload=None, timeout_s: float | None = None) -> PendingResponse:
@@ -126,14 +133,19 @@ class EngineClient:
         JSON-able object, or bytes of JSON encoded ahead of time.
         """
         body = payload if isinstance(payload, bytes) or payload is None else json.dumps(payload).encode()
+        # While this thread's kept-alive connection awaits an earlier answer, a request of its own
+        # (several in flight at once: asynchronous RL's batches sampled ahead) gets a new connection.
+        own = getattr(self._local, "awaiting", False)
         try:
-            conn = self._connection(fresh=self._dropped())
+            conn = self._new_connection() if own else self._connection(fresh=self._dropped())
             conn.sock.settimeout(self.timeout_s if timeout_s is None else timeout_s)
             conn.request(method, route, body=body, headers=self.headers(route, body is not None))
         except (OSError, http.client.HTTPException) as exc:
-            self._drop()
+            conn.close() if own else self._drop()
             raise EngineError(self.base_url, route, None, f"{type(exc).__name__}: {exc}") from exc
-        return PendingResponse(self, conn, route)
+        if not own:
+            self._local.awaiting = True
+        return PendingResponse(self, conn, route, own)
 
     def _dropped(self) -> bool:
         """Whether this thread's kept-alive connection was closed by the server (it is readable:
@@ -161,6 +173,8 @@ class EngineClient:
         """One call; returns the decoded JSON (or text, or None for an empty body); EngineError on failure."""
         body = None if payload is None else json.dumps(payload).encode()
         headers = self.headers(route, body is not None)
+        if getattr(self._local, "awaiting", False):  # the kept-alive connection awaits a `start`ed answer
+            return self.start(method, route, body, timeout_s).result()
         for attempt in (0, 1):
             reused = getattr(self._local, "conn", None) is not None
             try:
@@ -447,8 +461,10 @@ def parse_scores(answers, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
 class PendingResponse:
     """The answer to a request `EngineClient.start` has written."""
 
-    def __init__(self, client: EngineClient, conn: http.client.HTTPConnection, route: str) -> None:
+    def __init__(self, client: EngineClient, conn: http.client.HTTPConnection, route: str,
+                 own: bool = False) -> None:
         self.client, self.conn, self.route = client, conn, route
+        self.own = own  # a connection of this request only, closed once it is answered
 
     def ready(self) -> bool:
         """Whether the answer (or the end of the connection) has arrived: `result()` will not wait."""
@@ -461,8 +477,13 @@ class PendingResponse:
             resp = self.conn.getresponse()
             status, data, ctype = resp.status, resp.read(), resp.getheader("Content-Type", "")
         except (OSError, http.client.HTTPException) as exc:
-            self.client._drop()
+            self.conn.close() if self.own else self.client._drop()
             raise EngineError(self.client.base_url, self.route, None, f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            if self.own:
+                self.conn.close()
+            else:
+                self.client._local.awaiting = False
         return self.client._answer(self.route, status, data, ctype)
 
 

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import os
 import signal
@@ -159,6 +160,10 @@ class ReferenceServer:
         self.routes |= {("GET", f"/{k}"): v for k, v in get.items()}
         self.routes[("PUT", "/generate")] = self.generate
         self.weight_routes = {f"/{k}" for k in weight}
+        # SGLang's model-update lock: every /generate holds it as a reader, a weight update as the
+        # writer (unless generation is paused), and a waiting update goes before new requests
+        self.update_lock = _UpdateLock()
+        self.update_routes = {"/update_weights_from_distributed", ROUTE}
         self.api_key = getattr(args, "api_key", None)
         self.admin_api_key = getattr(args, "admin_api_key", None)
         self.auth = bool(self.api_key or self.admin_api_key)  # no keys: no check at all
@@ -715,7 +720,15 @@ class _Handler(BaseHTTPRequestHandler):
                 raise _Fail(f"request body is not valid JSON: {exc}") from None
             if not isinstance(req, dict):
                 raise _Fail("request body must be a JSON object")
-            self._send(200, handler(req))
+            if path == "/generate":
+                gate = app.update_lock.reading()
+            elif path in app.update_routes and app.unpaused.is_set():
+                gate = app.update_lock.writing()
+            else:
+                gate = contextlib.nullcontext()
+            with gate:
+                answer = handler(req)
+            self._send(200, answer)
         except _Fail as exc:
             self._send(exc.status, _error_body(str(exc), weight_route))
         except Exception as exc:
@@ -733,6 +746,45 @@ class _Handler(BaseHTTPRequestHandler):
         head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                 f"{'Connection: close' if self.close_connection else 'Connection: keep-alive'}\r\n\r\n")
         self.wfile.write(head.encode() + body)  # one write: no Nagle/delayed-ACK stall
+
+
+class _UpdateLock:
+    """SGLang's RWLock (srt/utils/aio_rwlock.py) in threads: readers share it, a writer holds it
+    alone, and readers arriving while a writer waits wait behind it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._waiting_writers = 0
+
+    @contextlib.contextmanager
+    def reading(self):
+        with self._cond:
+            while self._writer or self._waiting_writers:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def writing(self):
+        with self._cond:
+            self._waiting_writers += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._waiting_writers -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
 
 
 def _error_body(message: str, weight_route: bool) -> dict:

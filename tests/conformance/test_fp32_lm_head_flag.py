@@ -51,8 +51,10 @@ def test_sglangs_fp32_head_is_an_fp32_matmul(sglang_root):
     source = (sglang_root / "src/sglang/srt/layers/logits_processor.py").read_text()
     tree = ast.parse(source)
     head = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_compute_lm_head")
-    branches = [n for n in ast.walk(head) if isinstance(n, ast.If) and ast.unparse(n.test) == "self.use_fp32_lm_head"]
+    branches = [n for n in ast.walk(head)
+                if isinstance(n, ast.If) and ast.unparse(n.test) == "self.use_fp32_lm_head"]
     assert len(branches) == 2, "SGLang's fp32 LM head changed shape; update this test"
     bodies = {ast.unparse(b.body[0]) for b in branches}  # the weight's branch and GGUF's
-    assert "logits = torch.matmul(hidden_states.to(torch.float32), lm_head.weight.to(torch.float32).T)" in bodies
+    want = "logits = torch.matmul(hidden_states.to(torch.float32), lm_head.weight.to(torch.float32).T)"
+    assert want in bodies
     assert "self.use_fp32_lm_head = get_exec().features.enable_fp32_lm_head" in source

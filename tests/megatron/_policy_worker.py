@@ -8,7 +8,8 @@ Rank 0 saves a dict with the batch, log-probs, metrics, exported HF weights and 
 With DIR2 (a tiny-deepseek-v3 directory) the same ranks then build a DeepSeek-V3 policy in the same
 layout (with PP, its 3 layers split 2 + 1: the dense layer on the first stage) and add its log-probs,
 exports and one train step under `ds_*` keys; with --deepseek-fp8-dir (its FP8 block-quantized copy) it
-then loads that and adds its export and log-probs.
+then loads that and adds its export and log-probs. Both policies run with rollout.routing_replay r3 and
+replay the routes a reference engine returned (`engine_replay`, under `engine_*` / `ds_engine_*`).
 """
 
 from __future__ import annotations
@@ -81,35 +82,78 @@ def replicas_agree(policy) -> bool:
     return all(seen.setdefault(key, digest) == digest for held in every for key, digest in held.items())
 
 
-REPLAY_SEED = 41
+ENGINE_SEED = 41
+ENGINE_ROUTER_NOISE = 0.5
+"""The engine of `engine_batch` moves its routers' weights by ENGINE_ROUTER_NOISE times their std of
+noise (ENGINE_SEED): it then routes about a third of the batch's (token, MoE layer) pairs to other
+experts than the trainer's routers would (measured 40 and 50 of 118 for Qwen3-MoE and DeepSeek-V3),
+so a replay that does not take the engine's routes fails the test. With the trainer's own weights
+(in bf16 or fp32) its routes equal the trainer's on every pair of these 12 rows: nothing to tell apart."""
 
 
-def random_routes(batch, num_moe_layers: int, experts: int, top_k: int) -> list:
-    """Per row [P + R - 1, N, K]: K distinct random experts per token and MoE layer (REPLAY_SEED)."""
-    g = torch.Generator().manual_seed(REPLAY_SEED)
-    lengths = (batch.prompt_lens_B + batch.response_lens_B).tolist()
-    return [torch.rand(n - 1, num_moe_layers, experts, generator=g).argsort(-1)[..., :top_k] for n in lengths]
+def engine_batch(cfg: dict, sd: dict | None, batch) -> tuple:  # -> (TrainBatch, raw routes)
+    """The batch's prompts completed to its response lengths (ignore_eos, seeded sampling) by a
+    reference engine on `sd` (rank 0's export of the policy: the weights a run's first push gives it)
+    in fp32 with its routers moved (ENGINE_ROUTER_NOISE), asked for its routes; the routes then take
+    the run's way: the reference server's `encode_routed_experts` into meta_info, the controller's
+    `RouteFormat.decode`, the trainer worker's `TrainBatch.from_lists`. Rank 0 generates, every rank
+    gets the batch; the engine's int32 routes [P + R - 1, layers, K] per row come back on rank 0."""
+    import torch.distributed as dist
+
+    from hpcrl.controller.routes import RouteFormat
+    from hpcrl.rollout.engine import ReferenceModel
+    from hpcrl.rollout.reference_server import encode_routed_experts
+    from hpcrl.trainer.batch import TrainBatch
+    from moe.hf_megatron import HFModelDims
+
+    payload: list = [None]
+    if dist.get_rank() == 0:
+        engine = ReferenceModel(cfg)
+        engine.load_weights(sd.items())
+        g = torch.Generator().manual_seed(ENGINE_SEED)
+        with torch.no_grad():
+            for _, gate in engine.routers:
+                noise = torch.randn(gate.weight.shape, generator=g)
+                gate.weight.add_(noise * gate.weight.std() * ENGINE_ROUTER_NOISE)
+        prompts = [row[:p] for row, p in zip(batch.tokens_BL.tolist(), batch.prompt_lens_B.tolist())]
+        params = [{"max_new_tokens": n, "temperature": 1.0, "sampling_seed": ENGINE_SEED + b,
+                   "ignore_eos": True} for b, n in enumerate(batch.response_lens_B.tolist())]
+        outs = engine.generate(prompts, params, return_routes=True)
+        fmt = RouteFormat.of(HFModelDims.from_hf_config(cfg))
+        routes = [fmt.decode({"routed_experts": encode_routed_experts(o["routed_experts"])},
+                             len(p) + len(o["output_ids"]), f"completion {i}")
+                  for i, (p, o) in enumerate(zip(prompts, outs))]
+        payload = [(prompts, [o["output_ids"] for o in outs], routes, [o["routed_experts"] for o in outs])]
+    dist.broadcast_object_list(payload, src=0)
+    prompts, responses, routes, raw = payload[0]
+    return TrainBatch.from_lists(prompts, responses, routes), raw if dist.get_rank() == 0 else None
 
 
 def replayed_routes(policy, batch) -> list | None:
-    """Replay random routes (rollout.routing_replay r3) in one compute_logprobs of `batch` and collect,
-    on rank 0, what every rank's routers used: [(dp_rank, tp_rank, moe layer j, [bool maps per
-    micro-batch])] from all ranks (the test puts them back together)."""
+    """Replay `batch`'s routes (rollout.routing_replay r3) in one compute_logprobs and collect, on rank
+    0, what every rank's routers used: [(dp_rank, tp_rank, moe layer j, [bool maps per micro-batch])]
+    from all ranks (the test puts them back together)."""
     import torch.distributed as dist
 
-    from hpcrl.trainer.batch import TrainBatch
-
-    d = policy.dims
-    rows = zip(batch.tokens_BL.tolist(), batch.prompt_lens_B.tolist(), batch.response_lens_B.tolist())
-    prompts, responses = zip(*((row[:p], row[p: p + n]) for row, p, n in rows))
-    routed = TrainBatch.from_lists(prompts, responses, random_routes(batch, len(d.moe_layers), d.num_experts,
-                                                                     d.top_k))
     policy.replay.observe()
-    policy.compute_logprobs(routed)
+    policy.compute_logprobs(batch)
     mine = [(policy.dp_rank, policy.coords.tp_rank, j, maps) for j, maps in policy.replay.observed_routes().items()]
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return [x for part in every for x in part] if dist.get_rank() == 0 else None
+
+
+def engine_replay(policy, cfg: dict, sd: dict | None, batch, prefix: str) -> dict:
+    """`engine_batch`'s routes replayed by `policy` (r3) under this layout, and the routes its routers
+    take by themselves on the same tokens (r2's record: every rank's put together), which the test
+    shows differ from the engine's. Rank 0's values under `prefix` keys (None elsewhere)."""
+    from hpcrl.trainer.batch import TrainBatch
+
+    routed, raw = engine_batch(cfg, sd, batch)
+    plain = TrainBatch(routed.tokens_BL, routed.prompt_lens_B, routed.response_lens_B)
+    own = policy._recorded_routes(plain, 1.0)[1].routes_BLNK
+    return {f"{prefix}_batch": routed, f"{prefix}_raw": raw, f"{prefix}_own": own,
+            f"{prefix}_replayed": replayed_routes(policy, routed)}
 
 
 def deepseek_run(args, trainer_kw: dict, algorithm, batch) -> dict:
@@ -126,9 +170,9 @@ def deepseek_run(args, trainer_kw: dict, algorithm, batch) -> dict:
     trainer = TrainerConfig(**trainer_kw, last_stage_layers=1 if args.pp == 2 else 0)
     policy = MegatronPolicy(cfg, trainer, algorithm, routing_replay="r3")
     policy.load_hf_dir(args.deepseek_dir)
-    out["ds_replayed"] = replayed_routes(policy, batch)
     out["ds_recorded"] = policy._recorded_routes(batch, 1.0)[1].routes_BLNK  # r2's record, put together
     out.update({"ds_sd0": policy.export_hf_state_dict(), "ds_sha0": policy.policy_sha256()})
+    out.update(engine_replay(policy, cfg, out["ds_sd0"], batch, "ds_engine"))
     out["ds_logp"] = logp = policy.compute_logprobs(batch)
     out["ds_m1"] = policy.train_step(batch, torch.linspace(-1.0, 1.0, batch.batch_size), logp)
     if out["ds_m1"] is not None:
@@ -178,7 +222,9 @@ def main() -> None:
     # the layouts' weights stay within the rounding bound test_policy_layouts.py derives.
     algorithm = AlgorithmConfig(lr=1e-2, kl_coef=0.05, grad_clip=0.5, aux_loss_coef=0.01, adam_eps=1e-2,
                                 entropy_coef=0.05)  # the entropy gradient through the TP vocab split
-    policy = MegatronPolicy(load_hf_config("tiny-qwen3-moe", None), trainer, algorithm)
+    cfg = load_hf_config("tiny-qwen3-moe", None)
+    # r3: batches without routes (all but engine_replay's) route freely, as without replay
+    policy = MegatronPolicy(cfg, trainer, algorithm, routing_replay="r3")
     if args.model_dir:
         policy.load_hf_dir(args.model_dir)
     else:
@@ -189,6 +235,7 @@ def main() -> None:
                  "shard_boxes_match": out_boxes}
 
     batch = make_batch()
+    out.update(engine_replay(policy, cfg, out["sd0"], batch, "engine"))
     logp = policy.compute_logprobs(batch)
     out["logp"], out["ref"] = logp, policy.compute_logprobs(batch, "ref")
     out["logp_t07"] = policy.compute_logprobs(batch, temperature=0.7)

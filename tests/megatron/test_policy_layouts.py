@@ -15,7 +15,10 @@ and reference, three train steps with Adam, KL, an entropy bonus, grad clipping 
 weight round trip, a critic); the 1-rank run is the baseline the others must match, within bounds
 derived from fp32's rounding (`tol`). Each of these fails the TP2-EP2 layout (dev/LOG.md,
 2026-12-04): a swapped expert (load and export both), the wrong TP slice of o_proj, the sequence-
-parallel norms' gradients not all-reduced over TP.
+parallel norms' gradients not all-reduced over TP. Both policies also replay (rollout.routing_replay
+r3) the routes a reference engine returned for a batch, converted as a run converts them, and every
+rank's routers take exactly the engine's top-k for each of their tokens and layers
+(`check_engine_replay`); a replay that routes freely instead fails it (132 of the baseline's routes).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import pytest
 import torch
 from mpi_launch import run_mpiexec
 from numerics import hf_routing, reordered
+
+from hpcrl.models.presets import load_hf_config
 
 WORKER = Path(__file__).with_name("_policy_worker.py")
 LAUNCH_TIMEOUT_S = 420  # a hang guard, generous: 4 ranks on 2 shared cores import for ~40 s
@@ -49,6 +54,7 @@ LAYOUTS = {
 # chain and another forward one, and its Adam update moves at most 1.25 times any change of the
 # gradient (adam_eps = lr in _policy_worker.py). Measured on AVX2 and AVX-512: 1-2 ulps everywhere.
 D, N = 16, 128
+TINY_QWEN = load_hf_config("tiny-qwen3-moe", None)
 D_DS = 32  # tiny-deepseek-v3: 10 reductions per MLA layer (numerics.MLA_LAYER_DEPTH) x 3, lm_head, LSE
 
 
@@ -208,6 +214,7 @@ def test_baseline_matches_hf_and_round_trips(baseline: dict, model_dirs: dict[st
     assert baseline["m3"]["clip_frac"] == 0.0 and baseline["m3"]["kl"] > 0
     assert max_diff(baseline["sd3"], baseline["sd2"]) > 1e-4
     _check_critic(baseline, baseline["head"])
+    check_engine_replay(baseline, "engine", TINY_QWEN)
     check_deepseek(baseline, baseline, model_dirs["deepseek"], model_dirs["deepseek-fp8"])
     check_deepseek_plain(baseline, model_dirs["deepseek-plain"])
 
@@ -247,7 +254,7 @@ def check_deepseek(run: dict, baseline: dict, path: Path, fp8_path: Path) -> Non
     assert max_diff(run["ds_sd1"], baseline["ds_sd1"]) <= bound
     assert max_diff(run["ds_sd1"], run["ds_sd0"]) > 1e-3  # the step moved the weights
 
-    check_replayed_routes(run["ds_replayed"], batch, model.config.to_dict())
+    check_engine_replay(run, "ds_engine", model.config.to_dict())
     # r2's record of the routes every rank took, put together on every rank: the 1-rank run's
     # (the same weights route every token alike: hf_routing's margin check above)
     assert torch.equal(run["ds_recorded"], baseline["ds_recorded"])
@@ -291,37 +298,70 @@ def check_deepseek_plain(run: dict, path: Path) -> None:
     assert diff <= reordered(N, D_DS, mag), diff
 
 
-def check_replayed_routes(replayed: list, batch, cfg: dict) -> None:
-    """rollout.routing_replay r3 under this layout: every rank's routers (its pipeline stage's MoE
-    layers, its TP rank's sequence chunk, its DP rank's micro-batches) sent every token, padding
-    included, to exactly the random experts the batch gave it (_policy_worker.random_routes); put
-    back together, every (row, position, MoE layer) was routed once."""
-    from _policy_worker import random_routes
-
+def replay_misses(replayed: list, routes_BLNK: torch.Tensor, top_k: int) -> int:
+    """How many (row, position, MoE layer) routes of `replayed` (every rank's routers' maps: its pipeline
+    stage's MoE layers, its TP rank's sequence chunk, its DP rank's micro-batches) differ as sets from
+    the batch's `routes_BLNK` [B, S, N, K] (padded as the policy pads it, filler routes included);
+    AssertionError when, put back together, some (row, position, layer) was never routed."""
     from hpcrl.trainer.batch import TrainBatch
     from hpcrl.trainer.routing_replay import agreement
-    from moe.hf_megatron import HFModelDims
 
-    d = HFModelDims.from_hf_config(cfg)
     tp, dp = 1 + max(t for _, t, _, _ in replayed), 1 + max(r for r, _, _, _ in replayed)
-    L = -(-batch.seq_len // tp) * tp
+    B, S = routes_BLNK.shape[:2]
+    L = -(-S // tp) * tp
     n_mb = len(replayed[0][3])
     mb = replayed[0][3][0].shape[0] // (L // tp)
-    rows = zip(batch.tokens_BL.tolist(), batch.prompt_lens_B.tolist(), batch.response_lens_B.tolist())
-    prompts, responses = zip(*((row[:p], row[p: p + n]) for row, p, n in rows))
-    given = TrainBatch.from_lists(prompts, responses, random_routes(batch, len(d.moe_layers), d.num_experts,
-                                                                    d.top_k)).padded(dp * n_mb * mb, L).routes_BLNK
+    tokens = torch.zeros(B, S, dtype=torch.int64)
+    given = TrainBatch(tokens, torch.ones(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
+                       routes_BLNK).padded(dp * n_mb * mb, L).routes_BLNK
     seen = torch.zeros(given.shape[:3], dtype=torch.int64)
+    misses = 0
     for dp_rank, tp_rank, j, maps in replayed:
         for m, map_TE in enumerate(maps):
             b0, s0 = (dp_rank * n_mb + m) * mb, tp_rank * (L // tp)
-            want_SBK = given[b0: b0 + mb, s0: s0 + L // tp, j].transpose(0, 1)
-            want_TK = want_SBK.reshape(-1, d.top_k)
+            want_TK = given[b0: b0 + mb, s0: s0 + L // tp, j].transpose(0, 1).reshape(-1, top_k)
             every = torch.ones(want_TK.shape[0], dtype=torch.bool)
-            assert agreement(map_TE, want_TK, every) == (every.numel(),) * 2, (dp_rank, tp_rank, j, m)
+            same, total = agreement(map_TE, want_TK, every)
+            misses += total - same
             seen[b0: b0 + mb, s0: s0 + L // tp, j] += 1
     # each position once per TP replica group; DP ranks hold other rows, EP ranks of a DP rank the same
     assert torch.equal(seen.clamp(max=1), torch.ones_like(seen)), "some (row, position, layer) was never routed"
+    return misses
+
+
+def check_engine_replay(run: dict, prefix: str, cfg: dict) -> None:
+    """rollout.routing_replay r3 under this layout with a reference engine's routes (_policy_worker.
+    engine_replay): the batch carries, for every token the engine fed forward, exactly the top-k the
+    engine returned for each MoE layer (after the server's encoding and the controller's RouteFormat);
+    every rank's routers took exactly those sets for each of its tokens and layers (filler routes on
+    padding too); the trainer's routers by themselves route some of those (token, layer) pairs
+    elsewhere, so a replay that did not take the engine's routes would fail; and the same check fails
+    when two tokens' routes are swapped."""
+    from moe.hf_megatron import HFModelDims
+
+    d = HFModelDims.from_hf_config(cfg)
+    batch, raw, own = run[f"{prefix}_batch"], run[f"{prefix}_raw"], run[f"{prefix}_own"]
+    routes = batch.routes_BLNK
+    lengths = (batch.prompt_lens_B + batch.response_lens_B).tolist()
+    assert routes is not None and len(raw) == batch.batch_size
+    for b, (n, engine_TLK) in enumerate(zip(lengths, raw, strict=True)):
+        assert engine_TLK.dtype == torch.int32 and engine_TLK.shape == (n - 1, d.num_layers, d.top_k)
+        dense = [i for i in range(d.num_layers) if i not in d.moe_layers]
+        assert (engine_TLK[:, dense] == 0).all()
+        assert torch.equal(routes[b, : n - 1].long().sort(-1).values,
+                           engine_TLK[:, list(d.moe_layers)].long().sort(-1).values), b
+    real_BS = torch.arange(batch.seq_len)[None] < torch.tensor(lengths)[:, None] - 1  # tokens fed forward
+    differ_BSN = (own.long().sort(-1).values != routes.long().sort(-1).values).any(-1) & real_BS[..., None]
+    assert differ_BSN.any(), "the engine's routes equal the trainer's own: the check could not fail"
+    misses = replay_misses(run[f"{prefix}_replayed"], routes, d.top_k)
+    assert misses == 0, f"{prefix}: {misses} (row, position, MoE layer) routes were not the engine's"
+    b, s, j = differ_BSN.nonzero()[0].tolist()  # a real token whose engine routes are not the trainer's
+    other = next(t for t in range(lengths[b] - 1)
+                 if not torch.equal(routes[b, t, j].sort().values, routes[b, s, j].sort().values))
+    swapped = routes.clone()
+    swapped[b, [s, other]] = swapped[b, [other, s]]
+    assert replay_misses(run[f"{prefix}_replayed"], swapped, d.top_k) > 0, \
+        "a swap of two tokens' routes went unseen"
 
 
 def hf_final_hidden(batch, sd: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -393,5 +433,6 @@ def test_layout_matches_baseline(name: str, baseline: dict, tmp_path: Path, mode
         check_close(key, run[key], baseline[key], steps, extra=1)
     for steps, key in ((3, "cm1"), (4, "cm2")):
         assert not (bad := metrics_close(run[key], baseline[key], steps, numel)), (key, bad)
+    check_engine_replay(run, "engine", TINY_QWEN)
     check_deepseek(run, baseline, model_dirs["deepseek"], model_dirs["deepseek-fp8"])
     check_deepseek_plain(run, model_dirs["deepseek-plain"])

@@ -117,11 +117,13 @@ def test_the_flag_reaches_both_engines(tmp_path: Path) -> None:
 
     cfg = CONFIGS["qwen3_moe"]
     prompts = [[5, 6, 7], [8], [9, 10]]
-    params = [{"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": i, "ignore_eos": True} for i in range(3)]
+    params = [{"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": i, "ignore_eos": True}
+              for i in range(3)]
     want = ReferenceModel(cfg, dtype=torch.bfloat16, seed=0, fp32_lm_head=True).generate(prompts, params)
     other = ReferenceModel(cfg, dtype=torch.bfloat16, seed=0).generate(prompts, params)
     assert [w["output_logprobs"] for w in want] != [o["output_logprobs"] for o in other]
-    with reference_server(tmp_path / "engine.log", dtype="bfloat16", extra_args=engine_server_args(job)) as (_, c):
+    args = engine_server_args(job)
+    with reference_server(tmp_path / "engine.log", dtype="bfloat16", extra_args=args) as (_, c):
         got = c.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
     assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
     assert [[lp[0] for lp in g["meta_info"]["output_token_logprobs"]] for g in got] == \

@@ -32,6 +32,9 @@ temperature (T = 1 for greedy), taken before top-k/top-p filtering. This is SGLa
 definition of `output_token_logprobs` (its sampler computes log-probs of the temperature-scaled
 distribution, before filtering, unless SGLANG_RETURN_ORIGINAL_LOGPROB is set, in which case it returns
 raw log_softmax(logits)); a trainer recomputing log-probs at the same temperature gets the same numbers.
+With `fp32_lm_head` (SGLang's --enable-fp32-lm-head; rollout.fp32_lm_head) the LM head runs in float32
+on the model-dtype hidden states (direct_forward.lm_head_logits), so a bf16 engine's logits are not
+rounded to bf16; in a float32 engine it changes nothing.
 
 Routed experts (SGLang's --enable-return-routed-experts, issue 33): with `return_routes`, a request's
 result also holds `routed_experts`, int32 [P + R - 1, num_hidden_layers, top_k]: row i is the top-k

@@ -10,9 +10,11 @@ therefore trains on block s sampled by version max(0, s - k): which version samp
 a function of the step, never of timing. A weight push waits for the requests in flight (SGLang's
 update takes its model-update writer lock, which every /generate holds as a reader), so a request
 never spans two versions; the engines' answers say which version sampled them (meta_info
-weight_version), and `take` checks it against the schedule. Starting right after a push, when the
-engines have nothing in flight, gives a request a whole step to reach its engine before the next
-push (a request that has not arrived when the push comes would be sampled by the newer version).
+weight_version), and `take` checks it against the schedule. Before each push the controller
+collects every started request (`collect_started`): a push must wait for them anyway, and a
+request written on one connection may reach its engine after a push written later on another
+(it would then be sampled by the newer version), so waiting for the answers is what makes the
+schedule hold.
 
 k = 0 is the synchronous loop: `take` starts the step's request and waits for it.
 
@@ -86,6 +88,11 @@ class GenerationPipeline:
             return
         while len(self._ahead) < min(self.max_staleness + 1, self.num_steps - next_step):
             self._ahead.append(self._start(self.take_block(), next_step))
+
+    def collect_started(self) -> None:
+        """Wait for every started request's answer (before a weight push)."""
+        for flight in self._ahead:
+            self._collect(flight)
 
     def busy_seconds(self, start: float, end: float) -> float:
         """Seconds of [start, end] during which the engines had a request of the pipeline (the

@@ -111,6 +111,7 @@ class Session:
     def push_weights(self, step: int) -> dict[str, float]:
         """The weight push after `step`'s update: the engines then hold policy version step + 1, and
         the pipeline starts the batches they sample ahead (rollout.max_staleness)."""
+        self.pipeline.collect_started()  # answered by the version that started them: docs/async.md
         sync = self.policy.push_weights(step)
         self.pipeline.version = step + 1
         self.pipeline.fill(step + 1)

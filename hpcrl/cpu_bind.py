@@ -2,7 +2,10 @@
 
     cores 0 .. S-1            | block 0            | block 1            | ...
     controller, reward pool,  | trainer rank 1,    | trainer rank 2,    |
-    the engines' host ranks   | engine 0           | engine 1           |
+    the engines' host ranks   | engine 0           | engine 1           |      (auto)
+
+    cores 0 .. S-1 (or all)   | block 0            | ... | block T           | ...
+    the same                  | trainer rank 1     | ... | engine 0          | ...  (apart)
 
 The trainer ranks and the engines take turns: the engines generate, the trainer ranks train, then
 the weights move. `auto` (not the default) puts trainer rank i and engine i on one block of
@@ -12,6 +15,10 @@ was busy a moment ago and whose caches hold the torch code the other phase just 
 OS, the trainer may wake on a core that sat idle through generation. Measured on the tiny example
 (2 cores of a shared VM, benchmarks/cpu_bind.py): +2% to +7% steps/s in three runs, -12% and 0% in
 two others; this host's noise is as large as the effect, so binding stays opt-in.
+
+`apart` gives every trainer rank and every engine a block of its own, for asynchronous runs
+(rollout.max_staleness >= 1: the engines generate while the trainer trains): T + E blocks, and the
+service processes the cores left, or every core when none is left (they mostly wait).
 
 Start-up runs on every core of the plan (the trainer builds its model while the engines load
 theirs): the trainer and rollout ranks bind once their init has run, an engine once it answers
@@ -38,29 +45,32 @@ ENV = "HPCRL_CPU_PLAN"
 class CpuPlan:
     """`service`: the cores of the controller, the engines' host ranks and what they start other
     than engines; `blocks[i]`: the cores of trainer rank i and engine i (one trainer rank or engine
-    per block at a time, so len(blocks) = max(trainer ranks, engines))."""
+    per block at a time, so len(blocks) = max(trainer ranks, engines)); `apart`: engine i's block is
+    blocks[engine_offset + i] (the trainer ranks' blocks come first)."""
 
     service: tuple[int, ...]
     blocks: tuple[tuple[int, ...], ...]
+    engine_offset: int = 0
 
     def for_rank(self, world_rank: int, num_trainer: int) -> tuple[int, ...]:
         """The cores of a world rank: trainer ranks (1..num_trainer) their block, the rest service."""
         return self.blocks[world_rank - 1] if 1 <= world_rank <= num_trainer else self.service
 
     def for_engine(self, engine_index: int) -> tuple[int, ...]:
-        return self.blocks[engine_index]
+        return self.blocks[self.engine_offset + engine_index]
 
     def describe(self, num_trainer: int, num_engines: int) -> str:
         """One line for `hpcrl run`'s output: who runs on which cores."""
         parts = [f"controller on {_cores(self.service)}"]
         for i, block in enumerate(self.blocks):
             who = [f"trainer rank {i + 1}"] if i < num_trainer else []
-            who += [f"engine {i}"] if i < num_engines else []
+            e = i - self.engine_offset
+            who += [f"engine {e}"] if 0 <= e < num_engines and (self.engine_offset or i < num_engines) else []
             parts.append(f"{' + '.join(who)} on {_cores(block)}")
         return "; ".join(parts)
 
     def to_env(self) -> str:
-        return json.dumps({"service": self.service, "blocks": self.blocks})
+        return json.dumps({"service": self.service, "blocks": self.blocks, "engine_offset": self.engine_offset})
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | os._Environ[str] = os.environ) -> CpuPlan | None:
@@ -68,11 +78,26 @@ class CpuPlan:
         if not text:
             return None
         raw = json.loads(text)
-        return cls(tuple(raw["service"]), tuple(tuple(b) for b in raw["blocks"]))
+        return cls(tuple(raw["service"]), tuple(tuple(b) for b in raw["blocks"]), raw.get("engine_offset", 0))
 
 
 def _cores(cores: Sequence[int]) -> str:
     return "core " + str(cores[0]) if len(cores) == 1 else "cores " + ",".join(map(str, cores))
+
+
+def make_apart_plan(cores: Sequence[int], num_trainer: int, num_engines: int,
+                    cpus_per_rank: int) -> tuple[CpuPlan | None, str]:
+    """`apart`: (the plan, "") with a block of `cpus_per_rank` cores for every trainer rank and every
+    engine, the service processes on the cores left or, when none is, on every core; or (None, why)."""
+    cores = sorted(cores)
+    need = (num_trainer + num_engines) * cpus_per_rank
+    if len(cores) < need:
+        return None, (f"{len(cores)} usable core(s); binding apart needs {need} for the trainer ranks and "
+                      f"engines (({num_trainer} + {num_engines}) x {cpus_per_rank} cpus_per_rank)")
+    split = len(cores) - need
+    blocks = tuple(tuple(cores[split + i * cpus_per_rank: split + (i + 1) * cpus_per_rank])
+                   for i in range(num_trainer + num_engines))
+    return CpuPlan(tuple(cores[:split]) or tuple(cores), blocks, num_trainer), ""
 
 
 def make_plan(cores: Sequence[int], num_trainer: int, num_engines: int,

@@ -69,10 +69,11 @@ def check_resume(job: JobConfig, run_dir: Path, resume: str) -> None:
 def plan_cores(job: JobConfig, env: dict[str, str]) -> None:
     """resources.cpu_bind: put the core plan of the ranks into `env` (hpcrl.cpu_bind) and say it."""
     env.pop(cpu_bind.ENV, None)
-    if job.resources.cpu_bind != "auto" or job.resources.device != "cpu":
+    if job.resources.cpu_bind == "none" or job.resources.device != "cpu":
         return
     t, e = job.trainer.num_procs, job.rollout.num_engines
-    plan, why_not = cpu_bind.make_plan(sorted(os.sched_getaffinity(0)), t, e, job.resources.cpus_per_rank)
+    make = cpu_bind.make_apart_plan if job.resources.cpu_bind == "apart" else cpu_bind.make_plan
+    plan, why_not = make(sorted(os.sched_getaffinity(0)), t, e, job.resources.cpus_per_rank)
     if plan is None:
         print(f"cpu_bind: not bound: {why_not}", flush=True)
         return

@@ -360,9 +360,11 @@ class ResourcesConfig:
     cpus_per_rank: int = 1
     """CPU cores per rank (Slurm --cpus-per-task)."""
     cpu_bind: str = "none"
-    """none | auto. `hpcrl run` with device cpu: auto runs trainer rank i and engine i on one block of
-    cpus_per_rank cores (they take turns) and the controller on the cores left (hpcrl/cpu_bind.py);
-    none leaves placement to the OS. GPU runs and Slurm steps (srun's binding) are not bound."""
+    """none | auto | apart. `hpcrl run` with device cpu: auto runs trainer rank i and engine i on one
+    block of cpus_per_rank cores (they take turns) and the controller on the cores left
+    (hpcrl/cpu_bind.py); apart gives every trainer rank and every engine a block of its own (for
+    rollout.max_staleness >= 1, when they run at once); none leaves placement to the OS. GPU runs and
+    Slurm steps (srun's binding) are not bound."""
     timeout_s: float = 300.0
     """Deadline of one phase of one step (any MPI wait); a rank silent longer is reported and the
     job stops."""

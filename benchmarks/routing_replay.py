@@ -1,19 +1,37 @@
-"""Routing replay (R3) against the rollout-train mismatch, side by side in one run: a bf16 reference
-engine against the fp32 trainer on the tiny example, routes observed only (rollout.routing_replay
-observe) and replayed (r3).
+"""Routing replay (R3) against the rollout-train mismatch: a bf16 reference engine against the fp32
+trainer on the tiny copy example, measured two ways.
 
-    .venv/bin/python benchmarks/routing_replay.py [--steps 30] [--model tiny-qwen3-moe]
+    .venv/bin/python benchmarks/routing_replay.py [--steps 80] [--model tiny-qwen3-moe]
+                                                  [--no-fp32-lm-head] [--checkpoints 16] [--samples 256]
+                                                  [--seed N]
 
-Per mode, from metrics.jsonl over all steps: the mean of mismatch/router_agreement (share of
-(token, MoE layer) routes the trainer's training forward took as the engine did), of mismatch/kl
-(token mean of k3 of the engine's log-probs against the trainer's), the last step's reward, the
-median step time; then kl(observe) / kl(r3), the factor R3 takes off the mismatch.
+Unpaired (the issue's "side by side in one run"): two `hpcrl run`s of the example, routes observed
+only (rollout.routing_replay observe) and replayed (r3), both with rollout.fp32_lm_head unless
+--no-fp32-lm-head. Per mode, over all steps of its metrics.jsonl: the mean of mismatch/router_agreement
+(share of (token, MoE layer) routes the trainer's training forward took as the engine did), of
+mismatch/kl (token mean of k3 of the engine's log-probs against the trainer's, what the run logs),
+the last step's reward, the median step time; then kl(observe) / kl(r3). The two runs follow their
+own trajectories (other updates, other samples), so their KLs are of different policies and
+different tokens.
+
+Paired: at `--checkpoints` checkpoints of the r3 run (exported with `hpcrl export`), one rollout of
+`--samples` completions of the copy prompts, sampled as the run samples (temperature, top_p,
+max_new_tokens, stop ids), by the reference engine in bf16 on those weights with its routes, which
+take the run's way (the reference server's encoding, the controller's RouteFormat, the trainer's
+TrainBatch); then the fp32 trainer's log-probs of that same rollout on the same weights routing
+freely and replaying the engine's routes (a one-rank MegatronPolicy, rollout.routing_replay observe
+and r3), each scored by the run's own sync_check_metrics. kl(free) / kl(replay) is then the share of
+the mismatch the routing carries, nothing else differing. The rollout is drawn with and without
+the fp32 LM head (the same sampling seeds), so the table also shows what the head takes off. The
+paired summary is the analogue of the run's mean over steps: kl(free) and kl(replay) each averaged
+over the checkpoints, then their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -22,38 +40,151 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
-BF16_ENGINE = ["rollout.dtype=bfloat16", "rollout.logprob_tolerance=1.0", "rollout.logprob_mean_tolerance=0.02"]
+BF16_ENGINE = ["rollout.dtype=bfloat16", "rollout.logprob_mean_tolerance=0.02"]  # docs/config.md's bf16 check
 
 
-def run(mode: str, steps: int, model: str, root: Path) -> dict:
-    run_dir = root / mode
-    sets = [*BF16_ENGINE, f"rollout.routing_replay={mode}", f"algorithm.num_steps={steps}",
-            "logging.progress=false", f"model.preset={model}"]
-    cmd = [sys.executable, "-m", "hpcrl.cli", "run", str(EXAMPLE), "--run-dir", str(run_dir)]
-    for s in sets:
-        cmd += ["--set", s]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+def hpcrl(*args: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", *args], cwd=REPO, capture_output=True,
+                         text=True, timeout=3600)
     if out.returncode:
-        raise SystemExit(f"{mode}: hpcrl run failed\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+        raise SystemExit(f"hpcrl {args[0]} failed\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+
+
+def run(mode: str, args: argparse.Namespace, run_dir: Path, checkpoint_every: int = 0) -> dict:
+    """One run of the example; its per-step means (see the module docstring)."""
+    sets = [*BF16_ENGINE, f"rollout.logprob_tolerance={args.logprob_tolerance}",
+            f"rollout.routing_replay={mode}", f"algorithm.num_steps={args.steps}", "logging.progress=false",
+            f"model.preset={args.model}", f"rollout.fp32_lm_head={args.fp32_lm_head}",
+            f"checkpoint.interval_steps={checkpoint_every}", "checkpoint.keep=1000",
+            *([] if args.seed is None else [f"trainer.seed={args.seed}", f"data.seed={args.seed}"])]
+    hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *(x for s in sets for x in ("--set", s)))
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {"agreement": statistics.mean(r["mismatch/router_agreement"] for r in recs),
             "kl": statistics.mean(r["mismatch/kl"] for r in recs),
             "over_tol": statistics.mean(r["mismatch/over_tolerance_frac"] for r in recs),
-            "reward": recs[-1]["reward/mean"], "step_s": statistics.median(r["timing/step_s"] for r in recs)}
+            "reward": recs[-1]["reward/mean"],
+            "step_s": statistics.median(r["timing/step_s"] for r in recs)}
+
+
+def rollout_of(model_dir: Path, cfg: dict, samples: int, fp32_lm_head: bool, job):  # -> Rollout
+    """`samples` completions of the copy prompts (each letter in turn) by a bf16 reference engine on
+    `model_dir`, sampled as the run samples, with the engine's routes as the controller keeps them."""
+    import torch
+
+    from hpcrl.controller.groups import Rollout
+    from hpcrl.controller.routes import RouteFormat
+    from hpcrl.rollout.engine import ReferenceModel
+    from hpcrl.rollout.reference_server import encode_routed_experts
+    from hpcrl.tasks.synthetic import LETTERS
+    from hpcrl.tasks.tokenizer import CharTokenizer
+    from moe.hf_megatron import HFModelDims
+
+    tok = CharTokenizer()
+    engine = ReferenceModel(cfg, dtype=torch.bfloat16, fp32_lm_head=fp32_lm_head)
+    engine.load_model_dir(str(model_dir))
+    prompts = [tok.encode_prompt(LETTERS[i % len(LETTERS)]) for i in range(samples)]
+    r = job.rollout
+    params = [{"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens,
+               "stop_token_ids": list(tok.stop_token_ids), "ignore_eos": r.ignore_eos,
+               "sampling_seed": 1000 + i} for i in range(samples)]
+    outs = engine.generate(prompts, params, return_routes=True)
+    fmt = RouteFormat.of(HFModelDims.from_hf_config(cfg))
+    routes = [fmt.decode({"routed_experts": encode_routed_experts(o["routed_experts"])},
+                         len(p) + len(o["output_ids"]), f"completion {i}")
+              for i, (p, o) in enumerate(zip(prompts, outs))]
+    return Rollout([None] * samples, prompts, [o["output_ids"] for o in outs],
+                   [o["output_logprobs"] for o in outs], [o["finish_reason"]["type"] for o in outs], routes)
+
+
+def paired(model_dir: Path, samples: int, fp32_lm_head: bool, job, step: int) -> dict:
+    """One rollout on `model_dir`'s weights and the trainer's log-probs of it, free and replayed."""
+    from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
+    from hpcrl.controller.sync_check import sync_check_metrics
+    from hpcrl.trainer.batch import TrainBatch
+    from hpcrl.trainer.policy import MegatronPolicy
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    rollout = rollout_of(model_dir, cfg, samples, fp32_lm_head, job)
+    batch = TrainBatch.from_lists(rollout.prompt_ids, rollout.response_ids, rollout.routes)
+    out = {}
+    for mode in ("observe", "r3"):  # observe routes freely and counts the routes that agree
+        policy = MegatronPolicy(cfg, TrainerConfig(micro_batch_size=samples), AlgorithmConfig(),
+                                routing_replay=mode)
+        policy.load_hf_dir(str(model_dir))
+        policy.replay.take_agreement()
+        logp_BT = policy.compute_logprobs(batch, temperature=job.rollout.temperature)
+        same, total = policy.replay.take_agreement()
+        # the run's metrics of this rollout; no tolerance stops a measurement
+        m = sync_check_metrics(rollout, logp_BT.numpy(), math.inf, 0.0, step)
+        out[mode] = {"kl": m["mismatch/kl"], "agreement": same / total,
+                     "mean_abs": m["sync/logprob_mean_abs_diff"]}
+    out["tokens"] = rollout.num_tokens
+    return out
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    """The run's complete checkpoints (committed: a manifest)."""
+    done = (run_dir / "checkpoints").glob("step_*/manifest.json")
+    return sorted(int(p.parent.name.split("_")[-1]) for p in done)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--model", default="tiny-qwen3-moe")
+    ap.add_argument("--no-fp32-lm-head", dest="fp32_lm_head", action="store_false")
+    ap.add_argument("--checkpoints", type=int, default=16, help="paired measures along the r3 run (0: none)")
+    ap.add_argument("--samples", type=int, default=256, help="completions per paired measure")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="trainer.seed and data.seed (default: the example's)")
+    ap.add_argument("--logprob-tolerance", type=float, default=1.0,
+                    help="rollout.logprob_tolerance of both runs (docs/config.md's bf16 value; a larger "
+                         "one lets a run go on whose sync check a routing flip stops)")
     args = ap.parse_args()
+    head = "fp32 LM head" if args.fp32_lm_head else "bf16 LM head"
     with tempfile.TemporaryDirectory() as tmp:
-        got = {mode: run(mode, args.steps, args.model, Path(tmp)) for mode in ("observe", "r3")}
-    print(f"routing replay, {args.model}, bf16 engine vs fp32 trainer, {args.steps} steps")
-    print(f"{'mode':8} {'router_agreement':>17} {'mismatch/kl':>12} {'reward(last)':>13} {'step_s':>7}")
-    for mode, g in got.items():
-        print(f"{mode:8} {g['agreement']:17.5f} {g['kl']:12.3e} {g['reward']:13.3f} {g['step_s']:7.3f}")
-    print(f"kl(observe) / kl(r3) = {got['observe']['kl'] / max(got['r3']['kl'], 1e-30):.2f}")
+        root = Path(tmp)
+        every = max(args.steps // max(args.checkpoints, 1), 1)
+        got = {mode: run(mode, args, root / mode, every if mode == "r3" else 0) for mode in ("observe", "r3")}
+        print(f"routing replay, {args.model}, bf16 engine ({head}) vs fp32 trainer, {args.steps} steps")
+        print(f"unpaired: {'mode':8} {'router_agreement':>17} {'mismatch/kl':>12} {'over_tol':>9} "
+              f"{'reward(last)':>13} {'step_s':>7}")
+        for mode, g in got.items():
+            print(f"          {mode:8} {g['agreement']:17.5f} {g['kl']:12.3e} {g['over_tol']:9.5f} "
+                  f"{g['reward']:13.3f} {g['step_s']:7.3f}")
+        print(f"          kl(observe) / kl(r3) = {got['observe']['kl'] / max(got['r3']['kl'], 1e-30):.2f}",
+              flush=True)
+        if not args.checkpoints:
+            return
+
+        from hpcrl.config import load_job
+        from tiny_train_batch import one_rank_world
+
+        one_rank_world()
+        job = load_job(EXAMPLE)
+        print(f"paired: the r3 run's checkpoints, {args.samples} completions each, the same rollout for "
+              "free and replayed trainer log-probs")
+        print(f"{'step':>6} {'lm head':>8} {'tokens':>7} {'agreement':>10} {'kl free':>10} {'kl replay':>10} "
+              f"{'ratio':>6} {'|d| free':>9} {'|d| replay':>10}")
+        kls: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+        for step in checkpoint_steps(root / "r3"):
+            model_dir = root / f"export_{step}"
+            hpcrl("export", str(root / "r3"), "--step", str(step), "--out", str(model_dir))
+            for fp32 in (True, False):
+                p = paired(model_dir, args.samples, fp32, job, step)
+                free, replay = p["observe"]["kl"], p["r3"]["kl"]
+                kls[fp32].append((free, replay))
+                assert p["r3"]["agreement"] == 1.0, p
+                print(f"{step:6d} {'fp32' if fp32 else 'bf16':>8} {p['tokens']:7d} "
+                      f"{p['observe']['agreement']:10.5f} {free:10.3e} {replay:10.3e} "
+                      f"{free / max(replay, 1e-30):6.2f} {p['observe']['mean_abs']:9.2e} "
+                      f"{p['r3']['mean_abs']:10.2e}", flush=True)
+        for fp32, pairs in kls.items():
+            if pairs:  # the paired analogue of the run's mean over steps: means over the checkpoints
+                free, replay = (statistics.mean(x) for x in zip(*pairs))
+                print(f"paired, {'fp32' if fp32 else 'bf16'} LM head, mean over {len(pairs)} checkpoints: "
+                      f"kl free {free:.3e}, kl replay {replay:.3e}, kl(free) / kl(replay) = "
+                      f"{free / max(replay, 1e-30):.2f}")
 
 
 if __name__ == "__main__":

@@ -96,7 +96,8 @@ class RunResult:
         return out
 
 
-def hpcrl_command(cfg: BenchConfig, run_dir: Path, src: Path, cpus_per_rank: int) -> list[str]:
+def hpcrl_command(cfg: BenchConfig, run_dir: Path, src: Path, cpus_per_rank: int,
+                  extra: list[str] = ()) -> list[str]:
     sets = {"resources.cpus_per_rank": cpus_per_rank, "model.preset": cfg.preset, "data.task": "copy",
             "data.num_prompts_per_step": cfg.num_prompts, "data.seed": 0,
             "algorithm.group_size": cfg.group_size, "algorithm.num_steps": cfg.num_steps,
@@ -110,6 +111,8 @@ def hpcrl_command(cfg: BenchConfig, run_dir: Path, src: Path, cpus_per_rank: int
            "--run-dir", str(run_dir)]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
+    for kv in extra:  # --hpcrl-set, e.g. rollout.max_staleness=1 (asynchronous RL)
+        cmd += ["--set", kv]
     return cmd
 
 
@@ -243,6 +246,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out-dir", type=Path, default=None, help="run dirs and logs (default: a temp dir)")
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
     ap.add_argument("--results", type=Path, default=None, help="replace the e2e_vs_trl section of this file")
+    ap.add_argument("--hpcrl-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a further --set of the hpcrl runs (repeatable), e.g. rollout.max_staleness=1")
     ap.add_argument("--note", default="", help="a line added to the results section (e.g. the machine)")
     args = ap.parse_args(argv)
     bad = [c for c in args.configs.split(",") if c not in ("tiny", "compute")]
@@ -279,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
             for backend in order:
                 run_dir = out_dir / f"{name}-{backend}-{rep}"
                 if backend == "hpcrl":
-                    cmd = hpcrl_command(cfg, run_dir, src, args.threads)
+                    cmd = hpcrl_command(cfg, run_dir, src, args.threads, args.hpcrl_set)
                     res = run_once(backend, cmd, run_dir, hp_env, src, args.timeout_s, rep)
                 else:
                     res = run_once(backend, trl_command(cfg, run_dir, args.bench_python, args.threads), run_dir,

@@ -175,6 +175,15 @@ BAD = [
      "Use rollout.weight_sync: broadcast"),
     ("routing-replay-bad", "rollout: {routing_replay: r4}", [], None, "rollout.routing_replay", "'r4'",
      "none, observe, r3, r2"),
+    ("async-negative", "rollout: {max_staleness: -1}", [], None, "rollout.max_staleness", "-1", ">= 0"),
+    ("async-sft", "algorithm: {name: sft}\nrollout: {max_staleness: 1}", [], None, "rollout.max_staleness", "1",
+     "sft trains on the data's answers"),
+    ("async-temperature", "rollout: {max_staleness: 1, temperature: 0.7}", [], None, "rollout.max_staleness", "1",
+     "set rollout.temperature: 1.0"),
+    ("async-partial", "rollout: {max_staleness: 2, partial: true}", [], None, "rollout.partial", "True",
+     "not built yet"),
+    ("async-tis-cap-kept", "rollout: {max_staleness: 1}\nalgorithm: {tis_cap: 3.0, rollout_correction: mis}", [],
+     None, "algorithm.tis_cap", "3.0", "rollout_correction: tis (this job has mis)"),
     ("deepseek-n-group", "model: {config_path: model.json}", [],
      deepseek_json(n_group=3),
      "model.config_path", "model.json", "n_group=3: must divide n_routed_experts=8"),
@@ -415,3 +424,17 @@ def test_eval_needs_val_path_and_sampling_for_several_samples(tmp_path):
         validate(job)
     job.eval.temperature = 1.0
     validate(job)
+
+
+def test_async_run_corrects_with_tis_and_takes_its_cap():
+    """rollout.max_staleness >= 1 with algorithm.rollout_correction none: the loss applies tis
+    (decoupled PPO's behaviour weight), so tis_cap is read and allowed; synchronously it is not."""
+    from hpcrl.config.schema import rollout_correction
+
+    job = job_from_dict({"rollout": {"max_staleness": 1}, "algorithm": {"tis_cap": 3.0}})
+    validate(job)
+    assert rollout_correction(job) == "tis" and job.algorithm.rollout_correction == "none"
+    sync = job_from_dict({"algorithm": {"tis_cap": 3.0}})
+    with pytest.raises(ConfigError, match="tis_cap"):
+        validate(sync)
+    assert rollout_correction(sync) == "none"

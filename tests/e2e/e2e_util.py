@@ -57,6 +57,21 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, steps: int, timeout_s: 
     raise AssertionError(f"run did not reach {steps} steps")
 
 
+def kill_everything(proc: subprocess.Popen, run_dir: Path) -> None:
+    """kill -9 at once, as a node failure would, the run `start_run` began: launcher, mpiexec, ranks,
+    engines (every process whose command line names the run dir); then wait for the launcher."""
+    import signal
+
+    victims = [proc.pid] + [p.pid for p in psutil.process_iter(["cmdline"])
+                            if str(run_dir) in " ".join(p.info["cmdline"] or [])]
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.communicate(timeout=60)
+
+
 def preempt_then_resume(run_dir: Path, args: list[str], at_step: int, timeout_s: float = 400) -> None:
     """Run the example, send SIGUSR1 once `at_step` steps are done (it checkpoints and exits for
     requeue), then run it again: it must resume from that checkpoint and finish."""

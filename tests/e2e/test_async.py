@@ -8,9 +8,8 @@ import os
 import signal
 
 import numpy as np
-import psutil
 import pytest
-from e2e_util import EXAMPLE, hpcrl, leftover_processes, start_run, wait_for_step
+from e2e_util import EXAMPLE, hpcrl, kill_everything, leftover_processes, start_run, wait_for_step
 
 from launch.result import REQUEUE_EXIT_CODE
 
@@ -100,14 +99,7 @@ def test_kill_9_then_resume_is_bit_identical(tmp_path, short):
     run_dir = tmp_path / "run"
     proc = start_run(run_dir, *SHORT)
     wait_for_step(proc, run_dir, 8)  # checkpoints after steps 2 and 5 (and 8 maybe): then everything dies
-    victims = [proc.pid] + [p.pid for p in psutil.process_iter(["cmdline"])
-                            if str(run_dir) in " ".join(p.info["cmdline"] or [])]
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.communicate(timeout=60)
+    kill_everything(proc, run_dir)
     assert not leftover_processes(str(run_dir))
     resumed = _run(run_dir, *SHORT)
     assert "resumed from checkpoint step" in resumed.stdout

@@ -3,14 +3,13 @@ signal or by kill -9 between checkpoints, then rerun, a run ends with the same p
 same per-step reward/mean as an uninterrupted run; corrupted checkpoints are detected."""
 
 import json
-import os
 import re
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
-from e2e_util import (DEEPSEEK_EXAMPLE, EXAMPLE, hpcrl, leftover_processes, start_run,
+from e2e_util import (DEEPSEEK_EXAMPLE, EXAMPLE, hpcrl, kill_everything, leftover_processes, start_run,
                        wait_for_step as _wait_for_step)
 
 from launch.result import REQUEUE_EXIT_CODE as EXIT_REQUEUE
@@ -83,17 +82,7 @@ def test_kill_9_between_checkpoints_then_resume_is_bit_identical(tmp_path, unint
     run_dir = tmp_path / "run"
     proc = _start(run_dir)
     _wait_for_step(proc, run_dir, 7)  # checkpoints at steps 2 and 5; step 6 is lost
-    import psutil
-
-    # kill -9 everything at once, as a node failure would: launcher, mpiexec, ranks, engine
-    victims = [proc.pid] + [p.pid for p in psutil.process_iter(["cmdline"])
-                            if str(run_dir) in " ".join(p.info["cmdline"] or [])]
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.communicate(timeout=60)
+    kill_everything(proc, run_dir)
     assert not leftover_processes(str(run_dir))
     resumed, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, timeout_s=400)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]

@@ -50,6 +50,20 @@ def reference_server(log: Path, config_path: Path = CONFIG_PATH, **launch: Any
             assert "reference server stopped" in log.read_text()
 
 
+@contextmanager
+def server_twin() -> Iterator[Any]:
+    """The model a reference_server() answers with (the preset drawn from seed 0, as the server
+    starts it), computing on one torch thread while the context lasts."""
+    from hpcrl.rollout.engine import ReferenceModel
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield ReferenceModel(HF_CONFIG, seed=0)
+    finally:
+        torch.set_num_threads(prev)
+
+
 def unmasked_padding(forward):
     return lambda ids, mask, pos, cache: forward(ids, None, pos, cache)
 

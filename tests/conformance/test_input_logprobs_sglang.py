@@ -25,12 +25,11 @@ from pathlib import Path
 import pytest
 import torch
 from numerics import logit_bound, logprob_bound
-from reference_engine import HF_CONFIG, reference_server
+from reference_engine import HF_CONFIG, reference_server, server_twin
 from test_request_bodies import _struct_fields
 from test_routed_experts import _compile
 
 from hpcrl.rollout.client import EngineError, parse_scores, scoring_body
-from hpcrl.rollout.engine import ReferenceModel
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -47,12 +46,9 @@ def client(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def twin():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield ReferenceModel(HF_CONFIG, seed=0)
-    finally:
-        torch.set_num_threads(prev)
+    """The server's model, one thread (reference_engine.server_twin)."""
+    with server_twin() as model:
+        yield model
 
 
 def _block(root: Path, relpath: str, first_test: str, count: int, args: str):

@@ -23,7 +23,7 @@ from hpcrl.models.presets import load_hf_config
 from hpcrl.rollout.client import EngineError, parse_scores, scoring_body
 from hpcrl.rollout.engine import ReferenceModel
 from hpcrl.rollout.engine_score import input_token_logprobs
-from reference_engine import HF_CONFIG, PROMPTS, reference_server
+from reference_engine import HF_CONFIG, PROMPTS, reference_server, server_twin
 
 pytestmark = pytest.mark.timeout(300)
 KEYS = HF_CONFIG["max_position_embeddings"]
@@ -33,13 +33,9 @@ SAMPLED = {"temperature": 1.0, "max_new_tokens": 10, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def twin():
-    """The server's model (the preset drawn from seed 0, as reference_server starts it), one thread."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield ReferenceModel(HF_CONFIG, seed=0)
-    finally:
-        torch.set_num_threads(prev)
+    """The server's model, one thread (reference_engine.server_twin)."""
+    with server_twin() as model:
+        yield model
 
 
 @pytest.fixture(scope="module")

@@ -107,3 +107,16 @@ def load_file(root: Path, relpath: str, name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def parse_with_sglang(sglang_root: Path, argvs: list[list[str]], work_dir: Path, timeout_s: float = 300) -> dict:
+    """SGLang's own server-argument parser run on each argv (tests/conformance/_sglang_probe.py
+    parse-args, in a subprocess): its report, {"options": flag -> field, "results": [per argv]}."""
+    import json
+
+    argv_file = work_dir / "argv.json"
+    argv_file.write_text(json.dumps(argvs))
+    out = subprocess.run([sys.executable, str(Path(__file__).parent / "_sglang_probe.py"), "parse-args",
+                          str(sglang_root), str(argv_file)], capture_output=True, text=True, timeout=timeout_s)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1])

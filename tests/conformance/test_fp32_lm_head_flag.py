@@ -6,15 +6,13 @@ computes (hpcrl/rollout/direct_forward.py `lm_head_logits`)."""
 from __future__ import annotations
 
 import ast
-import json
-import subprocess
-import sys
 from pathlib import Path
+
+from sglang_wheel import parse_with_sglang
 
 from hpcrl.config import JobConfig
 from hpcrl.rollout.worker import FP32_LM_HEAD_FLAG, sglang_command
 
-PROBE = Path(__file__).parent / "_sglang_probe.py"
 
 
 def _argv(tmp_path: Path, fp32_lm_head: bool) -> list[str]:
@@ -32,12 +30,7 @@ def test_sglang_parses_the_flag_hpcrl_adds(sglang_root, tmp_path):
     (tmp_path / "model_config.json").write_text("{}")
     argvs = [_argv(tmp_path, True), _argv(tmp_path, False)]
     assert argvs[0].count(FP32_LM_HEAD_FLAG) == 1 and FP32_LM_HEAD_FLAG not in argvs[1]
-    argv_file = tmp_path / "argv.json"
-    argv_file.write_text(json.dumps(argvs))
-    out = subprocess.run([sys.executable, str(PROBE), "parse-args", str(sglang_root), str(argv_file)],
-                         capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout.splitlines()[-1])
+    report = parse_with_sglang(sglang_root, argvs, tmp_path, timeout_s=240)
     assert report["options"][FP32_LM_HEAD_FLAG] == "enable_fp32_lm_head"
     on, off = report["results"]
     assert "error" not in on, on

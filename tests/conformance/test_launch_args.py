@@ -5,19 +5,16 @@ hpcrl means, GPU placement reaches `base_gpu_id`, and the flags validation reser
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from sglang_wheel import parse_with_sglang
 
 from hpcrl.config import JobConfig
 from hpcrl.config.validate import SGLANG_OWNED_FLAGS, SGLANG_SHARD_LAYOUT_FLAGS
 from hpcrl.rollout.sglang_shard_loader import LOADER
 from hpcrl.rollout.worker import sglang_command
 
-PROBE = Path(__file__).parent / "_sglang_probe.py"
 API_KEY, ADMIN_KEY = "test-api-key", "test-admin-key"
 
 
@@ -64,12 +61,7 @@ def parsed(sglang_root, tmp_path_factory):
             if not keys.exists():
                 keys.write_text(f"api-key: {API_KEY}\nadmin-api-key: {ADMIN_KEY}\n")
     argvs.append(["--model-path", "/m", "--no-such-flag", "1"])  # the parser does refuse unknown flags
-    argv_file = run_dir / "argv.json"
-    argv_file.write_text(json.dumps(argvs))
-    out = subprocess.run([sys.executable, str(PROBE), "parse-args", str(sglang_root), str(argv_file)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.splitlines()[-1]), run_dir
+    return parse_with_sglang(sglang_root, argvs, run_dir), run_dir
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))

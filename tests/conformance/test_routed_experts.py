@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import ast
 import base64
-import json
 import re
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -28,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 from reference_engine import reference_server
+from sglang_wheel import parse_with_sglang
 from test_request_bodies import _struct_fields
 
 from hpcrl.models.presets import CONFIG_DIR, load_hf_config
@@ -37,7 +35,6 @@ from hpcrl.rollout.engine import ReferenceModel
 
 pytestmark = pytest.mark.timeout(300)
 
-PROBE = Path(__file__).parent / "_sglang_probe.py"
 CONFIG = "tiny-qwen3-moe"
 HF_CONFIG = load_hf_config(CONFIG, None)
 LAYERS, TOP_K = HF_CONFIG["num_hidden_layers"], HF_CONFIG["num_experts_per_tok"]
@@ -145,12 +142,8 @@ def test_hpcrls_fields_are_generate_req_inputs_and_pass_the_contract(sglang_root
 
 
 def test_the_flag_is_sglangs(sglang_root, tmp_path):
-    argv_file = tmp_path / "argv.json"
-    argv_file.write_text(json.dumps([["--model-path", "/m", ROUTED_EXPERTS_FLAG], ["--model-path", "/m"]]))
-    out = subprocess.run([sys.executable, str(PROBE), "parse-args", str(sglang_root), str(argv_file)],
-                         capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout.splitlines()[-1])
+    report = parse_with_sglang(sglang_root, [["--model-path", "/m", ROUTED_EXPERTS_FLAG], ["--model-path", "/m"]],
+                               tmp_path, timeout_s=240)
     assert report["options"][ROUTED_EXPERTS_FLAG] == "enable_return_routed_experts"
     on, off = report["results"]
     assert on["enable_return_routed_experts"] is True and off["enable_return_routed_experts"] is False

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sglang_wheel import parse_with_sglang
+
 from hpcrl.rollout.sglang_shard_loader import LOADER, tensor_request_body
 
 HERE = Path(__file__).parent
@@ -50,9 +52,5 @@ def test_request_fields_exist_in_sglangs_request(sglang_root):
 
 
 def test_launch_flag_parses(sglang_root, tmp_path):
-    argv = [["--model-path", "/m", "--custom-weight-loader", LOADER]]
-    (tmp_path / "argv.json").write_text(json.dumps(argv))
-    out = subprocess.run([sys.executable, str(HERE / "_sglang_probe.py"), "parse-args", str(sglang_root),
-                          str(tmp_path / "argv.json")], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.splitlines()[-1])["results"][0]["custom_weight_loader"] == [LOADER]
+    report = parse_with_sglang(sglang_root, [["--model-path", "/m", "--custom-weight-loader", LOADER]], tmp_path)
+    assert report["results"][0]["custom_weight_loader"] == [LOADER]

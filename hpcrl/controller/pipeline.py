@@ -167,9 +167,6 @@ class GenerationPipeline:
                                   routes, versions=[f["version"]] * len(f["finish_reasons"]))
                 self._ahead.append(Flight(f["block"], f["version"], rollout=rollout))
 
-    def __len__(self) -> int:
-        return len(self._taken) + len(self._ahead)
-
 
 def _ragged(rows: list[list], dtype) -> tuple[np.ndarray, np.ndarray]:
     lens = np.fromiter(map(len, rows), np.int64, count=len(rows))

@@ -291,8 +291,9 @@ class RolloutConfig:
     the policy of step max(0, s - k) (a function of the step, so resumes are exact); the loss
     corrects for the stale behaviour policy (decoupled PPO, docs/async.md)."""
     partial: bool = False
-    """Partial rollouts (a weight push pausing the engines' in-flight requests instead of waiting for
-    them): not built yet, true is refused (docs/async.md)."""
+    """Partial rollouts (needs max_staleness >= 2): a batch is sampled by every version pushed while
+    it waits, each adding at most ceil(max_new_tokens / max_staleness) tokens to each completion, the
+    last before its step finishing it; every token keeps its version (docs/async.md)."""
     weight_sync: str = "auto"
     """auto | shard | broadcast. shard: every trainer rank sends its Megatron shards straight to the
     engines along a moe plan (the reference engine's extension route; SGLang's Qwen3-MoE engines

@@ -324,11 +324,11 @@ def _check_async(job: JobConfig) -> None:
                           f"with rollout.temperature={r.temperature:g}: the sync check scores the trained batch "
                           "again on the engines, whose input-token log-probs SGLang 0.5.23 does not scale by "
                           "the temperature (docs/async.md); set rollout.temperature: 1.0 or max_staleness: 0")
-    if r.partial:  # docs/async.md, "Partial rollouts": where a push cuts a request is a matter of timing
-        raise ConfigError("rollout.partial", r.partial, "partial rollouts are not built yet: a push that "
-                                                        "pauses in-flight requests cuts them where timing "
-                                                        "says, and hpcrl's resumes must be exact "
-                                                        "(docs/async.md); remove it")
+    if r.partial and r.max_staleness < 2:  # docs/async.md, "Partial rollouts"
+        raise ConfigError("rollout.partial", r.partial,
+                          f"with rollout.max_staleness={r.max_staleness}: a partial rollout is sampled by the "
+                          "versions pushed while it waits, and only max_staleness >= 2 leaves it more than one; "
+                          "set rollout.max_staleness: 2 (or more), or remove rollout.partial")
 
 
 def _check_critic(job: JobConfig) -> None:

@@ -113,6 +113,9 @@ class RL:
             rollout, flight, stale = self._s.generate(self.step)
         dropped = self._metrics.get("data/dropped_prompts", 0) + len(self._s.sampler.dropped(self._s.last_block))
         self._staleness += [self.step - v for v in rollout.versions or [flight.version]]
+        if rollout.token_versions is not None:  # partial rollouts: completions a push cut
+            spanning = sum(len(set(vs)) > 1 for vs in rollout.token_versions) / max(len(rollout.token_versions), 1)
+            self.log(**{"rollout/spanning_frac": spanning})
         self.log(**{"rollout/tokens": rollout.num_tokens,
                     "rollout/response_len": rollout.num_tokens / len(rollout.response_ids),
                     "data/dropped_prompts": dropped,

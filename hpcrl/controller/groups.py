@@ -28,7 +28,9 @@ class Rollout:
     """One step's completions, group after group (G completions of each prompt are adjacent).
     `routes` (rollout.routing_replay): per completion the engine's MoE routes [P + R - 1, MoE layers,
     top_k] (hpcrl/controller/routes.py); select/concat move references to them, never the routes.
-    `versions`: per completion the policy version that sampled it (hpcrl/controller/pipeline.py)."""
+    `versions`: per completion the policy version that sampled it (its first token's, with partial
+    rollouts); `token_versions` (partial rollouts only): per completion the version of every response
+    token (hpcrl/controller/pipeline.py)."""
 
     examples: list[Example]
     prompt_ids: list[list[int]]
@@ -37,6 +39,7 @@ class Rollout:
     finish_reasons: list[str]
     routes: list[np.ndarray] | None = None
     versions: list[int] | None = None
+    token_versions: list[list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -84,11 +87,12 @@ class TrainResult:
 @dataclass
 class GenerateRequest:
     """A step's generation requests, ready to send: one encoded /generate body per engine (None
-    for an engine with no prompt)."""
+    for an engine with no prompt), and the sampling parameters they hold, per completion."""
 
     examples: list[Example]
     prompt_ids: list[list[int]]
     bodies: list[bytes | None]
+    sampling_params: list[dict] | None = None
 
 
 @dataclass
@@ -285,7 +289,7 @@ class RolloutGroup:
         bodies = [json.dumps({"input_ids": prompt_ids[lo:hi], "sampling_params": sampling_params[lo:hi],
                               "return_logprob": True, **extra}).encode() if hi > lo else None
                   for lo, hi in zip(bounds[:-1], bounds[1:])]
-        return GenerateRequest(examples, prompt_ids, bodies)
+        return GenerateRequest(examples, prompt_ids, bodies, sampling_params)
 
     def prepare_scoring(self, rollout: Rollout) -> GenerateRequest:
         """The rollout's completions as scoring requests, split evenly across the engines: prompt +

@@ -61,7 +61,7 @@ class Session:
         self._prepared: dict[int, GenerateRequest] = {}  # the next block's requests, built ahead
         self.pipeline = self.checkpointer.pipeline = GenerationPipeline(
             self.rollouts, self._request_of, self.checkpointer.prompt_cursor.take, job.rollout.max_staleness,
-            job.algorithm.num_steps, self._prepare_next)
+            job.algorithm.num_steps, self._prepare_next, job.rollout.partial)
         self.last_block = -1  # the prompt block of the last generate
         self._write_json(".ranks.json", [r.__dict__ for r in world.ranks])
         roles = {role: [r for r in world.ranks if r.role == role] for role in ("controller", "trainer", "rollout")}

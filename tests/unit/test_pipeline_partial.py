@@ -1,0 +1,190 @@
+"""Partial rollouts' schedule (rollout.partial, hpcrl/controller/pipeline.py): driven as the session
+drives it (take, collect before each push, fill after it) against a scripted engine group whose
+tokens are a pure function of (sampling seed, position, policy version), so every assertion names
+which version sampled which token. Checked: with k = 2 a block's first ceil(max_new / k) tokens come
+from version s - 2 and the rest from s - 1; completions that stop inside a segment are not
+continued; every token keeps its version and log-prob; and a pipeline restored from any step's
+saved state samples exactly what the uninterrupted one does."""
+
+import pytest
+
+from hpcrl.controller.groups import GenerateRequest, PendingRollout, Rollout
+from hpcrl.controller.pipeline import GenerationPipeline, segment_seed
+from hpcrl.tasks import Example
+
+STOP = 2
+MAX_NEW = 5
+
+
+def _token(seed: int, position: int, version: int) -> int:
+    if (seed + position) % 7 == 0:
+        return STOP
+    return 3 + (seed * 31 + position * 7 + version * 13) % 50
+
+
+class ScriptedEngines:
+    """RolloutGroup's generate side for the test: greedy-free, deterministic 'sampling' by the
+    version the engines hold when a request is written; log-prob -(version + 1) / 10 per token."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.requests: list[tuple[int, list[int]]] = []  # (version, max_new_tokens per completion)
+
+    def prepare(self, examples, prompt_ids, params) -> GenerateRequest:
+        return GenerateRequest(examples, prompt_ids, [], params)
+
+    def start(self, step: int, request: GenerateRequest) -> PendingRollout:
+        outs = []
+        for prompt, p in zip(request.prompt_ids, request.sampling_params):
+            ids, reason = [], "length"
+            while len(ids) < p["max_new_tokens"]:
+                ids.append(_token(p["sampling_seed"], len(prompt) + len(ids), self.version))
+                if ids[-1] == STOP:
+                    reason = "stop"
+                    break
+            outs.append((ids, reason))
+        self.requests.append((self.version, [p["max_new_tokens"] for p in request.sampling_params]))
+        return PendingRollout(step, request, [(self.version, outs)])
+
+    def collect(self, pending: PendingRollout) -> Rollout:
+        version, outs = pending.answers[0]
+        r = pending.request
+        return Rollout(r.examples, r.prompt_ids, [ids for ids, _ in outs],
+                       [[-(version + 1) / 10] * len(ids) for ids, _ in outs], [reason for _, reason in outs],
+                       None, [version] * len(outs))
+
+
+def _request_of(block: int) -> GenerateRequest:
+    prompts = [[1, block, i] for i in range(6)]
+    params = [{"max_new_tokens": MAX_NEW, "sampling_seed": 1000 * block + i, "temperature": 1.0}
+              for i in range(6)]
+    return GenerateRequest([Example(f"p{block}", (block,), "a")] * 6, prompts, [], params)
+
+
+class Driver:
+    """The session's calls around the pipeline, one generate per step."""
+
+    def __init__(self, k: int, num_steps: int, partial: bool = True) -> None:
+        self.engines = ScriptedEngines()
+        self.next_block = 0
+        self.pipeline = GenerationPipeline(self.engines, _request_of, self._take_block, k, num_steps,
+                                           partial=partial)
+
+    def _take_block(self) -> int:
+        self.next_block += 1
+        return self.next_block - 1
+
+    def start(self, version: int) -> None:
+        self.engines.version = self.pipeline.version = version
+        self.pipeline.fill(version)
+
+    def step(self, step: int) -> Rollout:
+        rollout, _, _ = self.pipeline.take(step)
+        self.pipeline.collect_started()
+        self.engines.version = self.pipeline.version = step + 1  # the push
+        self.pipeline.fill(step + 1)
+        self.pipeline.step_done()
+        return rollout
+
+
+def _whole(block: int, i: int, versions: list[int], starts: tuple[int, ...] = ()) -> list[int]:
+    """The completion the script samples when token t is sampled by versions[t], a segment starting
+    at each of `starts` (default: where the version changes) with a seed of its own."""
+    seed, ids = 1000 * block + i, []
+    starts = starts or tuple(t for t in range(len(versions)) if t == 0 or versions[t] != versions[t - 1])
+    for t, v in enumerate(versions):
+        ids.append(_token(segment_seed(seed, max(u for u in starts if u <= t)), 3 + t, v))
+        if ids[-1] == STOP:
+            break
+    return ids
+
+
+def _versions(s: int, k: int) -> list[int]:
+    """The version of each token of block s: it waits at queue position min(s, k) from version
+    max(0, s - k) on; each version that is not the last before its step adds ceil(MAX_NEW / k)."""
+    position, version, out = min(s, k), max(0, s - k), []
+    while position >= 2:
+        out += [version] * -(-MAX_NEW // k)
+        version, position = version + 1, position - 1
+    return (out + [version] * MAX_NEW)[:MAX_NEW]
+
+
+def test_k2_splits_each_completion_between_the_two_versions_before_its_step():
+    d = Driver(k=2, num_steps=8)
+    d.start(0)
+    for s in range(8):
+        r = d.step(s)
+        want_vs = _versions(s, 2)
+        if s >= 2:  # ceil(5 / 2) = 3 tokens by version s - 2, the rest by s - 1
+            assert want_vs == [s - 2] * 3 + [s - 1] * 2
+        for i, (ids, vs, lps) in enumerate(zip(r.response_ids, r.token_versions, r.engine_logprobs)):
+            assert ids == _whole(s, i, want_vs)  # stopped early: no tokens after the stop
+            assert vs == want_vs[:len(ids)]
+            assert lps == [-(v + 1) / 10 for v in vs]
+        assert r.versions == [max(0, s - 2)] * 6
+        if s >= 2:
+            assert any(len(set(vs)) > 1 for vs in r.token_versions)  # some completions spanned a push
+    assert any(ids[-1] == STOP and len(ids) < 3 for ids in r.response_ids)  # stopped in the first segment
+    # segments bounded by 3, continuations asked for the 2 left: never more than a completion may take
+    assert {n for _, asked in d.engines.requests for n in asked} == {3, 2, MAX_NEW}
+
+
+def test_k3_gives_three_versions_their_segments():
+    d = Driver(k=3, num_steps=7)
+    d.start(0)
+    for s in range(7):
+        r = d.step(s)
+        want_vs = _versions(s, 3)
+        if s >= 3:  # ceil(5 / 3) = 2 tokens by each of s - 3 and s - 2, the rest by s - 1
+            assert want_vs == [s - 3] * 2 + [s - 2] * 2 + [s - 1]
+        for i, (ids, vs) in enumerate(zip(r.response_ids, r.token_versions)):
+            assert ids == _whole(s, i, want_vs)
+            assert vs == want_vs[:len(ids)]
+
+
+@pytest.mark.parametrize("save_after", [0, 1, 2, 4])
+def test_a_restored_pipeline_samples_what_the_uninterrupted_one_does(save_after):
+    whole = Driver(k=2, num_steps=8)
+    whole.start(0)
+    expected = [whole.step(s) for s in range(8)]
+
+    first = Driver(k=2, num_steps=8)
+    first.start(0)
+    for s in range(save_after + 1):
+        first.step(s)
+    blob = first.pipeline.to_bytes()  # cut completions and the segment versions travel in it
+    resumed = Driver(k=2, num_steps=8)
+    resumed.next_block = first.next_block  # the checkpointed prompt cursor
+    resumed.pipeline.restore(blob)
+    resumed.start(save_after + 1)  # the initial push of the resume
+    for s in range(save_after + 1, 8):
+        got, want = resumed.step(s), expected[s]
+        assert (got.response_ids, got.token_versions, got.engine_logprobs, got.finish_reasons, got.versions) == \
+               (want.response_ids, want.token_versions, want.engine_logprobs, want.finish_reasons, want.versions)
+
+
+def test_without_partial_a_block_is_one_request_of_one_version():
+    d = Driver(k=2, num_steps=5, partial=False)
+    d.start(0)
+    for s in range(5):
+        r = d.step(s)
+        assert r.token_versions is None and r.versions == [max(0, s - 2)] * 6
+    assert {n for _, asked in d.engines.requests for n in asked} == {MAX_NEW}
+
+
+def test_a_block_taken_while_cut_is_finished_by_the_current_version():
+    """Three generates in one step (DAPO's refills): the third batch's first segment was bounded for
+    a later version, which the step does not wait for: the current version finishes it on the spot,
+    in a segment of its own."""
+    d = Driver(k=2, num_steps=8)
+    d.start(0)
+    d.step(0)
+    d.step(1)  # waiting: block 2 (finished by version 1), 3 (being finished by 2), 4 (cut, by 2)
+    p = d.pipeline
+    p.take(2)
+    p.take(2)
+    r, _, _ = p.take(2)
+    want_vs = [2] * MAX_NEW
+    for i, (ids, vs) in enumerate(zip(r.response_ids, r.token_versions)):
+        assert ids == _whole(4, i, want_vs, starts=(0, 3)) and vs == want_vs[:len(ids)]
+    assert any(len(ids) > 3 for ids in r.response_ids)  # the on-the-spot segment added tokens

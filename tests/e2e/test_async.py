@@ -20,6 +20,10 @@ QUIET = ["--set", "logging.progress=false"]
 # depend on how the prompts are split, but the engines' batch shapes (and so their log-prob bits) do.
 SHORT = [*QUIET, "--set", "rollout.max_staleness=1", "--set", "rollout.num_engines=2",
          "--set", "algorithm.num_steps=10", "--set", "checkpoint.interval_steps=3"]
+# Partial rollouts: a block waits two steps, its first 2 of up to 4 tokens sampled by version s - 2,
+# the rest by s - 1 (docs/async.md); the checkpoints hold completions cut between the two.
+PARTIAL = ["--set", "rollout.max_staleness=2", "--set", "rollout.partial=true"]
+SHORT_PARTIAL = [*SHORT, *PARTIAL]
 
 
 def _records(run_dir) -> list[dict]:
@@ -45,10 +49,27 @@ def learned(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def short(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("async") / "short"
-    _run(run_dir, *SHORT)
+def learned_partial(tmp_path_factory):
+    """The example's 80 steps with max_staleness 2 and partial rollouts."""
+    run_dir = tmp_path_factory.mktemp("async") / "partial"
+    _run(run_dir, *QUIET, *PARTIAL, "--set", "checkpoint.interval_steps=50")
+    return run_dir
+
+
+def _short(tmp_path_factory, name: str, args: list[str]) -> tuple[list[dict], str]:
+    run_dir = tmp_path_factory.mktemp("async") / name
+    _run(run_dir, *args)
     return _records(run_dir), _final(run_dir)
+
+
+@pytest.fixture(scope="module")
+def short(tmp_path_factory):
+    return _short(tmp_path_factory, "short", SHORT)
+
+
+@pytest.fixture(scope="module")
+def short_partial(tmp_path_factory):
+    return _short(tmp_path_factory, "short_partial", SHORT_PARTIAL)
 
 
 def _check_schedule(records: list[dict], k: int) -> None:
@@ -70,6 +91,15 @@ def test_learns_with_max_staleness_1(learned):
     _check_learned(_records(learned), 1)
 
 
+def test_learns_with_partial_rollouts(learned_partial):
+    records = _records(learned_partial)
+    _check_learned(records, 2)
+    # from step 2 on every batch was cut by a push: its completions that did not stop within their
+    # first 2 tokens were finished by the next version
+    assert all(r["rollout/spanning_frac"] > 0 for r in records[2:]), [r["rollout/spanning_frac"] for r in records]
+    assert all(r["rollout/spanning_frac"] == 0 for r in records[:2])
+
+
 def test_max_staleness_2_keeps_its_schedule(tmp_path):
     """k = 2 without partial rollouts adds no overlap over k = 1 (a push waits for the batch in
     flight) and learns less reliably on this example (last-5 0.55-0.99 at six data seeds): the
@@ -78,11 +108,13 @@ def test_max_staleness_2_keeps_its_schedule(tmp_path):
     _check_schedule(_records(tmp_path / "k2"), 2)
 
 
-def test_sigusr1_then_resume_is_bit_identical(tmp_path, learned):
-    """Preempted at step 40 (a checkpoint holding the batch sampled ahead), resumed: the same
-    rewards every step and the same final policy as the uninterrupted run."""
+@pytest.mark.parametrize("name,settings", [("k1", ["--set", "rollout.max_staleness=1"]), ("partial", PARTIAL)])
+def test_sigusr1_then_resume_is_bit_identical(tmp_path, request, name, settings):
+    """Preempted at step 40 (a checkpoint holding the batches sampled ahead; with partial rollouts
+    some cut), resumed: the same rewards every step and the same final policy as the uninterrupted run."""
+    learned = request.getfixturevalue({"k1": "learned", "partial": "learned_partial"}[name])
     run_dir = tmp_path / "run"
-    args = [*QUIET, "--set", "rollout.max_staleness=1", "--set", "checkpoint.interval_steps=50"]
+    args = [*QUIET, *settings, "--set", "checkpoint.interval_steps=50"]
     proc = start_run(run_dir, *args)
     wait_for_step(proc, run_dir, 40)
     proc.send_signal(signal.SIGUSR1)
@@ -95,16 +127,18 @@ def test_sigusr1_then_resume_is_bit_identical(tmp_path, learned):
     assert _final(run_dir) == _final(learned)
 
 
-def test_kill_9_then_resume_is_bit_identical(tmp_path, short):
+@pytest.mark.parametrize("name", ["short", "short_partial"])
+def test_kill_9_then_resume_is_bit_identical(tmp_path, request, name):
+    args, whole = {"short": SHORT, "short_partial": SHORT_PARTIAL}[name], request.getfixturevalue(name)
     run_dir = tmp_path / "run"
-    proc = start_run(run_dir, *SHORT)
+    proc = start_run(run_dir, *args)
     wait_for_step(proc, run_dir, 8)  # checkpoints after steps 2 and 5 (and 8 maybe): then everything dies
     kill_everything(proc, run_dir)
     assert not leftover_processes(str(run_dir))
-    resumed = _run(run_dir, *SHORT)
+    resumed = _run(run_dir, *args)
     assert "resumed from checkpoint step" in resumed.stdout
-    assert [r["reward/mean"] for r in _records(run_dir)] == [r["reward/mean"] for r in short[0]]
-    assert _final(run_dir) == short[1]
+    assert [r["reward/mean"] for r in _records(run_dir)] == [r["reward/mean"] for r in whole[0]]
+    assert _final(run_dir) == whole[1]
 
 
 def test_engine_killed_while_generating_ahead_is_named_then_resume_is_bit_identical(tmp_path, short):
@@ -125,18 +159,20 @@ def test_engine_killed_while_generating_ahead_is_named_then_resume_is_bit_identi
     assert _final(run_dir) == short[1]
 
 
-@pytest.mark.parametrize("name,settings", [
-    ("dapo", []),
-    ("ppo", ["--set", "algorithm.ppo_epochs=2", "--set", "algorithm.mini_batch_size=64"])])
-def test_dapo_and_ppo_run_asynchronously(tmp_path, name, settings):
+@pytest.mark.parametrize("name,k,settings", [
+    ("dapo", 1, []),
+    ("dapo", 2, PARTIAL),
+    ("ppo", 1, ["--set", "algorithm.ppo_epochs=2", "--set", "algorithm.mini_batch_size=64"])])
+def test_dapo_and_ppo_run_asynchronously(tmp_path, name, k, settings):
     """The other dataflows over the same API: PPO's critic and policy train on the stale batch; DAPO's
     refills take more batches in a step than the k + 1 sampled ahead, so its later rounds are
-    sampled synchronously by the current version (docs/async.md): never older than k."""
+    sampled synchronously by the current version (docs/async.md): never older than k. With partial
+    rollouts a refill may take a batch a push has cut: the current version finishes it."""
     _run(tmp_path / name, *QUIET, "--set", f"algorithm.name={name}", "--set", "algorithm.num_steps=6",
-         "--set", "rollout.max_staleness=1", *settings)
+         "--set", f"rollout.max_staleness={k}", *settings)
     records = _records(tmp_path / name)
     assert len(records) == 6
-    assert all(r["rollout/staleness_max"] <= 1 for r in records)
+    assert all(r["rollout/staleness_max"] <= k for r in records)
     if name == "ppo":
         assert [r["rollout/staleness_mean"] for r in records] == [0, 1, 1, 1, 1, 1]
     assert all(r["sync/logprob_max_abs_diff"] < 1e-4 for r in records)

@@ -77,7 +77,7 @@ class RL:
         self._timing: dict[str, float] = {}
         self._t0 = 0.0
         self._temperature = self.job.rollout.temperature
-        self._unchecked: list[tuple[Rollout, np.ndarray, Any]] = []  # (rollout, trainer log-probs, scoring)
+        self._unchecked: list[tuple[Rollout, np.ndarray, Any]] = []  # (rollout, trainer log-probs, scores)
         self._rescore = self.job.rollout.max_staleness > 0  # the sync check scores the trained batch again
 
     # -- the loop's side ---------------------------------------------------------------------------
@@ -182,22 +182,39 @@ class RL:
         """
         if rollout_correction(self.job) != "none" and rollout.engine_logprobs:
             tensors = {**(tensors or {}), "behaviour_logp": rollout.engine_logprobs_BT()}
-        scoring = None
+        scoring, scored = None, []  # the engines' scores of the batch (asynchronous runs)
         if self._rescore and rollout.engine_logprobs:  # the engines hold the version this update starts from
-            rollouts = self._s.rollouts
-            scoring = rollouts.start(self.step, rollouts.prepare_scoring(rollout))
+            scoring = self._s.rollouts.start(self.step, self._s.rollouts.prepare_scoring(rollout))
+
+        def before_push() -> None:
+            """While the trainer trains: the answers a push must not overtake (docs/async.md), the
+            scoring requests' and those of the batches the pipeline started."""
+            if scoring is not None:
+                scored.append(self._scores(rollout, scoring))
+                self._s.pipeline.collect_started()
+
         with self._phase("train"):
             train = self._s.policy.train(
                 self.step, rollout, advantages, ref_logprobs, self._temperature, loss=loss, tensors=tensors,
                 epochs=self.algo.ppo_epochs if epochs is None else epochs,
                 mini_batch_size=self.algo.mini_batch_size if mini_batch_size is None else mini_batch_size,
-                # a push must not overtake the scoring requests: sync_weights collects them first
-                queue_sync=scoring is None)
+                before_sync=before_push)
         self.log(**{("mismatch/" if k == "router_agreement" else "train/") + k: v
                     for k, v in train.metrics.items()})
         if rollout.engine_logprobs:  # demonstrations have none: no engine sampled them
-            self._unchecked.append((rollout, train.logprobs_BT, scoring))
+            self._unchecked.append((rollout, train.logprobs_BT, scored[0] if scored else None))
         return train.metrics
+
+    def _scores(self, rollout: Rollout, scoring: Any) -> list[list[float]]:
+        """The engines' log-probs of the batch's response tokens from its scoring requests, which the
+        version the trainer's forward runs must have answered."""
+        logprobs, versions = self._s.rollouts.collect_scores(scoring, rollout)
+        if set(versions) != {self.step}:
+            raise RuntimeError(f"step {self.step}: the engines scored the batch with policy versions "
+                               f"{sorted(set(versions))}, the trainer's forward ran version {self.step}: "
+                               f"with rollout.max_staleness >= 1 algorithm {self.algo.name!r} must call "
+                               "rl.sync_weights() after every rl.update_policy()")
+        return logprobs
 
     def _check_logprobs(self) -> None:
         """The sync check of the updates since the last one: the engines' log-probs of the tokens
@@ -206,15 +223,9 @@ class RL:
         by an older policy: the engines' log-probs are then those of the scoring requests
         `update_policy` sent while they held the version the trainer's forward ran."""
         r = self.job.rollout
-        for rollout, trainer_BT, scoring in self._unchecked:
-            if scoring is not None:
-                logprobs, versions = self._s.rollouts.collect_scores(scoring, rollout)
-                if set(versions) != {self.step}:
-                    raise RuntimeError(f"step {self.step}: the engines scored the batch with policy versions "
-                                       f"{sorted(set(versions))}, the trainer's forward ran version {self.step}: "
-                                       f"with rollout.max_staleness >= 1 algorithm {self.algo.name!r} must call "
-                                       "rl.sync_weights() after every rl.update_policy()")
-                rollout = dataclasses.replace(rollout, engine_logprobs=logprobs)
+        for rollout, trainer_BT, scores in self._unchecked:
+            if scores is not None:
+                rollout = dataclasses.replace(rollout, engine_logprobs=scores)
             self.log(**sync_check_metrics(rollout, trainer_BT, r.logprob_tolerance, r.logprob_mean_tolerance,
                                           self.step))
         self._unchecked = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
@@ -207,17 +207,19 @@ class PolicyGroup:
 
     def train(self, step: int, rollout: Rollout, advantages: np.ndarray, ref_BT: np.ndarray | None,
               temperature: float, loss: str = "grpo", tensors: dict[str, np.ndarray] | None = None,
-              epochs: int = 1, mini_batch_size: int = 0, queue_sync: bool = True) -> TrainResult:
+              epochs: int = 1, mini_batch_size: int = 0,
+              before_sync: Callable[[], None] = lambda: None) -> TrainResult:
         """The updates of `loss` on the rollout (one on-policy optimizer step, or `epochs` passes in
         mini-batches: MegatronPolicy.update). The step's sync is queued behind it, its engine requests
-        (shard route) written now: the engines prepare while the trainer trains, and wait out the
-        update (twice the phase timeout). `queue_sync` False: the sync waits for `push_weights`."""
+        (shard route) written once `before_sync` returns (it waits, while the trainer trains, for what
+        a push must not overtake): the engines prepare while the trainer trains, and wait out the
+        update (twice the phase timeout)."""
         payload = {**rollout.token_batch(), "advantages": advantages, "ref_logprobs": ref_BT,
                    "temperature": temperature, "loss": loss,
                    "tensors": tensors or {}, "epochs": epochs, "mini_batch_size": mini_batch_size}
         train = self._async("train", step, payload)
-        if queue_sync:
-            self._queued_sync = (step, self._send_sync(step, 2 * self.timeout_s))
+        before_sync()
+        self._queued_sync = (step, self._send_sync(step, 2 * self.timeout_s))
         out = train.wait()
         return TrainResult(out["metrics"], out["logprobs"])
 

@@ -71,9 +71,10 @@ class DirectForward:
         return lm_head_logits(hidden, self.model.lm_head.weight, self.fp32_lm_head)
 
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-               position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+               position_ids: torch.Tensor, cache: Any, every_position: bool = False) -> torch.Tensor:
         """The last position's final-norm output, [B, 1, H] in the model's dtype: what the LM head
-        reads (`__call__`'s arguments)."""
+        reads (`__call__`'s arguments); every position's, [B, T, H], with `every_position` (the
+        input-token log-probs, engine_score.py)."""
         inner = self.model.model
         B, T = input_ids.shape
         h = F.embedding(input_ids, inner.embed_tokens.weight)
@@ -87,7 +88,7 @@ class DirectForward:
             x = self._norm(h, layer.post_attention_layernorm)
             h = h + (self._moe(layer.mlp, x.view(B * T, -1), i).view(B, T, -1)
                      if hasattr(layer.mlp, "experts") else self._dense(layer.mlp, x))
-        return self._norm(h[:, -1:], inner.norm)
+        return self._norm(h if every_position else h[:, -1:], inner.norm)
 
     def _norm(self, x: torch.Tensor, norm: Any) -> torch.Tensor:
         """HF's Qwen3MoeRMSNorm: in fp32, then back to x's dtype, times the weight."""

@@ -24,7 +24,9 @@ from collections.abc import Sequence
 
 import torch
 
-from hpcrl.rollout.direct_forward import lm_head_logits
+from transformers import DynamicCache
+
+from hpcrl.rollout.direct_forward import DirectForward, lm_head_logits
 from hpcrl.rollout.engine import ReferenceModel
 
 __all__ = ["CHUNK_ROWS", "input_token_logprobs"]
@@ -81,10 +83,14 @@ def _scored(seqs: list[list[int]], starts: list[int], engine: ReferenceModel) ->
     tokens_BT = torch.tensor([[engine.pad_token_id] * (T - n) + x for x, n in zip(inputs, lengths)])
     mask_BT = (torch.arange(T)[None, :] >= (T - torch.tensor(lengths))[:, None]).long()
     pos_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)
-    padded = min(lengths) != T  # without padding transformers' plain causal path needs no mask
-    hidden_BTH = engine.model.model(input_ids=tokens_BT.to(dev),
-                                    attention_mask=mask_BT.to(dev) if padded else None,
-                                    position_ids=pos_BT.to(dev), use_cache=False).last_hidden_state
+    padded = min(lengths) != T  # without padding the plain causal path needs no mask
+    mask = mask_BT.to(dev) if padded else None
+    if isinstance(engine._forward, DirectForward):  # the generation's own forward, every position kept
+        hidden_BTH = engine._forward.hidden(tokens_BT.to(dev), mask, pos_BT.to(dev), DynamicCache(),
+                                            every_position=True)
+    else:
+        hidden_BTH = engine.model.model(input_ids=tokens_BT.to(dev), attention_mask=mask,
+                                        position_ids=pos_BT.to(dev), use_cache=False).last_hidden_state
     # Rows: sequence b's columns for positions start .. n - 2 (left padded: position p at T - len + p).
     rows_b, cols, targets = [], [], []
     for b, (s, start, n) in enumerate(zip(seqs, starts, lengths)):

@@ -290,6 +290,11 @@ class RolloutConfig:
     trains). k >= 1: the engines generate the next batches while the trainer trains, batch s by
     the policy of step max(0, s - k) (a function of the step, so resumes are exact); the loss
     corrects for the stale behaviour policy (decoupled PPO, docs/async.md)."""
+    rescore_per_group: int = 1
+    """Asynchronous runs (max_staleness >= 1): the sync check has the engines score again this many
+    completions of each prompt group (the first ones) while they hold the trainer's version, in
+    [1, algorithm.group_size]. Scoring costs the engines about 0.7x of sampling the same tokens, on
+    the critical path once generation takes about as long as training (docs/async.md)."""
     partial: bool = False
     """Partial rollouts (needs max_staleness >= 2): a batch is sampled by every version pushed while
     it waits, each adding at most ceil(max_new_tokens / max_staleness) tokens to each completion, the

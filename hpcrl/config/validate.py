@@ -20,8 +20,8 @@ from typing import Any
 
 from hpcrl.algorithms import KL_ESTIMATORS, LOSS_AGGS, MIS_LEVELS
 from hpcrl.config.errors import ConfigError, did_you_mean, job_field
-from hpcrl.config.schema import (AlgorithmConfig, CriticConfig, JobConfig, critic_enabled, engine_dtype,
-                                 rollout_correction)
+from hpcrl.config.schema import (AlgorithmConfig, CriticConfig, JobConfig, RolloutConfig, critic_enabled,
+                                 engine_dtype, rollout_correction)
 from hpcrl.config.validate_data import (  # noqa: F401 (read_model_config, prompt_limit: re-exported)
     check_data_and_reward, job_tokenizer, prompt_limit, read_model_config)
 from hpcrl.dataflows._declared import PER_ALGORITHM_KEYS, declared
@@ -324,6 +324,13 @@ def _check_async(job: JobConfig) -> None:
                           f"with rollout.temperature={r.temperature:g}: the sync check scores the trained batch "
                           "again on the engines, whose input-token log-probs SGLang 0.5.23 does not scale by "
                           "the temperature (docs/async.md); set rollout.temperature: 1.0 or max_staleness: 0")
+    if r.rescore_per_group != RolloutConfig().rescore_per_group and not r.max_staleness:
+        raise ConfigError("rollout.rescore_per_group", r.rescore_per_group,
+                          "applies to asynchronous runs (rollout.max_staleness >= 1), whose sync check scores "
+                          "the trained batch again; a synchronous run checks every completion: remove it")
+    if not 1 <= r.rescore_per_group <= a.group_size:
+        raise ConfigError("rollout.rescore_per_group", r.rescore_per_group,
+                          f"must be in [1, algorithm.group_size={a.group_size}]")
     if r.partial and r.max_staleness < 2:  # docs/async.md, "Partial rollouts"
         raise ConfigError("rollout.partial", r.partial,
                           f"with rollout.max_staleness={r.max_staleness}: a partial rollout is sampled by the "

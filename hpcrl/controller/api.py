@@ -182,15 +182,17 @@ class RL:
         """
         if rollout_correction(self.job) != "none" and rollout.engine_logprobs:
             tensors = {**(tensors or {}), "behaviour_logp": rollout.engine_logprobs_BT()}
-        scoring, scored = None, []  # the engines' scores of the batch (asynchronous runs)
+        scoring, scored, rows = None, [], None  # asynchronous runs: the rows scored again, their scores
         if self._rescore and rollout.engine_logprobs:  # the engines hold the version this update starts from
-            scoring = self._s.rollouts.start(self.step, self._s.rollouts.prepare_scoring(rollout))
+            rows = [i for i in range(len(rollout.response_ids))
+                    if i % self.algo.group_size < self.job.rollout.rescore_per_group]
+            scoring = self._s.rollouts.start(self.step, self._s.rollouts.prepare_scoring(rollout.select(rows)))
 
         def before_push() -> None:
             """While the trainer trains: the answers a push must not overtake (docs/async.md), the
             scoring requests' and those of the batches the pipeline started."""
             if scoring is not None:
-                scored.append(self._scores(rollout, scoring))
+                scored.append(self._scores(rollout.select(rows), scoring))
                 self._s.pipeline.collect_started()
 
         with self._phase("train"):
@@ -202,7 +204,10 @@ class RL:
         self.log(**{("mismatch/" if k == "router_agreement" else "train/") + k: v
                     for k, v in train.metrics.items()})
         if rollout.engine_logprobs:  # demonstrations have none: no engine sampled them
-            self._unchecked.append((rollout, train.logprobs_BT, scored[0] if scored else None))
+            if rows is None:
+                self._unchecked.append((rollout, train.logprobs_BT, None))
+            else:
+                self._unchecked.append((rollout.select(rows), train.logprobs_BT[rows], scored[0]))
         return train.metrics
 
     def _scores(self, rollout: Rollout, scoring: Any) -> list[list[float]]:

@@ -4,7 +4,10 @@ the controller saves a checkpoint and exits with the requeue code -> the job is 
 next attempt resumes from the checkpoint -> it completes with the same per-step rewards and the
 same final policy_sha256 as an uninterrupted `hpcrl run` of the same job. Both runs are driven
 through the Python API (hpcrl.jobs): the Slurm job is a submitit job whose state shows the requeue
-and whose result, also read by plain submitit from another process, is the run's summary."""
+and whose result, also read by plain submitit from another process, is the run's summary.
+The job is asynchronous with partial rollouts (issue 32: max_staleness 2, docs/async.md), so the
+hetjob's engines sample ahead across nodes and its checkpoints hold batches a push has cut; the
+synchronous loop's preemption is the same code path less the rollout buffer (tests/e2e/test_resume.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
 # 40 steps: the tiny run does about 4 per second here, and the preemptor's signal takes 1-3 s to arrive
 # after the third step, so fewer steps can end the run before it is preempted.
 ARGS = ["algorithm.num_steps=40", "checkpoint.interval_steps=5", "logging.progress=false",
-        "logging.tensorboard=false",
+        "logging.tensorboard=false", "rollout.max_staleness=2", "rollout.partial=true",
         "resources.startup_timeout_s=150"]  # a world that never forms is retried after this (dev/LOG.md)
 
 
@@ -104,6 +107,10 @@ def test_preempted_job_checkpoints_requeues_resumes_and_matches(slurm, job_dir: 
     assert got == want
     assert summary["policy_sha256"] == want_summary["policy_sha256"]
     assert summary["last_step"] == want_summary["last_step"] == 39
+    # the Slurm run sampled ahead: from step 2 on every batch was two versions old, some of it cut
+    slurm_metrics = _metrics(run_dir)
+    assert [m["rollout/staleness_max"] for m in slurm_metrics] == [min(m["step"], 2) for m in slurm_metrics]
+    assert all(m["rollout/spanning_frac"] > 0 for m in slurm_metrics[2:])
     digest = json.loads((local_dir / "final.json").read_text())["policy_sha256"]
     assert json.loads((run_dir / "final.json").read_text())["policy_sha256"] == digest
     assert summary["policy_sha256"] == digest

@@ -3,9 +3,10 @@ drives it (take, collect before each push, fill after it) against a scripted eng
 tokens are a pure function of (sampling seed, position, policy version), so every assertion names
 which version sampled which token. Checked: with k = 2 a block's first ceil(max_new / k) tokens come
 from version s - 2 and the rest from s - 1; completions that stop inside a segment are not
-continued; every token keeps its version and log-prob; and a pipeline restored from any step's
-saved state samples exactly what the uninterrupted one does."""
+continued; every token keeps its version and log-prob, and the routes are the last segment's; and a
+pipeline restored from any step's saved state samples exactly what the uninterrupted one does."""
 
+import numpy as np
 import pytest
 
 from hpcrl.controller.groups import GenerateRequest, PendingRollout, Rollout
@@ -47,11 +48,14 @@ class ScriptedEngines:
         return PendingRollout(step, request, [(self.version, outs)])
 
     def collect(self, pending: PendingRollout) -> Rollout:
+        """Routes as the engines return them (rollout.routing_replay): one row per input position of
+        the request, P + R - 1, here each holding the version that computed it."""
         version, outs = pending.answers[0]
         r = pending.request
+        routes = [np.full((len(p) + len(ids) - 1, 1, 1), version, np.uint8) for p, (ids, _) in zip(r.prompt_ids, outs)]
         return Rollout(r.examples, r.prompt_ids, [ids for ids, _ in outs],
                        [[-(version + 1) / 10] * len(ids) for ids, _ in outs], [reason for _, reason in outs],
-                       None, [version] * len(outs))
+                       routes, [version] * len(outs))
 
 
 def _request_of(block: int) -> GenerateRequest:
@@ -121,6 +125,8 @@ def test_k2_splits_each_completion_between_the_two_versions_before_its_step():
             assert ids == _whole(s, i, want_vs)  # stopped early: no tokens after the stop
             assert vs == want_vs[:len(ids)]
             assert lps == [-(v + 1) / 10 for v in vs]
+            # routed experts: the last segment's, which cover the whole sequence (3 prompt tokens)
+            assert r.routes[i].shape[0] == 3 + len(ids) - 1 and set(r.routes[i].ravel()) == {vs[-1]}
         assert r.versions == [max(0, s - 2)] * 6
         if s >= 2:
             assert any(len(set(vs)) > 1 for vs in r.token_versions)  # some completions spanned a push
@@ -161,6 +167,7 @@ def test_a_restored_pipeline_samples_what_the_uninterrupted_one_does(save_after)
         got, want = resumed.step(s), expected[s]
         assert (got.response_ids, got.token_versions, got.engine_logprobs, got.finish_reasons, got.versions) == \
                (want.response_ids, want.token_versions, want.engine_logprobs, want.finish_reasons, want.versions)
+        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got.routes, want.routes))
 
 
 def test_without_partial_a_block_is_one_request_of_one_version():

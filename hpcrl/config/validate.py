@@ -662,6 +662,14 @@ def check_rollout_layout(job: JobConfig) -> None:
         if "\n" in line or "\r" in line:
             raise ConfigError(f"rollout.env_setup[{i}]", line, "must be one line; give one shell line per "
                                                                "list item")
+    from hpcrl.rollout.worker import FP32_LM_HEAD_FLAG
+
+    for i, arg in enumerate(r.server_args):  # both backends take it
+        if arg.split("=", 1)[0] == FP32_LM_HEAD_FLAG and not r.fp32_lm_head:
+            raise ConfigError(f"rollout.server_args[{i}]", arg,
+                              "computes the engines' LM head in float32 while rollout.fp32_lm_head is false, "
+                              "which hpcrl's metrics and docs then misreport: set rollout.fp32_lm_head: true "
+                              "(hpcrl adds the flag) and remove it from server_args")
     if r.backend != "sglang":
         return
     for i, arg in enumerate(r.server_args):

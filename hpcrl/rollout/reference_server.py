@@ -403,6 +403,7 @@ class ReferenceServer:
                 "dtype": a.dtype, "api_key": self.api_key, "admin_api_key": self.admin_api_key,
                 "random_seed": a.seed, "tp_size": 1, "dp_size": 1, "weight_version": self.weight_version,
                 "enable_return_routed_experts": bool(getattr(a, "enable_return_routed_experts", False)),
+                "enable_fp32_lm_head": bool(getattr(a, "enable_fp32_lm_head", False)),
                 "version": "hpcrl-reference",
                 "internal_states": [{"released_tags": sorted(self.released),
                                      "weight_update_session": self.session_open,

@@ -180,6 +180,8 @@ BAD = [
      "sft trains on the data's answers"),
     ("async-temperature", "rollout: {max_staleness: 1, temperature: 0.7}", [], None, "rollout.max_staleness", "1",
      "set rollout.temperature: 1.0"),
+    ("fp32-head-flag-without-key", "rollout: {server_args: [--enable-fp32-lm-head]}", [], None,
+     "rollout.server_args[0]", "--enable-fp32-lm-head", "set rollout.fp32_lm_head: true"),
     ("async-rescore-sync", "rollout: {rescore_per_group: 2}", [], None, "rollout.rescore_per_group", "2",
      "applies to asynchronous runs"),
     ("async-rescore-range", "rollout: {max_staleness: 1, rescore_per_group: 0}", [], None,

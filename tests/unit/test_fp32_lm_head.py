@@ -125,6 +125,7 @@ def test_the_flag_reaches_both_engines(tmp_path: Path) -> None:
     args = engine_server_args(job)
     with reference_server(tmp_path / "engine.log", dtype="bfloat16", extra_args=args) as (_, c):
         got = c.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        assert c.server_info()["enable_fp32_lm_head"] is True  # SGLang's server_args field
     assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
     assert [[lp[0] for lp in g["meta_info"]["output_token_logprobs"]] for g in got] == \
         [w["output_logprobs"] for w in want]

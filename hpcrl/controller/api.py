@@ -186,13 +186,14 @@ class RL:
         if self._rescore and rollout.engine_logprobs:  # the engines hold the version this update starts from
             rows = [i for i in range(len(rollout.response_ids))
                     if i % self.algo.group_size < self.job.rollout.rescore_per_group]
-            scoring = self._s.rollouts.start(self.step, self._s.rollouts.prepare_scoring(rollout.select(rows)))
+            checked = rollout.select(rows)
+            scoring = self._s.rollouts.start(self.step, self._s.rollouts.prepare_scoring(checked))
 
         def before_push() -> None:
             """While the trainer trains: the answers a push must not overtake (docs/async.md), the
             scoring requests' and those of the batches the pipeline started."""
             if scoring is not None:
-                scored.append(self._scores(rollout.select(rows), scoring))
+                scored.append(self._scores(checked, scoring))
                 self._s.pipeline.collect_started()
 
         with self._phase("train"):
@@ -207,7 +208,7 @@ class RL:
             if rows is None:
                 self._unchecked.append((rollout, train.logprobs_BT, None))
             else:
-                self._unchecked.append((rollout.select(rows), train.logprobs_BT[rows], scored[0]))
+                self._unchecked.append((checked, train.logprobs_BT[rows], scored[0]))
         return train.metrics
 
     def _scores(self, rollout: Rollout, scoring: Any) -> list[list[float]]:

@@ -9,9 +9,9 @@ no entry. So the log-probs of a response r after a prompt p need L = len(p) - 1
 (dev/notes_input_logprobs.md has the derivation with file:line references).
 
 `input_token_logprobs` computes those values with one prefill forward over the batch of ragged
-sequences (left padded, explicit positions, as the engine's generation prefill), through
-transformers' `model.model` (all positions' hidden states; the engine's DirectForward keeps only the
-last), then the engine's LM head (`lm_head_logits`: the model's dtype, or float32 with
+sequences (left padded, explicit positions, as the engine's generation prefill), through the engine's
+own forward with every position's hidden states kept (DirectForward's `every_position` for a
+Qwen3-MoE model, else transformers' `model.model`), then the engine's LM head (`lm_head_logits`: the model's dtype, or float32 with
 `fp32_lm_head`, as its generation) over the rows asked for only, and a float32 log-softmax of the raw
 logits, in chunks of `CHUNK_ROWS` rows (SGLang's SGLANG_LOGPROB_CHUNK_SIZE) so the logits never
 exceed CHUNK_ROWS x vocab. No temperature: SGLang's input log-probs are those of the unscaled

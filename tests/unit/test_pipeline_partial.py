@@ -113,39 +113,32 @@ def _versions(s: int, k: int) -> list[int]:
     return (out + [version] * MAX_NEW)[:MAX_NEW]
 
 
-def test_k2_splits_each_completion_between_the_two_versions_before_its_step():
-    d = Driver(k=2, num_steps=8)
+@pytest.mark.parametrize("k,steady,asked", [
+    # ceil(5 / 2) = 3 tokens by version s - 2, the rest by s - 1; continuations ask for the 2 left
+    (2, lambda s: [s - 2] * 3 + [s - 1] * 2, {3, 2, MAX_NEW}),
+    # ceil(5 / 3) = 2 tokens by each of s - 3 and s - 2, the rest by s - 1
+    (3, lambda s: [s - 3] * 2 + [s - 2] * 2 + [s - 1], None)])
+def test_each_completion_is_split_between_the_versions_before_its_step(k, steady, asked):
+    d = Driver(k=k, num_steps=8)
     d.start(0)
     for s in range(8):
         r = d.step(s)
-        want_vs = _versions(s, 2)
-        if s >= 2:  # ceil(5 / 2) = 3 tokens by version s - 2, the rest by s - 1
-            assert want_vs == [s - 2] * 3 + [s - 1] * 2
+        want_vs = _versions(s, k)
+        if s >= k:
+            assert want_vs == steady(s)
         for i, (ids, vs, lps) in enumerate(zip(r.response_ids, r.token_versions, r.engine_logprobs)):
             assert ids == _whole(s, i, want_vs)  # stopped early: no tokens after the stop
             assert vs == want_vs[:len(ids)]
             assert lps == [-(v + 1) / 10 for v in vs]
             # routed experts: the last segment's, which cover the whole sequence (3 prompt tokens)
             assert r.routes[i].shape[0] == 3 + len(ids) - 1 and set(r.routes[i].ravel()) == {vs[-1]}
-        assert r.versions == [max(0, s - 2)] * 6
+        assert r.versions == [max(0, s - k)] * 6
         if s >= 2:
             assert any(len(set(vs)) > 1 for vs in r.token_versions)  # some completions spanned a push
-    assert any(ids[-1] == STOP and len(ids) < 3 for ids in r.response_ids)  # stopped in the first segment
-    # segments bounded by 3, continuations asked for the 2 left: never more than a completion may take
-    assert {n for _, asked in d.engines.requests for n in asked} == {3, 2, MAX_NEW}
-
-
-def test_k3_gives_three_versions_their_segments():
-    d = Driver(k=3, num_steps=7)
-    d.start(0)
-    for s in range(7):
-        r = d.step(s)
-        want_vs = _versions(s, 3)
-        if s >= 3:  # ceil(5 / 3) = 2 tokens by each of s - 3 and s - 2, the rest by s - 1
-            assert want_vs == [s - 3] * 2 + [s - 2] * 2 + [s - 1]
-        for i, (ids, vs) in enumerate(zip(r.response_ids, r.token_versions)):
-            assert ids == _whole(s, i, want_vs)
-            assert vs == want_vs[:len(ids)]
+    first = -(-MAX_NEW // k)
+    assert any(ids[-1] == STOP and len(ids) < first for ids in r.response_ids)  # stopped in the first segment
+    if asked is not None:  # never more than a completion may take
+        assert {n for _, a in d.engines.requests for n in a} == asked
 
 
 @pytest.mark.parametrize("save_after", [0, 1, 2, 4])

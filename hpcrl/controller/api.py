@@ -19,7 +19,8 @@ records it for failure reports and preemption, and logs its metrics into the ste
                                                      the weight sync starts
     rl.sync_weights()                 -> metrics     while that sync is in flight, checks the engines'
                                                      log-probs of the update's rollout against the trainer's
-                                                     (sync/logprob_max_abs_diff), then waits for it (sync/*)
+                                                     (sync/logprob_max_abs_diff), then waits for it (sync/*;
+                                                     asynchronous runs: the next phase needing it waits)
     rl.log(name=value, ...)                          any extra metric of the step
 
 Advantages, losses and rewards are plain tensor functions (hpcrl/algorithms/). Everything a loss
@@ -89,6 +90,13 @@ class RL:
     def end_step(self) -> dict[str, Any]:
         """The step's metrics record (timing/* included), for the metrics logger."""
         self._check_logprobs()  # updates of a step that did not call sync_weights
+        if self.step == self.algo.num_steps - 1:
+            self._s.policy.collect_push()  # the last step's, left queued (sync_weights)
+        if self._s.pushes:  # the weight pushes collected in this step
+            pushed, self._s.pushes = self._s.pushes, []
+            seconds = sum(p["seconds"] for p in pushed)
+            self.log(**{"sync/bytes": sum(p["bytes"] for p in pushed),
+                        "sync/gbps": sum(p["bytes"] for p in pushed) * 8 / 1e9 / max(seconds, 1e-9)})
         timing = {f"timing/{k}_s": round(v, 6) for k, v in self._timing.items()}
         end = time.perf_counter()
         step_s = end - self._t0
@@ -182,19 +190,19 @@ class RL:
         """
         if rollout_correction(self.job) != "none" and rollout.engine_logprobs:
             tensors = {**(tensors or {}), "behaviour_logp": rollout.engine_logprobs_BT()}
-        scoring, scored, rows = None, [], None  # asynchronous runs: the rows scored again, their scores
-        if self._rescore and rollout.engine_logprobs:  # the engines hold the version this update starts from
+        scored, rows = [], None  # asynchronous runs: the rows scored again, their scores
+        if self._rescore and rollout.engine_logprobs:
             rows = [i for i in range(len(rollout.response_ids))
                     if i % self.algo.group_size < self.job.rollout.rescore_per_group]
             checked = rollout.select(rows)
-            scoring = self._s.rollouts.start(self.step, self._s.rollouts.prepare_scoring(checked))
 
         def before_push() -> None:
-            """While the trainer trains: the answers a push must not overtake (docs/async.md), the
-            scoring requests' and those of the batches the pipeline started."""
-            if scoring is not None:
-                scored.append(self._scores(checked, scoring))
-                self._s.pipeline.collect_started()
+            """While the trainer trains (the engines hold the version this update starts from): the
+            scores of the sync check, and the answers a push must not overtake (docs/async.md)."""
+            if rows is not None:
+                scored.append(self._scores(checked, self._s.rollouts.start(
+                    self.step, self._s.rollouts.prepare_scoring(checked))))
+            self._s.pipeline.collect_started()
 
         with self._phase("train"):
             train = self._s.policy.train(
@@ -239,13 +247,12 @@ class RL:
     def sync_weights(self) -> dict[str, float]:
         """Wait for the engines to hold the updated policy; {"bytes", "seconds"}. The sync check of
         the update's rollout runs first, while the trainer ranks push (they start when the update
-        ends): it costs the step nothing unless it outlasts the push."""
+        ends): it costs the step nothing unless it outlasts the push. With rollout.max_staleness
+        >= 1 the wait is left to the next phase that needs the engines' new version (the next
+        update's, usually; docs/async.md) and this returns {}."""
         with self._phase("sync"):
             self._check_logprobs()
-            sync = self._s.push_weights(self.step)
-        self.log(**{"sync/bytes": sync["bytes"],
-                    "sync/gbps": sync["bytes"] * 8 / 1e9 / max(sync["seconds"], 1e-9)})
-        return sync
+            return self._s.push_weights(self.step) or {}
 
     @property
     def state(self) -> dict[str, Any]:

@@ -127,6 +127,7 @@ class Checkpointer:
 
     def save(self, step: int) -> None:
         t0 = time.monotonic()
+        self.policy.collect_push()  # a push left queued: its pipeline fill is part of the state
         buffer = self.pipeline.to_bytes() if self.pipeline is not None else None
         self.policy.save_checkpoint(str(self.dir), step, self.attempt_id, self.job.checkpoint.keep,
                                     self._metadata(step), {BUFFER_BLOB: buffer} if buffer else None)

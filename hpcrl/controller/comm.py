@@ -217,6 +217,8 @@ class PendingCall:
         replies: dict[int, Reply] = _receive(self.world, self.sources, TAG_REPLY,
                                              time.monotonic() + timeout_s, self.world.gone, watch)
         for rank, reply in sorted(replies.items()):
+            assert (reply.op, reply.step) == (self.op, self.step), \
+                f"rank {rank} answered {reply.op!r} of step {reply.step}, awaited {self.op!r} of step {self.step}"
             if not reply.ok:
                 raise RankFailure(f"{self.world.ranks[rank].describe()} failed in phase "
                                   f"'{self.op}' of step {self.step}:\n{reply.error}")

@@ -137,31 +137,45 @@ class PolicyGroup:
 
     `train` queues the step's weight sync right behind the train command, so the trainer ranks start
     pushing weights as soon as the update is done, with no controller round trip in between;
-    `push_weights` collects that sync. A queued sync is always collected before any other command
-    is sent, so replies can never be taken for another command's. With the shard route the engines'
-    requests are this side's (`ShardRequests`): written with the queued sync, before the update,
-    and answered here while the trainer ranks send.
+    `push_weights` collects that sync, or (asynchronous runs) it stays queued until the next command
+    needs it: a queued sync is collected before any other command is sent, except the next train
+    command, which is sent first and then waits behind it on the trainer ranks. Replies are taken in
+    the order the commands were sent (the queued sync's first), so none is taken for another's.
+    `on_pushed` runs whenever a sync was collected: the engines then hold the new version. With the
+    shard route the engines' requests are this side's (`ShardRequests`): written with the queued
+    sync, before the update, and answered here while the trainer ranks send.
     """
 
     def __init__(self, world: World, timeout_s: float) -> None:
         self.group = RoleGroup(world, "trainer")
         self.timeout_s = timeout_s
         self._queued_sync: tuple[int, _Handle] | None = None  # (step, handle)
+        self.on_pushed: Callable[[int, dict[str, float]], None] = lambda step, sync: None
+        """Runs with (step, the sync's {"bytes", "seconds"}) once the push after `step` completed."""
         self._shard_requests: ShardRequests | None = None  # the shard route's engine requests
 
     def _async(self, op: str, step: int, payload: object = None) -> _Handle:
-        self._collect_queued_sync()
+        self.collect_push()
         return self._send(op, step, payload)
 
     def _send(self, op: str, step: int, payload: object = None) -> _Handle:
         return _Handle(self.group.async_call(op, step, payload, timeout_s=self.timeout_s), self.timeout_s,
                        _leader)
 
-    def _collect_queued_sync(self) -> None:
-        """Wait for the queued sync, if any (its reply is only metrics)."""
+    def collect_push(self) -> None:
+        """Wait for the queued sync, if any (then `on_pushed`)."""
         if self._queued_sync is not None:
-            (_, handle), self._queued_sync = self._queued_sync, None
-            self._wait_sync(handle)
+            (step, handle), self._queued_sync = self._queued_sync, None
+            self._pushed(step, self._wait_sync(handle))
+
+    @property
+    def queued_push(self) -> int | None:
+        """The step whose weight sync is queued and not yet collected, if any."""
+        return self._queued_sync[0] if self._queued_sync is not None else None
+
+    def _pushed(self, step: int, sync: dict[str, float]) -> dict[str, float]:
+        self.on_pushed(step, sync)
+        return sync
 
     def _send_sync(self, step: int, deadline_s: float) -> _Handle:
         """The sync command of `step`, the engines' shard-route requests written first."""
@@ -213,11 +227,14 @@ class PolicyGroup:
         mini-batches: MegatronPolicy.update). The step's sync is queued behind it, its engine requests
         (shard route) written once `before_sync` returns (it waits, while the trainer trains, for what
         a push must not overtake): the engines prepare while the trainer trains, and wait out the
-        update (twice the phase timeout)."""
+        update (twice the phase timeout). A sync still queued (the last step's, left there by an
+        asynchronous run) goes first: the train command waits behind it on the trainer ranks, and it
+        is collected before `before_sync` runs."""
         payload = {**rollout.token_batch(), "advantages": advantages, "ref_logprobs": ref_BT,
                    "temperature": temperature, "loss": loss,
                    "tensors": tensors or {}, "epochs": epochs, "mini_batch_size": mini_batch_size}
-        train = self._async("train", step, payload)
+        train = self._send("train", step, payload)
+        self.collect_push()
         before_sync()
         self._queued_sync = (step, self._send_sync(step, 2 * self.timeout_s))
         out = train.wait()
@@ -228,9 +245,9 @@ class PolicyGroup:
         queued for this step, else a new one)."""
         if self._queued_sync is not None and self._queued_sync[0] == step:
             (_, handle), self._queued_sync = self._queued_sync, None
-            return self._wait_sync(handle)
-        self._collect_queued_sync()
-        return self._wait_sync(self._send_sync(step, self.timeout_s))
+            return self._pushed(step, self._wait_sync(handle))
+        self.collect_push()
+        return self._pushed(step, self._wait_sync(self._send_sync(step, self.timeout_s)))
 
     def save_checkpoint(self, ckpt_dir: str, step: int, attempt_id: str, keep: int, metadata: dict,
                         blobs: dict[str, bytes] | None = None) -> None:
@@ -251,7 +268,7 @@ class PolicyGroup:
         return self._async("critic_sha256", step).wait()
 
     def shutdown(self) -> None:
-        self._collect_queued_sync()
+        self.collect_push()
         self.group.call("shutdown", -1, None, timeout_s=self.timeout_s)
 
 

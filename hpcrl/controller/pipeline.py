@@ -84,6 +84,7 @@ class GenerationPipeline:
         """The policy version the engines hold (set after each weight push)."""
         self._ahead: deque[Flight] = deque()  # started, not taken, oldest first
         self._taken: list[Flight] = []  # taken by the step in progress
+        self._taken_step = -1  # the step that took them
         self.busy: list[tuple[float, float]] = []  # (start, end) of the engines' requests this step
 
     def take(self, step: int) -> tuple[Rollout, Flight, int]:
@@ -97,6 +98,7 @@ class GenerationPipeline:
             dropped += 1  # sampled too long ago: sample its block again, first in line
             self._ahead.appendleft(self._start(flight.block, step))
         self._taken.append(flight)
+        self._taken_step = step
         if flight.pending is not None:
             self.while_waiting()
         self._collect(flight)
@@ -109,14 +111,24 @@ class GenerationPipeline:
         """After a weight push (the engines hold `self.version`, nothing in flight): continue the cut
         completions (partial rollouts), then start requests until k + 1 wait to be taken, none for
         steps past the run's last (k = 0: none). The flight at position i of the queue is taken
-        i steps from now: a segment is bounded when a later push comes before that (i >= 2)."""
+        i steps from now: a segment is bounded when a later push comes before that (i >= 2).
+
+        A push collected late (an asynchronous run's, during step `next_step`: `needs_push`) finds
+        the flights that step took already: they count as the queue's first."""
         if not self.max_staleness:
             return
-        for i, flight in enumerate(self._ahead):
+        taken = len(self._taken) if self._taken_step == next_step else 0
+        for i, flight in enumerate(self._ahead, start=taken):
             if flight.cut and flight.segment_version < self.version:
                 self._continue(flight, next_step, bounded=i >= 2)
-        while len(self._ahead) < min(self.max_staleness + 1, self.num_steps - next_step):
-            self._ahead.append(self._start(self.take_block(), next_step, bounded=len(self._ahead) >= 2))
+        while taken + len(self._ahead) < min(self.max_staleness + 1, self.num_steps - next_step):
+            self._ahead.append(self._start(self.take_block(), next_step, bounded=taken + len(self._ahead) >= 2))
+
+    def needs_push(self, step: int) -> bool:
+        """Whether step `step`'s next `take` needs the weight push still in flight (its `fill`): when
+        no flight waits, when the first is cut (partial rollouts: that version continues it) or was
+        sampled too long ago."""
+        return not self._ahead or bool(self._ahead[0].cut) or step - self._ahead[0].version > self.max_staleness
 
     def collect_started(self) -> None:
         """Wait for every started request's answer (before a weight push)."""

@@ -63,6 +63,8 @@ class Session:
             self.rollouts, self._request_of, self.checkpointer.prompt_cursor.take, job.rollout.max_staleness,
             job.algorithm.num_steps, self._prepare_next, job.rollout.partial)
         self.last_block = -1  # the prompt block of the last generate
+        self.pushes: list[dict[str, float]] = []  # the weight pushes completed since the step record
+        self.policy.on_pushed = self._pushed
         self._write_json(".ranks.json", [r.__dict__ for r in world.ranks])
         roles = {role: [r for r in world.ranks if r.role == role] for role in ("controller", "trainer", "rollout")}
         print(f"hpcrl: MPI world of {len(world.ranks)} ranks: " + "; ".join(
@@ -94,8 +96,7 @@ class Session:
         self.policy.connect_engines(urls)
         self.phase(-1, "initial sync")
         self.policy.push_weights(version - 1)
-        self.pipeline.version = version
-        self.pipeline.fill(version)
+        self.pushes = []
         log = self.job.logging
         self.metrics = MetricsLogger(self.run_dir, self.job.algorithm.num_steps, self.checkpointer.resume_step(),
                                      tensorboard=log.tensorboard, progress=log.progress)
@@ -104,18 +105,27 @@ class Session:
         """Completions of the next block of prompts (the checkpointed prompt cursor: block `step` when
         every step draws once), sampled by policy version max(0, step - rollout.max_staleness) (the
         generation pipeline); its flight and how many stale flights were dropped before it."""
+        if self.pipeline.needs_push(step):
+            self.policy.collect_push()
         rollout, flight, dropped = self.pipeline.take(step)
         self.last_block = flight.block
         return rollout, flight, dropped
 
-    def push_weights(self, step: int) -> dict[str, float]:
+    def push_weights(self, step: int) -> dict[str, float] | None:
         """The weight push after `step`'s update: the engines then hold policy version step + 1, and
-        the pipeline starts the batches they sample ahead (rollout.max_staleness)."""
+        the pipeline starts the batches they sample ahead (rollout.max_staleness). An asynchronous
+        run leaves the push queued behind the update and returns None: it is collected when a phase
+        needs it (the next update, a generate that `needs_push`, evaluation, a checkpoint, the
+        last step's end), so the controller's work between two updates overlaps it."""
+        if self.job.rollout.max_staleness and self.policy.queued_push == step:
+            return None
         self.pipeline.collect_started()  # answered by the version that started them: docs/async.md
-        sync = self.policy.push_weights(step)
+        return self.policy.push_weights(step)
+
+    def _pushed(self, step: int, sync: dict[str, float]) -> None:
         self.pipeline.version = step + 1
         self.pipeline.fill(step + 1)
-        return sync
+        self.pushes.append(sync)
 
     def _request_of(self, block: int) -> GenerateRequest:
         return self._prepared.pop(block, None) or self._request(block)
@@ -187,6 +197,7 @@ class Session:
         if not self.evaluator.due(step):
             return {}
         self.phase(step, "eval")
+        self.policy.collect_push()
         metrics = self.evaluator.maybe_evaluate(step)
         self.checkpointer.eval_state = {"last_step": step, "metrics": metrics}
         return metrics

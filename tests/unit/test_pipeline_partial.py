@@ -4,7 +4,9 @@ tokens are a pure function of (sampling seed, position, policy version), so ever
 which version sampled which token. Checked: with k = 2 a block's first ceil(max_new / k) tokens come
 from version s - 2 and the rest from s - 1; completions that stop inside a segment are not
 continued; every token keeps its version and log-prob, and the routes are the last segment's; and a
-pipeline restored from any step's saved state samples exactly what the uninterrupted one does."""
+pipeline restored from any step's saved state samples exactly what the uninterrupted one does. And
+an asynchronous run's push collected late (after the next step's generate, hpcrl/controller/session.py)
+leaves every request to the version and limit of a push collected at once."""
 
 import numpy as np
 import pytest
@@ -82,13 +84,38 @@ class Driver:
         self.engines.version = self.pipeline.version = version
         self.pipeline.fill(version)
 
-    def step(self, step: int) -> Rollout:
-        rollout, _, _ = self.pipeline.take(step)
+    def step(self, step: int, takes: int = 1) -> list[Rollout]:
+        rollouts = [self.pipeline.take(step)[0] for _ in range(takes)]
         self.pipeline.collect_started()
         self.engines.version = self.pipeline.version = step + 1  # the push
         self.pipeline.fill(step + 1)
         self.pipeline.step_done()
-        return rollout
+        return rollouts
+
+
+class LateDriver(Driver):
+    """The session's calls with each push collected late: at the next step's update (after its
+    generates), or first where the pipeline `needs_push`."""
+
+    pushed: int | None = None
+
+    def _collect_push(self) -> None:
+        if self.pushed is not None:
+            self.engines.version = self.pipeline.version = self.pushed + 1
+            self.pipeline.fill(self.pushed + 1)
+            self.pushed = None
+
+    def step(self, step: int, takes: int = 1) -> list[Rollout]:
+        rollouts = []
+        for _ in range(takes):
+            if self.pipeline.needs_push(step):
+                self._collect_push()
+            rollouts.append(self.pipeline.take(step)[0])
+        self._collect_push()  # the update's train command is sent, the push before it collected
+        self.pipeline.collect_started()
+        self.pushed = step  # queued behind the update
+        self.pipeline.step_done()
+        return rollouts
 
 
 def _whole(block: int, i: int, versions: list[int], starts: tuple[int, ...] = ()) -> list[int]:
@@ -122,7 +149,7 @@ def test_each_completion_is_split_between_the_versions_before_its_step(k, steady
     d = Driver(k=k, num_steps=8)
     d.start(0)
     for s in range(8):
-        r = d.step(s)
+        r = d.step(s)[0]
         want_vs = _versions(s, k)
         if s >= k:
             assert want_vs == steady(s)
@@ -145,7 +172,7 @@ def test_each_completion_is_split_between_the_versions_before_its_step(k, steady
 def test_a_restored_pipeline_samples_what_the_uninterrupted_one_does(save_after):
     whole = Driver(k=2, num_steps=8)
     whole.start(0)
-    expected = [whole.step(s) for s in range(8)]
+    expected = [whole.step(s)[0] for s in range(8)]
 
     first = Driver(k=2, num_steps=8)
     first.start(0)
@@ -157,7 +184,7 @@ def test_a_restored_pipeline_samples_what_the_uninterrupted_one_does(save_after)
     resumed.pipeline.restore(blob)
     resumed.start(save_after + 1)  # the initial push of the resume
     for s in range(save_after + 1, 8):
-        got, want = resumed.step(s), expected[s]
+        got, want = resumed.step(s)[0], expected[s]
         assert (got.response_ids, got.token_versions, got.engine_logprobs, got.finish_reasons, got.versions) == \
                (want.response_ids, want.token_versions, want.engine_logprobs, want.finish_reasons, want.versions)
         assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got.routes, want.routes))
@@ -167,7 +194,7 @@ def test_without_partial_a_block_is_one_request_of_one_version():
     d = Driver(k=2, num_steps=5, partial=False)
     d.start(0)
     for s in range(5):
-        r = d.step(s)
+        r = d.step(s)[0]
         assert r.token_versions is None and r.versions == [max(0, s - 2)] * 6
     assert {n for _, asked in d.engines.requests for n in asked} == {MAX_NEW}
 
@@ -188,3 +215,19 @@ def test_a_block_taken_while_cut_is_finished_by_the_current_version():
     for i, (ids, vs) in enumerate(zip(r.response_ids, r.token_versions)):
         assert ids == _whole(4, i, want_vs, starts=(0, 3)) and vs == want_vs[:len(ids)]
     assert any(len(ids) > 3 for ids in r.response_ids)  # the on-the-spot segment added tokens
+
+
+@pytest.mark.parametrize("k,partial,takes", [(1, False, [1] * 6), (2, False, [1] * 6), (2, True, [1] * 6),
+                                             (3, True, [1] * 6), (1, False, [2] * 6), (2, False, [3] * 6),
+                                             (2, True, [1, 1, 3, 1, 2, 1])])
+def test_a_push_collected_late_leaves_the_schedule_as_it_was(k, partial, takes):
+    """Takes past the first are DAPO's refills; with k = 1 the late push waits for none of them (a
+    batch sampled ahead is there), otherwise for the first that finds none waiting, or the first
+    one cut (partial rollouts; step 2's third take)."""
+    now, late = Driver(k, num_steps=6, partial=partial), LateDriver(k, num_steps=6, partial=partial)
+    for d in (now, late):
+        d.start(0)
+    for s, n in enumerate(takes):
+        for a, b in zip(now.step(s, n), late.step(s, n)):
+            assert (a.response_ids, a.versions, a.token_versions) == (b.response_ids, b.versions, b.token_versions)
+    assert late.engines.requests == now.engines.requests  # (version, max_new_tokens) of every request, in order

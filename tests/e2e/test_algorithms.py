@@ -215,7 +215,7 @@ def test_ppo_learns_the_copy_example_and_resumes_bit_identically_after_sigusr1(t
     ev = np.array([r["critic/explained_variance"] for r in first])
     assert ev[-20:].mean() > ev[:20].mean() + 0.3, ev.round(2).tolist()
     assert first[-1]["train/kl_coef"] != first[0]["train/kl_coef"] == 0.02
-    assert [r["train/lr"] for r in first] == pytest.approx([5e-3 * (1 - s / 80) for s in range(80)])
+    assert [r["train/lr"] for r in first] == pytest.approx([3e-3 * (1 - s / 80) for s in range(80)])
     assert [r["critic/lr"] for r in first] == [r["train/lr"] for r in first]
     assert all(r["sync/logprob_max_abs_diff"] < 1e-4 for r in first)
 

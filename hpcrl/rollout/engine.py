@@ -347,6 +347,17 @@ class ReferenceModel:
                              f"[0, {self.vocab_size})")
         return ids
 
+    def hidden_states(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        """The final norm's output at every position, [B, T, H] in the model's dtype, by the forward
+        generation runs (DirectForward where it applies, else transformers'), no cache kept: what
+        input-token log-probs are computed from (engine_score.py)."""
+        from transformers import DynamicCache
+
+        if isinstance(self._forward, DirectForward):
+            return self._forward.hidden(input_ids, attention_mask, position_ids, DynamicCache(), every_position=True)
+        return self.model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False).last_hidden_state
+
     def _hf_forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
         if not self.fp32_lm_head:
             return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

@@ -10,8 +10,8 @@ no entry. So the log-probs of a response r after a prompt p need L = len(p) - 1
 
 `input_token_logprobs` computes those values with one prefill forward over the batch of ragged
 sequences (left padded, explicit positions, as the engine's generation prefill), through the engine's
-own forward with every position's hidden states kept (DirectForward's `every_position` for a
-Qwen3-MoE model, else transformers' `model.model`), then the engine's LM head (`lm_head_logits`: the model's dtype, or float32 with
+own forward with every position's hidden states kept (`ReferenceModel.hidden_states`: DirectForward's
+`every_position` for a Qwen3-MoE model, else transformers' `model.model`), then the engine's LM head (`lm_head_logits`: the model's dtype, or float32 with
 `fp32_lm_head`, as its generation) over the rows asked for only, and a float32 log-softmax of the raw
 logits, in chunks of `CHUNK_ROWS` rows (SGLang's SGLANG_LOGPROB_CHUNK_SIZE) so the logits never
 exceed CHUNK_ROWS x vocab. No temperature: SGLang's input log-probs are those of the unscaled
@@ -24,9 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from transformers import DynamicCache
-
-from hpcrl.rollout.direct_forward import DirectForward, lm_head_logits
+from hpcrl.rollout.direct_forward import lm_head_logits
 from hpcrl.rollout.engine import ReferenceModel
 
 __all__ = ["CHUNK_ROWS", "input_token_logprobs"]
@@ -85,12 +83,7 @@ def _scored(seqs: list[list[int]], starts: list[int], engine: ReferenceModel) ->
     pos_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)
     padded = min(lengths) != T  # without padding the plain causal path needs no mask
     mask = mask_BT.to(dev) if padded else None
-    if isinstance(engine._forward, DirectForward):  # the generation's own forward, every position kept
-        hidden_BTH = engine._forward.hidden(tokens_BT.to(dev), mask, pos_BT.to(dev), DynamicCache(),
-                                            every_position=True)
-    else:
-        hidden_BTH = engine.model.model(input_ids=tokens_BT.to(dev), attention_mask=mask,
-                                        position_ids=pos_BT.to(dev), use_cache=False).last_hidden_state
+    hidden_BTH = engine.hidden_states(tokens_BT.to(dev), mask, pos_BT.to(dev))
     # Rows: sequence b's columns for positions start .. n - 2 (left padded: position p at T - len + p).
     rows_b, cols, targets = [], [], []
     for b, (s, start, n) in enumerate(zip(seqs, starts, lengths)):

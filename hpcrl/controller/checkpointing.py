@@ -27,7 +27,7 @@ from checkpoints import discard_newer, latest_step, list_checkpoints, open_check
 from hpcrl.config import to_dict
 from hpcrl.config.schema import JobConfig
 from hpcrl.controller.groups import PolicyGroup
-from hpcrl.controller.metrics import read_metrics
+from hpcrl.controller.metrics import read_metrics, set_aside_metrics
 from hpcrl.controller.pipeline import BUFFER_BLOB, GenerationPipeline
 from hpcrl.controller.preemption import Preempted, PreemptionWatch
 
@@ -87,6 +87,10 @@ class Checkpointer:
         return the first step to run."""
         step = self._resume_target()
         if step is None:
+            moved = set_aside_metrics(self.run_dir)
+            if moved is not None:
+                print(f"hpcrl: no checkpoint to resume from; the earlier attempt's metrics.jsonl is kept as "
+                      f"{moved.name}", flush=True)
             return 0
         meta = self.policy.load_checkpoint(str(self.dir), step)
         history = [r for r in meta.get("metrics_history", []) if r["step"] <= step]

@@ -72,6 +72,20 @@ def tensorboard_summary(metrics: dict[str, Any]):
                           if isinstance(value, (int, float)) and not isinstance(value, bool)])
 
 
+def set_aside_metrics(run_dir: Path) -> Path | None:
+    """Before a fresh run's first step: an earlier attempt's RUN_DIR/metrics.jsonl (one that stopped
+    before its first checkpoint) is renamed to metrics.jsonl.N, the first N free, so the new run's
+    records do not follow the old ones in one file and none is lost; returns the new path, or None
+    when there was nothing to move."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists() or path.stat().st_size == 0:
+        return None
+    n = 1
+    while path.with_name(f"metrics.jsonl.{n}").exists():
+        n += 1
+    return path.rename(path.with_name(f"metrics.jsonl.{n}"))
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """All records of RUN_DIR/metrics.jsonl, in order."""
     path = Path(run_dir) / "metrics.jsonl"

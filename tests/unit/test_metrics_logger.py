@@ -1,12 +1,15 @@
 """MetricsLogger (hpcrl/controller/metrics.py): metrics.jsonl as logged, and TensorBoard scalars
 written as one event per step that TensorBoard reads exactly as it reads `add_scalar`'s one event
-per key (same tags, steps and values)."""
+per key (same tags, steps and values); a fresh run keeps an earlier attempt's records in a file of
+their own."""
 
 from __future__ import annotations
 
+import json
+
 from torch.utils.tensorboard import SummaryWriter
 
-from hpcrl.controller.metrics import MetricsLogger, read_metrics
+from hpcrl.controller.metrics import MetricsLogger, read_metrics, set_aside_metrics
 
 RECORDS = [{"reward/mean": 0.25, "train/loss": -1.5e-3, "rollout/tokens": 256, "sync/ok": True,
             "note": "text", "timing/step_s": 0.047},
@@ -41,3 +44,16 @@ def test_tensorboard_reads_one_event_per_step_as_it_reads_add_scalar(tmp_path):
     assert got == want
     assert sorted(got) == ["reward/mean", "rollout/tokens", "timing/step_s", "train/loss", "val/reward_mean"]
     assert got["val/reward_mean"] == [(1, 0.75)]
+
+
+def test_a_fresh_run_sets_an_earlier_attempts_records_aside(tmp_path):
+    assert set_aside_metrics(tmp_path) is None  # nothing there
+    for attempt in (1, 2):
+        logger = MetricsLogger(tmp_path, num_steps=2, tensorboard=False, progress=False)
+        logger.log(0, RECORDS[attempt - 1])
+        logger.close()
+        assert set_aside_metrics(tmp_path) == tmp_path / f"metrics.jsonl.{attempt}"
+    assert not (tmp_path / "metrics.jsonl").exists()
+    for attempt in (1, 2):  # each attempt's record, alone in its file
+        lines = (tmp_path / f"metrics.jsonl.{attempt}").read_text().splitlines()
+        assert [json.loads(line)["reward/mean"] for line in lines] == [RECORDS[attempt - 1]["reward/mean"]]

@@ -32,7 +32,8 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING, Any, Self
 
 from moe.fp8_blocks import FP8_TAG, FP8FormatError, check_fp8_tensors, parse_quantization_config, read_box
 from moe.hf_megatron import HFModelDims, expert_names, mtp_names, router_name
@@ -143,6 +144,48 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     raise CheckpointFormatError(f"{model_dir} has no weights ({SINGLE_FILE} or {INDEX_FILE}): {hint}")
 
 
+def stored_tensors(files: Mapping[str, Path], names: Collection[str] | None = None) -> dict[str, StoredTensor]:
+    """On-disk name -> StoredTensor for every tensor of `files` (`weight_files`), or only for `names`
+    when given, read from the headers of the files that hold them (each tensor from the file the
+    index places it in)."""
+    wanted = set(files.values()) if names is None else {files[n] for n in names}
+    stored: dict[str, StoredTensor] = {}
+    for file in sorted(wanted):
+        for name, meta in read_header(file).items():
+            if name != "__metadata__" and files.get(name) == file and (names is None or name in names):
+                stored[name] = StoredTensor(file, name, tuple(meta["shape"]), meta["dtype"])
+    return stored
+
+
+class SafetensorsFiles:
+    """safetensors handles of the files a reader touches, each opened once and kept until close()
+    (a context manager)."""
+
+    def __init__(self) -> None:
+        self._handles: dict[Path, Any] = {}
+
+    def _handle(self, file: Path) -> Any:
+        handle = self._handles.get(file)
+        if handle is None:
+            from safetensors import safe_open
+
+            handle = self._handles[file] = safe_open(str(file), framework="pt")
+        return handle
+
+    def _view(self, st: StoredTensor) -> Any:
+        """safetensors' lazy slice of a stored tensor."""
+        return self._handle(st.file).get_slice(st.name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def weight_block_size(model_dir: Path) -> tuple[int, int] | None:
     """The FP8 block size (bN, bK) that `model_dir/config.json`'s quantization_config gives, or None
     for unquantized weights (no quantization_config, or no config.json). CheckpointFormatError for a
@@ -173,23 +216,19 @@ def score_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
     return {"score.weight": (1, hidden), "score.bias": (1,)}
 
 
-class HFCheckpoint:
+class HFCheckpoint(SafetensorsFiles):
     """The weights of a HF model directory, checked against `dims`, readable by global boxes."""
 
     def __init__(self, model_dir: str | Path, dims: HFModelDims, score_head: bool = False) -> None:
         """`score_head`: the directory may also be a reward model of the architecture (transformers'
         ...ForSequenceClassification with one label): `score.weight` [1, hidden] (and `score.bias`
         [1] if it has one) in place of `lm_head.weight`; `self.score_names` lists them (else empty)."""
+        super().__init__()
         self.dir = Path(model_dir)
         self.dims = dims
-        files = weight_files(self.dir)
         self.weight_block_size = weight_block_size(self.dir)
         """The FP8 block size (bN, bK) of config.json's quantization_config; None: unquantized."""
-        stored: dict[str, StoredTensor] = {}
-        for file in sorted(set(files.values())):
-            for name, meta in read_header(file).items():
-                if name != "__metadata__" and files.get(name) == file:
-                    stored[name] = StoredTensor(file, name, tuple(meta["shape"]), meta["dtype"])
+        stored = stored_tensors(weight_files(self.dir))
         self.fused = any(n.endswith(".mlp.experts.gate_up_proj") for n in stored)
         self.expected = dims.hf_shapes()
         score = {n: s for n, s in score_shapes(dims.hidden_size).items() if n in stored}
@@ -205,7 +244,6 @@ class HFCheckpoint:
             self.expected.update(score)
             self.score_names = sorted(score)
         self._where = self._locate(stored)
-        self._handles: dict[Path, Any] = {}
 
     # -- checking --------------------------------------------------------------------------------
 
@@ -304,22 +342,3 @@ class HFCheckpoint:
         if expert is not None:
             out = out[0]
         return out if dtype is None else out.to(dtype)
-
-    def _view(self, st: StoredTensor) -> Any:
-        """safetensors' lazy slice of a stored tensor (files opened once, kept until close())."""
-        handle = self._handles.get(st.file)
-        if handle is None:
-            from safetensors import safe_open
-
-            handle = self._handles[st.file] = safe_open(str(st.file), framework="pt")
-        return handle.get_slice(st.name)
-
-    def close(self) -> None:
-        self._handles.clear()
-
-    def __enter__(self) -> HFCheckpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-

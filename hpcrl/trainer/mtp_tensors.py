@@ -24,13 +24,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from moe.fp8_blocks import FP8FormatError, check_fp8_tensors, read_box
-from moe.hf_checkpoint import (CheckpointFormatError, StoredTensor, read_header, weight_block_size,
-                               weight_files)
+from moe.hf_checkpoint import (CheckpointFormatError, SafetensorsFiles, StoredTensor, stored_tensors,
+                               weight_block_size, weight_files)
 from moe.hf_megatron import HFModelDims, mtp_names
 from moe.slices import Box
 
@@ -57,7 +56,7 @@ class MTPTensor:
         return prod(self.shape) * self.dtype.itemsize
 
 
-class MTPSource:
+class MTPSource(SafetensorsFiles):
     """The MTP tensors of `model_dir` for a model of `dims`, exported with FP8 ones at `export_dtype`
     (float32 or bfloat16). Reads only the index and the headers of the files holding MTP tensors;
     none when `model_dir` or `dims` is None or the model has no MTP layers (`dims.mtp_layers` 0),
@@ -67,19 +66,14 @@ class MTPSource:
 
     def __init__(self, model_dir: str | Path | None, dims: HFModelDims | None,
                  export_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
         self.tensors: list[MTPTensor] = []
-        self._handles: dict[Path, Any] = {}
         self._block: tuple[int, int] | None = None
         if model_dir is None or dims is None or dims.mtp_layers == 0:
             return
         root = Path(model_dir)
         files = weight_files(root)
-        names = set(mtp_names(files, dims.num_layers, dims.mtp_layers))
-        stored: dict[str, StoredTensor] = {}
-        for file in sorted({files[n] for n in names}):
-            for name, meta in read_header(file).items():
-                if name in names and files[name] == file:
-                    stored[name] = StoredTensor(file, name, tuple(meta["shape"]), meta["dtype"])
+        stored = stored_tensors(files, set(mtp_names(files, dims.num_layers, dims.mtp_layers)))
         self._block = weight_block_size(root) if stored else None
         try:
             scales = check_fp8_tensors(stored, self._block)
@@ -118,27 +112,6 @@ class MTPSource:
             else:
                 assert self._block is not None  # check_fp8_tensors pairs scales only with a block size
                 yield box, read_box(view, self._view(t.scale), box, self._block, t.dtype)
-
-    def _handle(self, file: Path) -> Any:
-        """safetensors' handle of `file`, opened once and kept until close()."""
-        handle = self._handles.get(file)
-        if handle is None:
-            from safetensors import safe_open
-
-            handle = self._handles[file] = safe_open(str(file), framework="pt")
-        return handle
-
-    def _view(self, st: StoredTensor) -> Any:
-        return self._handle(st.file).get_slice(st.name)
-
-    def close(self) -> None:
-        self._handles.clear()
-
-    def __enter__(self) -> MTPSource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def assign_owners(tensors: Sequence[MTPTensor], loads: Sequence[int]) -> dict[str, int]:

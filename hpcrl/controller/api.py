@@ -95,7 +95,7 @@ class RL:
         if self._s.pushes:  # the weight pushes collected in this step
             pushed, self._s.pushes = self._s.pushes, []
             seconds = sum(p["seconds"] for p in pushed)
-            self.log(**{"sync/bytes": sum(p["bytes"] for p in pushed),
+            self.log(**{"sync/bytes": sum(p["bytes"] for p in pushed), "sync/pushes": len(pushed),
                         "sync/gbps": sum(p["bytes"] for p in pushed) * 8 / 1e9 / max(seconds, 1e-9)})
         timing = {f"timing/{k}_s": round(v, 6) for k, v in self._timing.items()}
         end = time.perf_counter()

@@ -78,6 +78,10 @@ def _check_schedule(records: list[dict], k: int) -> None:
     assert all(r["rollout/staleness_max"] == min(r["step"], k) and r["rollout/dropped_stale"] == 0 for r in records)
     assert all(r["sync/logprob_max_abs_diff"] < 1e-4 for r in records)  # the engines' scores at the trainer's version
     assert all(r["train/tis_weight_mean"] > 0 for r in records)  # decoupled PPO's behaviour weight is on
+    # each step's push is collected by the next step's update, the last one's by the last step itself
+    pushes = [r.get("sync/pushes", 0) for r in records]
+    assert pushes == [0] + [1] * (len(records) - 2) + [2], pushes
+    assert len({r["sync/bytes"] / r["sync/pushes"] for r in records[1:]}) == 1
 
 
 def _check_learned(records: list[dict], k: int) -> None:

@@ -30,9 +30,9 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any, Self
 
 from moe.fp8_blocks import FP8_TAG, FP8FormatError, check_fp8_tensors, parse_quantization_config, read_box
@@ -144,7 +144,8 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     raise CheckpointFormatError(f"{model_dir} has no weights ({SINGLE_FILE} or {INDEX_FILE}): {hint}")
 
 
-def stored_tensors(files: Mapping[str, Path], names: Collection[str] | None = None) -> dict[str, StoredTensor]:
+def stored_tensors(files: Mapping[str, Path],
+                   names: Collection[str] | None = None) -> dict[str, StoredTensor]:
     """On-disk name -> StoredTensor for every tensor of `files` (`weight_files`), or only for `names`
     when given, read from the headers of the files that hold them (each tensor from the file the
     index places it in)."""

@@ -94,9 +94,9 @@ class RL:
             self._s.policy.collect_push()  # the last step's, left queued (sync_weights)
         if self._s.pushes:  # the weight pushes collected in this step
             pushed, self._s.pushes = self._s.pushes, []
-            seconds = sum(p["seconds"] for p in pushed)
-            self.log(**{"sync/bytes": sum(p["bytes"] for p in pushed), "sync/pushes": len(pushed),
-                        "sync/gbps": sum(p["bytes"] for p in pushed) * 8 / 1e9 / max(seconds, 1e-9)})
+            moved, seconds = sum(p["bytes"] for p in pushed), sum(p["seconds"] for p in pushed)
+            self.log(**{"sync/bytes": moved, "sync/pushes": len(pushed),
+                        "sync/gbps": moved * 8 / 1e9 / max(seconds, 1e-9)})
         timing = {f"timing/{k}_s": round(v, 6) for k, v in self._timing.items()}
         end = time.perf_counter()
         step_s = end - self._t0

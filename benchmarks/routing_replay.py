@@ -1,9 +1,9 @@
 """Routing replay (R3) against the rollout-train mismatch: a bf16 reference engine against the fp32
-trainer on the tiny copy example, measured two ways.
+trainer on a tiny copy example (each tiny model's own, EXAMPLES, unless --example), measured two ways.
 
-    .venv/bin/python benchmarks/routing_replay.py [--steps 80] [--model tiny-qwen3-moe]
+    .venv/bin/python benchmarks/routing_replay.py [--steps 80] [--model tiny-qwen3-moe] [--example F]
                                                   [--no-fp32-lm-head] [--checkpoints 16] [--samples 256]
-                                                  [--seed N]
+                                                  [--seed N | --seeds N]
 
 Unpaired (the issue's "side by side in one run"): two `hpcrl run`s of the example, routes observed
 only (rollout.routing_replay observe) and replayed (r3), both with rollout.fp32_lm_head unless
@@ -25,6 +25,12 @@ the mismatch the routing carries, nothing else differing. The rollout is drawn w
 the fp32 LM head (the same sampling seeds), so the table also shows what the head takes off. The
 paired summary is the analogue of the run's mean over steps: kl(free) and kl(replay) each averaged
 over the checkpoints, then their ratio.
+
+Over seeds (`--seeds N`, unpaired only): the two runs at trainer.seed = data.seed = 0..N-1. A run's
+mean kl is carried by the few steps in which a routing flip moves a token far (up to ~1.4 nats
+against a floor of ~1e-3), so one seed's ratio swings 2-20x. The estimate of the expected ratio is
+the pooled one, mean over seeds of kl(observe) / mean over seeds of kl(r3); the per-seed ratios and
+their median are printed beside it.
 """
 
 from __future__ import annotations
@@ -39,8 +45,13 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "tiny_moe_grpo.yaml"
-BF16_ENGINE = ["rollout.dtype=bfloat16", "rollout.logprob_mean_tolerance=0.02"]  # docs/config.md's bf16 check
+EXAMPLES = {"tiny-qwen3-moe": REPO / "examples" / "tiny_moe_grpo.yaml",
+            "tiny-deepseek-v3": REPO / "examples" / "tiny_deepseek_v3_grpo.yaml"}
+"""Each tiny model's own example (its batch and aux-loss settings); another preset runs the Qwen one's."""
+
+
+def example_of(args: argparse.Namespace) -> Path:
+    return Path(args.example) if args.example else EXAMPLES.get(args.model, EXAMPLES["tiny-qwen3-moe"])
 
 
 def hpcrl(*args: str) -> None:
@@ -50,14 +61,16 @@ def hpcrl(*args: str) -> None:
         raise SystemExit(f"hpcrl {args[0]} failed\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
 
 
-def run(mode: str, args: argparse.Namespace, run_dir: Path, checkpoint_every: int = 0) -> dict:
+def run(mode: str, args: argparse.Namespace, run_dir: Path, checkpoint_every: int = 0,
+        seed: int | None = None) -> dict:
     """One run of the example; its per-step means (see the module docstring)."""
-    sets = [*BF16_ENGINE, f"rollout.logprob_tolerance={args.logprob_tolerance}",
+    sets = ["rollout.dtype=bfloat16", f"rollout.logprob_tolerance={args.logprob_tolerance}",
+            f"rollout.logprob_mean_tolerance={args.logprob_mean_tolerance}",
             f"rollout.routing_replay={mode}", f"algorithm.num_steps={args.steps}", "logging.progress=false",
             f"model.preset={args.model}", f"rollout.fp32_lm_head={args.fp32_lm_head}",
             f"checkpoint.interval_steps={checkpoint_every}", "checkpoint.keep=1000",
-            *([] if args.seed is None else [f"trainer.seed={args.seed}", f"data.seed={args.seed}"])]
-    hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *(x for s in sets for x in ("--set", s)))
+            *([] if seed is None else [f"trainer.seed={seed}", f"data.seed={seed}"])]
+    hpcrl("run", str(example_of(args)), "--run-dir", str(run_dir), *(x for s in sets for x in ("--set", s)))
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {"agreement": statistics.mean(r["mismatch/router_agreement"] for r in recs),
             "kl": statistics.mean(r["mismatch/kl"] for r in recs),
@@ -128,25 +141,58 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.parent.name.split("_")[-1]) for p in done)
 
 
+def over_seeds(args: argparse.Namespace, head: str) -> None:
+    """Both runs at each seed 0..N-1; the pooled ratio of the mean kls (module docstring)."""
+    print(f"routing replay, {args.model} ({example_of(args).name}), bf16 engine ({head}) vs fp32 trainer, "
+          f"{args.steps} steps, seeds 0..{args.seeds - 1}, rollout.logprob_tolerance {args.logprob_tolerance}, "
+          f"rollout.logprob_mean_tolerance {args.logprob_mean_tolerance}")
+    print(f"{'seed':>4} {'agreement':>10} {'kl observe':>11} {'kl r3':>10} {'ratio':>6} "
+          f"{'reward observe':>15} {'reward r3':>10}")
+    kls = []
+    for seed in range(args.seeds):
+        with tempfile.TemporaryDirectory() as tmp:
+            got = {mode: run(mode, args, Path(tmp) / mode, 0, seed) for mode in ("observe", "r3")}
+        assert got["r3"]["agreement"] == 1.0, got
+        obs, r3 = got["observe"]["kl"], got["r3"]["kl"]
+        kls.append((obs, r3))
+        print(f"{seed:4d} {got['observe']['agreement']:10.5f} {obs:11.3e} {r3:10.3e} {obs / r3:6.2f} "
+              f"{got['observe']['reward']:15.3f} {got['r3']['reward']:10.3f}", flush=True)
+    obs, r3 = (statistics.mean(x) for x in zip(*kls))
+    print(f"pooled over {len(kls)} seeds: kl observe {obs:.3e}, kl r3 {r3:.3e}, kl(observe) / kl(r3) = "
+          f"{obs / r3:.2f}; per-seed ratio median {statistics.median(o / r for o, r in kls):.2f}, "
+          f"range {min(o / r for o, r in kls):.2f}-{max(o / r for o, r in kls):.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--model", default="tiny-qwen3-moe")
+    ap.add_argument("--example", default=None,
+                    help="the job file (default: the model's own tiny example, see EXAMPLES)")
     ap.add_argument("--no-fp32-lm-head", dest="fp32_lm_head", action="store_false")
     ap.add_argument("--checkpoints", type=int, default=16, help="paired measures along the r3 run (0: none)")
     ap.add_argument("--samples", type=int, default=256, help="completions per paired measure")
     ap.add_argument("--seed", type=int, default=None,
                     help="trainer.seed and data.seed (default: the example's)")
+    ap.add_argument("--seeds", type=int, default=0,
+                    help="unpaired runs at seeds 0..N-1 and their pooled ratio (see the docstring)")
     ap.add_argument("--logprob-tolerance", type=float, default=1.0,
                     help="rollout.logprob_tolerance of both runs (docs/config.md's bf16 value; a larger "
                          "one lets a run go on whose sync check a routing flip stops)")
+    ap.add_argument("--logprob-mean-tolerance", type=float, default=0.02,
+                    help="rollout.logprob_mean_tolerance of both runs (docs/config.md's bf16 value; a flip "
+                         "on a prompt token moves every later token of its group, which can exceed it)")
     args = ap.parse_args()
     head = "fp32 LM head" if args.fp32_lm_head else "bf16 LM head"
+    if args.seeds:
+        return over_seeds(args, head)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         every = max(args.steps // max(args.checkpoints, 1), 1)
-        got = {mode: run(mode, args, root / mode, every if mode == "r3" else 0) for mode in ("observe", "r3")}
-        print(f"routing replay, {args.model}, bf16 engine ({head}) vs fp32 trainer, {args.steps} steps")
+        got = {mode: run(mode, args, root / mode, every if mode == "r3" else 0, args.seed)
+               for mode in ("observe", "r3")}
+        print(f"routing replay, {args.model} ({example_of(args).name}), bf16 engine ({head}) vs fp32 trainer, "
+              f"{args.steps} steps")
         print(f"unpaired: {'mode':8} {'router_agreement':>17} {'mismatch/kl':>12} {'over_tol':>9} "
               f"{'reward(last)':>13} {'step_s':>7}")
         for mode, g in got.items():
@@ -161,7 +207,7 @@ def main() -> None:
         from tiny_train_batch import one_rank_world
 
         one_rank_world()
-        job = load_job(EXAMPLE)
+        job = load_job(example_of(args))
         print(f"paired: the r3 run's checkpoints, {args.samples} completions each, the same rollout for "
               "free and replayed trainer log-probs")
         print(f"{'step':>6} {'lm head':>8} {'tokens':>7} {'agreement':>10} {'kl free':>10} {'kl replay':>10} "

@@ -78,7 +78,8 @@ class RL:
         self._timing: dict[str, float] = {}
         self._t0 = 0.0
         self._temperature = self.job.rollout.temperature
-        self._unchecked: list[tuple[Rollout, np.ndarray, Any]] = []  # (rollout, trainer log-probs, scores)
+        # (rollout, trainer log-probs, scores, the step's mismatch/router_agreement or None)
+        self._unchecked: list[tuple[Rollout, np.ndarray, Any, float | None]] = []
         self._rescore = self.job.rollout.max_staleness > 0  # the sync check scores the trained batch again
 
     # -- the loop's side ---------------------------------------------------------------------------
@@ -213,10 +214,11 @@ class RL:
         self.log(**{("mismatch/" if k == "router_agreement" else "train/") + k: v
                     for k, v in train.metrics.items()})
         if rollout.engine_logprobs:  # demonstrations have none: no engine sampled them
+            agreement = train.metrics.get("router_agreement")
             if rows is None:
-                self._unchecked.append((rollout, train.logprobs_BT, None))
+                self._unchecked.append((rollout, train.logprobs_BT, None, agreement))
             else:
-                self._unchecked.append((checked, train.logprobs_BT[rows], scored[0]))
+                self._unchecked.append((checked, train.logprobs_BT[rows], scored[0], agreement))
         return train.metrics
 
     def _scores(self, rollout: Rollout, scoring: Any) -> list[list[float]]:
@@ -237,11 +239,11 @@ class RL:
         by an older policy: the engines' log-probs are then those of the scoring requests
         `update_policy` sent while they held the version the trainer's forward ran."""
         r = self.job.rollout
-        for rollout, trainer_BT, scores in self._unchecked:
+        for rollout, trainer_BT, scores, agreement in self._unchecked:
             if scores is not None:
                 rollout = dataclasses.replace(rollout, engine_logprobs=scores)
             self.log(**sync_check_metrics(rollout, trainer_BT, r.logprob_tolerance, r.logprob_mean_tolerance,
-                                          self.step))
+                                          self.step, agreement))
         self._unchecked = []
 
     def sync_weights(self) -> dict[str, float]:

@@ -79,4 +79,4 @@ def test_bf16_sync_check_stops_a_push_with_one_wrong_tensor(tmp_path):
                    "--set", "algorithm.num_steps=4", env_extra={"HPCRL_SYNC_FAULT": "perturb:1"}, timeout_s=280)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "step 2: engine and trainer log-probs differ by" in out.stderr, out.stderr[-3000:]
-    assert "rollout.logprob_mean_tolerance=0.02: every token moved" in out.stderr
+    assert "rollout.logprob_mean_tolerance=0.02: most tokens moved" in out.stderr

@@ -45,7 +45,7 @@ def test_the_bf16_sync_check_still_fails_a_wrong_tensor(tmp_path):
     out, _ = run(tmp_path / "perturb", *BF16, env_extra={"HPCRL_SYNC_FAULT": "perturb:1"})
     assert out.returncode == 1
     assert "step 2: engine and trainer log-probs differ by" in out.stderr, out.stderr[-3000:]
-    assert "rollout.logprob_mean_tolerance=0.02: every token moved" in out.stderr
+    assert "rollout.logprob_mean_tolerance=0.02: most tokens moved" in out.stderr
 
 
 def test_a_bf16_engine_needs_the_bf16_check(tmp_path):

@@ -64,8 +64,32 @@ def test_the_mean_check_lets_bf16_rounding_through_and_stops_a_shift_of_every_to
     # float64 as the check computes it: (x + 0.5) - x, the only non-zero difference, over 48 tokens
     assert worst == abs(rounded[3, 2] - TRAINER[3, 2]) and mean == worst / TRAINER.size
     with pytest.raises(WeightSyncError, match=r"step 4: .* differ by 0.05 on average over 48 response tokens "
-                                              r"\(max 0.05\) > rollout.logprob_mean_tolerance=0.02"):
+                                              r"\(max 0.05\) > rollout.logprob_mean_tolerance=0.02: most "
+                                              r"tokens moved \(median 0.05\), so the engine is not running"):
         logprob_sync_check(rollout(TRAINER + 0.05), TRAINER, 1.0, 0.02, 4)
+
+
+def test_a_mean_carried_by_a_flipped_group_is_named_as_routing_not_as_a_sync_defect():
+    """A flip in a prompt shared by a group moves all its completions' tokens: the mean can exceed
+    rollout.logprob_mean_tolerance while most tokens agree. The message says so, and what the step's
+    router agreement makes of it: a flip (< 1), no flip (1: a weight only some tokens use), unknown."""
+    from hpcrl.controller.sync_check import sync_check_metrics
+
+    flipped = TRAINER.copy()
+    flipped[2:4] += 0.3  # two completions of one group, 12 of 48 tokens: mean 0.075, median 0
+    for agreement, says in [(0.9961, ("The trainer routed 0.9961 of this step's (token, MoE layer) pairs as "
+                                       "the engine did: this is most likely a top-k router near-tie")),
+                            (1.0, ("Every route of this step agreed (mismatch/router_agreement 1), so no "
+                                   "routing flip explains it")),
+                            (None, "rollout.routing_replay observe logs how often the routes agree")]:
+        with pytest.raises(WeightSyncError) as info:
+            sync_check_metrics(rollout(flipped), TRAINER, 1.0, 0.02, 9, agreement)
+        msg = str(info.value)
+        assert ("step 9: engine and trainer log-probs differ by 0.075 on average over 48 response tokens "
+                "(max 0.3) > rollout.logprob_mean_tolerance=0.02, but most tokens agree (median 0): 12 of 48 "
+                "response tokens in 2 of 8 sequences carry the mean.") in msg, msg
+        assert says in msg and "not running the trainer's weights" not in msg, msg
+        assert "rollout.logprob_mean_tolerance for bf16" in msg if agreement == 1.0 else "r3" in msg
 
 
 def test_mismatch_metrics_are_k3_and_the_share_over_tolerance_of_response_tokens():

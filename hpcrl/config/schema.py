@@ -148,8 +148,11 @@ class AlgorithmConfig:
     """Entropy bonus of the policy loss: loss - entropy_coef * (the token-mean entropy of the response
     tokens under the current weights), as verl's actor.entropy_coeff; 0 disables it (the entropy is
     then only a metric, train/entropy). Keeps exploration up where a loss would collapse it early."""
-    aux_loss_coef: float = 0.01
-    """MoE load-balancing loss coefficient (Megatron moe_aux_loss_coeff)."""
+    aux_loss_coef: float | None = None
+    """MoE load-balancing loss coefficient (Megatron moe_aux_loss_coeff, the batch-wise loss); null:
+    the model's own (hpcrl/trainer/model.py `aux_loss_coef_of`): Qwen3-MoE's and Mixtral's
+    router_aux_loss_coef (transformers' default 0.001 where config.json leaves it out), 0 for
+    DeepSeek-V3, which balances with its score-correction bias."""
     num_steps: int = 40
     """RL steps (generate -> reward -> update -> weight sync) of the run."""
     gamma: float = 1.0

@@ -48,6 +48,23 @@ def check_layout(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: int, dis
                last_stage_layers=last_stage_layers).check(dims)
 
 
+DEFAULT_ROUTER_AUX_LOSS_COEF = 0.001
+"""transformers' router_aux_loss_coef of Qwen3MoeConfig and MixtralConfig, for a config.json without one."""
+
+
+def aux_loss_coef_of(hf_config: Mapping, aux_loss_coef: float | None) -> float:
+    """The batch-wise load-balancing loss coefficient the trainer uses: `aux_loss_coef`
+    (algorithm.aux_loss_coef) when set, else the model's own. Qwen3-MoE and Mixtral train with that
+    loss at config.json's router_aux_loss_coef (Megatron-Bridge maps it the same way). DeepSeek-V3
+    balances with its score-correction bias; its hub config's sequence-wise loss (aux_loss_alpha with
+    seq_aux) is not built here and transformers' config drops it: 0, as verl's RL recipes set."""
+    if aux_loss_coef is not None:
+        return float(aux_loss_coef)
+    if HFModelDims.from_hf_config(hf_config).family == "deepseek_v3":
+        return 0.0
+    return float(hf_config.get("router_aux_loss_coef", DEFAULT_ROUTER_AUX_LOSS_COEF))
+
+
 def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: int, dispatcher: str,
                        aux_loss_coef: float, device: str = "cpu", dtype: str = "float32",
                        first_stage_layers: int = 0, last_stage_layers: int = 0,

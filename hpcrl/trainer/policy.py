@@ -41,8 +41,8 @@ from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
 from hpcrl.trainer import megatron_compat
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.lr_schedule import LRSchedule
-from hpcrl.trainer.model import (build_gpt_model, check_layout, keep_expert_bias_fp32, transformer_config,
-                                 weight_tensors)
+from hpcrl.trainer.model import (aux_loss_coef_of, build_gpt_model, check_layout, keep_expert_bias_fp32,
+                                 transformer_config, weight_tensors)
 from moe.hf_megatron import HFModelDims, RankCoords, hf_to_megatron, local_params
 
 
@@ -211,8 +211,9 @@ class MegatronPolicy:
         if routing_replay not in ROUTING_REPLAYS:
             raise ValueError(f"rollout.routing_replay={routing_replay!r}; valid: {', '.join(ROUTING_REPLAYS)}")
         self.routing_replay = routing_replay
+        self.aux_loss_coef = aux_loss_coef_of(self.hf_config, algorithm.aux_loss_coef)
         self.layout = layout = dict(tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=trainer.dispatcher,
-                                    aux_loss_coef=algorithm.aux_loss_coef, device=device, dtype=dtype, **stages)
+                                    aux_loss_coef=self.aux_loss_coef, device=device, dtype=dtype, **stages)
         self._build_policy(layout)
         self.critic: Any = None  # PPO's value model on these ranks (hpcrl/trainer/critic.py), if any
         self.ref: torch.nn.Module | None = None
@@ -795,7 +796,7 @@ class MegatronPolicy:
         aux = torch.zeros(1, dtype=torch.float32)
         # The tracker is process-global: a key left by another policy in this process says nothing
         # about this one, whose aux loss exists only with a coefficient.
-        has_aux = self.algorithm.aux_loss_coef > 0 and "load_balancing_loss" in tracker
+        has_aux = self.aux_loss_coef > 0 and "load_balancing_loss" in tracker
         if has_aux:
             if dist.get_world_size() > 1:  # every group has one rank otherwise: all identities
                 reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])

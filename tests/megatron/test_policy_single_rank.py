@@ -312,6 +312,16 @@ def test_entropy_bonus_gradient_is_the_entropy_gradient_of_hf(world1) -> None:
             assert second["entropy"] == first["entropy"]
 
 
+def test_the_load_balancing_coefficient_is_the_models_unless_the_job_sets_one(world1) -> None:
+    """algorithm.aux_loss_coef null: config.json's router_aux_loss_coef (Qwen3-MoE), 0 for DeepSeek-V3;
+    a value set wins. What Megatron's routers read (the policy's TransformerConfig) and the policy's
+    own value, which decides whether the aux_loss metric is logged."""
+    for cfg, aux, want in ((dict(qwen_config(), router_aux_loss_coef=0.003), None, 0.003),
+                           (deepseek_config(), None, 0.0), (deepseek_config(), 0.02, 0.02)):
+        policy = make_policy(cfg, aux_loss_coef=aux)
+        assert policy.gpt.config.moe_aux_loss_coeff == policy.aux_loss_coef == want, (cfg["model_type"], aux)
+
+
 def test_grad_clipping_scales_grads_on_cpu(world1) -> None:
     policy = make_policy(qwen_config(), grad_clip=0.05)
     policy.init_from_seed(0)

@@ -108,6 +108,8 @@ BAD = [
      "decaying algorithm.lr_schedule"),
     ("entropy-coef-negative", "algorithm: {entropy_coef: -0.01}", [], None, "algorithm.entropy_coef", "-0.01",
      ">= 0 (0 disables the entropy bonus)"),
+    ("aux-loss-coef-negative", "algorithm: {aux_loss_coef: -0.001}", [], None, "algorithm.aux_loss_coef",
+     "-0.001", "or null (the model's config.json)"),
     ("entropy-coef-sft", "algorithm: {name: sft, entropy_coef: 0.01}", [], None, "algorithm.entropy_coef",
      "0.01", "sft fits the data's answers"),
     ("dispatcher", "trainer: {dispatcher: all2all}", [], None,

@@ -22,11 +22,14 @@ command line or, to keep them off it, in a YAML file read by --config (SGLang's:
 long options without dashes, placed before the command line's), requests without the right Bearer
 token are refused with 401 before anything runs; /health stays open.
 
-Concurrency: /generate requests are queued; the first waiting request's own handler thread runs
-everything queued at once as one batch (results do not depend on batch composition, see engine.py),
-so many small concurrent requests cost about as much as one batched request, and a lone request
-runs on its own thread with no hand-off to another one. Generation, weight loads and memory
-release/resume are serialised by one lock.
+Concurrency: /generate requests are queued and run one at a time, oldest first, each as a batch of
+its own rows (a lone request runs on its own handler thread, with no hand-off). SGLang's scheduler
+batches concurrent requests together; the reference server does not, so that an answer is a
+function of its request alone, bit for bit. Tokens would be the same either way (each request
+samples from its own seeded generator, engine.py), but log-probs move by rounding (~5e-7) with the
+batch's other rows and their padding: sampled together or apart by timing, an asynchronous run's
+behaviour log-probs, and with them the policy, would differ between a run and its resume.
+Generation, weight loads and memory release/resume are serialised by one lock.
 
 Refusals as SGLang 0.5.23's: a weight update outside a begin/end_weight_update session, for an
 unknown group, or while the weights are released is refused BEFORE its broadcast is received (the
@@ -318,17 +321,23 @@ class ReferenceServer:
                         f"/resume_memory_occupation before /generate")
 
     def _run_queued(self, job: _Job) -> None:
-        """Queue `job` and return when it has run. While no batch is running, the caller's thread
-        takes everything queued (its own job included) and runs it as one batch; requests that
-        arrive meanwhile wait for it, then one of their threads runs the next batch."""
+        """Queue `job` and return when it has run. Requests run one at a time, oldest first, each as
+        a batch of its own rows only: while none runs, the caller's thread runs the oldest queued one
+        (its own, or one whose thread has not woken yet, then it goes on waiting for its own)."""
         with self.batching:
             job.epoch = self.abort_epoch
             self.queued.append(job)
-            while self.running and not job.done.is_set():
-                self.batching.wait()
-            if job.done.is_set():
-                return
-            self.running, jobs, self.queued = True, self.queued, []
+        while True:
+            with self.batching:
+                while self.running and not job.done.is_set():
+                    self.batching.wait()
+                if job.done.is_set():
+                    return
+                self.running, jobs = True, [self.queued.pop(0)]
+            self._run_jobs(jobs)
+
+    def _run_jobs(self, jobs: list[_Job]) -> None:
+        """Run `jobs` (taken from the queue, `running` set) unless paused away or aborted; answer them."""
         try:
             while not self.unpaused.wait(0.05):  # paused: until continue, or an abort of these jobs
                 if all(j.epoch < self.abort_epoch for j in jobs):

@@ -116,10 +116,12 @@ def test_generate_answers_in_sglang_shapes(server, twin):
     client.flush_cache()
 
 
-def test_concurrent_requests_are_batched_without_changing_results(server, twin):
-    """Eight concurrent requests, batched by the server as they arrive, and the same eight as one
-    batched request: each answer is the twin's answer to that request alone (tokens exactly, log-probs
-    within the bound), its seed chosen so that no near-tie lets rounding change a token."""
+def test_concurrent_requests_are_answered_as_if_alone(server, twin):
+    """Eight concurrent requests: the server runs each as a batch of its own, so each answer is the
+    server's answer to that request sent alone, bit for bit (log-probs too: an asynchronous run's
+    resume depends on it), and the twin's tokens. The same eight as one batched request: tokens
+    exactly, log-probs within the bound of the twin's (other rows and their padding move them by
+    rounding), each seed chosen so that no near-tie lets rounding change a token."""
     _, client, _ = server
     prompts = [PROMPTS[i % 3] for i in range(8)]
     chosen = [_clear_seed(twin, prompts[i], {"temperature": 1.0, "max_new_tokens": 8}, 100 + i)
@@ -137,8 +139,11 @@ def test_concurrent_requests_are_batched_without_changing_results(server, twin):
         t.start()
     for t in threads:
         t.join(60)
+    one_by_one = [client.generate(prompts[i], params[i], return_logprob=True) for i in range(8)]
     assert len({tuple(a["output_ids"]) for a in alone}) == 8  # a mixed-up answer would show
     for i in range(8):
+        assert got[i]["output_ids"] == one_by_one[i]["output_ids"] == alone[i]["output_ids"], i
+        assert _logprobs(got[i]) == _logprobs(one_by_one[i]), i  # bit for bit: the request alone decides
         for answer in (got[i], batched[i]):
             assert answer["output_ids"] == alone[i]["output_ids"], i
             want = torch.tensor(alone[i]["output_logprobs"])

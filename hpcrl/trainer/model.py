@@ -55,9 +55,10 @@ DEFAULT_ROUTER_AUX_LOSS_COEF = 0.001
 def aux_loss_coef_of(hf_config: Mapping, aux_loss_coef: float | None) -> float:
     """The batch-wise load-balancing loss coefficient the trainer uses: `aux_loss_coef`
     (algorithm.aux_loss_coef) when set, else the model's own. Qwen3-MoE and Mixtral train with that
-    loss at config.json's router_aux_loss_coef (Megatron-Bridge maps it the same way). DeepSeek-V3
-    balances with its score-correction bias; its hub config's sequence-wise loss (aux_loss_alpha with
-    seq_aux) is not built here and transformers' config drops it: 0, as verl's RL recipes set."""
+    loss at config.json's router_aux_loss_coef (mbridge, verl's HF-to-Megatron bridge, reads the same
+    key, though most of its bridges then set the balancing type to none for RL). DeepSeek-V3 balances
+    with its score-correction bias; its hub config's sequence-wise loss (aux_loss_alpha with seq_aux)
+    is not built here and transformers' config drops it: 0."""
     if aux_loss_coef is not None:
         return float(aux_loss_coef)
     if HFModelDims.from_hf_config(hf_config).family == "deepseek_v3":

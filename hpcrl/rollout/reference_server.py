@@ -333,60 +333,53 @@ class ReferenceServer:
                     self.batching.wait()
                 if job.done.is_set():
                     return
-                self.running, jobs = True, [self.queued.pop(0)]
-            self._run_jobs(jobs)
+                self.running, oldest = True, self.queued.pop(0)
+            self._run_job(oldest)
 
-    def _run_jobs(self, jobs: list[_Job]) -> None:
-        """Run `jobs` (taken from the queue, `running` set) unless paused away or aborted; answer them."""
+    def _run_job(self, job: _Job) -> None:
+        """Run `job` (taken from the queue, `running` set) unless paused away or aborted; answer it."""
         try:
-            while not self.unpaused.wait(0.05):  # paused: until continue, or an abort of these jobs
-                if all(j.epoch < self.abort_epoch for j in jobs):
+            while not self.unpaused.wait(0.05):  # paused: until continue, or an abort of this job
+                if job.epoch < self.abort_epoch:
                     break
             with self.model_lock:
                 with self.batching:  # aborted while this thread waited for the pause to end
-                    for j in jobs:
-                        if j.epoch < self.abort_epoch:
-                            j.aborted = "Abort in waiting queue"
-                jobs_to_run = [j for j in jobs if j.aborted is None]
-                if jobs_to_run:
-                    self._run_batch(jobs_to_run)
+                    if job.epoch < self.abort_epoch:
+                        job.aborted = "Abort in waiting queue"
+                if job.aborted is None:
+                    self._run_batch(job)
         finally:
             with self.batching:
-                for j in jobs:
-                    if j.aborted is None and j.epoch < self.abort_epoch:
-                        j.aborted = "Aborted"  # aborted while it ran (SGLang's FINISH_ABORT message)
-                    j.done.set()
+                if job.aborted is None and job.epoch < self.abort_epoch:
+                    job.aborted = "Aborted"  # aborted while it ran (SGLang's FINISH_ABORT message)
+                job.done.set()
                 self.running = False
                 self.batching.notify_all()
 
-    def _run_batch(self, jobs: list[_Job]) -> None:
-        """Generate for the rows that produce tokens or routes, then score the rows that asked for
-        input log-probs (one forward each); rows with max_new_tokens 0 and no routes are answered
-        without generating (what the engine answers them: no token, finish_reason length 0)."""
-        rows = [(j, k) for j in jobs for k in range(len(j.prompts))]
-        gen = [(j, k) for j, k in rows if j.params[k].max_new_tokens > 0 or j.routes]
-        scored = [(j, k) for j, k in rows if j.starts[k] is not None and j.starts[k] < len(j.prompts[k])]
+    def _run_batch(self, job: _Job) -> None:
+        """Generate for the request's rows that produce tokens or routes, then score the rows that
+        asked for input log-probs (one forward each); rows with max_new_tokens 0 and no routes are
+        answered without generating (what the engine answers them: no token, finish_reason length 0)."""
+        rows = range(len(job.prompts))
+        gen = [k for k in rows if job.params[k].max_new_tokens > 0 or job.routes]
+        scored = [k for k in rows if job.starts[k] is not None and job.starts[k] < len(job.prompts[k])]
         try:
             self._check_not_released()
-            generated = self.engine.generate([j.prompts[k] for j, k in gen], [j.params[k] for j, k in gen],
-                                             return_routes=[j.routes for j, _ in gen])
-            values = input_token_logprobs(self.engine, [j.prompts[k] for j, k in scored],
-                                          [j.starts[k] for j, k in scored])
+            generated = self.engine.generate([job.prompts[k] for k in gen], [job.params[k] for k in gen],
+                                             return_routes=job.routes)
+            values = input_token_logprobs(self.engine, [job.prompts[k] for k in scored],
+                                          [job.starts[k] for k in scored])
         except _Fail as exc:
-            for j in jobs:
-                j.error = exc
+            job.error = exc
             return
-        except Exception as exc:  # an engine fault: report it to every waiting request
+        except Exception as exc:  # an engine fault: report it to the waiting request
             traceback.print_exc()
-            for j in jobs:
-                j.error = _Fail(f"generation failed: {type(exc).__name__}: {exc}", status=500)
+            job.error = _Fail(f"generation failed: {type(exc).__name__}: {exc}", status=500)
             return
-        outputs = {(id(j), k): out for (j, k), out in zip(gen, generated)}
-        for (j, k), vals in zip(scored, values):
-            out = outputs.setdefault((id(j), k), _no_output())
-            out["input_logprobs"] = vals
-        for j in jobs:
-            j.outputs = [outputs.get((id(j), k)) or _no_output() for k in range(len(j.prompts))]
+        outputs = dict(zip(gen, generated))
+        for k, vals in zip(scored, values):
+            outputs.setdefault(k, _no_output())["input_logprobs"] = vals
+        job.outputs = [outputs.get(k) or _no_output() for k in rows]
 
     def health(self, req: dict):
         if self.shutting_down:

@@ -172,10 +172,11 @@ def main() -> None:
     ap.add_argument("--no-fp32-lm-head", dest="fp32_lm_head", action="store_false")
     ap.add_argument("--checkpoints", type=int, default=16, help="paired measures along the r3 run (0: none)")
     ap.add_argument("--samples", type=int, default=256, help="completions per paired measure")
-    ap.add_argument("--seed", type=int, default=None,
-                    help="trainer.seed and data.seed (default: the example's)")
-    ap.add_argument("--seeds", type=int, default=0,
-                    help="unpaired runs at seeds 0..N-1 and their pooled ratio (see the docstring)")
+    seeds = ap.add_mutually_exclusive_group()
+    seeds.add_argument("--seed", type=int, default=None,
+                       help="trainer.seed and data.seed (default: the example's)")
+    seeds.add_argument("--seeds", type=int, default=0,
+                       help="unpaired runs at seeds 0..N-1 and their pooled ratio (see the docstring)")
     ap.add_argument("--logprob-tolerance", type=float, default=1.0,
                     help="rollout.logprob_tolerance of both runs (docs/config.md's bf16 value; a larger "
                          "one lets a run go on whose sync check a routing flip stops)")
@@ -183,6 +184,8 @@ def main() -> None:
                     help="rollout.logprob_mean_tolerance of both runs (docs/config.md's bf16 value; a flip "
                          "on a prompt token moves every later token of its group, which can exceed it)")
     args = ap.parse_args()
+    if args.seeds < 0:
+        ap.error(f"--seeds {args.seeds}: the number of seeds, >= 1 (0: one run pair at --seed)")
     head = "fp32 LM head" if args.fp32_lm_head else "bf16 LM head"
     if args.seeds:
         return over_seeds(args, head)

@@ -61,7 +61,7 @@ def aux_loss_coef_of(hf_config: Mapping, aux_loss_coef: float | None) -> float:
     is not built here and transformers' config drops it: 0."""
     if aux_loss_coef is not None:
         return float(aux_loss_coef)
-    if HFModelDims.from_hf_config(hf_config).family == "deepseek_v3":
+    if hf_config.get("model_type") == "deepseek_v3":  # the family HFModelDims validates
         return 0.0
     return float(hf_config.get("router_aux_loss_coef", DEFAULT_ROUTER_AUX_LOSS_COEF))
 

@@ -26,6 +26,12 @@ the fp32 LM head (the same sampling seeds), so the table also shows what the hea
 paired summary is the analogue of the run's mean over steps: kl(free) and kl(replay) each averaged
 over the checkpoints, then their ratio.
 
+Where the floor comes from (`ENGINES`): beside the bf16 engine with and without the fp32 LM head, a
+third engine holds the same bf16-rounded weights but computes in float32 ("bf16 weights"). Its
+kl(replay) is the part of the floor the weights' rounding alone makes, which no engine arithmetic
+can take off; the rest of the bf16 engine's floor is its arithmetic rounding (activations, residual
+stream, KV cache), spread over the whole forward.
+
 Over seeds (`--seeds N`, unpaired only): the two runs at trainer.seed = data.seed = 0..N-1. A run's
 mean kl is carried by the few steps in which a routing flip moves a token far (up to ~1.4 nats
 against a floor of ~1e-3), so one seed's ratio swings 2-20x. The estimate of the expected ratio is
@@ -79,9 +85,16 @@ def run(mode: str, args: argparse.Namespace, run_dir: Path, checkpoint_every: in
             "step_s": statistics.median(r["timing/step_s"] for r in recs)}
 
 
-def rollout_of(model_dir: Path, cfg: dict, samples: int, fp32_lm_head: bool, job):  # -> Rollout
-    """`samples` completions of the copy prompts (each letter in turn) by a bf16 reference engine on
-    `model_dir`, sampled as the run samples, with the engine's routes as the controller keeps them."""
+ENGINES = {"fp32 head": ("bfloat16", True), "bf16 head": ("bfloat16", False),
+           "bf16 weights": ("float32", False)}
+"""The paired measure's engines: (arithmetic dtype, fp32 LM head). Each holds the checkpoint's weights
+rounded to bf16; "bf16 weights" computes in float32 from them (module docstring)."""
+
+
+def rollout_of(model_dir: Path, cfg: dict, samples: int, engine_kind: str, job):  # -> Rollout
+    """`samples` completions of the copy prompts (each letter in turn) by a reference engine of
+    `ENGINES` on `model_dir`'s weights rounded to bf16, sampled as the run samples, with the engine's
+    routes as the controller keeps them."""
     import torch
 
     from hpcrl.controller.groups import Rollout
@@ -93,8 +106,13 @@ def rollout_of(model_dir: Path, cfg: dict, samples: int, fp32_lm_head: bool, job
     from moe.hf_megatron import HFModelDims
 
     tok = CharTokenizer()
-    engine = ReferenceModel(cfg, dtype=torch.bfloat16, fp32_lm_head=fp32_lm_head)
+    dtype, fp32_lm_head = ENGINES[engine_kind]
+    engine = ReferenceModel(cfg, dtype=getattr(torch, dtype), fp32_lm_head=fp32_lm_head)
     engine.load_model_dir(str(model_dir))
+    if dtype != "bfloat16":  # the bf16 engines' weights, computed with in float32
+        with torch.no_grad():
+            for param in engine.model.parameters():
+                param.copy_(param.bfloat16())
     prompts = [tok.encode_prompt(LETTERS[i % len(LETTERS)]) for i in range(samples)]
     r = job.rollout
     params = [{"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens,
@@ -109,15 +127,16 @@ def rollout_of(model_dir: Path, cfg: dict, samples: int, fp32_lm_head: bool, job
                    [o["output_logprobs"] for o in outs], [o["finish_reason"]["type"] for o in outs], routes)
 
 
-def paired(model_dir: Path, samples: int, fp32_lm_head: bool, job, step: int) -> dict:
-    """One rollout on `model_dir`'s weights and the trainer's log-probs of it, free and replayed."""
+def paired(model_dir: Path, samples: int, engine_kind: str, job, step: int) -> dict:
+    """One rollout on `model_dir`'s weights by an `ENGINES` engine and the trainer's log-probs of it,
+    free and replayed."""
     from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
     from hpcrl.controller.sync_check import sync_check_metrics
     from hpcrl.trainer.batch import TrainBatch
     from hpcrl.trainer.policy import MegatronPolicy
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    rollout = rollout_of(model_dir, cfg, samples, fp32_lm_head, job)
+    rollout = rollout_of(model_dir, cfg, samples, engine_kind, job)
     batch = TrainBatch.from_lists(rollout.prompt_ids, rollout.response_ids, rollout.routes)
     out = {}
     for mode in ("observe", "r3"):  # observe routes freely and counts the routes that agree
@@ -213,27 +232,28 @@ def main() -> None:
         job = load_job(example_of(args))
         print(f"paired: the r3 run's checkpoints, {args.samples} completions each, the same rollout for "
               "free and replayed trainer log-probs")
-        print(f"{'step':>6} {'lm head':>8} {'tokens':>7} {'agreement':>10} {'kl free':>10} {'kl replay':>10} "
+        print(f"{'step':>6} {'engine':>12} {'tokens':>7} {'agreement':>10} {'kl free':>10} {'kl replay':>10} "
               f"{'ratio':>6} {'|d| free':>9} {'|d| replay':>10}")
-        kls: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+        kls: dict[str, list[tuple[float, float]]] = {kind: [] for kind in ENGINES}
         for step in checkpoint_steps(root / "r3"):
             model_dir = root / f"export_{step}"
             hpcrl("export", str(root / "r3"), "--step", str(step), "--out", str(model_dir))
-            for fp32 in (True, False):
-                p = paired(model_dir, args.samples, fp32, job, step)
+            for kind in ENGINES:
+                p = paired(model_dir, args.samples, kind, job, step)
                 free, replay = p["observe"]["kl"], p["r3"]["kl"]
-                kls[fp32].append((free, replay))
+                kls[kind].append((free, replay))
                 assert p["r3"]["agreement"] == 1.0, p
-                print(f"{step:6d} {'fp32' if fp32 else 'bf16':>8} {p['tokens']:7d} "
+                print(f"{step:6d} {kind:>12} {p['tokens']:7d} "
                       f"{p['observe']['agreement']:10.5f} {free:10.3e} {replay:10.3e} "
                       f"{free / max(replay, 1e-30):6.2f} {p['observe']['mean_abs']:9.2e} "
                       f"{p['r3']['mean_abs']:10.2e}", flush=True)
-        for fp32, pairs in kls.items():
-            if pairs:  # the paired analogue of the run's mean over steps: means over the checkpoints
-                free, replay = (statistics.mean(x) for x in zip(*pairs))
-                print(f"paired, {'fp32' if fp32 else 'bf16'} LM head, mean over {len(pairs)} checkpoints: "
-                      f"kl free {free:.3e}, kl replay {replay:.3e}, kl(free) / kl(replay) = "
-                      f"{free / max(replay, 1e-30):.2f}")
+        floor = statistics.mean(r for _, r in kls["fp32 head"])
+        for kind, pairs in kls.items():
+            # the paired analogue of the run's mean over steps: means over the checkpoints
+            free, replay = (statistics.mean(x) for x in zip(*pairs))
+            print(f"paired, {kind}, mean over {len(pairs)} checkpoints: kl free {free:.3e}, kl replay "
+                  f"{replay:.3e}, kl(free) / kl(replay) = {free / max(replay, 1e-30):.2f}; kl replay / "
+                  f"the fp32-head engine's {replay / max(floor, 1e-30):.2f}")
 
 
 if __name__ == "__main__":

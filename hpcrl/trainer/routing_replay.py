@@ -12,7 +12,8 @@ map. The aux loss keeps the router's own top-k (Megatron computes it separately)
 
 `Replay` also observes what every router did (a forward hook on its routing map), so the trainer
 can say how often its routes equal the engine's (`router_agreement`), replaying or not, and tests
-can compare the experts used with the experts given.
+can compare the experts used with the experts given. The count stays on the routers' device until
+`take_agreement`: a hook that read it back would stall a GPU at every MoE layer of every forward.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ class Replay:
         self.routers.sort(key=lambda jr: jr[0])
         self.observed: dict[int, list[torch.Tensor]] | None = None
         self.current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # j -> (engine rows, real rows)
-        self.same = self.total = 0
+        self.same: torch.Tensor | int = 0  # on the routers' device while counting (no host sync)
+        self.total = 0
+        self._real = 0  # real tokens of the current micro-batch on this rank
         for j, router in self.routers:
             router.register_forward_hook(self._observe_hook(j))
 
@@ -62,10 +65,13 @@ class Replay:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         self.current = {}
-        if routes_BLNK is not None:
+        if routes_BLNK is not None and self.routers:
+            device = self.routers[0][1].weight.device
             real_BL = torch.cat([~pad_BL[:, 1:], torch.zeros_like(pad_BL[:, :1])], dim=1)
             real_T = self.local_rows(real_BL.unsqueeze(-1).unsqueeze(-1), 0)[:, 0].bool()
-            self.current = {j: (self.local_rows(routes_BLNK, j), real_T) for j, _ in self.routers}
+            self._real = int(real_T.sum())  # a host tensor still: no sync
+            real_T = real_T.to(device)
+            self.current = {j: (self.local_rows(routes_BLNK, j).to(device), real_T) for j, _ in self.routers}
         if not self.enabled:
             return
         for j, router in self.routers:
@@ -73,12 +79,13 @@ class Replay:
             if not (self.current and replay):
                 state.clear_router_replay_action()
                 continue
-            state.set_target_indices(self.current[j][0].to(router.weight.device))
+            state.set_target_indices(self.current[j][0])
             state.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def take_agreement(self) -> tuple[int, int]:
-        """(token-layer routes equal to the engine's, routes compared) since the last call, this rank."""
-        out = (self.same, self.total)
+        """(token-layer routes equal to the engine's, routes compared) since the last call, this rank;
+        reads the device count back (one sync)."""
+        out = (int(self.same), self.total)
         self.same = self.total = 0
         return out
 
@@ -109,14 +116,19 @@ class Replay:
                 self.observed[j].append(output[1].detach().cpu())
             if j in self.current:
                 wanted_TK, real_T = self.current[j]
-                same, total = agreement(output[1].detach().cpu(), wanted_TK, real_T)
-                self.same, self.total = self.same + same, self.total + total
+                self.same = self.same + (same_rows(output[1].detach(), wanted_TK) & real_T).sum()
+                self.total += self._real
         return hook
 
 
-def agreement(routing_map_TE: torch.Tensor, wanted_TK: torch.Tensor, real_T: torch.Tensor) -> tuple[int, int]:
-    """(rows whose expert set equals the wanted one, rows compared) over the rows `real_T` marks: the
-    router's bool map [T, E] against wanted expert ids [T, K]."""
+def same_rows(routing_map_TE: torch.Tensor, wanted_TK: torch.Tensor) -> torch.Tensor:
+    """[T] bool, on the map's device: whether each row's expert set, the router's bool map [T, E],
+    equals the wanted expert ids [T, K]."""
     want_TE = torch.zeros_like(routing_map_TE).scatter_(1, wanted_TK.long(), True)
-    same_T = (want_TE == routing_map_TE).all(dim=1)
-    return int((same_T & real_T).sum()), int(real_T.sum())
+    return (want_TE == routing_map_TE).all(dim=1)
+
+
+def agreement(routing_map_TE: torch.Tensor, wanted_TK: torch.Tensor, real_T: torch.Tensor) -> tuple[int, int]:
+    """(rows whose expert set equals the wanted one, rows compared) over the rows `real_T` marks
+    (`same_rows`), as ints."""
+    return int((same_rows(routing_map_TE, wanted_TK) & real_T).sum()), int(real_T.sum())

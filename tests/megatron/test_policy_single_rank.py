@@ -465,6 +465,9 @@ def test_router_agreement_counts_the_training_forwards_routes(world1) -> None:
         random = TrainBatch.from_lists(prompts, responses, random_routes(plain, 2, 4, 2, seed=6))
         got[mode] = [policy.train_step(b, adv, policy.compute_logprobs(b))["router_agreement"]
                      for b in (own_batch, random)]
+        policy.compute_logprobs(random)
+        # counted where the routers run and read back once, not per router (a GPU would stall)
+        assert isinstance(policy.replay.same, torch.Tensor), type(policy.replay.same)
     assert got["observe"][0] == 1.0 and got["observe"][1] < 0.8
     assert got["r3"] == [1.0, 1.0]
 

@@ -37,9 +37,10 @@ class Replay:
         self.routers.sort(key=lambda jr: jr[0])
         self.observed: dict[int, list[torch.Tensor]] | None = None
         self.current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # j -> (engine rows, real rows)
-        self.same: torch.Tensor | int = 0  # on the routers' device while counting (no host sync)
-        self.total = 0
-        self._real = 0  # real tokens of the current micro-batch on this rank
+        # counts on the routers' device while counting (no host sync)
+        self.same: torch.Tensor | int = 0
+        self.total: torch.Tensor | int = 0
+        self._real: torch.Tensor | int = 0  # real tokens of the current micro-batch on this rank
         for j, router in self.routers:
             router.register_forward_hook(self._observe_hook(j))
 
@@ -68,9 +69,8 @@ class Replay:
         if routes_BLNK is not None and self.routers:
             device = self.routers[0][1].weight.device
             real_BL = torch.cat([~pad_BL[:, 1:], torch.zeros_like(pad_BL[:, :1])], dim=1)
-            real_T = self.local_rows(real_BL.unsqueeze(-1).unsqueeze(-1), 0)[:, 0].bool()
-            self._real = int(real_T.sum())  # a host tensor still: no sync
-            real_T = real_T.to(device)
+            real_T = self.local_rows(real_BL.unsqueeze(-1).unsqueeze(-1), 0)[:, 0].bool().to(device)
+            self._real = real_T.sum()
             self.current = {j: (self.local_rows(routes_BLNK, j).to(device), real_T) for j, _ in self.routers}
         if not self.enabled:
             return
@@ -85,7 +85,7 @@ class Replay:
     def take_agreement(self) -> tuple[int, int]:
         """(token-layer routes equal to the engine's, routes compared) since the last call, this rank;
         reads the device count back (one sync)."""
-        out = (int(self.same), self.total)
+        out = (int(self.same), int(self.total))
         self.same = self.total = 0
         return out
 
@@ -117,7 +117,7 @@ class Replay:
             if j in self.current:
                 wanted_TK, real_T = self.current[j]
                 self.same = self.same + (same_rows(output[1].detach(), wanted_TK) & real_T).sum()
-                self.total += self._real
+                self.total = self.total + self._real
         return hook
 
 

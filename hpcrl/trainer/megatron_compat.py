@@ -11,6 +11,9 @@ and measurements: notes/python_stack.md sections 2-2.4):
   Router fix (GPU too): `router.py:542 _apply_expert_bias` (token counts for the expert bias, which
       DeepSeek-V3 models enable) ANDs routing_map [tokens, experts] with a padding mask [tokens],
       which broadcasts wrongly and raises; the patched method broadcasts the mask over the experts.
+  Norm fix (GPU too, whenever apex is absent, as on hpcrl's GPU install): patch 3 below. Without
+      apex the local spec builds every norm as `WrappedTorchNorm`, whose assert would stop any
+      trainer.tp > 1 (sequence parallel) model from being built on a GPU as well.
   CPU only (nothing below is touched when CUDA is available):
   1. `torch` stand-in inside the Megatron modules listed in `_CPU_MODULES`: their `torch.cuda` is
      a CPU namespace (current_device() -> "cpu"; streams/events are no-ops; synchronize and
@@ -23,9 +26,10 @@ and measurements: notes/python_stack.md sections 2-2.4):
      router.py:169, and the `add` of tensor_parallel/random.py:235.
   2. `tensor_parallel/random.py:_get/_set_cuda_rng_state` (the RNG tracker's fork) use the
      default CPU generator.
-  3. `torch_norm.py:32 WrappedTorchNorm.__new__` asserts `not sequence_parallel`; the patched
-     constructor builds the same torch norm and tags its params `sequence_parallel=True`, so
-     `finalize_model_grads` all-reduces their grads over TP (as it does for TE norms).
+  3. (the norm fix, applied without apex on a GPU too) `torch_norm.py:32 WrappedTorchNorm.__new__`
+     asserts `not sequence_parallel`; the patched constructor builds the same torch norm and tags
+     its params `sequence_parallel=True`, so `finalize_model_grads` all-reduces their grads over TP
+     (as it does for TE norms).
   4. `token_dispatcher.py:876 maybe_move_tensor_to_cpu` only converts CUDA tensors, leaving the
      alltoall split sizes as tensors that `all_to_all_single` rejects; CPU tensors are converted
      to numpy when `as_numpy`.
@@ -148,7 +152,7 @@ _CPU_MODULES = (
 _FACTORIES = frozenset({"tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn",
                         "randint", "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor"})
 
-_applied = {"te": False, "cpu": False, "router": False}
+_applied = {"te": False, "cpu": False, "router": False, "norm": False}
 
 
 def _cpu_device(device: Any) -> Any:
@@ -303,6 +307,13 @@ def _have_transformer_engine() -> bool:
     return bool(getattr(moe_utils, "HAVE_TE", False))
 
 
+def _have_apex() -> bool:
+    """Whether Megatron's layer specs found apex (then they build FusedLayerNorm, not WrappedTorchNorm)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    return bool(gpt_layer_specs.HAVE_APEX)
+
+
 def _apply_te_fix() -> None:
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
@@ -346,7 +357,7 @@ def _torch_norm_new(cls: type, config: Any, hidden_size: int, eps: float = 1e-5,
     elif config.normalization == "LayerNorm":
         norm = torch.nn.LayerNorm(normalized_shape=hidden_size, eps=eps)
     else:
-        raise ValueError(f"normalization={config.normalization!r}; the CPU layer supports RMSNorm, LayerNorm")
+        raise ValueError(f"normalization={config.normalization!r}; the compat layer supports RMSNorm, LayerNorm")
     if config.sequence_parallel:
         for p in norm.parameters():
             p.sequence_parallel = True
@@ -617,7 +628,6 @@ def _apply_cpu_patches() -> None:
 
     random._get_cuda_rng_state = _cpu_rng_state
     random._set_cuda_rng_state = _set_cpu_rng_state
-    torch_norm.WrappedTorchNorm.__new__ = _torch_norm_new
     token_dispatcher.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
@@ -664,7 +674,8 @@ def unpatched(patched: Any, name: str) -> Any:
 
 def apply() -> None:
     """Install the patches this process needs (idempotent): the TE-less fix whenever
-    transformer-engine is absent, the CPU patches when CUDA is unavailable.
+    transformer-engine is absent, the norm fix whenever apex is absent, the CPU patches when CUDA is
+    unavailable.
 
     Raises RuntimeError when megatron-core is not version 0.16.1.
     """
@@ -675,6 +686,11 @@ def apply() -> None:
     if not _applied["te"] and not _have_transformer_engine():
         _apply_te_fix()
         _applied["te"] = True
+    if not _applied["norm"] and not _have_apex():
+        from megatron.core.transformer import torch_norm
+
+        torch_norm.WrappedTorchNorm.__new__ = _torch_norm_new
+        _applied["norm"] = True
     if not _applied["cpu"] and not torch.cuda.is_available():
         _apply_cpu_patches()
         _applied["cpu"] = True

@@ -82,6 +82,31 @@ def test_first_import_leaves_jit_fuser_plain_and_skips_inductor() -> None:
     assert out.stdout.split()[-3:] == ["True", "True", "False"], out.stdout
 
 
+def test_the_norm_fix_applies_on_a_gpu_without_apex() -> None:
+    """hpcrl's GPU install has neither transformer-engine nor apex, so the local spec builds every norm
+    as WrappedTorchNorm there too, and its sequence-parallel assert would stop any trainer.tp > 1 model.
+    In a fresh process that reports CUDA (no CPU patches), apply() still installs the norm fix: a
+    sequence-parallel RMSNorm is built and tagged for the TP grad all-reduce."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; torch.cuda.is_available = lambda: True\n"
+        "from hpcrl.trainer import megatron_compat; megatron_compat.apply()\n"
+        "assert not megatron_compat._applied['cpu']\n"
+        "from megatron.core.models.gpt import gpt_layer_specs\n"
+        "from megatron.core.transformer.transformer_config import TransformerConfig\n"
+        "assert not gpt_layer_specs.HAVE_APEX\n"
+        "config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization='RMSNorm',\n"
+        "                           tensor_model_parallel_size=2, sequence_parallel=True)\n"
+        "norm = gpt_layer_specs.LNImpl(config, 8, eps=1e-6)\n"
+        "print(type(norm).__name__, all(p.sequence_parallel for p in norm.parameters()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["RMSNorm", "True"], out.stdout
+
+
 def _values_and_grads(fn, *tensors: torch.Tensor) -> list[torch.Tensor]:
     """fn(*tensors), then the gradients of a fixed weighted sum of it w.r.t. every tensor."""
     leaves = [t.detach().clone().requires_grad_(True) for t in tensors]

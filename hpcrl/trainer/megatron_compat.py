@@ -623,7 +623,6 @@ def _apply_cpu_patches() -> None:
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
     from megatron.core.tensor_parallel import layers, mappings, random
-    from megatron.core.transformer import torch_norm
     from megatron.core.transformer.moe import experts, moe_utils, router, shared_experts, token_dispatcher
 
     random._get_cuda_rng_state = _cpu_rng_state

@@ -64,7 +64,10 @@ class MegatronCritic:
         gpt = build_gpt_model(hf_config, config)
         if policy.last_stage:
             std = float(policy.hf_config.get("initializer_range", 0.02))
-            gpt.output_layer = ValueHead(policy.dims.hidden_size, policy.trainer.seed + 2, std)
+            # made after build_gpt_model moved the body: on its device and in its dtype (a bf16 run's
+            # distributed optimizer would move it anyway; an fp32 run's plain Adam never does)
+            gpt.output_layer = ValueHead(policy.dims.hidden_size, policy.trainer.seed + 2, std).to(
+                device=policy.device, dtype=config.params_dtype)
         if critic.path:  # each rank reads only its own slices of the directory
             from hpcrl.trainer import weight_init
             from moe.hf_checkpoint import HFCheckpoint

@@ -42,3 +42,22 @@ def test_example_on_cuda(tmp_path, dtype):
     assert sum(rewards[-5:]) / 5 >= 0.8
     steps = sorted(r["timing/step_s"] for r in records[5:])
     print(f"cuda {dtype}: median step {steps[len(steps) // 2]:.3f} s, wall {wall:.0f} s")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("what", ["ppo", "tp2"])
+def test_critic_and_tensor_parallel_on_cuda(tmp_path, what):
+    """Two paths the float32 example does not take, a few steps each: PPO's critic (its value head is
+    made after the body moved to the GPU; an fp32 run has no distributed optimizer to move it) and
+    trainer.tp 2 (sequence parallel: without apex every norm is a WrappedTorchNorm, which hpcrl's norm
+    fix lets run sequence parallel). The sync check holds at fp32's tolerance."""
+    run_dir = tmp_path / what
+    share = torch.cuda.device_count() < 3  # trainer ranks + one engine: a GPU each, else they share
+    sets = {"ppo": ["algorithm.name=ppo", "algorithm.ppo_epochs=2", "algorithm.mini_batch_size=64"],
+            "tp2": ["trainer.num_procs=2", "trainer.tp=2"]}[what]
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), "--set", "resources.device=cuda",
+                   "--set", f"resources.share_gpus={str(share).lower()}", "--set", "algorithm.num_steps=4",
+                   "--set", "logging.progress=false", *(x for kv in sets for x in ("--set", kv)), timeout_s=540)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and all(r["sync/logprob_max_abs_diff"] < 1e-4 for r in records), records

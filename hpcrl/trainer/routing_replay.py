@@ -106,14 +106,17 @@ class Replay:
         self.observed = {j: [] for j, _ in self.routers}
 
     def observed_routes(self) -> dict[int, list[torch.Tensor]]:
-        """MoE layer j -> one bool routing map [tokens, E] per forward since `observe`, and stop."""
+        """MoE layer j -> one bool routing map [tokens, E] per forward since `observe` (host tensors),
+        and stop."""
         out, self.observed = self.observed or {}, None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the hook's non-blocking copies have landed
         return out
 
     def _observe_hook(self, j: int) -> Any:
         def hook(module: Any, inputs: Any, output: Any) -> None:
-            if self.observed is not None:
-                self.observed[j].append(output[1].detach().cpu())
+            if self.observed is not None:  # into pinned host memory from a GPU, without waiting for it
+                self.observed[j].append(output[1].detach().to("cpu", non_blocking=True))
             if j in self.current:
                 wanted_TK, real_T = self.current[j]
                 self.same = self.same + (same_rows(output[1].detach(), wanted_TK) & real_T).sum()

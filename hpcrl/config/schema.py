@@ -234,6 +234,10 @@ class TrainerConfig:
     """MoE token dispatcher: alltoall | allgather."""
     seed: int = 1234
     """Seed of the weight init, dropout and the rollout sampler."""
+    deterministic: bool = True
+    """On a GPU, the trainer ranks run torch's deterministic kernels (warn-only) with cuBLAS's fixed
+    workspace, so reruns and resumes are bit-identical; false trades that for faster kernels (e.g.
+    Megatron's scatter_add expert combine). CPU runs are deterministic either way."""
 
 
 @dataclass(kw_only=True)

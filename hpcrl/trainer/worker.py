@@ -18,6 +18,22 @@ from pathlib import Path
 from hpcrl.config.schema import JobConfig, critic_enabled, weight_sync_mode
 
 
+def deterministic_cuda() -> None:
+    """Bit-reproducible CUDA kernels in this process (trainer.deterministic), before its first CUDA
+    call: cuBLAS with a fixed workspace (CUBLAS_WORKSPACE_CONFIG, unless the user set one) and torch's
+    deterministic algorithms. Megatron then combines expert outputs with index_add_ (moe_utils.unpermute)
+    instead of scatter_add_, whose float atomics sum a token's top-k (k > 2) in any order. warn_only:
+    an op without a deterministic kernel warns instead of stopping the run. Uninitialised memory is
+    not filled with NaN (deterministic mode's default, a write pass over every torch.empty)."""
+    import os
+
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+
+
 def _preload_megatron() -> BaseException | None:
     """Import (and patch) Megatron now, while the controller is still starting, so that start-up
     overlaps instead of queueing behind it; a failure is returned and raised by `init`."""
@@ -70,6 +86,8 @@ def trainer_handlers(job: JobConfig, run_dir: Path, world) -> dict:
         if device == "cuda":  # before NCCL starts: its communicators bind to the current device
             from hpcrl.rollout.placement import rank_gpus
 
+            if job.trainer.deterministic:
+                deterministic_cuda()
             gpu = rank_gpus(world, job)[0]
             torch.cuda.set_device(gpu)
         init_torch_distributed(world.role_comm, "nccl" if device == "cuda" else "gloo",

@@ -129,8 +129,8 @@ class DirectForward:
         order = flat.argsort(stable=True)
         ends = torch.bincount(flat, minlength=experts.num_experts).cumsum(0).to(torch.int32)
         rows = order // self.top_k
-        gate, up = F.grouped_mm(x[rows], experts.gate_up_proj.transpose(-2, -1), offs=ends).chunk(2, -1)
-        y = F.grouped_mm(F.silu(gate) * up, experts.down_proj.transpose(-2, -1), offs=ends)
+        gate, up = _grouped_mm(x[rows], experts.gate_up_proj.transpose(-2, -1), ends).chunk(2, -1)
+        y = _grouped_mm(F.silu(gate) * up, experts.down_proj.transpose(-2, -1), ends)
         y = y * weights.view(-1)[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, rows, y)
 
@@ -147,6 +147,21 @@ def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, fp32: bool) -> to
     if fp32:
         return F.linear(hidden.float(), weight.float())
     return F.linear(hidden, weight)
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows [ends[e-1], ends[e]) of `x` times `w[e]`: `F.grouped_mm`, except on CUDA outside bf16,
+    where torch's kernel refused float32 ("Invalid strides/sizes", torch 2.11 on an H200, dev/LOG.md):
+    there one matmul per expert, the same products."""
+    if x.is_cuda and x.dtype != torch.bfloat16:
+        return per_expert_mm(x, w, ends)
+    return F.grouped_mm(x, w, offs=ends)
+
+
+def per_expert_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """`_grouped_mm` as one matmul per expert (an expert without rows gives none)."""
+    bounds = ends.tolist()
+    return torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(zip([0, *bounds[:-1]], bounds))])
 
 
 def _linear(layer: Any, x: torch.Tensor) -> torch.Tensor:

@@ -204,3 +204,20 @@ def test_other_models_keep_the_transformers_forward():
     assert DirectForward.refusal(windowed.model.train()) == "a sliding-window mask"
     engine = ReferenceModel(TINY)
     assert DirectForward.refusal(engine.model.train()) == "the model is in training mode"
+
+
+def test_per_expert_matmuls_give_grouped_mms_values():
+    """The CUDA fallback outside bf16 (`per_expert_mm`) against F.grouped_mm, experts with and without
+    rows: each element one dot product of K = 48 terms, so the two orders differ by at most
+    reordered(48, 1, max sum|x||w|)."""
+    from hpcrl.rollout.direct_forward import per_expert_mm
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(10, 48, generator=gen), torch.randn(4, 48, 16, generator=gen)
+    ends = torch.tensor([3, 3, 7, 10], dtype=torch.int32)  # expert 1 has no rows
+    got, want = per_expert_mm(x, w, ends), torch.nn.functional.grouped_mm(x, w, offs=ends)
+    assert got.shape == want.shape == (10, 16)
+    magnitude = float((x.abs() @ w.abs().amax(0)).max())  # >= sum|x||w| of every element
+    assert (got - want).abs().max() <= reordered(48, 1, magnitude)
+    # a wrong expert for rows 3..6 is far outside that bound
+    assert (x[3:7] @ w[3] - want[3:7]).abs().max() > 100 * reordered(48, 1, magnitude)

@@ -12,9 +12,12 @@ blob; they are restored only when the world size is unchanged (else re-seeded de
 bf16 parameters (model.dtype bfloat16) are stored as they are under `policy/` (what export and
 the hash read), their fp32 main parameters under `main/<hf>` (`critic_main/<hf>`) and the Adam
 moments, which Megatron's distributed optimizer keeps as flat shards spread over the DP group,
-at fp32 under the same names as above: each parameter's shards are joined over its DP group
-(one all-reduce of the owner's values and -0.0 elsewhere: exact) before its boxes are written,
-and on load each rank cuts its own flat range from the boxes it reads. A bf16 run resumes a
+at fp32 under the same names as above: each parameter's shards are joined over its DP group, one
+quantity at a time (an all-reduce of the owner's values and -0.0 elsewhere: exact), and each rank of
+the group writes its own share of every box's rows, copied off the GPU at once. So a save adds at
+most one parameter's fp32 copy to a GPU and 12 bytes / DP per parameter to the host, where joining
+everything and writing it from every DP rank held 12 bytes per parameter on each GPU until the
+commit. On load each rank cuts its own flat range from the boxes it reads. A bf16 run resumes a
 float32 checkpoint (its parameters become the main parameters) and the other way round.
 """
 
@@ -71,18 +74,30 @@ def _main_params(ddp: Any, optimizer: Any) -> dict[torch.nn.Parameter, _Main]:
     return out
 
 
-def _join_main(param: torch.nn.Parameter, main: _Main, with_adam: bool) -> dict[str, torch.Tensor]:
-    """The full fp32 main parameter (and Adam moments) of `param` on every rank of its DP group,
-    shaped like `param`. Collective over main.group; exact: the owner's values plus -0.0 elsewhere."""
-    keys = ("main", *(ADAM_KEYS if with_adam else ()))
-    buf = torch.full((len(keys), param.numel()), -0.0, dtype=torch.float32, device=param.device)
+def _join_main(param: torch.nn.Parameter, main: _Main, key: str) -> torch.Tensor:
+    """The full fp32 `key` ("main", the main parameter, or an Adam moment) of `param` on every rank
+    of its DP group, shaped like `param`. Collective over main.group; exact: the owner's values plus
+    -0.0 elsewhere."""
+    buf = torch.full((param.numel(),), -0.0, dtype=torch.float32, device=param.device)
     if main.shard is not None:
-        buf[0, main.flat] = main.shard.detach()
-        for k, key in enumerate(keys[1:], 1):
-            buf[k, main.flat] = main.state[key]
+        buf[main.flat] = main.shard.detach() if key == "main" else main.state[key]
     if main.group.size() > 1:
         dist.all_reduce(buf, group=main.group)
-    return {key: buf[k].view(param.shape) for k, key in enumerate(keys)}
+    return buf.view(param.shape)
+
+
+def _my_rows(box: Any, group: Any) -> tuple[slice, Any] | None:
+    """This rank's share of a box every rank of `group` holds alike: rows split as evenly as they go
+    (rank r of G: rows n r / G to n (r + 1) / G), as (the rows within the box, their global box);
+    None when the share is empty."""
+    from moe.slices import Box
+
+    size, rank = group.size(), dist.get_rank(group=group)
+    rows = box.shape[0]
+    start, end = rows * rank // size, rows * (rank + 1) // size
+    if end == start:
+        return None
+    return slice(start, end), Box((box.offsets[0] + start, *box.offsets[1:]), (end - start, *box.shape[1:]))
 
 
 def _adam_states(optimizer: Any) -> dict[torch.nn.Parameter, dict]:
@@ -99,8 +114,10 @@ def _adam_states(optimizer: Any) -> dict[torch.nn.Parameter, dict]:
 
 
 def _rng_blob() -> bytes:
+    """This rank's RNG states; on a GPU its own device's generator only (a rank sees every GPU of its
+    node, and the node it resumes on may have fewer, or give it another index)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
     buf = io.BytesIO()
     pickle.dump(state, buf)
     return buf.getvalue()
@@ -111,8 +128,12 @@ def _set_rng(blob: bytes) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state["cuda"]
+    if isinstance(cuda, list):  # saved before the current device's state alone: every visible GPU's
+        cuda = cuda[torch.cuda.current_device()] if torch.cuda.is_available() and \
+            torch.cuda.current_device() < len(cuda) else None
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
 
 
 @dataclass
@@ -186,9 +207,18 @@ def save(policy: Any, ckpt_dir: str, step: int, attempt_id: str, keep: int,
                 main = mains[param]
                 if "step" in main.state:
                     steps.add(float(main.state["step"]))
-                joined = _join_main(param, main, with_adam)
-                sources[m.main_prefix] = joined.pop("main")
-                sources.update({f"{m.adam_prefix}/{k}": v for k, v in joined.items()})
+                joined = {m.main_prefix: "main", **({f"{m.adam_prefix}/{k}": k for k in ADAM_KEYS}
+                                                    if with_adam else {})}
+                for prefix, key in joined.items():
+                    full = _join_main(param, main, key)
+                    for name, index, box, shape in pieces:
+                        mine = _my_rows(box, main.group)
+                        if mine is not None:
+                            part = full[index][mine[0]]
+                            part = (part.cpu() if part.is_cuda else part.clone()).contiguous()
+                            writer.write(f"{prefix}/{name}", part, box=mine[1], global_shape=shape)
+                            nbytes += part.numel() * part.element_size()
+                    del full
             st = states.get(param)
             if st and "exp_avg" in st:
                 steps.add(float(st["step"]))

@@ -24,6 +24,7 @@ float32 checkpoint (its parameters become the main parameters) and the other way
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import random
 from dataclasses import dataclass
@@ -324,13 +325,35 @@ def _load_main(m: _Model, reader: Any, adam_step: float, mains: dict[torch.nn.Pa
         main = mains.get(param)
         if main is None or main.shard is None:
             continue
+        # only the rows of `param` that this rank's flat range touches, one quantity at a time
+        shape = tuple(param.shape) or (1,)
+        row = math.prod(shape[1:])
+        rows = slice(main.flat.start // row, -(-main.flat.stop // row))
+        flat = slice(main.flat.start - rows.start * row, main.flat.stop - rows.start * row)
         keys = {"main": source, **({k: f"{m.adam_prefix}/{k}" for k in ADAM_KEYS} if adam_step > 0 else {})}
-        full = {k: torch.empty(param.shape, dtype=torch.float32, device=param.device) for k in keys}
-        for name, index, box, _ in pieces:
-            for k, prefix in keys.items():
-                full[k][index] = reader.read(f"{prefix}/{name}", box).float()
-        main.shard.copy_(full["main"].view(-1)[main.flat])
+        for k, prefix in keys.items():
+            part = torch.empty((rows.stop - rows.start, *shape[1:]), dtype=torch.float32, device=param.device)
+            for name, index, box, _ in pieces:
+                mine = _rows_within(index, box, rows) if param.dim() else (index, box)
+                if mine is not None:
+                    part[mine[0]] = reader.read(f"{prefix}/{name}", mine[1]).float()
+            if k == "main":
+                main.shard.copy_(part.view(-1)[flat])
+            else:
+                main.state[k] = part.view(-1)[flat].clone()
         if adam_step > 0:
-            for k in ADAM_KEYS:
-                main.state[k] = full[k].view(-1)[main.flat].clone()
             main.state["step"] = torch.tensor(adam_step, dtype=torch.float32)
+
+
+def _rows_within(index: tuple[slice, ...], box: Any, rows: slice) -> tuple[tuple[slice, ...], Any] | None:
+    """The part of a piece (at `index` in its parameter, `box` in the HF tensor) that falls in the
+    parameter's `rows`: (its index in a buffer of those rows, its global box); None if none."""
+    from moe.slices import Box
+
+    first = index[0]
+    lo, hi = max(first.start, rows.start), min(first.stop, rows.stop)
+    if hi <= lo:
+        return None
+    into = (slice(lo - rows.start, hi - rows.start), *index[1:])
+    skip = lo - first.start
+    return into, Box((box.offsets[0] + skip, *box.offsets[1:]), (hi - lo, *box.shape[1:]))

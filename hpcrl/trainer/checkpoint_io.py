@@ -13,7 +13,7 @@ bf16 parameters (model.dtype bfloat16) are stored as they are under `policy/` (w
 the hash read), their fp32 main parameters under `main/<hf>` (`critic_main/<hf>`) and the Adam
 moments, which Megatron's distributed optimizer keeps as flat shards spread over the DP group,
 at fp32 under the same names as above: each parameter's shards are joined over its DP group, one
-quantity at a time (an all-reduce of the owner's values and -0.0 elsewhere: exact), and each rank of
+quantity at a time (an integer all-reduce of the owner's bits and zeros: exact), and each rank of
 the group writes its own share of every box's rows, copied off the GPU at once. So a save adds at
 most one parameter's fp32 copy to a GPU and 12 bytes / DP per parameter to the host, where joining
 everything and writing it from every DP rank held 12 bytes per parameter on each GPU until the
@@ -77,13 +77,14 @@ def _main_params(ddp: Any, optimizer: Any) -> dict[torch.nn.Parameter, _Main]:
 
 def _join_main(param: torch.nn.Parameter, main: _Main, key: str) -> torch.Tensor:
     """The full fp32 `key` ("main", the main parameter, or an Adam moment) of `param` on every rank
-    of its DP group, shaped like `param`. Collective over main.group; exact: the owner's values plus
-    -0.0 elsewhere."""
-    buf = torch.full((param.numel(),), -0.0, dtype=torch.float32, device=param.device)
+    of its DP group, shaped like `param`. Collective over main.group; exact: each element's owner
+    contributes its bits and every other rank zeros, summed as int32 (a float sum of x and 0 is x
+    too, but NCCL's in-switch reductions need not keep subnormals, such as small exp_avg_sq)."""
+    buf = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
     if main.shard is not None:
         buf[main.flat] = main.shard.detach() if key == "main" else main.state[key]
     if main.group.size() > 1:
-        dist.all_reduce(buf, group=main.group)
+        dist.all_reduce(buf.view(torch.int32), group=main.group)
     return buf.view(param.shape)
 
 

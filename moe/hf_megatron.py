@@ -22,6 +22,7 @@ nq query heads, ng KV heads (query groups).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -141,6 +142,11 @@ class HFModelDims:
     def moe_layers(self) -> range:
         """The decoder layers with routed experts (the others are dense SwiGLU MLPs)."""
         return range(self.first_dense_layers, self.num_layers)
+
+    def num_params(self) -> int:
+        """Parameters of the model: its HF tensors (`hf_shapes`; moe.specs' MoESpec.total_params counts
+        the same)."""
+        return sum(math.prod(shape) for shape in self.hf_shapes().values())
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every HF checkpoint tensor name the trainer holds -> global shape, in sorted name order

@@ -29,9 +29,9 @@ class ModelConfig:
     the job file."""
     random_init: str = "auto"
     """How a model without weights (preset / config_path) is initialised: hf (transformers' own init
-    drawn on one rank; debug sizes only) | sharded (every rank draws only its slices from a
-    counter-based generator keyed by tensor name and element index) | auto (hf up to 1B parameters,
-    sharded above). Both are the same under every trainer layout."""
+    drawn on one rank; debug sizes only, up to HF_INIT_MAX_PARAMS) | sharded (every rank draws only its
+    slices from a counter-based generator keyed by tensor name and element index) | auto (hf up to
+    HF_INIT_MAX_PARAMS, sharded above). Both are the same under every trainer layout."""
     dtype: str = "float32"
     """Parameter dtype: float32 | bfloat16 (bf16 params, fp32 main params in Megatron's
     distributed optimizer; runs on CPU too, but GPUs are where it pays)."""

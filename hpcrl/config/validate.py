@@ -28,6 +28,10 @@ from hpcrl.dataflows._declared import PER_ALGORITHM_KEYS, declared
 from hpcrl.tasks import TASKS
 from moe.hf_megatron import HFModelDims, stage_ranges
 
+HF_INIT_MAX_PARAMS = 1_000_000_000
+"""`model.random_init: hf` (and auto's choice of it) up to this many parameters: transformers' init
+draws the whole model on one trainer rank (hpcrl/trainer/weight_init.py)."""
+
 ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo", "ppo", "sft")  # hpcrl.controller.api.BUILTIN_ALGORITHMS
 DTYPES = ("float32", "bfloat16")
 LR_SCHEDULES = ("constant", "linear", "cosine")  # Megatron-core's lr_decay_style names
@@ -202,6 +206,11 @@ def _read_model(job: JobConfig) -> ModelDims:
         raise ConfigError(key, value, f"{source}: {str(exc).removeprefix('config.json ')}") from None
     if job.model.path is not None:
         _check_weights(job, dims, "model.path", job.model.path)
+    elif job.model.random_init == "hf" and dims.num_params() > HF_INIT_MAX_PARAMS:
+        raise ConfigError("model.random_init", "hf", f"transformers' init draws the whole model "
+                                                     f"({dims.num_params():,} parameters) on trainer rank 0 and "
+                                                     f"sends every tensor whole: debug sizes only, up to "
+                                                     f"{HF_INIT_MAX_PARAMS:,}; use sharded (or auto)")
     if job.critic.path and critic_enabled(job):  # otherwise _check_critic refuses the key
         _check_weights(job, dims, "critic.path", job.critic.path)
     return ModelDims(source=source, path=key, num_experts=dims.num_experts,

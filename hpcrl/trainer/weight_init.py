@@ -12,13 +12,13 @@ into each local parameter piece; a source returns the box in any dtype (converte
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from hpcrl.config.validate import HF_INIT_MAX_PARAMS
 from hpcrl.trainer.model import weight_tensors
 from moe.hf_megatron import HFModelDims, local_params
 from moe.slices import Box
@@ -26,20 +26,12 @@ from moe.slices import Box
 Source = Callable[[str, Box], torch.Tensor]
 """(HF checkpoint name, global box) -> that region of the tensor."""
 
-HF_INIT_MAX_PARAMS = 1_000_000_000
-"""`model.random_init: auto` draws transformers' own init up to this many parameters, else sharded."""
-
-
-def num_params(dims: HFModelDims) -> int:
-    """Parameters of the model (its HF tensors; moe.specs' MoESpec.total_params counts the same)."""
-    return sum(math.prod(shape) for shape in dims.hf_shapes().values())
-
-
 def resolve_random_init(mode: str, dims: HFModelDims) -> str:
-    """`model.random_init` with auto decided: "hf" or "sharded"."""
+    """`model.random_init` with auto decided: "hf" or "sharded" (validation refused an explicit "hf"
+    above HF_INIT_MAX_PARAMS)."""
     if mode != "auto":
         return mode
-    return "hf" if num_params(dims) <= HF_INIT_MAX_PARAMS else "sharded"
+    return "hf" if dims.num_params() <= HF_INIT_MAX_PARAMS else "sharded"
 
 
 @torch.no_grad()

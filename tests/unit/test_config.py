@@ -134,6 +134,10 @@ BAD = [
      "model.config_path", "model.json", "lacks the key 'num_experts'"),
     ("config-unsupported", "model: {config_path: model.json}", [],
      lambda p: model_file(p, model_type="llama"), "model.config_path", "model.json", "not supported"),
+    # 4 layers x 64 experts x 3 x 4096 x 4096: ~13B parameters, all drawn on one rank by transformers' init
+    ("hf-init-too-big", "model: {config_path: model.json, random_init: hf}", [],
+     lambda p: model_file(p, hidden_size=4096, moe_intermediate_size=4096, num_experts=64),
+     "model.random_init", "'hf'", "use sharded"),
     ("unknown-task", "data: {task: cpy}", [], None, "data.task", "'cpy'", "did you mean 'copy'"),
     ("data-missing", "data: {path: data/train.jsonl}", [], None,
      "data.path", "data/train.jsonl", "no such file"),

@@ -27,7 +27,7 @@ import io
 import math
 import pickle
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -150,6 +150,15 @@ class _Model:
     step_key: str = ""
     ddp: Any = None
     main_prefix: str = ""
+    groups: dict = field(default_factory=dict)  # param -> the DP group it is replicated over
+
+
+def _replicas(ddp: Any, pieces: list) -> dict[torch.nn.Parameter, Any]:
+    """The data-parallel group each piece's parameter is replicated over, by DDP's rule
+    (distributed_data_parallel.py broadcast_params: experts over the expert DP group); `ddp` is the
+    policy's for its reference model, whose parameters mirror it (and carry the same attributes)."""
+    return {param: ddp.dp_cp_group if getattr(param, "allreduce", True) else ddp.expt_dp_group
+            for _, param, *_ in pieces}
 
 
 def _models(policy: Any) -> list[_Model]:
@@ -167,10 +176,12 @@ def _models(policy: Any) -> list[_Model]:
                 for lp in local if lp.name in names for pc in lp.pieces]
 
     everything = {lp.name for lp in local}
-    models = [_Model("policy", pieces(policy.gpt, everything), policy.optimizer, "adam", "adam_step",
-                     policy.ddp, "main")]
+    own = pieces(policy.gpt, everything)
+    models = [_Model("policy", own, policy.optimizer, "adam", "adam_step", policy.ddp, "main",
+                     _replicas(policy.ddp, own))]
     if policy.ref is not None:
-        models.append(_Model("ref", pieces(policy.ref, everything)))
+        ref = pieces(policy.ref, everything)
+        models.append(_Model("ref", ref, groups=_replicas(policy.ddp, ref)))
     critic = policy.critic
     if critic is not None:
         from hpcrl.trainer.critic import HEAD_NAMES
@@ -184,7 +195,7 @@ def _models(policy: Any) -> list[_Model]:
                 full = Box.full(tuple(param.shape))
                 body.append((name, param, full.index, full, tuple(param.shape)))
         models.append(_Model("critic", body, critic.optimizer, "critic_adam", "critic_adam_step",
-                             critic.ddp, "critic_main"))
+                             critic.ddp, "critic_main", _replicas(critic.ddp, body)))
     return models
 
 
@@ -225,10 +236,11 @@ def save(policy: Any, ckpt_dir: str, step: int, attempt_id: str, keep: int,
             if st and "exp_avg" in st:
                 steps.add(float(st["step"]))
                 sources.update({f"{m.adam_prefix}/{k}": st[k] for k in ADAM_KEYS})
-            for name, index, box, shape in pieces:
-                for prefix, tensor in sources.items():
-                    part = tensor[index].contiguous()
-                    writer.write(f"{prefix}/{name}", part, box=box, global_shape=shape)
+            for name, index, box, shape in pieces:  # DP replicas: each writes its share of the rows
+                mine = _my_rows(box, m.groups[param])
+                for prefix, tensor in sources.items() if mine is not None else ():
+                    part = tensor[index][mine[0]].contiguous()
+                    writer.write(f"{prefix}/{name}", part, box=mine[1], global_shape=shape)
                     nbytes += part.numel() * part.element_size()
         assert len(steps) <= 1, f"{m.prefix} params at different Adam steps: {steps}"
         if m.step_key:

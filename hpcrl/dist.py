@@ -7,7 +7,11 @@ MPI; every rank then joins `init_process_group` with its MPI rank. gloo on CPU, 
 from __future__ import annotations
 
 import datetime
+import fcntl
+import ipaddress
+import os
 import socket
+import struct
 from typing import Any
 
 
@@ -20,13 +24,71 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+IFNAME_ENV = "HPCRL_SOCKET_IFNAME"
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+class NetworkInterfaceError(ValueError):
+    """HPCRL_SOCKET_IFNAME names no interface with an IPv4 address on this host."""
+
+
 def routable_host() -> str:
-    """An address other hosts of the job can reach this one at (loopback when single-host)."""
-    name = socket.gethostname()
+    """An address other hosts of the job can reach this one at.
+
+    In order: the address of the interface HPCRL_SOCKET_IFNAME names; the address the host name
+    resolves to, unless that is a loopback address (Debian-style /etc/hosts map the name to 127.0.1.1,
+    which every other node would take for its own); the address of the interface the default route
+    leaves by; loopback when the host has none of these (a single-host run).
+    """
+    ifname = os.environ.get(IFNAME_ENV)
+    if ifname:
+        return interface_address(ifname)
     try:
-        return socket.gethostbyname(name)
+        named = socket.gethostbyname(socket.gethostname())
     except OSError:
-        return "127.0.0.1"
+        named = "127.0.0.1"
+    if not ipaddress.ip_address(named).is_loopback:
+        return named
+    return default_route_address() or named
+
+
+def default_route_address() -> str | None:
+    """The local address outgoing packets to other networks leave from, or None without a route.
+
+    Connecting a UDP socket sends nothing; the kernel only picks the route and the source address."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("203.0.113.1", 9))  # TEST-NET-3 (RFC 5737): off every local subnet
+        except OSError:
+            return None
+        addr = s.getsockname()[0]
+    return None if ipaddress.ip_address(addr).is_loopback or addr == "0.0.0.0" else addr
+
+
+def interface_address(ifname: str) -> str:
+    """The IPv4 address of network interface `ifname` (e.g. ib0, eth0) on this host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", ifname.encode()[:15]))
+        except OSError:
+            have = [name for _, name in socket.if_nameindex()]
+            raise NetworkInterfaceError(
+                f"{IFNAME_ENV}={ifname!r}: this host ({socket.gethostname()}) has no interface of that name "
+                f"with an IPv4 address; its interfaces are {have}. Set it to the interface the job's nodes "
+                f"reach each other over (`ip -4 addr` lists them), or unset it to use the host name's "
+                f"address") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def export_socket_ifname() -> None:
+    """Tell gloo and NCCL to use the interface HPCRL_SOCKET_IFNAME names, unless told otherwise.
+
+    gloo otherwise binds the address the host name resolves to, loopback on Debian-style hosts."""
+    ifname = os.environ.get(IFNAME_ENV)
+    if ifname:
+        interface_address(ifname)  # a wrong name fails here, named, not inside gloo
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
 
 
 def master_store(host: str, world_size: int, timeout_s: float) -> Any:
@@ -58,6 +120,7 @@ def init_torch_distributed(comm, backend: str, timeout_s: float = 300.0) -> None
 
     rank, world = comm.Get_rank(), comm.Get_size()
     timeout = datetime.timedelta(seconds=timeout_s)
+    export_socket_ifname()
     addr, store = None, None
     if rank == 0:
         host = routable_host() if world > 1 else "127.0.0.1"

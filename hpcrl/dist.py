@@ -43,13 +43,27 @@ def routable_host() -> str:
     ifname = os.environ.get(IFNAME_ENV)
     if ifname:
         return interface_address(ifname)
-    try:
-        named = socket.gethostbyname(socket.gethostname())
-    except OSError:
-        named = "127.0.0.1"
+    named = _named_address()
     if not ipaddress.ip_address(named).is_loopback:
         return named
     return default_route_address() or named
+
+
+def on_loopback(host: str) -> bool:
+    """Whether `host` (a name, an address, [IPv6] or empty for this host) is a loopback address."""
+    host = host.strip("[]") or "localhost"
+    try:
+        return ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0]).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _named_address() -> str:
+    """The address the host name resolves to (loopback when it resolves to none)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def default_route_address() -> str | None:
@@ -80,15 +94,34 @@ def interface_address(ifname: str) -> str:
     return socket.inet_ntoa(packed[20:24])
 
 
-def export_socket_ifname() -> None:
-    """Tell gloo and NCCL to use the interface HPCRL_SOCKET_IFNAME names, unless told otherwise.
+def default_route_interface() -> str | None:
+    """The name of the interface default_route_address belongs to, or None."""
+    addr = default_route_address()
+    for _, name in socket.if_nameindex() if addr else ():
+        try:
+            if interface_address(name) == addr:
+                return name
+        except NetworkInterfaceError:
+            continue
+    return None
 
-    gloo otherwise binds the address the host name resolves to, loopback on Debian-style hosts."""
+
+def export_socket_ifname(spans_hosts: bool) -> None:
+    """Tell gloo and NCCL which interface to use, unless GLOO/NCCL_SOCKET_IFNAME already do.
+
+    HPCRL_SOCKET_IFNAME's interface when set. Otherwise gloo binds the address the host name resolves
+    to: where that is loopback (Debian-style hosts) and the group spans hosts, the default route's
+    interface instead. NCCL leaves loopback out by itself."""
     ifname = os.environ.get(IFNAME_ENV)
     if ifname:
         interface_address(ifname)  # a wrong name fails here, named, not inside gloo
         os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
+    elif spans_hosts and "GLOO_SOCKET_IFNAME" not in os.environ \
+            and ipaddress.ip_address(_named_address()).is_loopback:
+        routed = default_route_interface()
+        if routed:
+            os.environ["GLOO_SOCKET_IFNAME"] = routed
 
 
 def master_store(host: str, world_size: int, timeout_s: float) -> Any:
@@ -120,7 +153,7 @@ def init_torch_distributed(comm, backend: str, timeout_s: float = 300.0) -> None
 
     rank, world = comm.Get_rank(), comm.Get_size()
     timeout = datetime.timedelta(seconds=timeout_s)
-    export_socket_ifname()
+    export_socket_ifname(spans_hosts=len(set(comm.allgather(socket.gethostname()))) > 1)
     addr, store = None, None
     if rank == 0:
         host = routable_host() if world > 1 else "127.0.0.1"

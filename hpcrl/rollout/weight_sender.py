@@ -34,7 +34,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 import torch.distributed as dist
 
-from hpcrl.dist import export_socket_ifname, master_store
+from hpcrl.dist import export_socket_ifname, master_store, on_loopback
 from hpcrl.rollout.client import EngineClient, EngineError
 from moe.fused import fused_groups
 
@@ -67,7 +67,7 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
         rendezvous,
     )
 
-    export_socket_ifname()
+    export_socket_ifname(spans_hosts=not on_loopback(init_method.removeprefix("tcp://").rpartition(":")[0]))
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the group's world_size {world_size}")
     timeout = datetime.timedelta(seconds=timeout_s)

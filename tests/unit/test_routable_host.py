@@ -48,6 +48,37 @@ def test_the_default_route_address_is_one_of_this_hosts():
         socket.create_connection(server.getsockname(), timeout=5).close()
 
 
+def test_the_default_route_interface_holds_its_address():
+    addr = dist.default_route_address()
+    if addr is None:
+        pytest.skip("this host has no route off its own subnets")
+    assert dist.interface_address(dist.default_route_interface()) == addr
+
+
+@pytest.fixture
+def no_gloo_ifname(monkeypatch, no_ifname):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "restored after the test")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    monkeypatch.setattr(dist, "default_route_interface", lambda: "eth9")
+
+
+@pytest.mark.parametrize(("named", "spans_hosts", "gloo"), [
+    ("127.0.1.1", True, "eth9"),  # gloo would bind loopback: the default route's interface instead
+    ("127.0.1.1", False, None),   # one host: loopback serves
+    ("10.9.9.9", True, None),     # gloo binds the name's address, which other nodes reach
+])
+def test_gloo_leaves_loopback_only_when_the_group_spans_hosts(monkeypatch, no_gloo_ifname, named,
+                                                               spans_hosts, gloo):
+    monkeypatch.setattr(dist.socket, "gethostbyname", lambda name: named)
+    dist.export_socket_ifname(spans_hosts)
+    assert os.environ.get("GLOO_SOCKET_IFNAME") == gloo
+
+
+def test_loopback_hosts():
+    assert all(map(dist.on_loopback, ["127.0.0.1", "127.0.1.1", "localhost", "", "[::1]"]))
+    assert not any(map(dist.on_loopback, ["10.1.2.3", "[fd00::2]", "no-such-host.invalid"]))
+
+
 def _has_ipv4(name: str) -> bool:
     try:
         dist.interface_address(name)
@@ -71,7 +102,7 @@ def test_an_unknown_interface_is_named_with_the_ones_there(monkeypatch):
 
 
 def test_the_named_interface_reaches_gloo_and_nccl_unless_they_are_set():
-    code = ("import os; from hpcrl import dist; dist.export_socket_ifname(); "
+    code = ("import os; from hpcrl import dist; dist.export_socket_ifname(spans_hosts=False); "
             "print(os.environ.get('GLOO_SOCKET_IFNAME'), os.environ.get('NCCL_SOCKET_IFNAME'))")
     env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
 

@@ -35,15 +35,17 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 # What a HF model directory holds besides config.json and the weights, copied when present.
 MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "vocab.txt",
-               "tokenizer.model", "generation_config.json")
+               "tokenizer.model", "tiktoken.model", "generation_config.json")
 
 
 def copy_model_files(source_dir: str | Path, out_dir: str | Path) -> list[str]:
-    """Copy the tokenizer files and generation_config.json of a HF model directory (those present);
-    returns their names."""
+    """Copy the tokenizer files, generation_config.json and the directory's own Python code (the
+    `*.py` files auto_map names, e.g. Kimi-K2's tokenization_kimi.py and modeling_deepseek.py, as
+    save_pretrained copies a custom model's code) of a HF model directory, those present; returns
+    their names."""
     src, out = Path(source_dir), Path(out_dir)
     copied = []
-    for name in MODEL_FILES:
+    for name in [*MODEL_FILES, *sorted(p.name for p in src.glob("*.py"))]:
         if (src / name).is_file():
             shutil.copyfile(src / name, out / name)
             copied.append(name)

@@ -34,6 +34,22 @@ if TYPE_CHECKING:
     import torch  # the tensor functions import it when called: config validation stays torch-free
 
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+"""config.json model types that are another family's architecture under their own name. Kimi-K2
+(moonshotai/Kimi-K2-*) is DeepseekV3ForCausalLM with model_type kimi_k2, which transformers does not
+know: SGLang 0.5.23 registers it as a DeepseekV3Config (utils/hf_transformers/common.py), and so does hpcrl."""
+MODEL_TYPES = (*FAMILIES, *MODEL_TYPE_ALIASES)
+
+
+def family_of(model_type: str | None) -> str | None:
+    """The family a config.json model_type is built as (kimi_k2 -> deepseek_v3); None when unknown."""
+    model_type = MODEL_TYPE_ALIASES.get(model_type or "", model_type)
+    return model_type if model_type in FAMILIES else None
+
+
+def transformers_model_type(model_type: str) -> str:
+    """The model_type transformers' AutoConfig builds `model_type` as (kimi_k2: deepseek_v3)."""
+    return MODEL_TYPE_ALIASES.get(model_type, model_type)
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
@@ -54,10 +70,10 @@ class MLADims:
 class HFModelDims:
     """The dimensions of a Qwen3-MoE / Mixtral / DeepSeek-V3 decoder, read from its HF config.json dict.
 
-    DeepSeek-V3 (also Kimi-K2, Moonlight: model_type deepseek_v3) adds `mla`, `first_dense_layers`
-    dense SwiGLU layers of `dense_ffn_size` before the MoE layers, a shared expert of
-    `shared_ffn_size` per MoE layer, and a sigmoid router with a score-correction bias, group-limited
-    top-k and `routed_scaling_factor`; `mtp_layers` MTP layers sit after the decoder on disk
+    DeepSeek-V3 (also Moonlight, model_type deepseek_v3, and Kimi-K2, model_type kimi_k2: `family`
+    is deepseek_v3 for all) adds `mla`, `first_dense_layers` dense SwiGLU layers of `dense_ffn_size`
+    before the MoE layers, a shared expert of `shared_ffn_size` per MoE layer, and a sigmoid router
+    with a score-correction bias, group-limited top-k and `routed_scaling_factor`; `mtp_layers` MTP layers sit after the decoder on disk
     (`model.layers.{num_layers + k}.*`), which the trainer does not build (export copies them).
     """
 
@@ -92,9 +108,10 @@ class HFModelDims:
     @staticmethod
     def from_hf_config(cfg: Mapping) -> HFModelDims:
         """Parse and validate a config dict; unsupported features raise ValueError naming the key."""
-        family = cfg.get("model_type")
-        if family not in FAMILIES:
-            raise ValueError(f"config.json model_type={family!r} is not supported; valid: {FAMILIES}")
+        family = family_of(cfg.get("model_type"))
+        if family is None:
+            raise ValueError(f"config.json model_type={cfg.get('model_type')!r} is not supported; "
+                             f"valid: {MODEL_TYPES}")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json hidden_act={cfg['hidden_act']!r}; "
                              "only 'silu' (SwiGLU) is supported")

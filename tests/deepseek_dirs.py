@@ -6,6 +6,7 @@ release stores one (nothing is downloaded): what the MTP export tests start from
                                     # (model.layers.{L}.*) in model-mtp.safetensors, named in the index
     load_dir(path)                  # every tensor of a directory, by name (tiny models only)
     add_shard(out, tensors, file)   # more tensors in a shard file of their own, named in the index
+    kimi_k2_config()                # tiny-deepseek-v3 as Kimi-K2's config.json says it
 
 transformers' save_pretrained writes no MTP tensors, so `mtp_tensors` draws them: for layer
 L = num_hidden_layers, embed_tokens, enorm, hnorm, eh_proj [H, 2H], shared_head.norm and
@@ -24,6 +25,22 @@ import torch
 
 INDEX = "model.safetensors.index.json"
 MTP_FILE = "model-mtp.safetensors"
+
+
+def kimi_k2_config() -> dict:
+    """tiny-deepseek-v3 where moonshotai/Kimi-K2-Instruct's config.json differs from DeepSeek-V3's:
+    model_type kimi_k2 with its auto_map (DeepSeek's modeling code), one expert group (n_group =
+    topk_group = 1), YaRN with beta_fast = beta_slow = 1 (DeepSeek-V3: 32 and 1) and factor 32,
+    routed_scaling_factor 2.827, no MTP layer."""
+    from hpcrl.models.presets import load_hf_config
+
+    cfg = load_hf_config("tiny-deepseek-v3", None)
+    rope = {**cfg["rope_scaling"], "beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0}
+    return {**cfg, "model_type": "kimi_k2", "n_group": 1, "topk_group": 1, "rope_scaling": rope,
+            "routed_scaling_factor": 2.827, "num_nextn_predict_layers": 0,
+            "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                         "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                         "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}}
 
 
 def keeps_float32(name: str) -> bool:

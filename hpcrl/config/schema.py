@@ -35,6 +35,9 @@ class ModelConfig:
     dtype: str = "float32"
     """Parameter dtype: float32 | bfloat16 (bf16 params, fp32 main params in Megatron's
     distributed optimizer; runs on CPU too, but GPUs are where it pays)."""
+    trust_remote_code: bool = False
+    """Run the Python code `path` ships for its tokenizer (tokenizer_config.json's auto_map, e.g.
+    Kimi-K2's tiktoken tokenizer), as transformers' trust_remote_code. Off: such a tokenizer is refused."""
 
 
 @dataclass(kw_only=True)

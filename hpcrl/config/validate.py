@@ -26,7 +26,7 @@ from hpcrl.config.validate_data import (  # noqa: F401 (read_model_config, promp
     check_data_and_reward, job_tokenizer, prompt_limit, read_model_config)
 from hpcrl.dataflows._declared import PER_ALGORITHM_KEYS, declared
 from hpcrl.tasks import TASKS
-from moe.hf_megatron import HFModelDims, stage_ranges
+from moe.hf_megatron import HFModelDims, stage_ranges, transformers_model_type
 
 HF_INIT_MAX_PARAMS = 1_000_000_000
 """`model.random_init: hf` (and auto's choice of it) up to this many parameters: transformers' init
@@ -526,8 +526,8 @@ def _check_devices(job: JobConfig, m: ModelDims) -> None:
                           f"resources.device={res.device!r} use broadcast or auto (SGLang engines take "
                           "the shard route on GPUs)")
     if r.backend == "sglang" and r.weight_sync == "shard" and m.model_type not in SGLANG_SHARD_MODEL_TYPES:
-        why = SHARD_ROUTE_REFUSALS.get(m.model_type, f"hpcrl's loader writes {'/'.join(SGLANG_SHARD_MODEL_TYPES)} "
-                                                               "parameters only")
+        why = SHARD_ROUTE_REFUSALS.get(transformers_model_type(m.model_type),
+                                       f"hpcrl's loader writes {'/'.join(SGLANG_SHARD_MODEL_TYPES)} parameters only")
         raise ConfigError("rollout.weight_sync", r.weight_sync,
                           f"SGLang engines take the shard route through hpcrl's loader; {m.source} is model_type "
                           f"{m.model_type!r}: {why}. Use rollout.weight_sync: broadcast or auto")

@@ -16,6 +16,7 @@ from hpcrl.models.presets import CONFIG_DIR, preset_names
 from hpcrl.rewards import load_reward_fn
 from hpcrl.rewards.builtin import BUILTIN_REWARDS
 from hpcrl.tasks import TASKS, ExampleFile, OverlongPrompt, Tokenizer, load_tokenizer, prompt_format
+from hpcrl.tasks.hf_tokenizer import RemoteCodeTokenizerError
 from moe.hf_megatron import HFModelDims
 
 
@@ -135,6 +136,9 @@ def prompt_limit(job: JobConfig) -> tuple[int, str]:
 def job_tokenizer(job: JobConfig) -> Tokenizer:
     try:
         return load_tokenizer(job)
+    except RemoteCodeTokenizerError as exc:
+        raise ConfigError("model.trust_remote_code", job.model.trust_remote_code,
+                          f"model.path={job.model.path!r}: {exc}") from None
     except Exception as exc:  # transformers raises OSError/ValueError/... for broken tokenizer files
         raise ConfigError("model.path", job.model.path, f"cannot load its tokenizer "
                                                         f"({type(exc).__name__}: {exc}); fix or remove "

@@ -61,7 +61,7 @@ import torch
 
 from hpcrl.rollout.direct_forward import DirectForward, lm_head_logits
 from hpcrl.rollout.hf_names import model_slots
-from moe.hf_megatron import mtp_names
+from moe.hf_megatron import mtp_names, transformers_model_type
 
 __all__ = ["ReferenceModel", "SamplingParams"]
 
@@ -158,7 +158,8 @@ class ReferenceModel:
             raise ValueError("hf_config has no 'model_type'; pass a HuggingFace config.json dict")
         cfg.pop("dtype", None)
         cfg.pop("torch_dtype", None)
-        self.config = AutoConfig.for_model(model_type, **cfg)
+        self.model_type = model_type  # config.json's, reported as SGLang's hf_config.model_type is
+        self.config = AutoConfig.for_model(transformers_model_type(model_type), **cfg)
         self.device = torch.device(device)
         self.dtype = dtype
         self.fp32_lm_head = fp32_lm_head  # SGLang's --enable-fp32-lm-head (a no-op in float32)
@@ -240,7 +241,7 @@ class ReferenceModel:
                     ("no tensor for the model's weight", missing[0])
                 raise ValueError(f"{model_dir}: moe.hf_checkpoint reads {what}, {name!r} "
                                  f"({len(unknown) or len(missing)} in all), for model_type "
-                                 f"{self.config.model_type!r}; its HFModelDims.hf_shapes and transformers' "
+                                 f"{self.model_type!r}; its HFModelDims.hf_shapes and transformers' "
                                  "model disagree: fix hf_shapes for this family")
             loaded = sum(self.load_weights([(name, ckpt.read(name))]) for name in names)
         self.skipped_mtp = mtp_names(weight_files(Path(model_dir)), layers, nextn)
@@ -275,7 +276,7 @@ class ReferenceModel:
     def routes_refusal(self) -> str | None:
         """Why this model cannot return routed experts (no MoE layer), or None."""
         if not self.routers or self.top_k < 1:
-            return (f"model_type {self.config.model_type!r} with these settings has no MoE layer "
+            return (f"model_type {self.model_type!r} with these settings has no MoE layer "
                     "(no router): there are no routed experts to return")
         return None
 

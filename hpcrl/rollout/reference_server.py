@@ -390,11 +390,10 @@ class ReferenceServer:
         return "Cache flushed.\n"  # no cache outlives a batch in the reference engine
 
     def model_info(self, req: dict) -> dict:
-        cfg = self.engine.config
         return {"model_path": self.model_path,
                 "tokenizer_path": self.args.tokenizer if self.tokenizer else None, "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": self.weight_version,
-                "model_type": cfg.model_type, "vocab_size": self.engine.vocab_size,
+                "model_type": self.engine.model_type, "vocab_size": self.engine.vocab_size,
                 "context_len": self.engine.context_len}
 
     def server_info(self, req: dict) -> dict:

@@ -4,6 +4,10 @@
 (tokenizer.json or tokenizer_config.json), else the built-in `CharTokenizer`. The directory is read
 with `AutoTokenizer.from_pretrained(dir, local_files_only=True)`: nothing is downloaded.
 
+- A tokenizer that is the directory's own Python code (tokenizer_config.json's `auto_map`, e.g.
+  Kimi-K2's tiktoken tokenizer) is run only with `model.trust_remote_code: true`; without it,
+  `RemoteCodeTokenizerError` (transformers would otherwise ask on stdin, in every rank).
+
 - Prompt text rendered by the chat template already holds the template's special tokens (a BOS
   included, when the template writes one), so it is encoded with `add_special_tokens=False`; plain
   string prompts are encoded with the tokenizer's own specials (`add_special_tokens=True`), as
@@ -34,15 +38,38 @@ def has_tokenizer(model_dir: Path) -> bool:
     return any((model_dir / f).is_file() for f in TOKENIZER_FILES)
 
 
+class RemoteCodeTokenizerError(ValueError):
+    """The directory's tokenizer is its own Python code and model.trust_remote_code is false."""
+
+
+def tokenizer_code(model_dir: Path) -> str | None:
+    """The Python class tokenizer_config.json's auto_map names for AutoTokenizer, or None."""
+    config = model_dir / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        entry = (json.loads(config.read_text()).get("auto_map") or {}).get("AutoTokenizer")
+    except (ValueError, AttributeError):
+        return None  # transformers reports a broken file itself
+    names = [entry] if isinstance(entry, str) else [n for n in entry or () if n]
+    return names[0] if names else None
+
+
 class HFTokenizer:
     """A transformers tokenizer loaded from a local directory (see the module docstring)."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, trust_remote_code: bool = False) -> None:
         from transformers import AutoTokenizer
 
         self.dir = model_dir
         self.name = f"the tokenizer of model.path={str(model_dir)!r}"
-        self.tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        code = tokenizer_code(model_dir)
+        if code and not trust_remote_code:
+            raise RemoteCodeTokenizerError(
+                f"the tokenizer is the directory's own code ({code}, tokenizer_config.json auto_map); "
+                f"set model.trust_remote_code: true to run it")
+        self.tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True,
+                                                 trust_remote_code=trust_remote_code)
         self.vocab_size: int = len(self.tok)
         self.chat_template: bool = bool(getattr(self.tok, "chat_template", None))
         self.stop_token_ids = _stop_ids(model_dir, self.tok.eos_token_id)
@@ -85,8 +112,8 @@ def _stop_ids(model_dir: Path, tokenizer_eos: int | None) -> list[int]:
 
 
 @lru_cache(maxsize=4)
-def _load_dir(model_dir: str) -> HFTokenizer:
-    return HFTokenizer(Path(model_dir))
+def _load_dir(model_dir: str, trust_remote_code: bool) -> HFTokenizer:
+    return HFTokenizer(Path(model_dir), trust_remote_code)
 
 
 def load_tokenizer(job: JobConfig) -> Tokenizer:
@@ -97,8 +124,8 @@ def load_tokenizer(job: JobConfig) -> Tokenizer:
     if job.model.path:
         model_dir = Path(job.base_dir, job.model.path).resolve()
         if has_tokenizer(model_dir):
-            return _load_dir(str(model_dir))
+            return _load_dir(str(model_dir), job.model.trust_remote_code)
     return default_tokenizer()
 
 
-__all__ = ["CharTokenizer", "HFTokenizer", "has_tokenizer", "load_tokenizer"]
+__all__ = ["CharTokenizer", "HFTokenizer", "RemoteCodeTokenizerError", "has_tokenizer", "load_tokenizer"]

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from moe.hf_megatron import HFModelDims, RankCoords
+from moe.hf_megatron import HFModelDims, RankCoords, family_of, transformers_model_type
 
 DISPATCHERS = ("alltoall", "allgather")
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -61,7 +61,7 @@ def aux_loss_coef_of(hf_config: Mapping, aux_loss_coef: float | None) -> float:
     is not built here and transformers' config drops it: 0."""
     if aux_loss_coef is not None:
         return float(aux_loss_coef)
-    if hf_config.get("model_type") == "deepseek_v3":  # the family HFModelDims validates
+    if family_of(hf_config.get("model_type")) == "deepseek_v3":  # the family HFModelDims validates
         return 0.0
     return float(hf_config.get("router_aux_loss_coef", DEFAULT_ROUTER_AUX_LOSS_COEF))
 
@@ -238,7 +238,7 @@ def build_hf_model(hf_config: Mapping, seed: int) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = {k: v for k, v in hf_config.items() if k != "model_type"}
-    conf = AutoConfig.for_model(hf_config["model_type"], **kwargs)
+    conf = AutoConfig.for_model(transformers_model_type(hf_config["model_type"]), **kwargs)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(conf, dtype=torch.float32)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from moe.hf_megatron import MODEL_TYPES, family_of
 from moe.specs import deepseek_v3, mixtral, qwen3_moe
 from moe.specs._types import (CONFIG_DIR, DTYPE_BYTES, ModelDims, MoESpec, Role, TensorKind, TensorSpec,
                               load_config)
@@ -42,10 +43,12 @@ def get_spec(family: str, flavor: str | None = None) -> MoESpec:
 
 
 def spec_from_config(cfg: Mapping[str, Any], flavor: str = "custom", **kwargs: Any) -> MoESpec:
-    """The spec of any supported config.json dict, dispatched on its `model_type`."""
-    family = cfg.get("model_type")
+    """The spec of any supported config.json dict, dispatched on its `model_type`'s family (kimi_k2 is
+    deepseek_v3: moe.hf_megatron.MODEL_TYPE_ALIASES)."""
+    family = family_of(cfg.get("model_type"))
     if family not in _FROM_CONFIG:
-        raise ValueError(f"config.json model_type={family!r} is not supported; valid: {sorted(_FROM_CONFIG)}")
+        raise ValueError(f"config.json model_type={cfg.get('model_type')!r} is not supported; "
+                         f"valid: {sorted(MODEL_TYPES)}")
     return _FROM_CONFIG[family](cfg, flavor, **kwargs)
 
 

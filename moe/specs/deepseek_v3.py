@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from moe.hf_megatron import family_of
 from moe.specs import _build as b
 from moe.specs._types import (CONFIG_DIR, LazySpecs, ModelDims, MoESpec, Role, TensorKind, TensorSpec,
                               config_dtype, load_config, require)
@@ -91,8 +92,8 @@ def _decoder_layer(out: list[TensorSpec], i: int, cfg: Mapping[str, Any], hidden
 
 
 def spec_from_config(cfg: Mapping[str, Any], flavor: str = "custom", mtp: bool = False) -> MoESpec:
-    """Every tensor of a DeepSeek-V3 checkpoint described by `cfg`; `mtp` adds the MTP layers."""
-    if cfg.get("model_type") != FAMILY:
+    """Every tensor of a DeepSeek-V3 (or Kimi-K2) checkpoint described by `cfg`; `mtp` adds the MTP layers."""
+    if family_of(cfg.get("model_type")) != FAMILY:
         raise ValueError(f"config.json model_type={cfg.get('model_type')!r}; expected {FAMILY!r}")
     dtype = config_dtype(cfg)
     layers = int(require(cfg, "num_hidden_layers", FAMILY))

@@ -42,3 +42,10 @@ def test_the_job_file_default_is_null_and_a_value_is_kept(tmp_path):
     assert load_job(job).algorithm.aux_loss_coef is None
     assert load_job(job, ["algorithm.aux_loss_coef=0.003"]).algorithm.aux_loss_coef == 0.003
     assert load_job(job, ["algorithm.aux_loss_coef=null"]).algorithm.aux_loss_coef is None
+
+
+def test_kimi_k2_takes_deepseek_v3s_zero():
+    """Kimi-K2's config.json has DeepSeek-V3's aux_loss_alpha and seq_aux, and balances by its bias too."""
+    from deepseek_dirs import kimi_k2_config
+
+    assert aux_loss_coef_of(kimi_k2_config(), None) == 0.0

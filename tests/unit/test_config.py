@@ -213,6 +213,10 @@ BAD = [
     ("sglang-shard-sync-deepseek",
      "model: {preset: tiny-deepseek-v3}\nrollout: {backend: sglang, weight_sync: shard}\nresources: {device: cuda}",
      [], None, "rollout.weight_sync", "'shard'", "w_kc/w_vc"),
+    ("sglang-shard-sync-kimi-k2",  # DeepSeek-V3's reason, under Kimi-K2's model type
+     "model: {config_path: model.json}\nrollout: {backend: sglang, weight_sync: shard}\nresources: {device: cuda}",
+     [], deepseek_json(model_type="kimi_k2", n_group=1, topk_group=1), "rollout.weight_sync", "'shard'",
+     "model_type 'kimi_k2': SGLang 0.5.23's DeepSeek load derives"),
     ("shard-sync-on-cuda", "rollout: {weight_sync: shard}\nresources: {device: cuda}", [], None,
      "rollout.weight_sync", "'shard'", "gloo on CPU tensors"),
     ("sglang-shard-quantized",

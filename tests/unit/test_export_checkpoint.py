@@ -1,7 +1,7 @@
 """hpcrl.export.export_checkpoint without a trainer: a checkpoint written by two "ranks" in row and
 column slices (block_bytes small, so several checksum blocks per slice) becomes HF-sharded
-safetensors equal to the tensors, hashing to their policy hash; the source's tokenizer files come
-along; an earlier export's extra files go."""
+safetensors equal to the tensors, hashing to their policy hash; the source's tokenizer files and Python
+code come along; an earlier export's extra files go."""
 
 import json
 
@@ -36,7 +36,9 @@ def test_export_checkpoint_sharded_with_tokenizer(tmp_path) -> None:
     _checkpoint(run / "checkpoints", sd)
     src = tmp_path / "src"
     src.mkdir()
-    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "merges.txt"):
+    copied = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "merges.txt",
+              "tiktoken.model", "tokenization_kimi.py", "modeling_deepseek.py")  # Kimi-K2's code and vocabulary
+    for f in (*copied, "notes.md"):
         (src / f).write_text(f"{f} content")
     (run / "config.json").write_text(json.dumps({"checkpoint": {"dir": None}, "model": {"path": str(src)}}))
     (run / "model_config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
@@ -54,8 +56,9 @@ def test_export_checkpoint_sharded_with_tokenizer(tmp_path) -> None:
     assert all(torch.equal(back[k], sd[k]) and back[k].dtype == sd[k].dtype for k in sd)
     assert dir_digest(out) == state_dict_digest(sd)
     assert json.loads((out / "config.json").read_text()) == {"model_type": "qwen3_moe"}
-    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "merges.txt", "keep.txt"):
-        assert (out / f).exists(), f
+    for f in copied:
+        assert (out / f).read_text() == f"{f} content", f
+    assert (out / "keep.txt").exists() and not (out / "notes.md").exists()
     # Default size: one model.safetensors, no index; the earlier shards and index are gone.
     export_checkpoint(str(run), 5, str(out))
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]

@@ -99,3 +99,74 @@ def test_a_tokenizer_without_a_chat_template(tmp_path):
     with pytest.raises(ValueError, match=r"row 2 has a message-list prompt \('prompt'\) but the tokenizer of "
                                          r"model.path=.* has no chat template; set model.path"):
         file[1]
+
+
+CUSTOM_TOKENIZER = '''
+from transformers import PreTrainedTokenizer
+
+SPECIALS = ["<pad>", "<s>", "</s>"]
+
+
+class ByteCharTokenizer(PreTrainedTokenizer):
+    """One id per printable ASCII character after three specials: a tokenizer that is the model
+    directory's own code, as Kimi-K2's tiktoken one is."""
+
+    vocab_files_names: dict = {}
+    model_input_names = ["input_ids", "attention_mask"]
+
+    def __init__(self, **kwargs):
+        self.vocab = {t: i for i, t in enumerate(SPECIALS + [chr(c) for c in range(32, 127)])}
+        self.inverse = {i: t for t, i in self.vocab.items()}
+        super().__init__(**kwargs)
+
+    @property
+    def vocab_size(self):
+        return len(self.vocab)
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+    def _tokenize(self, text):
+        return list(text)
+
+    def _convert_token_to_id(self, token):
+        return self.vocab.get(token, 0)
+
+    def _convert_id_to_token(self, index):
+        return self.inverse.get(index, "<pad>")
+
+    def convert_tokens_to_string(self, tokens):
+        return "".join(tokens)
+
+    def save_vocabulary(self, save_directory, filename_prefix=None):
+        return ()
+'''
+
+
+def custom_code_tokenizer(d: Path) -> Path:
+    """A model directory whose tokenizer is its own Python file, named by tokenizer_config.json's auto_map."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "tokenization_bytechar.py").write_text(CUSTOM_TOKENIZER)
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "ByteCharTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_bytechar.ByteCharTokenizer",
+                                                                                None]},
+        "pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}))
+    return d
+
+
+def test_a_tokenizer_that_is_the_directorys_code_runs_only_when_trusted(tmp_path):
+    """Refused, naming model.trust_remote_code, without trust (transformers would ask on stdin in every
+    rank); with it, the directory's class encodes and its eos stops generation."""
+    from hpcrl.config.errors import ConfigError
+    from hpcrl.config.validate_data import job_tokenizer
+    from hpcrl.tasks.hf_tokenizer import RemoteCodeTokenizerError
+
+    d = custom_code_tokenizer(tmp_path / "kimi_like")
+    with pytest.raises(RemoteCodeTokenizerError, match="tokenization_bytechar.ByteCharTokenizer"):
+        load_tokenizer(job(d))
+    with pytest.raises(ConfigError, match=r"model\.trust_remote_code.*set model\.trust_remote_code: true"):
+        job_tokenizer(job(d))
+    tok = load_tokenizer(job_from_dict({"model": {"path": str(d), "trust_remote_code": True}}))
+    assert type(tok.tok).__name__ == "ByteCharTokenizer"
+    assert tok.encode_completion("hi!") == [3 + ord("h") - 32, 3 + ord("i") - 32, 3 + ord("!") - 32]
+    assert tok.decode(tok.encode_completion("hi!")) == "hi!" and tok.stop_token_ids == [2]

@@ -73,7 +73,7 @@ def test_every_family_has_a_debug_flavor_and_qwen_debug_is_the_tiny_preset() -> 
 
 
 def test_bad_configs_name_the_problem() -> None:
-    with pytest.raises(ValueError, match="model_type='llama'"):
+    with pytest.raises(ValueError, match="model_type='llama' is not supported; valid: .*'kimi_k2'"):
         spec_from_config({"model_type": "llama"})
     cfg = dict(mixtral.DEBUG_CONFIG)
     del cfg["num_local_experts"]
@@ -109,16 +109,21 @@ def test_debug_specs_match_transformers_checkpoints(tmp_path) -> None:
         assert saved == {t.name: t.shape for t in spec.tensors}, name
 
 
-@pytest.mark.parametrize("config", ["tiny-deepseek-v3", "tiny-deepseek-v3-no-q-lora", "deepseek-v3"])
+@pytest.mark.parametrize("config", ["tiny-deepseek-v3", "tiny-deepseek-v3-no-q-lora", "deepseek-v3", "kimi_k2"])
 def test_the_planned_deepseek_spec_is_what_the_trainer_holds(config: str) -> None:
     """`hpcrl plan`'s spec (spec_at_dtype, as hpcrl.models.job_model.build_spec builds it) names the
     tensors the Megatron trainer holds, with their shapes: moe.hf_megatron's inventory, which has no
-    MTP layer (num_nextn_predict_layers = 1 in these configs; the trainer does not build it)."""
+    MTP layer (num_nextn_predict_layers = 1 in these configs; the trainer does not build it).
+    kimi_k2 (Kimi-K2's model type and grouping) is planned and built as DeepSeek-V3."""
+    from deepseek_dirs import kimi_k2_config
+
     from moe.hf_megatron import HFModelDims
     from moe.specs import spec_at_dtype
 
     if config == "deepseek-v3":
         cfg = load_config(CONFIG_DIR / "deepseek-v3.json")
+    elif config == "kimi_k2":
+        cfg = {**kimi_k2_config(), "num_nextn_predict_layers": 1}
     else:
         cfg = load_config(HPCRL_CONFIG_DIR / "tiny-deepseek-v3.json")
         if config.endswith("no-q-lora"):

@@ -376,3 +376,23 @@ def test_server_loads_a_model_dir_and_says_it_left_the_mtp_layer_out(model_dir, 
                                                                                       [GREEDY] * 2)]
     mtp = len(mtp_tensors(HF_CONFIG, seed=2))
     assert f"loaded {len(named)} weights from {path}; {mtp} MTP tensors not loaded" in log.read_text()
+
+
+def test_kimi_k2_is_built_as_deepseek_v3_and_answers_with_its_own_model_type(tmp_path):
+    """model_type kimi_k2, which transformers does not know, builds transformers' DeepseekV3 (SGLang
+    0.5.23 registers kimi_k2 as a DeepseekV3Config) with the same checkpoint names; the server reports
+    config.json's model_type, as SGLang's /get_model_info reports its hf_config's, and generates what
+    an in-process twin does."""
+    from deepseek_dirs import kimi_k2_config
+
+    cfg = kimi_k2_config()
+    twin = ReferenceModel(cfg, seed=0)
+    assert type(twin.model).__name__ == "DeepseekV3ForCausalLM" and twin.model_type == "kimi_k2"
+    assert twin.config.n_group == 1 and sorted(twin.slots) == sorted(ReferenceModel(HF_CONFIG, seed=0).slots)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(cfg))
+    with reference_server(tmp_path / "engine.log", config, startup_timeout_s=90) as (_, client):
+        assert client.model_info()["model_type"] == "kimi_k2"
+        got = client.generate(_prompts(2, seed=4), [GREEDY] * 2)
+    assert [a["output_ids"] for a in got] == [o["output_ids"] for o in twin.generate(_prompts(2, seed=4),
+                                                                                      [GREEDY] * 2)]

@@ -53,8 +53,9 @@ def controller_main(job: JobConfig, run_dir: Path, world: World) -> int:
         session.stop_workers()
         saved = session.checkpointer.saved_step
         print(f"\nhpcrl: preempted ({exc.reason}); checkpoint of step {saved} saved in "
-              f"{session.checkpointer.dir}; exiting with {EXIT_REQUEUE} (requeue me). The same command "
-              "resumes from it.", file=sys.stderr, flush=True)
+              f"{session.checkpointer.dir}; exiting with {EXIT_REQUEUE} (requeue me). `hpcrl run JOB "
+              f"--run-dir {run_dir}` resumes from it (a Slurm requeue does by itself).", file=sys.stderr,
+              flush=True)
         return EXIT_REQUEUE
     except RankFailure as exc:
         if session is not None and session.checkpointer.watch.requested:

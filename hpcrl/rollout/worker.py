@@ -4,8 +4,8 @@ answers one heartbeat per step, so a rollout rank that died is named even if its
 
 backend `reference`: hpcrl's reference engine (hpcrl.rollout.reference_server), CPU or GPU.
 backend `sglang`: a real SGLang 0.5.x server (`python -m sglang.launch_server`) started from
-`model.path`'s weights, or with dummy weights for a random-init model; no tokenizer (token ids in and
-out). The trainer's initial weight sync pushes the policy either way, and step 0's log-prob check
+`model.path`'s weights, or with dummy weights for a random-init model or an FP8 model.path (it serves
+bf16; `sglang_command`); no tokenizer (token ids in and out). The trainer's initial weight sync pushes the policy either way, and step 0's log-prob check
 verifies it.
 
 Either engine is protected by the job's keys (hpcrl/rollout/engine_auth.py: RUN_DIR/engine_keys.yaml,
@@ -17,6 +17,7 @@ died (hpcrl/rollout/engine_watch.py): the controller's failure report names that
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -54,8 +55,11 @@ def engine_server_args(job: JobConfig) -> list[str]:
 def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
                    gpus: tuple[int, ...] = ()) -> list[str]:
     """SGLang's launch command: `--model-path` is the job's model directory (its real weights) or,
-    for a random-init model, a directory with only its config.json and `--load-format dummy` (the
-    trainer's initial sync pushes the weights). Token ids in and out: no tokenizer in the engine.
+    for a random-init model or an FP8 block-scaled model.path, RUN_DIR/engine_model holding only its
+    config.json (without `quantization_config`) and `--load-format dummy`: the trainer's initial sync
+    pushes the weights. An FP8 directory served as stored would build FP8 layers, and the trainer's
+    bf16 pushes would be cast into them beside the checkpoint's scales; so the engines serve bf16, as
+    the trainer holds it. Token ids in and out: no tokenizer in the engine.
     `gpus` (hpcrl.rollout.placement.rank_gpus) become `--base-gpu-id`. The interpreter is
     `rollout.python` (else this one); with `rollout.env_setup` the command runs in bash after those
     lines (`bash -c '<lines>; exec "$@"' hpcrl-engine python ...`). `--config` is the job's key file
@@ -63,12 +67,14 @@ def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
     `--enable-deterministic-inference` makes SGLang honour each request's `sampling_seed`. With
     `rollout.weight_sync: shard`, `--custom-weight-loader` names hpcrl's loader
     (hpcrl/rollout/sglang_shard_loader.py; `engine_env` makes it importable)."""
-    if job.model.path:
+    hf_config = json.loads((run_dir / "model_config.json").read_text())
+    if job.model.path and "quantization_config" not in hf_config:
         model_dir, load = Path(job.model.path), []
     else:
         model_dir, load = run_dir / "engine_model", ["--load-format", "dummy"]
         model_dir.mkdir(exist_ok=True)
-        (model_dir / "config.json").write_text((run_dir / "model_config.json").read_text())
+        hf_config.pop("quantization_config", None)
+        (model_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
     python = job.rollout.python or sys.executable
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", host,
            "--port", str(port), "--tp-size", str(job.rollout.tp_per_engine), *sglang_gpu_args(gpus), *load,

@@ -34,7 +34,7 @@ PROBE = textwrap.dedent("""
                            answer_key="reward_model.ground_truth", apply_chat_template=True,
                            chat_template_kwargs={}, max_prompt_tokens=256,
                            overlong_prompts="error", num_prompts_per_step=8, seed=3, val_path=None)
-    job = SimpleNamespace(base_dir=".", model=SimpleNamespace(path=sys.argv[1]), data=data)
+    job = SimpleNamespace(base_dir=".", model=SimpleNamespace(path=sys.argv[1], trust_remote_code=False), data=data)
     tokenizer = load_tokenizer(job)
     tracemalloc.start()  # numpy reports its buffers to tracemalloc: the data side's own peak
     sampler = build_sampler(job, prompt_format(job, tokenizer, 256))

@@ -42,10 +42,11 @@ __all__ = ["KL_ESTIMATORS", "LOSS_AGGS", "GRPOLossConfig", "aggregate", "group_a
 @dataclass(frozen=True, kw_only=True)
 class GRPOLossConfig:
     """The constants of `grpo_loss`; `loss_agg_norm` is the divisor of `seq-mean-token-sum-norm`,
-    `clip_eps_high` the upper clip range (None: `clip_eps`)."""
+    `clip_eps_high` the upper clip range (None: `clip_eps`), `clip_ratio_c` dual clip's c (None: off)."""
 
     clip_eps: float = 0.2
     clip_eps_high: float | None = None
+    clip_ratio_c: float | None = None
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     loss_agg: str = "token-mean"
@@ -69,7 +70,7 @@ def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, ref_logp_BT: tor
     weights or an MIS mask, detached) multiplies the policy-gradient term per token.
     """
     pg_BT, token = ppo_clip_loss(logp_BT, old_logp_BT, advantages_B.unsqueeze(1), cfg.clip_eps,
-                                 cfg.clip_eps_high)
+                                 cfg.clip_eps_high, cfg.clip_ratio_c)
     if weights_BT is not None:  # rollout correction: detached per-token importance weights or a mask
         pg_BT = pg_BT * weights_BT
     pg = aggregate(pg_BT, mask_BT, cfg.loss_agg, num_tokens, num_seqs, cfg.loss_agg_norm)

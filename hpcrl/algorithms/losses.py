@@ -110,7 +110,8 @@ def _needs_ref(b: LossBatch, cfg: Any, name: str) -> None:
 
 
 def _cfg(cfg: Any, loss_agg: str | None = None) -> GRPOLossConfig:
-    return GRPOLossConfig(clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high or None, kl_coef=cfg.kl_coef,
+    return GRPOLossConfig(clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high or None,
+                          clip_ratio_c=getattr(cfg, "clip_ratio_c", None), kl_coef=cfg.kl_coef,
                           kl_estimator=cfg.kl_estimator, loss_agg=loss_agg or cfg.loss_agg,
                           loss_agg_norm=cfg.loss_agg_norm or None)
 
@@ -143,10 +144,11 @@ def gspo(b: LossBatch, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]
 def ppo(b: LossBatch, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped surrogate on token-level advantages (REINFORCE++, PPO), aggregated per
     `algorithm.loss_agg`; clip range [1 - clip_eps, 1 + clip_eps_high] (DAPO's clip-higher when
-    clip_eps_high > clip_eps). No KL term: those algorithms put the KL penalty into the reward."""
+    clip_eps_high > clip_eps), dual clip at algorithm.clip_ratio_c when set. No KL term: those
+    algorithms put the KL penalty into the reward."""
     c = _cfg(cfg)
-    pg_BT, m = ppo_clip_loss(b.logp_BT, b.old_logp_BT, b.advantages_BT(), clip_eps_low=cfg.clip_eps,
-                             clip_eps_high=cfg.clip_eps_high or None)
+    pg_BT, m = ppo_clip_loss(b.logp_BT, b.old_logp_BT, b.advantages_BT(), clip_eps_low=c.clip_eps,
+                             clip_eps_high=c.clip_eps_high, clip_ratio_c=c.clip_ratio_c)
     pg = aggregate(b.corrected(pg_BT), b.mask_BT, c.loss_agg, b.num_tokens, b.num_seqs, c.loss_agg_norm)
     clip = aggregate(m["clip_frac"], b.mask_BT, "token-mean", b.num_tokens)
     return pg, {"pg_loss": pg.detach(), "clip_frac": clip.detach()}

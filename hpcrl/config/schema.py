@@ -83,6 +83,10 @@ class AlgorithmConfig:
     clip_eps_high: float | None = None
     """Upper clip of the ratio (DAPO's clip-higher when above clip_eps). null: the algorithm's default
     (gspo 4e-4, dapo 0.28), else clip_eps; 0 means clip_eps too."""
+    clip_ratio_c: float | None = None
+    """Dual-clip PPO's c (Ye et al. 2020, arXiv 1912.09729; verl's clip_ratio_c, 3.0 there): a token
+    with a negative advantage loses at most -c * A, however far its ratio has grown. > 1; null: off.
+    The token-ratio losses read it (grpo, dr_grpo, rloo, dapo, reinforce_pp, ppo)."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference (initial) policy; 0 disables the reference pass."""
     kl_estimator: str | None = None

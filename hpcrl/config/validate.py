@@ -68,6 +68,8 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
      "in (0, 1), e.g. 0.2, or null (the algorithm's)"),
     ("algorithm.clip_eps_high", lambda v: v is None or v >= 0,
      ">= 0 (0 means algorithm.clip_eps), e.g. 0.28, or null (the algorithm's)"),
+    ("algorithm.clip_ratio_c", lambda v: v is None or v > 1,
+     "> 1, e.g. 3.0 (verl's dual clip), or null (off)"),
     ("algorithm.kl_coef", lambda v: v >= 0, ">= 0 (0 disables the KL penalty)"),
     ("algorithm.loss_agg_norm", lambda v: v >= 0, ">= 0 (0 means rollout.max_new_tokens)"),
     ("algorithm.ppo_epochs", lambda v: v >= 1, ">= 1"),
@@ -284,6 +286,10 @@ def _check_algorithm(job: JobConfig) -> None:
                           "applies to a decaying algorithm.lr_schedule (linear or cosine); "
                           "set one, or remove it")
     _check_critic(job)
+    if a.clip_ratio_c is not None and a.name in ("gspo", "sft"):
+        why = "clips one ratio per sequence, which dual clip does not bound" if a.name == "gspo" else \
+            "has no importance ratio"
+        raise ConfigError("algorithm.clip_ratio_c", a.clip_ratio_c, f"{a.name} {why}; remove the key")
     if a.name in ("rloo", "reinforce_pp", "dr_grpo", "ppo") and not a.norm_adv_by_std:
         raise ConfigError("algorithm.norm_adv_by_std", a.norm_adv_by_std,
                           f"{a.name} computes its own advantages and ignores it; remove the key")

@@ -198,3 +198,29 @@ def test_tis_weights_a_loss_never_applies_stop_the_step_naming_the_loss():
     value, _ = call_loss(PolicyLoss("mine:reads", reads, ()), _loss_batch(weights), cfg)
     assert value.item() == pytest.approx(-(0.5 * -1 + 1.0 * -2 - 2.0 * -0.5 - 1.0 * -0.7) / 4)
     call_loss(PolicyLoss("mine:plain", plain, ()), _loss_batch(None), cfg)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "ppo"])
+def test_algorithm_clip_ratio_c_turns_dual_clip_on_in_the_built_in_losses(name):
+    """Sequence 1 (advantage -1) has ratios e^2 and e^0.5: off, its loss is the ratio itself (7.39);
+    with algorithm.clip_ratio_c 3 it is at most 3. Sequence 0 (advantage +1) is untouched."""
+    from hpcrl.algorithms.losses import LossBatch, call_loss, resolve_loss
+    from hpcrl.config.schema import AlgorithmConfig
+
+    old = torch.tensor([[-1.0, -2.0], [-3.0, -1.0]])
+    logp = old + torch.tensor([[0.1, -0.1], [2.0, 0.5]])
+
+    def loss(c):
+        cfg = AlgorithmConfig(name=name, clip_ratio_c=c, loss_agg_norm=2.0)
+        b = LossBatch(logp.clone().requires_grad_(True), old, None, torch.ones(2, 2, dtype=torch.bool), 4, 2,
+                      {"advantages": torch.tensor([1.0, -1.0]) if name != "ppo" else
+                       torch.tensor([[1.0, 1.0], [-1.0, -1.0]])}, None)
+        return call_loss(resolve_loss(name), b, cfg)[0].item()
+
+    off, on = loss(None), loss(3.0)
+    ratios = (logp - old).exp()
+    seq0 = -torch.minimum(ratios[0], ratios[0].clamp(0.8, 1.2)).sum().item()  # A = +1: PPO's pessimistic term
+    unclipped, dual = seq0 + ratios[1].sum().item(), seq0 + 3.0 + ratios[1, 1].item()
+    # token-mean over the 4 tokens; dr_grpo's sums over 2 sequences x loss_agg_norm 2 divide by 4 too
+    assert off == pytest.approx(unclipped / 4, rel=1e-6)
+    assert on == pytest.approx(dual / 4, rel=1e-6)

@@ -179,6 +179,9 @@ BAD = [
      [], lambda p: (p / "model.json").write_text(json.dumps(MIXTRAL)),
      "rollout.weight_sync", "'shard'", "model_type 'mixtral': hpcrl's loader writes qwen3_moe parameters only. "
      "Use rollout.weight_sync: broadcast"),
+    ("dual-clip-c", "algorithm: {clip_ratio_c: 1.0}", [], None, "algorithm.clip_ratio_c", "1.0", "> 1, e.g. 3.0"),
+    ("dual-clip-gspo", "algorithm: {name: gspo, clip_ratio_c: 3.0}", [], None, "algorithm.clip_ratio_c", "3.0",
+     "gspo clips one ratio per sequence"),
     ("routing-replay-bad", "rollout: {routing_replay: r4}", [], None, "rollout.routing_replay", "'r4'",
      "none, observe, r3, r2"),
     ("async-negative", "rollout: {max_staleness: -1}", [], None, "rollout.max_staleness", "-1", ">= 0"),

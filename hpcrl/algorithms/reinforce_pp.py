@@ -10,7 +10,9 @@ and normalises it over the whole batch:
     G_t = sum_{s >= t} gamma^(s - t) r_s                 (gamma = 1 as in OpenRLHF and verl)
     A_t = (G_t - mean(G)) / sqrt(var(G) + eps)           mean/var over every valid token of the batch
 
-`token_rewards` is also PPO's reward with `kl_ctrl` (KL in the reward rather than in the loss).
+`token_rewards` is also PPO's reward with `kl_ctrl` (KL in the reward rather than in the loss). It
+takes KL_t from its caller: hpcrl's reinforce_pp and ppo dataflows pass the engine's log-probs (mu)
+in place of pi_old, which they have before the update (docs/algorithms.md, REINFORCE++).
 Simplifications: positions with mask 0 inside a response (e.g. tool output) are skipped by the
 recursion, carrying the return across them; the std is unbiased (verl), OpenRLHF's is biased.
 """

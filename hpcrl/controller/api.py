@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import math
 import time
 from types import ModuleType
@@ -61,8 +62,16 @@ def load_algorithm(name: str) -> ModuleType:
     except ImportError as exc:
         raise ValueError(f"is {neither}: cannot import module {module_name!r} ({exc}); put it on "
                          "PYTHONPATH") from None
-    if not callable(getattr(module, "step", None)):
+    step = getattr(module, "step", None)
+    if not callable(step):
         raise ValueError(f"module {module_name!r} has no function `step`; define `{STEP_SIGNATURE}`")
+    try:
+        inspect.signature(step).bind(None, 0)  # the loop calls step(rl, step)
+    except TypeError as exc:
+        raise ValueError(f"module {module_name!r}: `step{inspect.signature(step)}` cannot be called as "
+                         f"step(rl, step) ({exc}); define `{STEP_SIGNATURE}`") from None
+    except ValueError:
+        pass  # a builtin or C callable without a signature: the first step shows
     return module
 
 

@@ -589,8 +589,9 @@ class MegatronPolicy:
         mode = self.algorithm.rollout_correction
         if mode == "none":
             return ()
-        own = ("tis_weight_mean", "tis_truncated_frac") if mode == "tis" else ("mis_masked_frac",)
-        return ("mismatch_kl_k3", "mismatch_abs_log_ratio", *own)
+        own = (("tis_weight_mean", "tis_truncated_frac") if mode == "tis"
+               else ("mis_masked_frac", "mis_log_ratio_mean"))
+        return ("mismatch_kl_k1", "mismatch_kl_k3", "mismatch_abs_log_ratio", *own)
 
     def _behaviour_logp(self, tensors: dict[str, torch.Tensor], like_BT: torch.Tensor) -> torch.Tensor:
         if "behaviour_logp" not in tensors:

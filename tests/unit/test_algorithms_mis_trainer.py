@@ -84,6 +84,9 @@ def _worker() -> None:
         behaviour = behaviour * batch.response_mask_BT()
         m = mis.update(batch, adv, mis.compute_logprobs(batch, "ref"), tensors={"behaviour_logp": behaviour})
         assert m["mis_masked_frac"] == 2 / 8, m
+        # the log ratios tested: 5 and 6 (a 1 per token of rows 1 and 4) over 8 sequences; k1 of
+        # KL(mu || pi_old) is the token mean of -d over the 28 response tokens
+        assert m["mis_log_ratio_mean"] == pytest.approx(11 / 8) and m["mismatch_kl_k1"] == pytest.approx(-11 / 28)
         rows = [b for b in range(8) if b not in rejected]
         kept = TrainBatch(batch.tokens_BL[rows], batch.prompt_lens_B[rows], batch.response_lens_B[rows])
         ref_kept = plain.compute_logprobs(kept, "ref")
@@ -126,6 +129,7 @@ def _worker() -> None:
     bound = reordered(int(keep.sum()), 1, 1.2) + 2.0 ** -24 * abs(expected.item())
     assert keep.sum() == int(mask.sum()) - 3 and abs(m["pg_loss"] - expected.item()) <= bound, (m, expected)
     assert m["mis_masked_frac"] == pytest.approx(3 / int(mask.sum()))
+    assert m["mis_log_ratio_mean"] == pytest.approx(3 / int(mask.sum()))  # token level: the mean of d
 
     tis = policy("token-mean", rollout_correction="tis", tis_cap=2.0)
     try:

@@ -22,9 +22,10 @@ def test_validation_lists_the_builtins_the_api_has():
 def user_modules(tmp_path, monkeypatch):
     (tmp_path / "algo_ok.py").write_text("def step(rl, step):\n    pass\n")
     (tmp_path / "algo_nostep.py").write_text("STEP = 1\n")
+    (tmp_path / "algo_onearg.py").write_text("def step(rl):\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     yield
-    for name in ("algo_ok", "algo_nostep"):
+    for name in ("algo_ok", "algo_nostep", "algo_onearg"):
         sys.modules.pop(name, None)
 
 
@@ -32,6 +33,7 @@ def user_modules(tmp_path, monkeypatch):
     ("grpoo", "neither a built-in algorithm (grpo, dr_grpo, rloo, reinforce_pp, gspo, dapo, ppo, sft)"),
     ("no_such_pkg.algo", "cannot import module 'no_such_pkg.algo'"),
     ("algo_nostep", "module 'algo_nostep' has no function `step`"),
+    ("algo_onearg", "module 'algo_onearg': `step(rl)` cannot be called as step(rl, step)"),
     ("algo_ok:step", "nor the import path of a module (package.module)"),
 ])
 def test_bad_algorithm_names_are_refused_at_validation(user_modules, name, message):

@@ -74,7 +74,11 @@ def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
         model_dir, load = run_dir / "engine_model", ["--load-format", "dummy"]
         model_dir.mkdir(exist_ok=True)
         hf_config.pop("quantization_config", None)
-        (model_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
+        # Every rollout rank writes the same file while others' engines may be reading it: a
+        # rename, so no engine reads it half written.
+        part = model_dir / f"config.json.{os.uname().nodename}.{os.getpid()}.part"
+        part.write_text(json.dumps(hf_config, indent=2))
+        os.replace(part, model_dir / "config.json")
     python = job.rollout.python or sys.executable
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", host,
            "--port", str(port), "--tp-size", str(job.rollout.tp_per_engine), *sglang_gpu_args(gpus), *load,

@@ -41,6 +41,7 @@ from typing import Any
 import yaml
 
 from hpcrl.config import ConfigError, JobConfig, apply_overrides, job_from_dict, load_job, to_dict, validate
+from hpcrl.config.load import load_yaml
 from hpcrl.runner import check_resume, prepare_run_dir, resolve_run_dir
 
 KINDS = ("slurm", "local")
@@ -148,7 +149,7 @@ def load_unchecked(job: str | os.PathLike[str] | JobConfig, overrides: Iterable[
     if isinstance(job, JobConfig):
         raw, base = to_dict(job), job.base_dir
     else:
-        raw, base = yaml.safe_load(Path(job).read_text()), str(Path(job).resolve().parent)
+        raw, base = load_yaml(Path(job).read_text()), str(Path(job).resolve().parent)
     apply_overrides(raw, overrides)
     return job_from_dict(raw, base)
 

@@ -30,7 +30,6 @@ loss is `package.module:function`, resolved once per trainer rank.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
 from typing import Any
@@ -41,6 +40,7 @@ from hpcrl.algorithms.aggregation import aggregate
 from hpcrl.algorithms.grpo import GRPOLossConfig, grpo_loss
 from hpcrl.algorithms.gspo import gspo_loss
 from hpcrl.algorithms.policy_loss import ppo_clip_loss
+from hpcrl.user_module import import_user_module
 
 SIGNATURE = "def loss(b: LossBatch, cfg: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]"
 
@@ -184,11 +184,7 @@ def resolve_loss(spec: str) -> PolicyLoss:
         if not sep:
             raise ValueError(f"loss {spec!r} is neither a built-in loss ({', '.join(BUILTIN_LOSSES)}) nor an "
                              f"import path 'package.module:function' of `{SIGNATURE}`")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise ValueError(f"loss {spec!r}: cannot import {module_name!r} ({exc}); put it on PYTHONPATH") \
-                from None
+        module = import_user_module(module_name, f"loss {spec!r}", "put it on PYTHONPATH")
         fn = getattr(module, attr, None)
         if not callable(fn):
             raise ValueError(f"loss {spec!r}: module {module_name!r} has no function {attr!r}")

@@ -1,6 +1,7 @@
 """Job file -> typed `JobConfig`: YAML parsing, `--set` overrides, strict typing, path resolution.
 
-The YAML is read with `yaml.safe_load`, overrides are applied to the raw mapping, and every value
+The YAML is read with `load_yaml` (`yaml.safe_load`, refusing a key given twice in one mapping: the
+second would silently replace the first section), overrides are applied to the raw mapping, and every value
 is checked against the type annotation of its schema field (no silent coercion except the one
 PyYAML forces on us: `1e-3` without a dot is a YAML string, so numeric strings are accepted where a
 float is expected). Relative paths (model.config_path, data.path, checkpoint.dir, logging.run_dir)
@@ -29,6 +30,27 @@ from hpcrl.config.validate import did_you_mean, validate
 PATH_FIELDS = ("model.path", "critic.path", "model.config_path", "data.path", "data.val_path", "checkpoint.dir",
                "logging.run_dir")
 """Fields holding paths; relative values resolve against `JobConfig.base_dir` (the job file's dir)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader whose mappings refuse a repeated key (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                first = seen[key].start_mark.line + 1
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice in one mapping (first at line {first}); the "
+                                "second would replace the first: merge them", key_node.start_mark)
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """`yaml.safe_load` of a job file's text, refusing repeated keys (yaml.YAMLError)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
 
 
 def _is_section(tp: Any) -> bool:
@@ -184,7 +206,7 @@ def _read_yaml(path: str | os.PathLike) -> Any:
         what = "is a directory" if p.is_dir() else "does not exist"
         raise ConfigError("job", str(path), f"the job file {what}; give the path of a job .yaml file")
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = load_yaml(p.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

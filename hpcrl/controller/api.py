@@ -32,7 +32,6 @@ algorithm shares: the step range, evaluation, the metrics record and checkpoints
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import math
 import time
@@ -44,6 +43,7 @@ import numpy as np
 from hpcrl.config.schema import AlgorithmConfig, JobConfig, critic_enabled, rollout_correction
 from hpcrl.controller.groups import Rollout
 from hpcrl.controller.sync_check import sync_check_metrics
+from hpcrl.user_module import import_user_module
 
 BUILTIN_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dapo", "ppo", "sft")
 STEP_SIGNATURE = "def step(rl: hpcrl.controller.api.RL, step: int) -> None"
@@ -57,11 +57,8 @@ def load_algorithm(name: str) -> ModuleType:
                f"module (package.module) defining `{STEP_SIGNATURE}`")
     if ":" in name or not name.replace(".", "").replace("_", "").isalnum():
         raise ValueError(f"is {neither}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"is {neither}: cannot import module {module_name!r} ({exc}); put it on "
-                         "PYTHONPATH") from None
+    module = import_user_module(module_name, "cannot load the algorithm", "put it on PYTHONPATH",
+                                missing=f"is {neither}")
     step = getattr(module, "step", None)
     if not callable(step):
         raise ValueError(f"module {module_name!r} has no function `step`; define `{STEP_SIGNATURE}`")

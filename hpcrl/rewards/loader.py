@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 from hpcrl.rewards.builtin import BUILTIN_REWARDS
 from hpcrl.rewards.protocol import RewardFn
+from hpcrl.user_module import import_user_module
 
 SIGNATURE = ("def reward(prompt: str, completion: str, answer: str, extra: dict | None = None) -> float"
              " (the form without `extra` is accepted too)")
@@ -54,11 +54,8 @@ def load_reward_fn(spec: str) -> RewardFn:
         raise ValueError(f"reward.fn={spec!r} is neither a built-in reward ({builtins}) nor an import path "
                          f"'package.module:function' of a function `{SIGNATURE}`")
     module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward.fn={spec!r}: cannot import module {module_name!r} ({exc}); "
-                         f"put it on PYTHONPATH or use a built-in reward ({builtins})") from None
+    module = import_user_module(module_name, f"reward.fn={spec!r}",
+                                f"put it on PYTHONPATH or use a built-in reward ({builtins})")
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward.fn={spec!r}: module {module_name!r} has no function {attr!r}")

@@ -69,7 +69,7 @@ def test_losses_resolve_by_name_or_path(tmp_path, monkeypatch):
     loss = resolve_loss("loss_mod:mine")
     assert loss.name == "loss_mod:mine" and loss.metrics == ("a",)
     for spec, message in (("nope", "neither a built-in loss"), ("loss_mod:other", "has no function 'other'"),
-                          ("missing_mod:f", "cannot import 'missing_mod'")):
+                          ("missing_mod:f", "cannot import module 'missing_mod'")):
         with pytest.raises(ValueError, match=message):
             resolve_loss(spec)
     sys.modules.pop("loss_mod", None)

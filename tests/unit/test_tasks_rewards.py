@@ -85,6 +85,31 @@ def test_reward_loader_builtin_import_path_and_errors():
         load_reward_fn("math:sqrt")
 
 
+@pytest.mark.parametrize(("body", "raised"), [
+    ("x = 1\nraise RuntimeError('boom at import')\n", "RuntimeError: boom at import (FILE:2)"),
+    ("def score(p, c, a:\n    return 0\n", "SyntaxError: '(' was never closed (FILE:1)"),
+    ("import sys\nsys.exit(3)\n", "SystemExit: 3 (FILE:2)"),  # not the controller's requeue exit
+], ids=["raises", "syntax-error", "sys-exit"])
+def test_a_module_that_fails_at_import_is_named_not_a_traceback(tmp_path, monkeypatch, body, raised):
+    """reward.fn, algorithm.name and losses name the module's own failure, file and line."""
+    import sys
+
+    from hpcrl.algorithms.losses import resolve_loss
+    from hpcrl.controller.api import load_algorithm
+
+    name = f"broken_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    want = f"importing module '{name}' raised {raised.replace('FILE', str(tmp_path / name) + '.py')}; fix the module"
+    for load, prefix in ((lambda: load_reward_fn(f"{name}:score"), f"reward.fn='{name}:score': "),
+                         (lambda: load_algorithm(name), "cannot load the algorithm: "),
+                         (lambda: resolve_loss(f"{name}:loss"), f"loss '{name}:loss': ")):
+        sys.modules.pop(name, None)
+        with pytest.raises(ValueError) as err:
+            load()
+        assert str(err.value) == prefix + want
+
+
 def test_parquet_prompt_file(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -133,6 +133,21 @@ def plan_shards(tensors: Iterable[tuple[str, str, Sequence[int]]], max_shard_byt
     return ShardPlan(tuple(files), slots)
 
 
+def header_metadata(path: str | os.PathLike[str]) -> dict | None:
+    """The `__metadata__` of a safetensors file's header ({} without one), or None when the file is
+    not a readable safetensors file."""
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 2 <= n <= 100_000_000:
+                return None
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError):
+        return None
+    meta = header.get("__metadata__", {}) if isinstance(header, dict) else None
+    return meta if isinstance(meta, dict) else None
+
+
 def remove_stale(out_dir: str | os.PathLike[str]) -> None:
     """Delete the safetensors files and index of an earlier export in `out_dir` (a new export may
     have fewer files); other files stay."""

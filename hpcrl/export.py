@@ -54,10 +54,34 @@ def copy_model_files(source_dir: str | Path, out_dir: str | Path) -> list[str]:
 
 def _run_config(run: Path, run_dir: str) -> dict:
     config_path = run / "config.json"
-    if not config_path.exists():
-        raise ConfigError("RUN_DIR", run_dir, "not an hpcrl run directory (no config.json); pass the "
-                          "--run-dir of a `hpcrl run` or `hpcrl submit`")
-    return json.loads(config_path.read_text())
+    fix = "pass the --run-dir of a `hpcrl run` or `hpcrl submit`"
+    if not config_path.is_file():
+        raise ConfigError("RUN_DIR", run_dir, f"not an hpcrl run directory (no config.json); {fix}")
+    try:
+        config = json.loads(config_path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError("RUN_DIR", run_dir, f"its config.json is not JSON ({exc}); {fix}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("checkpoint"), dict):
+        raise ConfigError("RUN_DIR", run_dir, f"its config.json is not an hpcrl run's (no checkpoint section: "
+                                              f"a HuggingFace model directory?); {fix}")
+    return config
+
+
+def _check_out_dir(out: Path, run: Path) -> None:
+    """ConfigError (exit 2) for an --out that export would damage: a file, a run directory (its
+    config.json would be replaced), or a directory with safetensors files an export did not write
+    (export replaces its own earlier files: these would be deleted)."""
+    from checkpoints.hf_safetensors import header_metadata
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError("--out", str(out), "is a file; give a directory (created if missing)")
+    if out.resolve() == run.resolve() or (out / "checkpoints").is_dir() and (out / "config.yaml").is_file():
+        raise ConfigError("--out", str(out), "is an hpcrl run directory, whose config.json the export would "
+                                             "replace; give another directory, e.g. RUN_DIR/hf")
+    for p in sorted(out.glob("model*.safetensors")):
+        if "hpcrl_step" not in (header_metadata(p) or {}):
+            raise ConfigError("--out", str(out), f"holds {p.name}, which hpcrl export did not write: the export "
+                                                 "would delete it; give an empty or new directory")
 
 
 def _mtp_source(config: dict, model_config: dict, source: str | None) -> MTPSource:
@@ -87,13 +111,11 @@ def export_checkpoint(run_dir: str, step: int | None, out_dir: str,
                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """Export; returns the output directory. ConfigError (exit 2) for a bad run dir, step or size,
     or a model.path whose MTP tensors cannot be read."""
-    from checkpoints import CheckpointNotFoundError, list_checkpoints, open_checkpoint
-    from checkpoints._dtypes import dtype_name, to_storage
-    from checkpoints.hf_safetensors import (ShardWriter, create_files, parse_size, plan_shards, remove_stale,
-                                            write_index)
+    from checkpoints import CheckpointNotFoundError, CorruptCheckpointError, list_checkpoints, open_checkpoint
+    from checkpoints._dtypes import dtype_name
+    from checkpoints.hf_safetensors import create_files, parse_size, plan_shards, remove_stale, write_index
     from hpcrl.trainer.hf_export import config_at_dtype
     from moe.hf_megatron import is_router_bias
-    from moe.slices import Box
 
     try:
         max_shard_bytes = parse_size(max_shard_size)
@@ -113,7 +135,12 @@ def export_checkpoint(run_dir: str, step: int | None, out_dir: str,
     model_config = json.loads((run / "model_config.json").read_text())
     source = (config.get("model") or {}).get("path")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    _check_out_dir(out, run)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("--out", out_dir, f"cannot create it ({exc.strerror}); give a writable directory") \
+            from None
     with reader, _mtp_source(config, model_config, source) as mtp:
         names = [n for n in reader.tensor_names() if n.startswith(POLICY_PREFIX)]
         if not names:
@@ -128,21 +155,35 @@ def export_checkpoint(run_dir: str, step: int | None, out_dir: str,
                   if not is_router_bias(n[len(POLICY_PREFIX):])}
         remove_stale(out)
         create_files(out, plan)
-        with ShardWriter(out, plan) as writer:
-            for n in names:
-                for s in reader.manifest.tensors[n].slices:
-                    rows = s.box.shape[0] if s.box.shape else 0
-                    for r0 in range(0, rows, max(1, s.block_rows)):  # one checksum block at a time
-                        r1 = min(rows, r0 + s.block_rows)
-                        part = Box((s.box.offsets[0] + r0,) + s.box.offsets[1:], (r1 - r0,) + s.box.shape[1:])
-                        writer.write(n[len(POLICY_PREFIX):], part, to_storage(reader.read(n, part)))
-                    if not s.box.shape:
-                        writer.write(n[len(POLICY_PREFIX):], s.box, to_storage(reader.read(n, s.box)))
-            for t in mtp.tensors:
-                for box, block in mtp.blocks(t):
-                    writer.write(t.name, box, to_storage(block))
+        try:
+            _write_tensors(out, plan, reader, names, mtp)
+        except CorruptCheckpointError as exc:
+            remove_stale(out)  # the files of this export, half written
+            raise ConfigError("--step", reader.step, f"{exc}; export another step (--step)") from None
         write_index(out, plan)
     (out / "config.json").write_text(config_at_dtype(model_config, dtypes))
     if source and Path(source).is_dir():
         copy_model_files(source, out)
     return out
+
+
+def _write_tensors(out: Path, plan, reader, names: list[str], mtp: MTPSource) -> None:
+    """The policy's tensors of the checkpoint, a checksum block of rows at a time, then the MTP ones."""
+    from checkpoints._dtypes import to_storage
+    from checkpoints.hf_safetensors import ShardWriter
+    from moe.slices import Box
+
+    with ShardWriter(out, plan) as writer:
+        for n in names:
+            for s in reader.manifest.tensors[n].slices:
+                rows = s.box.shape[0] if s.box.shape else 0
+                for r0 in range(0, rows, max(1, s.block_rows)):  # one checksum block at a time
+                    r1 = min(rows, r0 + s.block_rows)
+                    part = Box((s.box.offsets[0] + r0,) + s.box.offsets[1:], (r1 - r0,) + s.box.shape[1:])
+                    writer.write(n[len(POLICY_PREFIX):], part, to_storage(reader.read(n, part)))
+                if not s.box.shape:
+                    writer.write(n[len(POLICY_PREFIX):], s.box, to_storage(reader.read(n, s.box)))
+        for t in mtp.tensors:
+            for box, block in mtp.blocks(t):
+                writer.write(t.name, box, to_storage(block))
+

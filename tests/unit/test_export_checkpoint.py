@@ -44,8 +44,9 @@ def test_export_checkpoint_sharded_with_tokenizer(tmp_path) -> None:
     (run / "model_config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     out = tmp_path / "out"
     out.mkdir()
-    (out / "model-00001-of-00009.safetensors").write_text("stale")
     (out / "keep.txt").write_text("mine")
+    export_checkpoint(str(run), None, str(out), "200B")  # an earlier export: a file per tensor
+    assert len(list(out.glob("model-*-of-00003.safetensors"))) == 3
     assert export_checkpoint(str(run), None, str(out), "600B") == out
     files = sorted(p.name for p in out.glob("*.safetensors"))
     assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
@@ -97,3 +98,60 @@ def test_export_config_drops_an_fp8_sources_quantization_config() -> None:
         written = json.loads(config_at_dtype(source, dtypes))
         assert "quantization_config" not in written and written["model_type"] == "deepseek_v3"
     assert json.loads(config_at_dtype(source, {"float32"}))["dtype"] == "float32"
+
+
+def test_export_refuses_an_out_it_would_damage_and_a_run_dir_that_is_not_one(tmp_path) -> None:
+    """--out a file, the run directory (its config.json would be replaced), or a model directory
+    export did not write (its weights would be deleted); RUN_DIR a HF model directory or a broken
+    config.json: exit 2 naming the argument, and nothing of the user's is touched."""
+    import pytest
+
+    from hpcrl.config.errors import ConfigError
+
+    sd = {"model.norm.weight": torch.ones(8)}
+    run = tmp_path / "run"
+    _checkpoint(run / "checkpoints", sd)
+    (run / "config.json").write_text(json.dumps({"checkpoint": {"dir": None}, "model": {"path": None}}))
+    (run / "config.yaml").write_text("name: run\n")
+    (run / "model_config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    model = tmp_path / "model"
+    model.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(model / "model.safetensors"))
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out, words in ((afile, "is a file"), (run, "is an hpcrl run directory"),
+                       (model, "holds model.safetensors, which hpcrl export did not write")):
+        with pytest.raises(ConfigError, match=words) as err:
+            export_checkpoint(str(run), None, str(out))
+        assert err.value.path == "--out"
+    assert (model / "model.safetensors").is_file() and json.loads((run / "config.json").read_text())["checkpoint"]
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{bad")
+    for run_dir, words in ((model, "not an hpcrl run's"), (tmp_path / "broken", "is not JSON")):
+        with pytest.raises(ConfigError, match=words) as err:
+            export_checkpoint(str(run_dir), None, str(tmp_path / "x"))
+        assert err.value.path == "RUN_DIR"
+
+
+def test_a_corrupt_checkpoint_shard_exits_2_and_leaves_no_half_export(tmp_path) -> None:
+    import pytest
+
+    from hpcrl.config.errors import ConfigError
+
+    g = torch.Generator().manual_seed(0)
+    sd = {"lm_head.weight": torch.randn(16, 8, generator=g)}
+    run = tmp_path / "run"
+    _checkpoint(run / "checkpoints", sd)
+    (run / "config.json").write_text(json.dumps({"checkpoint": {"dir": None}, "model": {"path": None}}))
+    (run / "model_config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    shards = sorted((run / "checkpoints").rglob("*.h5"))
+    assert shards, list((run / "checkpoints").rglob("*"))
+    shards[-1].write_bytes(shards[-1].read_bytes()[:100])
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError) as err:
+        export_checkpoint(str(run), None, str(out))
+    assert err.value.path == "--step" and shards[-1].name in str(err.value)
+    assert not list(out.glob("model*.safetensors"))

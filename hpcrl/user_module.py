@@ -23,7 +23,7 @@ def import_user_module(name: str, what: str, fix: str, missing: str | None = Non
         return importlib.import_module(name)
     except ImportError as exc:
         raise ValueError(f"{missing or what}: cannot import module {name!r} ({exc}); {fix}") from None
-    except (Exception, SystemExit) as exc:  # the module's own code failed at import time
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the module's own code failed at import time
         text = exc.msg if isinstance(exc, SyntaxError) else exc  # a SyntaxError's str repeats its position
         raise ValueError(f"{what}: importing module {name!r} raised {type(exc).__name__}: {text}"
                          f"{_where(exc)}; fix the module") from None

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from launch.result import read_json
 from launch.slurm_spec import parse_time_limit
 
 SLURM_CMD_TIMEOUT_S = 30.0
@@ -272,7 +273,11 @@ def resolve_run(target: str) -> tuple[Path, dict]:
     if not sub.is_file():
         raise SlurmError("RUN", target, f"{path} has no {SUBMISSION_FILE}: it was not submitted with hpcrl "
                                         "submit (an `hpcrl run` dir has its logs in logs/)")
-    return path.resolve(), json.loads(sub.read_text())
+    record = read_json(sub)
+    if not isinstance(record, dict) or not isinstance(record.get("job_id"), (str, int)):
+        raise SlurmError("RUN", target, f"{sub} is not the record hpcrl submit writes (a JSON object with the "
+                                        "job_id): it was damaged or is not hpcrl's; squeue, sacct and scancel still reach the job")
+    return path.resolve(), record
 
 
 def attempt_logs(run_dir: Path, record: dict) -> list[tuple[int, Path]]:

@@ -50,7 +50,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def load_yaml(text: str) -> Any:
     """`yaml.safe_load` of a job file's text, refusing repeated keys (yaml.YAMLError)."""
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
 
 
 def _is_section(tp: Any) -> bool:
@@ -124,6 +124,13 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, int) and not isinstance(value, bool):  # what was written is lost: 30:00 -> 1800
+            raise ConfigError(path, value, "expected a string, and YAML read a number: quote the value as "
+                                           "you wrote it (unquoted, YAML 1.1 reads a time such as 30:00 in "
+                                           "base 60, as 1800)")
+        if isinstance(value, list | dict):
+            kind = "list" if isinstance(value, list) else "mapping"
+            raise ConfigError(path, value, f"expected a string, got a {kind}; quote the value in YAML")
         raise ConfigError(path, value, f"expected a string; quote it in YAML: '{value}'")
     elif typing.get_origin(tp) is list:
         if isinstance(value, list):

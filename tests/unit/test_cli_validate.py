@@ -37,6 +37,8 @@ def test_good_job_exits_0(tmp_path):
     ("algorithm:\n  lr: [1e-3\n", [], "YAML syntax error at line 3"),
     ("model: {preset: tiny-qwen3-moe}\nalgorithm: {lr: 0.01}\nmodel: {preset: tiny-deepseek-v3}\n", [],
      "line 3, column 1: the key 'model' appears twice in one mapping (first at line 1)"),
+    ("slurm: {time: 30:00}\n", [], "slurm.time=1800: expected a string, and YAML read a number: quote the value "
+                                   "as you wrote it (unquoted, YAML 1.1 reads a time such as 30:00 in base 60"),
     ("name: ok\n", ["algorithm.lr"], "--set='algorithm.lr': expected KEY=VALUE"),
     ("name: ok\n", ["trainer.num_procs=two"], "trainer.num_procs='two': expected an integer"),
     ("algorithm: {name: dapo, kl_estimator: k3}\n", [], "algorithm.kl_estimator='k3': dapo has no KL term"),
@@ -45,7 +47,7 @@ def test_good_job_exits_0(tmp_path):
      "(set by --set algorithm.clip_eps=0.2)"),
     ("algorithm: {name: gspo, loss_agg: token-mean}\n", [], "gspo always uses seq-mean-token-mean"),
     ("algorithm: {tis_cap: 3.0}\n", [], "algorithm.tis_cap=3.0: applies to algorithm.rollout_correction"),
-], ids=["layout", "yaml-syntax", "yaml-repeated-section", "set-syntax", "set-type", "kl-estimator-dapo", "clip-eps-sft",
+], ids=["layout", "yaml-syntax", "yaml-repeated-section", "yaml-base-60-time", "set-syntax", "set-type", "kl-estimator-dapo", "clip-eps-sft",
         "loss-agg-gspo", "tis-cap-without-tis"])
 def test_bad_job_exits_2_with_one_line(tmp_path, job, overrides, expected):
     (tmp_path / "job.yaml").write_text(job)

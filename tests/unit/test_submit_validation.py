@@ -283,6 +283,15 @@ def test_status_of_a_dir_without_slurm_json_says_why(tmp_path, capsys):
         resolve_run(str(tmp_path / "missing"))
 
 
+@pytest.mark.parametrize("text", ['{"job_id": ', "[]", '{"log_dir": "logs"}'], ids=["cut", "list", "no-job-id"])
+def test_status_and_logs_of_a_damaged_slurm_json_exit_2_naming_it(tmp_path, capsys, text):
+    (tmp_path / "slurm.json").write_text(text)
+    for command in ("status", "logs"):
+        assert main([command, str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert f"{tmp_path / 'slurm.json'} is not the record hpcrl submit writes" in err and "Traceback" not in err
+
+
 def test_logs_pick_the_latest_attempt_numerically(tmp_path, capsys):
     (tmp_path / "logs").mkdir()
     record = {"job_id": "7", "log_dir": str(tmp_path / "logs")}

@@ -196,8 +196,12 @@ def config_dtype(cfg: Mapping[str, Any]) -> str:
     return dtype
 
 
-def require(cfg: Mapping[str, Any], key: str, family: str) -> Any:
-    """cfg[key], or a ValueError that names the missing key and the family being parsed."""
+def require(cfg: Mapping[str, Any], key: str, family: str) -> int:
+    """cfg[key], a size (a positive integer), or a ValueError that names the key and the family
+    being parsed."""
     if key not in cfg or cfg[key] is None:
         raise ValueError(f"{family} config.json is missing required key {key!r}")
-    return cfg[key]
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{family} config.json {key}={value!r}: expected a positive integer")
+    return value

@@ -79,6 +79,9 @@ def test_bad_configs_name_the_problem() -> None:
     del cfg["num_local_experts"]
     with pytest.raises(ValueError, match="num_local_experts"):
         spec_from_config(cfg)
+    for key, bad in (("vocab_size", -5), ("num_local_experts", 0), ("hidden_size", "64"), ("hidden_size", True)):
+        with pytest.raises(ValueError, match=f"mixtral config.json {key}={bad!r}: expected a positive integer"):
+            spec_from_config({**mixtral.DEBUG_CONFIG, key: bad})  # what hpcrl plan reads (validate checks more)
     with pytest.raises(ValueError, match="torch_dtype='int4'"):
         spec_from_config({**mixtral.DEBUG_CONFIG, "torch_dtype": "int4"})
     with pytest.raises(ValueError, match="unknown flavor"):

@@ -17,9 +17,26 @@ class ConfigError(ValueError):
         super().__init__(f"{path}={value!r}: {hint}")
 
 
+SYNONYMS = {
+    "learning_rate": "lr", "clip_ratio": "clip_eps", "clip_ratio_low": "clip_eps",
+    "clip_ratio_high": "clip_eps_high", "kl_loss_coef": "kl_coef", "entropy_coeff": "entropy_coef",
+    "n": "group_size", "rollout_n": "group_size", "num_generations": "group_size",
+    "max_response_length": "max_new_tokens", "max_completion_length": "max_new_tokens",
+    "max_prompt_length": "max_prompt_tokens", "total_training_steps": "num_steps",
+    "train_batch_size": "num_prompts_per_step", "tensor_model_parallel_size": "tp",
+    "pipeline_model_parallel_size": "pp", "expert_model_parallel_size": "ep", "gpu": "cuda",
+}
+"""What verl, TRL and Megatron users write -> hpcrl's name, for the suggestions of `did_you_mean`."""
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """' (did you mean 'x'?)' for the closest of `choices`, or '' when none is close."""
-    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    """' (did you mean 'x'?)' for the choice `word` is another framework's name of (SYNONYMS: a
+    dotted `word` keeps its section), else for the closest of `choices`, or '' when none is close."""
+    choices = list(choices)
+    head, dot, last = str(word).rpartition(".")
+    if last in SYNONYMS and f"{head}{dot}{SYNONYMS[last]}" in choices:
+        return f" (did you mean {f'{head}{dot}{SYNONYMS[last]}'!r}?)"
+    close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

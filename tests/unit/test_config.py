@@ -179,6 +179,9 @@ BAD = [
      [], lambda p: (p / "model.json").write_text(json.dumps(MIXTRAL)),
      "rollout.weight_sync", "'shard'", "model_type 'mixtral': hpcrl's loader writes qwen3_moe parameters only. "
      "Use rollout.weight_sync: broadcast"),
+    ("verl-key-name", "algorithm: {learning_rate: 0.1}", [], None, "algorithm.learning_rate", "0.1",
+     "(did you mean 'lr'?)"),
+    ("device-gpu", "resources: {device: gpu}", [], None, "resources.device", "'gpu'", "(did you mean 'cuda'?)"),
     ("dual-clip-c", "algorithm: {clip_ratio_c: 1.0}", [], None, "algorithm.clip_ratio_c", "1.0", "> 1, e.g. 3.0"),
     ("dual-clip-gspo", "algorithm: {name: gspo, clip_ratio_c: 3.0}", [], None, "algorithm.clip_ratio_c", "3.0",
      "gspo clips one ratio per sequence"),

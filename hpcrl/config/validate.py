@@ -123,7 +123,8 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("rollout.bucket_mb", lambda v: v >= 1, ">= 1 (MB)"),
     ("rollout.max_staleness", lambda v: v >= 0, ">= 0 (0: synchronous; k >= 1 samples the next k batches "
                                                 "while the trainer trains)"),
-    ("checkpoint.dir", lambda v: v is None or v != "", "a directory path, or null for RUN_DIR/checkpoints"),
+    ("checkpoint.dir", lambda v: v is None or v != "" and not Path(v).is_file(),
+     "a directory path (not an existing file), or null for RUN_DIR/checkpoints"),
     ("checkpoint.interval_steps", lambda v: v >= 0, ">= 0 (0 saves only at the end and on preemption)"),
     ("checkpoint.keep", lambda v: v >= 1, ">= 1 (the latest checkpoint is always kept)"),
     ("checkpoint.grace_s", lambda v: v > 0, "> 0 seconds"),
@@ -139,7 +140,8 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("network.nvlink_gbyte_per_s", lambda v: v > 0, "> 0 GB/s, e.g. 450 (H100 SXM)"),
     ("network.gpu_memory_gb", lambda v: v > 0, "> 0 GiB, e.g. 80 (H100)"),
     ("network.memory_budget_gb", lambda v: v > 0, "> 0 GiB, e.g. 1.0"),
-    ("logging.run_dir", lambda v: v is None or v != "", "a directory path, or null for runs/<name>-<time>"),
+    ("logging.run_dir", lambda v: v is None or v != "" and not Path(v).is_file(),
+     "a directory path (not an existing file), or null for runs/<name>-<time>"),
 ]
 
 _CHOICES: list[tuple[str, tuple[str, ...]]] = [

@@ -181,6 +181,8 @@ BAD = [
      "Use rollout.weight_sync: broadcast"),
     ("verl-key-name", "algorithm: {learning_rate: 0.1}", [], None, "algorithm.learning_rate", "0.1",
      "(did you mean 'lr'?)"),
+    ("checkpoint-dir-a-file", "checkpoint: {dir: job.yaml}", [], None, "checkpoint.dir", "job.yaml",
+     "a directory path (not an existing file)"),
     ("device-gpu", "resources: {device: gpu}", [], None, "resources.device", "'gpu'", "(did you mean 'cuda'?)"),
     ("dual-clip-c", "algorithm: {clip_ratio_c: 1.0}", [], None, "algorithm.clip_ratio_c", "1.0", "> 1, e.g. 3.0"),
     ("dual-clip-gspo", "algorithm: {name: gspo, clip_ratio_c: 3.0}", [], None, "algorithm.clip_ratio_c", "3.0",

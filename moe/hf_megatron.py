@@ -39,6 +39,11 @@ MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 (moonshotai/Kimi-K2-*) is DeepseekV3ForCausalLM with model_type kimi_k2, which transformers does not
 know: SGLang 0.5.23 registers it as a DeepseekV3Config (utils/hf_transformers/common.py), and so does hpcrl."""
 MODEL_TYPES = (*FAMILIES, *MODEL_TYPE_ALIASES)
+SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
+             "n_routed_experts", "num_experts_per_tok", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+             "qk_rope_head_dim", "v_head_dim", "max_position_embeddings")
+"""config.json keys that are sizes: positive integers when present (int() would take "64" or 64.5)."""
 
 
 def family_of(model_type: str | None) -> str | None:
@@ -112,6 +117,10 @@ class HFModelDims:
         if family is None:
             raise ValueError(f"config.json model_type={cfg.get('model_type')!r} is not supported; "
                              f"valid: {MODEL_TYPES}")
+        for key in SIZE_KEYS:
+            value = cfg.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"config.json {key}={value!r}: expected a positive integer")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json hidden_act={cfg['hidden_act']!r}; "
                              "only 'silu' (SwiGLU) is supported")

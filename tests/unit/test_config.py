@@ -204,6 +204,8 @@ BAD = [
      "set rollout.max_staleness: 2"),
     ("async-tis-cap-kept", "rollout: {max_staleness: 1}\nalgorithm: {tis_cap: 3.0, rollout_correction: mis}", [],
      None, "algorithm.tis_cap", "3.0", "rollout_correction: tis (this job has mis)"),
+    ("config-size-a-string", "model: {config_path: model.json}", [], deepseek_json(hidden_size="64"),
+     "model.config_path", "model.json", "hidden_size='64': expected a positive integer"),
     ("deepseek-n-group", "model: {config_path: model.json}", [],
      deepseek_json(n_group=3),
      "model.config_path", "model.json", "n_group=3: must divide n_routed_experts=8"),

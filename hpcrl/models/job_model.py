@@ -82,7 +82,8 @@ def _layout_error(exc: ValueError, side: str, job: JobConfig) -> ConfigError:
     elif side == "rollout" and "tp/ep" in msg:
         path = "rollout.ep"
     elif side == "rollout" and ("attention TP" in msg or "tp/dp_attention" in msg):
-        path = "rollout.dp_attention"
+        # attention TP = tp_per_engine / dp_attention: the key the job set away from 1
+        path = "rollout.dp_attention" if job.rollout.dp_attention > 1 else "rollout.tp_per_engine"
     else:
         path = side
     hint = re.sub(rf"^{cls}[.:]? ?", "", msg)

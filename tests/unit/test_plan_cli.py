@@ -291,3 +291,11 @@ def test_plan_counts_the_routes_of_routing_replay():
     assert routes["bytes_per_step"] == routes["bytes_per_sample"] * job.data.num_prompts_per_step * \
         job.algorithm.group_size
     assert plan_job(load_job(TINY, purpose="plan"))["routing_replay"] is None
+
+
+def test_an_engine_tp_that_does_not_split_the_heads_names_tp_per_engine():
+    """Attention TP is tp_per_engine / dp_attention: with dp_attention 1 the job set only the first."""
+    out = hpcrl_plan(str(QWEN), "--set", "rollout.tp_per_engine=3", "--set", "rollout.ep=1")
+    assert out.returncode == 2 and out.stderr.startswith(
+        "hpcrl plan: error: rollout.tp_per_engine=3: attention TP tp/dp_attention=3 does not divide num_heads=64"), \
+        out.stderr

@@ -86,7 +86,10 @@ def checkpoint_dir(job: Any, run_dir: Path) -> Path:
 
 def check_export_dir(job: Any, run_dir: Path, export_dir: Path) -> None:
     """SlurmError unless `export_dir` is an absolute path outside the run dir's own files (the
-    export writes config.json and model*.safetensors there) and outside the checkpoint dir."""
+    export writes config.json and model*.safetensors there), outside the checkpoint dir, and holds no
+    safetensors an hpcrl export did not write (it replaces its own: these would be deleted)."""
+    from checkpoints.hf_safetensors import header_metadata
+
     ckpt = checkpoint_dir(job, run_dir)
     if not export_dir.is_absolute():
         raise SlurmError("export_to", str(export_dir), "must be an absolute path")
@@ -94,6 +97,10 @@ def check_export_dir(job: Any, run_dir: Path, export_dir: Path) -> None:
         raise SlurmError("export_to", str(export_dir), f"would overwrite the run's own files (run dir "
                                                        f"{run_dir}, checkpoints {ckpt}); use a directory of "
                                                        f"its own, e.g. {run_dir / 'export'}")
+    for p in sorted(export_dir.glob("model*.safetensors")):
+        if "hpcrl_step" not in (header_metadata(p) or {}):
+            raise SlurmError("export_to", str(export_dir), f"holds {p.name}, which hpcrl export did not write: "
+                                                           "the export would delete it; use an empty or new directory")
 
 
 def _component(key: str, nodes: int, tasks: int, what: str, gpus: int, cpus: int, mem_gb: int | None,

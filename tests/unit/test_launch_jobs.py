@@ -305,6 +305,11 @@ def test_pipeline_second_job_starts_from_the_first_job_s_export(tmp_path: Path, 
     quiet = ["slurm.partition=debug", "resources.rollout_nodes=1"]
     with pytest.raises(ConfigError, match="export_to=.*would overwrite the run's own files"):
         ex.submit(EXAMPLE, quiet, run_dir=tmp_path / "sft", export_to=tmp_path / "sft" / "checkpoints" / "x")
+    downloaded = tmp_path / "model"  # a model directory export did not write: its weights would go
+    downloaded.mkdir()
+    (downloaded / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    with pytest.raises(ConfigError, match="export_to=.*holds model.safetensors, which hpcrl export did not write"):
+        ex.submit(EXAMPLE, quiet, run_dir=tmp_path / "sft", export_to=downloaded)
     sft = ex.submit(EXAMPLE, quiet, run_dir=tmp_path / "sft", export_to=export)
     script = (out / "sbatch.script").read_text().splitlines()
     export_line = next(line for line in script if "launch.export_step" in line)

@@ -33,11 +33,14 @@ PATH_FIELDS = ("model.path", "critic.path", "model.config_path", "data.path", "d
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader whose mappings refuse a repeated key (PyYAML keeps the last one silently)."""
+    """SafeLoader whose mappings refuse a repeated key (PyYAML keeps the last one silently). Keys a
+    merge (`<<: *anchor`) brings in may be overridden, as YAML means."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, yaml.Node] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=True)
             if isinstance(key, typing.Hashable) and key in seen:
                 first = seen[key].start_mark.line + 1

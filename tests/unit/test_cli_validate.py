@@ -61,6 +61,14 @@ def test_bad_job_exits_2_with_one_line(tmp_path, job, overrides, expected):
     assert "Traceback" not in out.stderr
 
 
+def test_yaml_anchors_and_merges_still_work(tmp_path):
+    """A merged key may be overridden (YAML's meaning), unlike a key written twice."""
+    (tmp_path / "job.yaml").write_text("x-base: &b {lr: 0.001, group_size: 4}\nalgorithm:\n  <<: *b\n  lr: 0.002\n")
+    from hpcrl.config.load import load_yaml
+
+    assert load_yaml((tmp_path / "job.yaml").read_text())["algorithm"] == {"lr": 0.002, "group_size": 4}
+
+
 def test_missing_job_file_exits_2(tmp_path):
     out = hpcrl_validate("nowhere.yaml", cwd=tmp_path)
     assert out.returncode == 2

@@ -133,6 +133,17 @@ def plan_shards(tensors: Iterable[tuple[str, str, Sequence[int]]], max_shard_byt
     return ShardPlan(tuple(files), slots)
 
 
+EXPORT_TAG = "hpcrl_export"
+"""The metadata key every safetensors file an hpcrl export writes carries (`hpcrl export`: the
+checkpoint's step; a trainer's live export: "trainer"); `written_by_export` looks for it."""
+
+
+def written_by_export(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a safetensors file an hpcrl export wrote (an earlier export may replace it)."""
+    meta = header_metadata(path) or {}
+    return EXPORT_TAG in meta or "hpcrl_step" in meta  # hpcrl_step alone: exports before the tag
+
+
 def header_metadata(path: str | os.PathLike[str]) -> dict | None:
     """The `__metadata__` of a safetensors file's header ({} without one), or None when the file is
     not a readable safetensors file."""

@@ -71,7 +71,7 @@ def _check_out_dir(out: Path, run: Path) -> None:
     """ConfigError (exit 2) for an --out that export would damage: a file, a run directory (its
     config.json would be replaced), or a directory with safetensors files an export did not write
     (export replaces its own earlier files: these would be deleted)."""
-    from checkpoints.hf_safetensors import header_metadata
+    from checkpoints.hf_safetensors import written_by_export
 
     if out.exists() and not out.is_dir():
         raise ConfigError("--out", str(out), "is a file; give a directory (created if missing)")
@@ -79,7 +79,7 @@ def _check_out_dir(out: Path, run: Path) -> None:
         raise ConfigError("--out", str(out), "is an hpcrl run directory, whose config.json the export would "
                                              "replace; give another directory, e.g. RUN_DIR/hf")
     for p in sorted(out.glob("model*.safetensors")):
-        if "hpcrl_step" not in (header_metadata(p) or {}):
+        if not written_by_export(p):
             raise ConfigError("--out", str(out), f"holds {p.name}, which hpcrl export did not write: the export "
                                                  "would delete it; give an empty or new directory")
 
@@ -113,7 +113,8 @@ def export_checkpoint(run_dir: str, step: int | None, out_dir: str,
     or a model.path whose MTP tensors cannot be read."""
     from checkpoints import CheckpointNotFoundError, CorruptCheckpointError, list_checkpoints, open_checkpoint
     from checkpoints._dtypes import dtype_name
-    from checkpoints.hf_safetensors import create_files, parse_size, plan_shards, remove_stale, write_index
+    from checkpoints.hf_safetensors import (EXPORT_TAG, create_files, parse_size, plan_shards, remove_stale,
+                                            write_index)
     from hpcrl.trainer.hf_export import config_at_dtype
     from moe.hf_megatron import is_router_bias
 
@@ -149,7 +150,7 @@ def export_checkpoint(run_dir: str, step: int | None, out_dir: str,
         entries = [(n[len(POLICY_PREFIX):], dtype_name(reader.dtype(n)), reader.global_shape(n))
                    for n in names]
         entries += [(name, dtype_name(dtype), shape) for name, dtype, shape in mtp.entries()]
-        plan = plan_shards(entries, max_shard_bytes, {"hpcrl_step": str(reader.step)})
+        plan = plan_shards(entries, max_shard_bytes, {"hpcrl_step": str(reader.step), EXPORT_TAG: "checkpoint"})
         # the weights' dtype(s), for config.json: not the router biases, float32 in every run
         dtypes = {dtype_name(reader.dtype(n)) for n in names
                   if not is_router_bias(n[len(POLICY_PREFIX):])}

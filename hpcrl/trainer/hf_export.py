@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoints._dtypes import dtype_name, to_storage
-from checkpoints.hf_safetensors import ShardWriter, create_files, plan_shards, remove_stale, write_index
+from checkpoints.hf_safetensors import EXPORT_TAG, ShardWriter, create_files, plan_shards, remove_stale, write_index
 from hpcrl.trainer.model import weight_tensors
 from hpcrl.trainer.mtp_tensors import MTPSource, assign_owners
 from moe.hf_megatron import HFModelDims, Piece, is_router_bias
@@ -140,7 +140,8 @@ def export_hf_dir(gpt: torch.nn.Module, dims: HFModelDims, hf_config: dict, plan
     out = Path(out_dir)
     with MTPSource(source_dir, dims, model_dtype) as mtp:
         entries = export_entries(dims, model_dtype, mtp)
-        files = plan_shards([(n, dtype_name(d), s) for n, d, s in entries], max_shard_bytes)
+        files = plan_shards([(n, dtype_name(d), s) for n, d, s in entries], max_shard_bytes,
+                            {EXPORT_TAG: "trainer"})
         owners = assign_owners(mtp.tensors, plan_loads(plan, dtypes))
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)

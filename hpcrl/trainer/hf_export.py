@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from checkpoints._dtypes import dtype_name, to_storage
-from checkpoints.hf_safetensors import EXPORT_TAG, ShardWriter, create_files, plan_shards, remove_stale, write_index
+from checkpoints.hf_safetensors import (EXPORT_TAG, ShardWriter, create_files, plan_shards, remove_stale,
+                                        write_index)
 from hpcrl.trainer.model import weight_tensors
 from hpcrl.trainer.mtp_tensors import MTPSource, assign_owners
 from moe.hf_megatron import HFModelDims, Piece, is_router_bias

@@ -135,28 +135,23 @@ def plan_shards(tensors: Iterable[tuple[str, str, Sequence[int]]], max_shard_byt
 
 EXPORT_TAG = "hpcrl_export"
 """The metadata key every safetensors file an hpcrl export writes carries (`hpcrl export`: the
-checkpoint's step; a trainer's live export: "trainer"); `written_by_export` looks for it."""
+checkpoint's step; a trainer's live export: "trainer"); `foreign_weights` looks for it."""
 
 
-def written_by_export(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is a safetensors file an hpcrl export wrote (an earlier export may replace it)."""
-    meta = header_metadata(path) or {}
-    return EXPORT_TAG in meta or "hpcrl_step" in meta  # hpcrl_step alone: exports before the tag
+def foreign_weights(out_dir: str | os.PathLike[str]) -> Path | None:
+    """The first of `out_dir`'s model*.safetensors files (those `remove_stale` deletes) that no hpcrl
+    export wrote (no EXPORT_TAG, or hpcrl_step of the exports before the tag, in its header; or not a
+    readable safetensors file), or None: what an export there would destroy."""
+    from moe.hf_checkpoint import CheckpointFormatError, read_header
 
-
-def header_metadata(path: str | os.PathLike[str]) -> dict | None:
-    """The `__metadata__` of a safetensors file's header ({} without one), or None when the file is
-    not a readable safetensors file."""
-    try:
-        with open(path, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            if not 2 <= n <= 100_000_000:
-                return None
-            header = json.loads(fh.read(n))
-    except (OSError, ValueError):
-        return None
-    meta = header.get("__metadata__", {}) if isinstance(header, dict) else None
-    return meta if isinstance(meta, dict) else None
+    for p in sorted(Path(out_dir).glob("model*.safetensors")):
+        try:
+            meta = read_header(p).get("__metadata__") or {}
+        except CheckpointFormatError:
+            return p
+        if EXPORT_TAG not in meta and "hpcrl_step" not in meta:
+            return p
+    return None
 
 
 def remove_stale(out_dir: str | os.PathLike[str]) -> None:

@@ -71,17 +71,17 @@ def _check_out_dir(out: Path, run: Path) -> None:
     """ConfigError (exit 2) for an --out that export would damage: a file, a run directory (its
     config.json would be replaced), or a directory with safetensors files an export did not write
     (export replaces its own earlier files: these would be deleted)."""
-    from checkpoints.hf_safetensors import written_by_export
+    from checkpoints.hf_safetensors import foreign_weights
 
     if out.exists() and not out.is_dir():
         raise ConfigError("--out", str(out), "is a file; give a directory (created if missing)")
     if out.resolve() == run.resolve() or (out / "checkpoints").is_dir() and (out / "config.yaml").is_file():
         raise ConfigError("--out", str(out), "is an hpcrl run directory, whose config.json the export would "
                                              "replace; give another directory, e.g. RUN_DIR/hf")
-    for p in sorted(out.glob("model*.safetensors")):
-        if not written_by_export(p):
-            raise ConfigError("--out", str(out), f"holds {p.name}, which hpcrl export did not write: the export "
-                                                 "would delete it; give an empty or new directory")
+    foreign = foreign_weights(out)
+    if foreign is not None:
+        raise ConfigError("--out", str(out), f"holds {foreign.name}, which hpcrl export did not write: the "
+                                             "export would delete it; give an empty or new directory")
 
 
 def _mtp_source(config: dict, model_config: dict, source: str | None) -> MTPSource:
@@ -187,4 +187,3 @@ def _write_tensors(out: Path, plan, reader, names: list[str], mtp: MTPSource) ->
         for t in mtp.tensors:
             for box, block in mtp.blocks(t):
                 writer.write(t.name, box, to_storage(block))
-

@@ -88,7 +88,7 @@ def check_export_dir(job: Any, run_dir: Path, export_dir: Path) -> None:
     """SlurmError unless `export_dir` is an absolute path outside the run dir's own files (the
     export writes config.json and model*.safetensors there), outside the checkpoint dir, and holds no
     safetensors an hpcrl export did not write (it replaces its own: these would be deleted)."""
-    from checkpoints.hf_safetensors import written_by_export
+    from checkpoints.hf_safetensors import foreign_weights
 
     ckpt = checkpoint_dir(job, run_dir)
     if not export_dir.is_absolute():
@@ -97,10 +97,11 @@ def check_export_dir(job: Any, run_dir: Path, export_dir: Path) -> None:
         raise SlurmError("export_to", str(export_dir), f"would overwrite the run's own files (run dir "
                                                        f"{run_dir}, checkpoints {ckpt}); use a directory of "
                                                        f"its own, e.g. {run_dir / 'export'}")
-    for p in sorted(export_dir.glob("model*.safetensors")):
-        if not written_by_export(p):
-            raise SlurmError("export_to", str(export_dir), f"holds {p.name}, which hpcrl export did not write: "
-                                                           "the export would delete it; use an empty or new directory")
+    foreign = foreign_weights(export_dir)
+    if foreign is not None:
+        raise SlurmError("export_to", str(export_dir), f"holds {foreign.name}, which hpcrl export did not "
+                                                       "write: the export would delete it; use an empty or new "
+                                                       "directory")
 
 
 def _component(key: str, nodes: int, tasks: int, what: str, gpus: int, cpus: int, mem_gb: int | None,

@@ -37,13 +37,19 @@ FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 """config.json model types that are another family's architecture under their own name. Kimi-K2
 (moonshotai/Kimi-K2-*) is DeepseekV3ForCausalLM with model_type kimi_k2, which transformers does not
-know: SGLang 0.5.23 registers it as a DeepseekV3Config (utils/hf_transformers/common.py), and so does hpcrl."""
+know: SGLang 0.5.23 registers it as a DeepseekV3Config (utils/hf_transformers/common.py), and so
+does hpcrl."""
 MODEL_TYPES = (*FAMILIES, *MODEL_TYPE_ALIASES)
 SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
              "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
              "n_routed_experts", "num_experts_per_tok", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
              "qk_rope_head_dim", "v_head_dim", "max_position_embeddings")
 """config.json keys that are sizes: positive integers when present (int() would take "64" or 64.5)."""
+
+
+def is_size(value: object) -> bool:
+    """Whether a config.json value is a size: a positive integer (not a bool, a string or a float)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def family_of(model_type: str | None) -> str | None:
@@ -55,6 +61,8 @@ def family_of(model_type: str | None) -> str | None:
 def transformers_model_type(model_type: str) -> str:
     """The model_type transformers' AutoConfig builds `model_type` as (kimi_k2: deepseek_v3)."""
     return MODEL_TYPE_ALIASES.get(model_type, model_type)
+
+
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
@@ -78,8 +86,9 @@ class HFModelDims:
     DeepSeek-V3 (also Moonlight, model_type deepseek_v3, and Kimi-K2, model_type kimi_k2: `family`
     is deepseek_v3 for all) adds `mla`, `first_dense_layers` dense SwiGLU layers of `dense_ffn_size`
     before the MoE layers, a shared expert of `shared_ffn_size` per MoE layer, and a sigmoid router
-    with a score-correction bias, group-limited top-k and `routed_scaling_factor`; `mtp_layers` MTP layers sit after the decoder on disk
-    (`model.layers.{num_layers + k}.*`), which the trainer does not build (export copies them).
+    with a score-correction bias, group-limited top-k and `routed_scaling_factor`; `mtp_layers` MTP
+    layers sit after the decoder on disk (`model.layers.{num_layers + k}.*`), which the trainer does
+    not build (export copies them).
     """
 
     family: str
@@ -119,7 +128,7 @@ class HFModelDims:
                              f"valid: {MODEL_TYPES}")
         for key in SIZE_KEYS:
             value = cfg.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is not None and not is_size(value):
                 raise ValueError(f"config.json {key}={value!r}: expected a positive integer")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json hidden_act={cfg['hidden_act']!r}; "

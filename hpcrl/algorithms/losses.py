@@ -111,7 +111,7 @@ def _needs_ref(b: LossBatch, cfg: Any, name: str) -> None:
 
 def _cfg(cfg: Any, loss_agg: str | None = None) -> GRPOLossConfig:
     return GRPOLossConfig(clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high or None,
-                          clip_ratio_c=getattr(cfg, "clip_ratio_c", None), kl_coef=cfg.kl_coef,
+                          clip_ratio_c=cfg.clip_ratio_c, kl_coef=cfg.kl_coef,
                           kl_estimator=cfg.kl_estimator, loss_agg=loss_agg or cfg.loss_agg,
                           loss_agg_norm=cfg.loss_agg_norm or None)
 

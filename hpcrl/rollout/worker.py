@@ -5,8 +5,8 @@ answers one heartbeat per step, so a rollout rank that died is named even if its
 backend `reference`: hpcrl's reference engine (hpcrl.rollout.reference_server), CPU or GPU.
 backend `sglang`: a real SGLang 0.5.x server (`python -m sglang.launch_server`) started from
 `model.path`'s weights, or with dummy weights for a random-init model or an FP8 model.path (it serves
-bf16; `sglang_command`); no tokenizer (token ids in and out). The trainer's initial weight sync pushes the policy either way, and step 0's log-prob check
-verifies it.
+bf16; `sglang_command`); no tokenizer (token ids in and out). The trainer's initial weight sync
+pushes the policy either way, and step 0's log-prob check verifies it.
 
 Either engine is protected by the job's keys (hpcrl/rollout/engine_auth.py: RUN_DIR/engine_keys.yaml,
 0600, given with --config so no key is on a command line); engine logs are user-only. SGLang runs

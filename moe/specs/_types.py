@@ -22,6 +22,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from moe.hf_megatron import is_size
+
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 
 
@@ -202,6 +204,6 @@ def require(cfg: Mapping[str, Any], key: str, family: str) -> int:
     if key not in cfg or cfg[key] is None:
         raise ValueError(f"{family} config.json is missing required key {key!r}")
     value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_size(value):
         raise ValueError(f"{family} config.json {key}={value!r}: expected a positive integer")
     return value

@@ -70,6 +70,20 @@ def _nearest(valid: list[int], value: int, k: int = 3) -> list[int]:
     return sorted(sorted(valid, key=lambda v: (abs(v - value), v))[:k])
 
 
+def expert_split_problem(dense: int, ep: int, etp: int, num_experts: int = 0) -> str | None:
+    """Why tp*cp*dp=`dense` ranks cannot hold `num_experts` experts in expert groups of etp*ep (None if
+    they can; 0 experts: the model is unknown). The ep values it suggests meet both conditions."""
+    ok = [e for e in _divisors(dense // etp) if not num_experts or num_experts % e == 0] if dense % etp == 0 else []
+    if num_experts and num_experts % ep:
+        return (f"TrainerLayout.ep={ep} does not divide num_experts={num_experts}; "
+                f"nearest valid ep: {_nearest(ok or _divisors(num_experts), ep)}")
+    if dense % (etp * ep) == 0:
+        return None
+    return (f"TrainerLayout.ep={ep} with etp={etp} does not divide tp*cp*dp={dense} "
+            f"(Megatron needs tp*cp*dp % (etp*ep) == 0); nearest valid ep: {_nearest(ok, ep) or 'none'}"
+            + ("" if dense % etp == 0 else f"; etp={etp} must divide {dense}"))
+
+
 def _positive(obj: object, *names: str) -> None:
     """Check positive integer fields; numpy integers are normalised to int (frozen: via object.__setattr__)."""
     for n in names:
@@ -113,13 +127,9 @@ class TrainerLayout:
                 object.__setattr__(self, n, int(v))
             if v is not None and self.pp == 1:
                 raise ValueError(f"TrainerLayout.{n}={v} needs pp > 1 (pp=1 has a single stage)")
-        dense = self.tp * self.cp * self.dp
-        if dense % (self.etp * self.ep):
-            ok = _divisors(dense // self.etp) if dense % self.etp == 0 else []
-            raise ValueError(
-                f"TrainerLayout.ep={self.ep} with etp={self.etp} does not divide tp*cp*dp={dense} "
-                f"(Megatron needs tp*cp*dp % (etp*ep) == 0); nearest valid ep: {_nearest(ok, self.ep) or 'none'}"
-                + ("" if ok else f"; etp={self.etp} must divide {dense}"))
+        problem = expert_split_problem(self.tp * self.cp * self.dp, self.ep, self.etp)
+        if problem:
+            raise ValueError(problem)
 
     @property
     def world_size(self) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 from hpcrl.config import ConfigError, JobConfig
 from hpcrl.config.schema import critic_enabled, engine_dtype
 from hpcrl.config.validate import read_model_config
-from moe.layouts import RolloutLayout, TrainerLayout
+from moe.layouts import RolloutLayout, TrainerLayout, expert_split_problem
 from moe.specs import MoESpec, spec_at_dtype
 from moe.trainer_memory import TrainerBuild, megatron_build
 
@@ -125,6 +125,10 @@ def build_layouts(job: JobConfig, spec: MoESpec) -> tuple[TrainerLayout, Rollout
         raise ConfigError("trainer.num_procs", t.num_procs,
                           f"must be a multiple of tp*cp*pp={model_parallel} (dp = num_procs/(tp*cp*pp)); "
                           f"nearest valid: {valid}")
+    problem = expert_split_problem(t.tp * t.cp * (t.num_procs // model_parallel), t.ep, t.etp,
+                                   spec.dims.num_experts)
+    if problem:  # the ep values it suggests fit both the ranks and the model's experts
+        raise _layout_error(ValueError(problem), "trainer", job)
     try:
         trainer = TrainerLayout(tp=t.tp, pp=t.pp, ep=t.ep, etp=t.etp, dp=t.num_procs // model_parallel,
                                 cp=t.cp, first_stage_layers=first, last_stage_layers=last,

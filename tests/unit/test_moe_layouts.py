@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from moe.layouts import RolloutLayout, TrainerLayout, bytes_per_rank
+from moe.layouts import RolloutLayout, TrainerLayout, bytes_per_rank, expert_split_problem
 from moe.slices import Box
 from moe.specs import Role, get_spec
 
@@ -161,6 +161,16 @@ def test_layouts_are_frozen_values() -> None:
 def test_bad_layouts_name_field_and_nearest_values(make, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         make(get_spec("deepseek_v3/671B"))
+
+
+def test_ep_hints_fit_both_the_ranks_and_the_experts() -> None:
+    """12 dense ranks and 8 experts: an ep must divide both, so ep=8 gets 1, 2, 4 (12's own nearest
+    divisors 4, 6, 12 would fail on the experts next)."""
+    assert expert_split_problem(12, 8, 1, num_experts=8).endswith("nearest valid ep: [1, 2, 4]")
+    assert expert_split_problem(12, 8, 1).endswith("nearest valid ep: [4, 6, 12]")  # model unknown
+    assert expert_split_problem(12, 3, 1, num_experts=8) == (
+        "TrainerLayout.ep=3 does not divide num_experts=8; nearest valid ep: [1, 2, 4]")
+    assert expert_split_problem(12, 4, 1, num_experts=8) is None
 
 
 def test_rollout_kv_heads_must_divide_or_be_divided() -> None:

@@ -147,7 +147,8 @@ def test_text_report(name):
 
 
 @pytest.mark.parametrize(("example", "override", "expected"), [
-    (DEEPSEEK, "trainer.ep=7", "trainer.ep=7: ep=7 with etp=1 does not divide tp*cp*dp=16"),
+    (DEEPSEEK, "trainer.ep=32", "trainer.ep=32: ep=32 with etp=1 does not divide tp*cp*dp=16"),
+    (DEEPSEEK, "trainer.ep=12", "trainer.ep=12: ep=12 does not divide num_experts=256; nearest valid ep: [4, 8, 16]"),
     (DEEPSEEK, "trainer.pp=7", "trainer.pp=7: 61 decoder layers do not split over pp=7"),
     (DEEPSEEK, "trainer.num_procs=250", "trainer.num_procs=250: must be a multiple of tp*cp*pp=16"),
     (DEEPSEEK, "rollout.dp_attention=3",
@@ -155,7 +156,7 @@ def test_text_report(name):
     (QWEN, "trainer.tp=3", "trainer.tp=3: tp=3 must divide num_heads=64 and num_kv_heads=4"),
     (QWEN, "trainer.etp=5", "trainer.etp=5: etp=5 does not divide moe_intermediate_size=1536"),
     (QWEN, "rollout.ep=3", "rollout.ep=3: ep=3 must divide tp_per_engine=8"),
-], ids=["ep", "pp", "num_procs", "dp_attention", "tp", "etp", "rollout-ep"])
+], ids=["ep", "ep-experts", "pp", "num_procs", "dp_attention", "tp", "etp", "rollout-ep"])
 def test_bad_layout_exits_2_naming_the_key_and_valid_values(example, override, expected):
     out = hpcrl_plan(str(example), "--set", override)
     assert out.returncode == 2, out.stdout + out.stderr

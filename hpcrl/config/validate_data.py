@@ -5,6 +5,7 @@ synthetic task) and the reward function. Split from hpcrl/config/validate.py, wh
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,10 @@ def job_tokenizer(job: JobConfig) -> Tokenizer:
     except RemoteCodeTokenizerError as exc:
         raise ConfigError("model.trust_remote_code", job.model.trust_remote_code,
                           f"model.path={job.model.path!r}: {exc}") from None
+    except ImportError as exc:  # the directory's own tokenizer code (trusted) imports what is not here
+        raise ConfigError("model.path", job.model.path,
+                          f"its tokenizer code needs a package hpcrl's environment lacks ({exc}); install it "
+                          f"there ({sys.executable} -m pip install ...)") from None
     except Exception as exc:  # transformers raises OSError/ValueError/... for broken tokenizer files
         raise ConfigError("model.path", job.model.path, f"cannot load its tokenizer "
                                                         f"({type(exc).__name__}: {exc}); fix or remove "

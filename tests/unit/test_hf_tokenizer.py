@@ -170,3 +170,84 @@ def test_a_tokenizer_that_is_the_directorys_code_runs_only_when_trusted(tmp_path
     assert type(tok.tok).__name__ == "ByteCharTokenizer"
     assert tok.encode_completion("hi!") == [3 + ord("h") - 32, 3 + ord("i") - 32, 3 + ord("!") - 32]
     assert tok.decode(tok.encode_completion("hi!")) == "hi!" and tok.stop_token_ids == [2]
+
+
+TIKTOKEN_TOKENIZER = '''
+from tiktoken import Encoding
+from tiktoken.load import load_tiktoken_bpe
+from transformers import PreTrainedTokenizer
+
+
+class TiktokenIds(PreTrainedTokenizer):
+    """A byte-pair tokenizer read from the directory's tiktoken.model (base64 token, rank per line), as
+    Kimi-K2's is; its tokens are the decimal ids, so transformers' string plumbing round-trips them."""
+
+    vocab_files_names = {"vocab_file": "tiktoken.model"}
+    model_input_names = ["input_ids", "attention_mask"]
+
+    def __init__(self, vocab_file, **kwargs):
+        ranks = load_tiktoken_bpe(vocab_file)
+        self.specials = {"<|eos|>": len(ranks)}
+        self.bpe = Encoding("tiny", pat_str=r"\\S+|\\s+", mergeable_ranks=ranks, special_tokens=self.specials)
+        super().__init__(eos_token="<|eos|>", **kwargs)
+
+    @property
+    def vocab_size(self):
+        return self.bpe.n_vocab
+
+    def get_vocab(self):
+        return {**{str(i): i for i in range(self.bpe.n_vocab - len(self.specials))}, **self.specials}
+
+    def _tokenize(self, text):
+        return [str(i) for i in self.bpe.encode_ordinary(text)]
+
+    def _convert_token_to_id(self, token):
+        return self.specials.get(token, int(token) if token.isdigit() else 0)
+
+    def _convert_id_to_token(self, index):
+        return next((t for t, i in self.specials.items() if i == index), str(index))
+
+    def convert_tokens_to_string(self, tokens):
+        return self.bpe.decode([int(t) for t in tokens if t.isdigit()])
+
+    def save_vocabulary(self, save_directory, filename_prefix=None):
+        return ()
+'''
+
+
+def tiktoken_tokenizer(d: Path, imports: str = "") -> Path:
+    """A Kimi-K2-like directory: tokenization_tiny.py (its code, on tiktoken) and tiktoken.model (the
+    256 bytes, then the merge "hi" at rank 256)."""
+    import base64
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "tokenization_tiny.py").write_text(imports + TIKTOKEN_TOKENIZER)
+    tokens = [bytes([b]) for b in range(256)] + [b"hi"]
+    (d / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(tokens)))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "TiktokenIds", "auto_map": {"AutoTokenizer": ["tokenization_tiny.TiktokenIds", None]}}))
+    return d
+
+
+def test_a_tiktoken_tokenizer_in_the_directory_runs_when_trusted(tmp_path):
+    """tiktoken is installed with hpcrl (pyproject): a Kimi-K2-like tokenizer loads with trust, encodes
+    with the directory's merges and stops on its eos."""
+    tok = load_tokenizer(job_from_dict({"model": {"path": str(tiktoken_tokenizer(tmp_path / "kimi")),
+                                                  "trust_remote_code": True}}))
+    assert type(tok.tok).__name__ == "TiktokenIds" and tok.vocab_size == 258
+    assert tok.encode_completion("hi!") == [256, ord("!")]
+    assert tok.decode([256, ord("!"), 257]) == "hi!" and tok.stop_token_ids == [257]
+
+
+def test_a_directory_tokenizer_missing_a_package_names_it(tmp_path):
+    """Its code imports a package hpcrl's environment lacks: exit 2 on model.path naming the package and
+    where to install it, not "fix or remove the tokenizer files"."""
+    from hpcrl.config.errors import ConfigError
+    from hpcrl.config.validate_data import job_tokenizer
+
+    d = tiktoken_tokenizer(tmp_path / "needs_more", imports="import hpcrl_no_such_package\n")
+    with pytest.raises(ConfigError) as exc:
+        job_tokenizer(job_from_dict({"model": {"path": str(d), "trust_remote_code": True}}))
+    assert exc.value.path == "model.path"
+    assert "hpcrl_no_such_package" in str(exc.value) and "hpcrl's environment" in str(exc.value)
+    assert "remove the tokenizer files" not in str(exc.value)

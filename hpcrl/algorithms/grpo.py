@@ -77,7 +77,7 @@ def grpo_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, ref_logp_BT: tor
     loss = pg
     kl = torch.zeros((), dtype=logp_BT.dtype)
     if ref_logp_BT is not None and cfg.kl_coef != 0.0:
-        kl = aggregate(kl_estimate(logp_BT, ref_logp_BT, cfg.kl_estimator), mask_BT, cfg.loss_agg,
+        kl = aggregate(kl_estimate(logp_BT, ref_logp_BT, cfg.kl_estimator, mask_BT), mask_BT, cfg.loss_agg,
                        num_tokens, num_seqs, cfg.loss_agg_norm)
         loss = loss + cfg.kl_coef * kl
     clip_frac = aggregate(token["clip_frac"], mask_BT, "token-mean", num_tokens)

@@ -12,7 +12,8 @@ divergence", 2020):
 KL enters an algorithm in one of two places: as a loss term (GRPO: `kl_coef * aggregate(k3)`) or
 folded into the per-token reward before the advantage (PPO's `kl_ctrl`, REINFORCE++; see
 `hpcrl.algorithms.reinforce_pp.token_rewards`). Simplification: unlike verl, no clamp of k3 to
-[-10, 10]; the trainer keeps log-probs finite.
+[-10, 10]; the trainer keeps log-probs finite, and positions outside the mask are left out before the
+exp (`kl_estimate`'s `mask_BT`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,14 @@ import torch
 from hpcrl.algorithms import KL_ESTIMATORS
 
 
-def kl_estimate(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi."""
+def kl_estimate(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, estimator: str,
+                mask_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi; 0, with no gradient, where `mask_BT`
+    is 0. The log-probs there are not the samples' (padding: the forward's log p(pad | pad), which a
+    low temperature can push below -88, where k3's exp overflows float32 and inf * 0 is NaN)."""
     log_ratio = logp_BT - ref_logp_BT
+    if mask_BT is not None:
+        log_ratio = torch.where(mask_BT.bool(), log_ratio, torch.zeros((), dtype=log_ratio.dtype))
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":

@@ -31,7 +31,7 @@ def step(rl: RL, step: int) -> None:
     if a.kl_coef > 0:
         ref_BT = torch.from_numpy(rl.ref_logprobs(rollout))
         behaviour_BT = torch.from_numpy(rollout.engine_logprobs_BT())
-        kl_BT = kl_estimate(behaviour_BT, ref_BT, a.kl_estimator) * mask_BT  # per token
+        kl_BT = kl_estimate(behaviour_BT, ref_BT, a.kl_estimator, mask_BT) * mask_BT  # per token
     values_BT = torch.from_numpy(rl.values(rollout))
     rewards_BT = token_rewards(scores_B, mask_BT, kl_BT, beta)
     advantages_BT, returns_BT = gae_advantages(rewards_BT, values_BT, mask_BT, a.gamma, a.lam)

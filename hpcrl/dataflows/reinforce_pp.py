@@ -25,7 +25,7 @@ def step(rl: RL, step: int) -> None:
     if rl.algo.kl_coef > 0:
         ref_BT = torch.from_numpy(rl.ref_logprobs(rollout))
         behaviour_BT = torch.from_numpy(rollout.engine_logprobs_BT())
-        kl_BT = kl_estimate(behaviour_BT, ref_BT, rl.algo.kl_estimator) * mask_BT  # per token
+        kl_BT = kl_estimate(behaviour_BT, ref_BT, rl.algo.kl_estimator, mask_BT) * mask_BT  # per token
     advantages_BT, _ = reinforce_pp_advantages(rewards, mask_BT, kl_BT, rl.algo.kl_coef)
     rl.update_policy(rollout, advantages_BT.float().numpy(), loss="ppo")
     rl.sync_weights()

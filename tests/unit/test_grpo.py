@@ -32,6 +32,24 @@ def test_kl_estimators_on_a_known_log_ratio():
         kl_estimate(logp, ref, "k9")
 
 
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_term_ignores_padding_whatever_its_log_prob(estimator):
+    """Padding holds ref 0 and the forward's log p(pad | pad), which a low temperature can push below
+    -88: k3's exp(88) overflows float32 and inf * mask 0 is NaN, in the loss and in the gradient. The
+    masked term is the one of the real tokens alone, whatever the padding holds."""
+    real_logp, real_ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.1, -1.9]])
+    expected = kl_estimate(real_logp, real_ref, estimator).mean()
+    for pad_logp in (-1.0, -90.0, -1e4):
+        logp = torch.tensor([[-1.0, -2.0, pad_logp]], requires_grad=True)
+        ref, old = torch.tensor([[-1.1, -1.9, 0.0]]), torch.tensor([[-1.0, -2.0, 0.0]])
+        mask = torch.tensor([[True, True, False]])
+        loss, m = grpo_loss(logp, old, ref, torch.tensor([0.5]), mask,
+                            GRPOLossConfig(kl_coef=0.001, kl_estimator=estimator), num_tokens=2, num_seqs=1)
+        loss.backward()
+        assert m["kl"].item() == pytest.approx(expected.item(), rel=1e-6), pad_logp
+        assert torch.isfinite(logp.grad).all() and logp.grad[0, 2] == 0.0, (pad_logp, logp.grad)
+
+
 def test_aggregation_modes():
     v = torch.tensor([[1.0, 2.0, 9.0], [4.0, 0.0, 0.0]])
     m = torch.tensor([[1, 1, 0], [1, 0, 0]])

@@ -116,15 +116,20 @@ def _cfg(cfg: Any, loss_agg: str | None = None) -> GRPOLossConfig:
                           loss_agg_norm=cfg.loss_agg_norm or None)
 
 
+def _per_sequence(b: LossBatch, loss: str) -> torch.Tensor:
+    """The batch's advantages, which `loss` takes per sequence ([B]); ValueError naming the shape if not."""
+    adv = b.tensors["advantages"]
+    if adv.dim() != 1:
+        raise ValueError(f"loss {loss!r} takes per-sequence advantages [B], got shape {tuple(adv.shape)}")
+    return adv
+
+
 @policy_loss(metrics=("pg_loss", "kl", "clip_frac"))
 def grpo(b: LossBatch, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO's clipped loss (clip range [1 - clip_eps, 1 + clip_eps_high]) with the KL penalty
     (`hpcrl.algorithms.grpo.grpo_loss`), aggregated per `algorithm.loss_agg`."""
-    adv = b.tensors["advantages"]
-    if adv.dim() != 1:
-        raise ValueError(f"loss 'grpo' takes per-sequence advantages [B], got shape {tuple(adv.shape)}")
     _needs_ref(b, cfg, "grpo")
-    return grpo_loss(b.logp_BT, b.old_logp_BT, b.ref_logp_BT, adv, b.mask_BT, _cfg(cfg),
+    return grpo_loss(b.logp_BT, b.old_logp_BT, b.ref_logp_BT, _per_sequence(b, "grpo"), b.mask_BT, _cfg(cfg),
                      num_tokens=b.num_tokens, num_seqs=b.num_seqs, weights_BT=b.correction_BT)
 
 
@@ -159,7 +164,7 @@ def dr_grpo(b: LossBatch, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tenso
     """GRPO's loss aggregated as Dr. GRPO: each sequence's token sum over the constant
     algorithm.loss_agg_norm (`seq-mean-token-sum-norm`), whatever algorithm.loss_agg says."""
     _needs_ref(b, cfg, "dr_grpo")
-    return grpo_loss(b.logp_BT, b.old_logp_BT, b.ref_logp_BT, b.tensors["advantages"], b.mask_BT,
+    return grpo_loss(b.logp_BT, b.old_logp_BT, b.ref_logp_BT, _per_sequence(b, "dr_grpo"), b.mask_BT,
                      _cfg(cfg, "seq-mean-token-sum-norm"), num_tokens=b.num_tokens, num_seqs=b.num_seqs,
                      weights_BT=b.correction_BT)
 

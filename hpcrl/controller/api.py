@@ -195,6 +195,12 @@ class RL:
         log-probs of the sampled tokens against this forward before the update while the sync is in
         flight (WeightSyncError above rollout.logprob_tolerance), and waits for it.
         """
+        temperature = 1.0 if loss == "sft" else self._temperature  # the answers' NLL under the model itself
+        if temperature != self._temperature and rollout.engine_logprobs:
+            raise RuntimeError(
+                f"rl.update_policy(loss='sft') on completions the engines sampled at rollout.temperature="
+                f"{self._temperature}: the sft loss is the NLL at temperature 1, so the sync check cannot "
+                f"compare its log-probs with the engines'; use rollout.temperature: 1, or rl.demonstrations()")
         if rollout_correction(self.job) != "none" and rollout.engine_logprobs:
             tensors = {**(tensors or {}), "behaviour_logp": rollout.engine_logprobs_BT()}
         scored, rows = [], None  # asynchronous runs: the rows scored again, their scores
@@ -213,7 +219,7 @@ class RL:
 
         with self._phase("train"):
             train = self._s.policy.train(
-                self.step, rollout, advantages, ref_logprobs, self._temperature, loss=loss, tensors=tensors,
+                self.step, rollout, advantages, ref_logprobs, temperature, loss=loss, tensors=tensors,
                 epochs=self.algo.ppo_epochs if epochs is None else epochs,
                 mini_batch_size=self.algo.mini_batch_size if mini_batch_size is None else mini_batch_size,
                 before_sync=before_push)

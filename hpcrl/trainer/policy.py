@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcrl.algorithms.grpo import KL_ESTIMATORS, LOSS_AGGS, GRPOLossConfig, aggregate
+from hpcrl.algorithms.grpo import KL_ESTIMATORS, LOSS_AGGS, aggregate
 from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
 from hpcrl.trainer import megatron_compat
 from hpcrl.trainer.batch import TrainBatch
@@ -220,9 +220,6 @@ class MegatronPolicy:
         if algorithm.kl_coef > 0:
             self.ref = build_gpt_model(self.hf_config, transformer_config(self.hf_config, **layout))
             self.ref.requires_grad_(False)
-        self.loss_cfg = GRPOLossConfig(clip_eps=algorithm.clip_eps, kl_coef=algorithm.kl_coef,
-                                       kl_estimator=algorithm.kl_estimator, loss_agg=algorithm.loss_agg,
-                                       loss_agg_norm=algorithm.loss_agg_norm or None)
         self._loaded = {"policy": False, "ref": self.ref is None}
         self._losses: dict[str, Any] = {}
 

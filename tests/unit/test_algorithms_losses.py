@@ -224,3 +224,17 @@ def test_algorithm_clip_ratio_c_turns_dual_clip_on_in_the_built_in_losses(name):
     # token-mean over the 4 tokens; dr_grpo's sums over 2 sequences x loss_agg_norm 2 divide by 4 too
     assert off == pytest.approx(unclipped / 4, rel=1e-6)
     assert on == pytest.approx(dual / 4, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo"])
+def test_sequence_losses_name_token_level_advantages(name):
+    """grpo and dr_grpo take one advantage per sequence; [B, T] advantages (ppo's) are named, not left
+    to a broadcast error inside the clipped ratio."""
+    from hpcrl.algorithms.losses import LossBatch, call_loss, resolve_loss
+    from hpcrl.config.schema import AlgorithmConfig
+
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.7]], requires_grad=True)
+    b = LossBatch(logp, logp.detach(), None, torch.ones(2, 2, dtype=torch.bool), 4, 2,
+                  {"advantages": torch.ones(2, 2)}, None)
+    with pytest.raises(ValueError, match=rf"loss '{name}' takes per-sequence advantages \[B\], got shape \(2, 2\)"):
+        call_loss(resolve_loss(name), b, AlgorithmConfig(name=name, loss_agg_norm=2.0))

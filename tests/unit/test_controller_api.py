@@ -103,3 +103,32 @@ def test_sft_targets_are_the_answers_then_a_stop_token():
     tok = CharTokenizer()
     assert tok.encode_completion("abc") == tok.encode("abc", add_bos=False)
     assert tok.encode_completion("abc")[0] != tok.bos_id
+
+
+def test_the_sft_loss_is_the_nll_at_temperature_one():
+    """rollout.temperature scales the logits of sampled tokens; an answer's NLL is the model's own
+    (temperature 1): at 0.7 the fit would come out flatter by that factor. On completions the engines
+    sampled at 0.7 the sync check could not compare the two: refused, naming the way out."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from hpcrl.controller.api import RL
+
+    seen = []
+
+    class Policy:
+        def train(self, step, rollout, advantages, ref_logprobs, temperature, **kw):
+            seen.append(temperature)
+            return SimpleNamespace(metrics={}, logprobs_BT=None)
+
+    job = job_from_dict({"rollout": {"temperature": 0.7}})
+    rl = RL(SimpleNamespace(job=job, policy=Policy(), phase=lambda step, name: None))
+    rl.begin_step(0)
+    demonstrations = SimpleNamespace(engine_logprobs=None, response_ids=[[5, 6]])
+    rl.update_policy(demonstrations, np.zeros(1, dtype=np.float32), loss="sft")
+    rl.update_policy(demonstrations, np.zeros(1, dtype=np.float32), loss="grpo")
+    assert seen == [1.0, 0.7]
+    sampled = SimpleNamespace(engine_logprobs=[[-0.5, -0.1]], response_ids=[[5, 6]])
+    with pytest.raises(RuntimeError, match=r"loss='sft'.*rollout.temperature=0.7.*rl.demonstrations\(\)"):
+        rl.update_policy(sampled, np.zeros(1, dtype=np.float32), loss="sft")

@@ -10,15 +10,16 @@ model (Mixtral, DeepSeek-V3/V2) through transformers' own forward. For DeepSeek'
 attention the DynamicCache holds each layer's compressed latents (the normed kv_lora_rank part and
 the roped shared key, one "head" each), which transformers expands through kv_b_proj at every step.
 
-Sampling follows SGLang 0.5.x (`SamplingParams`, `Sampler`, `Req.check_finished`):
+Sampling follows SGLang 0.5.x (`SamplingParams`, `Sampler`, `Req.update_finish_state`):
   * temperature 0 is greedy (SGLang turns it into top_k=1 at temperature 1); otherwise the logits are
     divided by the temperature, top-k and top-p (drop a token when the mass sorted before it already
     exceeds top_p) are applied to the same sorted probabilities, as in SGLang's PyTorch sampling
     fallback (its flashinfer kernel renormalises after top-k first), and one token is drawn from the
     renormalised rest.
-  * a request ends with {"type": "length", "length": n} once it has n = max_new_tokens tokens (checked
-    first, as SGLang does), else with {"type": "stop", "matched": id} when it emits an EOS id of the
-    model config or one of `stop_token_ids`; `ignore_eos` disables both. The stop token is part of
+  * a request ends with {"type": "stop", "matched": id} when it emits an EOS id of the model config or
+    one of `stop_token_ids` (`ignore_eos` disables both), else with {"type": "length", "length": n} once
+    it has n = max_new_tokens tokens: the stop is checked first, as SGLang 0.5.23's
+    `Req.update_finish_state` does, so a stop token in the last allowed place is a stop. The stop token is part of
     output_ids. max_new_tokens is capped by the context like SGLang's scheduler:
     min(max_new_tokens, context_len - 2 - prompt_len); a prompt longer than context_len - 6 is refused.
   * `sampling_seed`: each request draws its uniforms from its own torch.Generator seeded with it
@@ -453,8 +454,8 @@ class ReferenceModel:
                 logprobs_BT[:, t] = lp_B
                 active_B = ~finished_B
                 lengths_B += active_B
-                at_len_B = active_B & (lengths_B >= max_new_B)
-                at_stop_B = active_B & ~at_len_B & stop_BV[rows, tok_B]
+                at_stop_B = active_B & stop_BV[rows, tok_B]  # before the length, as SGLang 0.5.23
+                at_len_B = active_B & ~at_stop_B & (lengths_B >= max_new_B)
                 stopped_B |= at_stop_B
                 finished_B |= at_len_B | at_stop_B
                 if t + 1 == num_steps or bool(finished_B.all()):

@@ -238,11 +238,14 @@ def test_stop_on_eos_and_stop_token_ids():
     assert out["finish_reason"] == {"type": "stop", "matched": stop_id}
     ignored = eos_engine.generate([prompt], [{"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}])[0]
     assert ignored["output_ids"] == free and ignored["finish_reason"] == {"type": "length", "length": 20}
-    # stop_token_ids on the original model; length wins when the stop token is the last allowed one
+    # stop_token_ids on the original model; the stop wins when the stop token is the last allowed one
+    # (SGLang 0.5.23's Req.update_finish_state checks token stops before the length), not one earlier
     out = base.generate([prompt], [{"temperature": 0, "max_new_tokens": 20, "stop_token_ids": [stop_id]}])[0]
     assert out["output_ids"] == free[:cut] and out["finish_reason"]["type"] == "stop"
     out = base.generate([prompt], [{"temperature": 0, "max_new_tokens": cut, "stop_token_ids": [stop_id]}])[0]
-    assert out["finish_reason"] == {"type": "length", "length": cut}
+    assert out["output_ids"] == free[:cut] and out["finish_reason"] == {"type": "stop", "matched": stop_id}
+    out = base.generate([prompt], [{"temperature": 0, "max_new_tokens": cut - 1, "stop_token_ids": [stop_id]}])[0]
+    assert out["output_ids"] == free[:cut - 1] and out["finish_reason"] == {"type": "length", "length": cut - 1}
 
 
 def test_length_limits(engine):

@@ -23,7 +23,7 @@ from hpcrl.config.errors import ConfigError, did_you_mean, job_field
 from hpcrl.config.schema import (AlgorithmConfig, CriticConfig, JobConfig, RolloutConfig, critic_enabled,
                                  engine_dtype, rollout_correction)
 from hpcrl.config.validate_data import (  # noqa: F401 (read_model_config, prompt_limit: re-exported)
-    check_data_and_reward, job_tokenizer, prompt_limit, read_model_config)
+    CONTEXT_RESERVE, check_data_and_reward, job_tokenizer, prompt_limit, read_model_config)
 from hpcrl.dataflows._declared import PER_ALGORITHM_KEYS, declared
 from hpcrl.tasks import TASKS
 from moe.hf_megatron import HFModelDims, stage_ranges, transformers_model_type
@@ -584,9 +584,7 @@ def _check_context(job: JobConfig, m: ModelDims, prompt_len: int | None) -> None
     if prompt_len is None:
         return
     limit = m.max_position_embeddings
-    # SGLang (and the reference engine, which follows it) caps generation at
-    # context_len - 2 - prompt_len tokens; refuse what would be cut silently.
-    room = limit - 2 - prompt_len
+    room = limit - CONTEXT_RESERVE - prompt_len  # what SGLang would refuse or cut (validate_data.py)
     if room < 1:
         raise ConfigError("data.task", job.data.task,
                           f"prompts are {prompt_len} tokens, which leaves no room under "
@@ -594,7 +592,8 @@ def _check_context(job: JobConfig, m: ModelDims, prompt_len: int | None) -> None
     if job.rollout.max_new_tokens > room:
         raise ConfigError("rollout.max_new_tokens", job.rollout.max_new_tokens,
                           f"prompt ({prompt_len} tokens with <bos>, data.task={job.data.task}) + "
-                          f"max_new_tokens + 2 exceeds max_position_embeddings={limit} of {m.source}; "
+                          f"max_new_tokens + {CONTEXT_RESERVE} exceeds max_position_embeddings={limit} of "
+                          f"{m.source} (SGLang refuses inputs of context - 6 tokens or more); "
                           f"use max_new_tokens <= {room} (the task's answers are "
                           f"{TASKS[job.data.task].answer_len} tokens)")
 

@@ -119,19 +119,27 @@ NUM_CHECKED_ROWS = 64
 of the sampler's epoch-0 order (seeded by data.seed); the sampler checks every row it draws."""
 
 
+CONTEXT_RESERVE = 7
+"""Tokens of the model's context that a prompt and its longest completion leave free. SGLang 0.5.23
+refuses (400) an input of context_len - 6 tokens or more (the scheduler's max_req_input_len =
+context_len - 1 - 5), and the sync check scores prompt + completion as one input (a partial rollout
+resumes from prompt + the tokens so far): P + max_new_tokens <= context_len - 7. Generation alone
+would need 2 (its cap min(max_new_tokens, context_len - 2 - P))."""
+
+
 def prompt_limit(job: JobConfig) -> tuple[int, str]:
     """(longest prompt in tokens a run accepts, what sets it, for messages): data.max_prompt_tokens
-    when set, else the model's context less rollout.max_new_tokens + 2 (SGLang caps generation at
-    context_len - 2 - prompt_len). Reads the model config; `validate` has checked it."""
+    when set, else the model's context less rollout.max_new_tokens + CONTEXT_RESERVE. Reads the model
+    config; `validate` has checked it."""
     _, _, source, hf = read_model_config(job)
     context = HFModelDims.from_hf_config(hf).max_position_embeddings
     new = job.rollout.max_new_tokens
-    room = context - 2 - new
+    room = context - CONTEXT_RESERVE - new
     cap = job.data.max_prompt_tokens
     if cap and cap <= room:
         return cap, f"data.max_prompt_tokens={cap}"
     return room, (f"the model's context (max_position_embeddings={context} of {source} - "
-                  f"rollout.max_new_tokens={new} - 2 = {room} tokens)")
+                  f"rollout.max_new_tokens={new} - {CONTEXT_RESERVE} = {room} tokens)")
 
 
 def job_tokenizer(job: JobConfig) -> Tokenizer:

@@ -20,8 +20,9 @@ Sampling follows SGLang 0.5.x (`SamplingParams`, `Sampler`, `Req.update_finish_s
     one of `stop_token_ids` (`ignore_eos` disables both), else with {"type": "length", "length": n} once
     it has n = max_new_tokens tokens: the stop is checked first, as SGLang 0.5.23's
     `Req.update_finish_state` does, so a stop token in the last allowed place is a stop. The stop token is part of
-    output_ids. max_new_tokens is capped by the context like SGLang's scheduler:
-    min(max_new_tokens, context_len - 2 - prompt_len); a prompt longer than context_len - 6 is refused.
+    output_ids. An input of context_len - 6 tokens or more, or one whose max_new_tokens would pass
+    context_len, is refused as SGLang refuses it (400); max_new_tokens is then capped like SGLang's
+    scheduler: min(max_new_tokens, context_len - 2 - prompt_len).
   * `sampling_seed`: each request draws its uniforms from its own torch.Generator seeded with it
     (requests without one get a seed from the engine's seeded RNG, in arrival order), and a token is
     picked by inverse CDF over the filtered, sorted probabilities. A request's tokens therefore do
@@ -267,12 +268,25 @@ class ReferenceModel:
 
     # -- generation ----------------------------------------------------------------------------
 
-    def max_new_tokens_for(self, prompt_len: int, requested: int) -> int:
-        """SGLang's cap: min(requested, context_len - 2 - prompt_len); ValueError for too-long prompts."""
-        if prompt_len > self.context_len - 6:
-            raise ValueError(f"the input ({prompt_len} tokens) is longer than the model's context length "
-                             f"allows ({self.context_len} tokens, prompts up to {self.context_len - 6})")
-        return min(requested, self.context_len - 2 - prompt_len)
+    def max_new_tokens_for(self, prompt_len: int, requested: int, given: bool = False) -> int:
+        """SGLang 0.5.23's limits, in its order: an input of context_len tokens or more, then input +
+        max_new_tokens over context_len when the request `given` max_new_tokens (not absent or null:
+        `TokenizerManager._validate_one_request`, without --allow-auto-truncate), then an input of
+        context_len - 6 or more (the scheduler's max_req_input_len = context_len - 1 - 5) are refused
+        (ValueError, SGLang's message); else the scheduler's cap min(requested, context_len - 2 - prompt_len)."""
+        ctx = self.context_len
+        if prompt_len >= ctx:
+            raise ValueError(f"The input ({prompt_len} tokens) is longer than the model's context length "
+                             f"({ctx} tokens).")
+        if given and prompt_len + requested > ctx:
+            raise ValueError(f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+                             f"You requested a total of {prompt_len + requested} tokens: {prompt_len} tokens from "
+                             f"the input messages and {requested} tokens for the completion. Please reduce the "
+                             f"number of tokens in the input messages or the completion to fit within the limit.")
+        if prompt_len >= ctx - 6:
+            raise ValueError(f"Input length ({prompt_len} tokens) exceeds the maximum allowed length ({ctx - 6} "
+                             f"tokens). Use a shorter input or enable --allow-auto-truncate.")
+        return min(requested, ctx - 2 - prompt_len)
 
     def routes_refusal(self) -> str | None:
         """Why this model cannot return routed experts (no MoE layer), or None."""
@@ -334,7 +348,11 @@ class ReferenceModel:
                   parsed.get(id(p)) or parsed.setdefault(id(p), SamplingParams.from_dict(p))
                   for p in sampling_params]
         prompts = [self._check_prompt(i, p) for i, p in enumerate(input_ids)]
-        max_new = [self.max_new_tokens_for(len(p), sp.max_new_tokens) for p, sp in zip(prompts, params)]
+        # A request's own max_new_tokens (a dict: the server checks the body as it came) is held to the
+        # context; parsed SamplingParams were checked so already, and absent or null ones are not.
+        given = [isinstance(p, Mapping) and p.get("max_new_tokens") is not None for p in sampling_params]
+        max_new = [self.max_new_tokens_for(len(p), sp.max_new_tokens, g)
+                   for p, sp, g in zip(prompts, params, given)]
         return prompts, params, max_new
 
     def _check_prompt(self, i: int, prompt: Sequence[int]) -> list[int]:

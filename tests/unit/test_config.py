@@ -242,7 +242,7 @@ BAD = [
     ("too-few-gpus", "resources: {device: cuda, gpus_per_node: 2}\ntrainer: {num_procs: 4}", [], None,
      "trainer.num_procs", "4", "num_procs <= 2"),
     ("context-length", "rollout: {max_new_tokens: 100}", [], None, "rollout.max_new_tokens", "100",
-     "max_new_tokens <= 60"),
+     "max_new_tokens <= 55"),
     ("empty-run-dir", "logging: {run_dir: ''}", [], None, "logging.run_dir", "''", "null"),
     ("set-without-equals", "name: ok", ["algorithm.lr"], None, "--set", "'algorithm.lr'", "key=value"),
     ("set-unknown-key", "name: ok", ["algorithm.lrr=1"], None, "--set", "'algorithm.lrr=1'",

@@ -71,7 +71,8 @@ def test_char_tokenizer_alphabet_names_row_and_characters(tmp_path):
 
 
 def test_prompt_length_limits(tmp_path):
-    # The tiny preset's context is 64 tokens: 64 - rollout.max_new_tokens (8) - 2 = 54 for the prompt.
+    # The tiny preset's context is 64 tokens: 64 - rollout.max_new_tokens (8) - 7 = 49 for the prompt (SGLang
+    # refuses an input of 64 - 6 tokens or more, and the sync check scores prompt + completion as one).
     path = rows_file(tmp_path, [{"prompt": "ab", "answer": "1"}, {"prompt": "abcdef", "answer": "1"}])
     error(tmp_path, {"data": {"path": path, "max_prompt_tokens": 4}}, "data.path",
           "row 2 has a prompt ('prompt') of 7 tokens, over data.max_prompt_tokens=4; shorten it, raise "
@@ -79,11 +80,13 @@ def test_prompt_length_limits(tmp_path):
     drop = {"path": path, "max_prompt_tokens": 4, "overlong_prompts": "drop"}
     assert check(tmp_path, {"data": drop}) is None
     error(tmp_path, {"data": {"path": path, "max_prompt_tokens": 60}}, "data.max_prompt_tokens",
-          "use max_prompt_tokens <= 54")
-    long = rows_file(tmp_path, [{"prompt": "a" * 54, "answer": "1"}], "long.jsonl")
+          "use max_prompt_tokens <= 49")
+    assert check(tmp_path, {"data": {"path": rows_file(tmp_path, [{"prompt": "a" * 48, "answer": "1"}],
+                                                       "fits.jsonl")}}) is None  # <bos> + 48 = 49 tokens
+    long = rows_file(tmp_path, [{"prompt": "a" * 49, "answer": "1"}], "long.jsonl")
     error(tmp_path, {"data": {"path": long}}, "data.path",
-          "row 1 has a prompt ('prompt') of 55 tokens, over the model's context (max_position_embeddings=64 "
-          "of preset 'tiny-qwen3-moe' - rollout.max_new_tokens=8 - 2 = 54 tokens)")
+          "row 1 has a prompt ('prompt') of 50 tokens, over the model's context (max_position_embeddings=64 "
+          "of preset 'tiny-qwen3-moe' - rollout.max_new_tokens=8 - 7 = 49 tokens)")
     error(tmp_path, {"data": {"path": long, "overlong_prompts": "drop"}}, "data.path",
           "every checked row (1) is over the model's context")
 

@@ -254,14 +254,25 @@ def test_length_limits(engine):
     assert outs[0] == {"output_ids": [], "output_logprobs": [],
                        "finish_reason": {"type": "length", "length": 0}}
     assert len(outs[1]["output_ids"]) == 3
+    # SGLang 0.5.23 (TokenizerManager._validate_one_request, Scheduler's max_req_input_len = ctx - 6):
+    # without max_new_tokens (absent or null) a prompt is capped at ctx - 2 - P new tokens; with it,
+    # P + max_new_tokens must fit in ctx; an input of ctx - 6 tokens or more is refused either way.
     ctx = engine.context_len
     long_prompt = [7] * (ctx - 10)
-    out = engine.generate([long_prompt], [{"max_new_tokens": 100, "ignore_eos": True}])[0]
+    out = engine.generate([long_prompt], [{"ignore_eos": True}])[0]  # SGLang's default 128 > ctx - 2 - P
     assert out["finish_reason"] == {"type": "length", "length": ctx - 2 - len(long_prompt)}
     out = engine.generate([[1, 2]], [{"max_new_tokens": None, "ignore_eos": True}])[0]
     assert out["finish_reason"] == {"type": "length", "length": ctx - 4}
+    out = engine.generate([long_prompt], [{"max_new_tokens": 10, "ignore_eos": True}])[0]  # P + 10 = ctx: fits,
+    assert out["finish_reason"] == {"type": "length", "length": 8}  # then capped at ctx - 2 - P = 8
+    with pytest.raises(ValueError, match=rf"total of {ctx + 1} tokens: {ctx - 10} tokens from the input"):
+        engine.generate([long_prompt], [{"max_new_tokens": 11}])
+    engine.generate([[7] * (ctx - 7)], [{"max_new_tokens": 1}])
+    with pytest.raises(ValueError, match=rf"Input length \({ctx - 6} tokens\) exceeds the maximum allowed "
+                                         rf"length \({ctx - 6} tokens\)"):
+        engine.generate([[7] * (ctx - 6)], [{"max_new_tokens": 0}])
     with pytest.raises(ValueError, match="longer than the model's context length"):
-        engine.generate([[7] * (ctx - 5)], [{}])
+        engine.generate([[7] * ctx], [{}])
 
 
 @pytest.mark.parametrize("params, match", [

@@ -44,6 +44,9 @@ BACKENDS = ("reference", "sglang")
 WEIGHT_SYNCS = ("auto", "shard", "broadcast")
 ROUTING_REPLAYS = ("none", "observe", "r3", "r2")
 SYNC_CHECKSUMS = ("sampled", "full", "off")  # moe._reshard_runtime.VERIFY_MODES (torch-free here)
+SGLANG_GREEDY_BELOW = 1e-6
+"""SGLang 0.5.23 samples a temperature in [0, 1e-6) greedily, at temperature 1 (SamplingParams'
+_SAMPLING_EPS, sampling/sampling_params.py); so does the reference engine."""
 
 
 _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
@@ -115,7 +118,9 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("rollout.tp_per_engine", lambda v: v >= 1, ">= 1"),
     ("rollout.ep", lambda v: v >= 1, ">= 1"),
     ("rollout.dp_attention", lambda v: v >= 1, ">= 1"),
-    ("rollout.temperature", lambda v: v > 0, "> 0 (1.0 samples the policy as is)"),
+    ("rollout.temperature", lambda v: v >= SGLANG_GREEDY_BELOW,
+     f">= {SGLANG_GREEDY_BELOW:g} (1.0 samples the policy as is; below it SGLang samples greedily and returns "
+     "log-probs at temperature 1, which the trainer's would not match)"),
     ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]; 1.0 disables nucleus sampling"),
     ("rollout.max_new_tokens", lambda v: v >= 1, ">= 1"),
     ("rollout.logprob_tolerance", lambda v: v > 0, "> 0, e.g. 1e-4 (float32) or 1.0 (bfloat16 engines)"),

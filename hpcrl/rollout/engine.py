@@ -11,7 +11,7 @@ attention the DynamicCache holds each layer's compressed latents (the normed kv_
 the roped shared key, one "head" each), which transformers expands through kv_b_proj at every step.
 
 Sampling follows SGLang 0.5.x (`SamplingParams`, `Sampler`, `Req.update_finish_state`):
-  * temperature 0 is greedy (SGLang turns it into top_k=1 at temperature 1); otherwise the logits are
+  * temperature below 1e-6 is greedy (SGLang turns it into top_k=1 at temperature 1); otherwise the logits are
     divided by the temperature, top-k and top-p (drop a token when the mass sorted before it already
     exceeds top_p) are applied to the same sorted probabilities, as in SGLang's PyTorch sampling
     fallback (its flashinfer kernel renormalises after top-k first), and one token is drawn from the
@@ -24,7 +24,7 @@ Sampling follows SGLang 0.5.x (`SamplingParams`, `Sampler`, `Req.update_finish_s
     context_len, is refused as SGLang refuses it (400); max_new_tokens is then capped like SGLang's
     scheduler: min(max_new_tokens, context_len - 2 - prompt_len).
   * `sampling_seed`: each request draws its uniforms from its own torch.Generator seeded with it
-    (requests without one get a seed from the engine's seeded RNG, in arrival order), and a token is
+    (requests without one get 42, as SGLang's deterministic inference gives them), and a token is
     picked by inverse CDF over the filtered, sorted probabilities. A request's tokens therefore do
     not depend on which other requests share its batch. The random stream is hpcrl's own: the same
     seed gives different tokens on a real SGLang server.
@@ -53,7 +53,6 @@ compare rows as sets.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
@@ -77,6 +76,11 @@ _INERT_DEFAULTS: dict[str, tuple] = {
     "logit_bias": (None,), "custom_params": (None,),
 }
 _TEXT_ONLY = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
+SAMPLING_EPS = 1e-6
+"""SGLang 0.5.23's _SAMPLING_EPS: a temperature below it is greedy (SamplingParams.greedy)."""
+UNSEEDED = 42
+"""The seed of a request without sampling_seed: SGLang 0.5.23's in deterministic inference, which hpcrl
+runs it with (SamplingBatchInfo.from_schedule_batch): identical unseeded requests sample alike."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +118,12 @@ class SamplingParams:
         out = cls(**kwargs)
         out._validate()
         return out
+
+    @property
+    def greedy(self) -> bool:
+        """SGLang 0.5.23 samples 0 <= temperature < 1e-6 greedily, as top_k=1 at temperature 1
+        (SamplingParams, _SAMPLING_EPS): the log-probs are then at temperature 1."""
+        return self.temperature < SAMPLING_EPS
 
     def _validate(self) -> None:
         def bad(field: str, why: str):
@@ -185,7 +195,6 @@ class ReferenceModel:
         self.eos_token_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else \
             (() if eos is None else (int(eos),))
         self.pad_token_id: int = self.config.pad_token_id if self.config.pad_token_id is not None else 0
-        self._seed_rng = random.Random(seed)
         self.skipped_mtp: list[str] = []  # on-disk MTP tensors the last load_model_dir left out
 
     # -- weights -------------------------------------------------------------------------------
@@ -316,8 +325,7 @@ class ReferenceModel:
             raise ValueError(f"return_routes has {len(want)} entries for {len(prompts)} prompts")
         if any(want) and self.routes_refusal():
             raise ValueError(self.routes_refusal())
-        seeds = [sp.sampling_seed if sp.sampling_seed is not None else self._seed_rng.getrandbits(63)
-                 for sp in params]
+        seeds = [UNSEEDED if sp.sampling_seed is None else sp.sampling_seed for sp in params]
         num_steps = max(max_new)
         if num_steps == 0 and not any(want):
             return [_result([], [], {"type": "length", "length": 0}) for _ in prompts]
@@ -420,15 +428,15 @@ class ReferenceModel:
         mask_BN[:, :L] = torch.arange(L)[None, :] >= (L - torch.tensor(lengths))[:, None]
         pos_BL = (mask_BN[:, :L].cumsum(-1) - 1).clamp(min=0)
 
-        greedy_B = torch.tensor([sp.temperature == 0 for sp in params])
-        temp_B = torch.tensor([1.0 if sp.temperature == 0 else float(sp.temperature) for sp in params])
+        greedy_B = torch.tensor([sp.greedy for sp in params])
+        temp_B = torch.tensor([1.0 if sp.greedy else float(sp.temperature) for sp in params])
         top_p_B = torch.tensor([float(sp.top_p) for sp in params])
         top_k_B = torch.tensor([V if sp.top_k == -1 else min(sp.top_k, V) for sp in params])
         u_BT = torch.zeros(B, num_steps)
         stop_rows, stop_ids = [], []
         gen = torch.Generator()  # reseeded per request (a new generator per row cost ~2x as much)
         for b, sp in enumerate(params):
-            if sp.temperature != 0:  # a request's uniforms come from its own seed only
+            if not sp.greedy:  # a request's uniforms come from its own seed only
                 torch.rand(max_new[b], generator=gen.manual_seed(seeds[b]), out=u_BT[b, :max_new[b]])
             if not sp.ignore_eos:
                 ids = {t for t in (*self.eos_token_ids, *sp.stop_token_ids) if 0 <= t < V}

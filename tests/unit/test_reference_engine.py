@@ -323,3 +323,19 @@ def test_mixtral_builds_loads_checkpoint_names_and_generates():
     params = [{"temperature": 0.9, "max_new_tokens": 6, "sampling_seed": 7, "ignore_eos": True}] * 2
     a, b = src.generate([[1, 4, 5], [1, 9]], params), dst.generate([[1, 4, 5], [1, 9]], params)
     assert [x["output_ids"] for x in a] == [x["output_ids"] for x in b]
+
+
+def test_near_zero_temperature_is_greedy_and_unseeded_requests_take_seed_42(engine):
+    """SGLang 0.5.23: a temperature below 1e-6 samples greedily with log-probs at temperature 1
+    (SamplingParams' _SAMPLING_EPS); in deterministic inference, which hpcrl runs SGLang with, a request
+    without sampling_seed samples with seed 42 (SamplingBatchInfo), so identical ones sample alike."""
+    prompt = [1, 11, 12, 13]
+    greedy, tiny, small = engine.generate([prompt] * 3, [{"temperature": t, "max_new_tokens": 6, "ignore_eos": True}
+                                                         for t in (0, 5e-7, 1e-6)])
+    assert tiny == greedy
+    assert small["output_logprobs"] != greedy["output_logprobs"]  # 1e-6 is a temperature: logits / 1e-6
+    sampled = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True}
+    a, b, seeded = engine.generate([prompt] * 3, [sampled, sampled, {**sampled, "sampling_seed": 42}])
+    assert a == b == seeded
+    other = engine.generate([prompt], [{**sampled, "sampling_seed": 43}])[0]
+    assert other["output_ids"] != a["output_ids"] or other["output_logprobs"] != a["output_logprobs"]

@@ -1,9 +1,9 @@
 """HF checkpoint names <-> Megatron-core local parameter names and slices, for MoE decoders.
 
 Pure tensor bookkeeping (no torch.distributed, no hpcrl): given a HuggingFace config.json dict
-(Qwen3-MoE or Mixtral) and one rank's coordinates in a Megatron layout (TP/PP/EP/ETP), say which
-global box of which HF *checkpoint-named* tensor each entry of that rank's Megatron state dict
-holds. From that one table follow `hf_to_megatron` (full HF tensors -> one rank's shards) and
+(Qwen3-MoE, Mixtral, DeepSeek-V3 or DeepSeek-V2) and one rank's coordinates in a Megatron layout
+(TP/PP/EP/ETP), say which global box of which HF *checkpoint-named* tensor each entry of that rank's
+Megatron state dict holds. From that one table follow `hf_to_megatron` (full HF tensors -> one rank's shards) and
 `megatron_to_hf` (the shards of all ranks -> full HF tensors), and the resharding engine can plan
 transfers from the same `Piece`s.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,7 +33,7 @@ from moe.slices import Box
 if TYPE_CHECKING:
     import torch  # the tensor functions import it when called: config validation stays torch-free
 
-FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
+FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2")
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 """config.json model types that are another family's architecture under their own name. Kimi-K2
 (moonshotai/Kimi-K2-*) is DeepseekV3ForCausalLM with model_type kimi_k2, which transformers does not
@@ -81,14 +81,19 @@ class MLADims:
 
 @dataclass(frozen=True, slots=True)
 class HFModelDims:
-    """The dimensions of a Qwen3-MoE / Mixtral / DeepSeek-V3 decoder, read from its HF config.json dict.
+    """The dimensions of a Qwen3-MoE / Mixtral / DeepSeek-V3 / DeepSeek-V2 decoder, read from its HF
+    config.json dict.
 
     DeepSeek-V3 (also Moonlight, model_type deepseek_v3, and Kimi-K2, model_type kimi_k2: `family`
     is deepseek_v3 for all) adds `mla`, `first_dense_layers` dense SwiGLU layers of `dense_ffn_size`
     before the MoE layers, a shared expert of `shared_ffn_size` per MoE layer, and a sigmoid router
     with a score-correction bias, group-limited top-k and `routed_scaling_factor`; `mtp_layers` MTP
     layers sit after the decoder on disk (`model.layers.{num_layers + k}.*`), which the trainer does
-    not build (export copies them).
+    not build (export copies them). DeepSeek-V2 (family deepseek_v2, e.g. DeepSeek-V2-Lite) is the
+    same decoder with another router: softmax scores over all experts, top-k without renormalising
+    (`norm_topk_prob` false), times `routed_scaling_factor`, no bias (`expert_bias` false), no groups.
+    The trainer builds the router from `score_function`, `norm_topk_prob`, `expert_bias` and the
+    groups, not from the family name.
     """
 
     family: str
@@ -135,8 +140,8 @@ class HFModelDims:
                              "only 'silu' (SwiGLU) is supported")
         if cfg.get("attention_bias", False):
             raise ValueError("config.json attention_bias=true is not supported; use a bias-free model")
-        if family == "deepseek_v3":
-            return _deepseek_v3_dims(cfg)
+        if family in ("deepseek_v3", "deepseek_v2"):
+            return _deepseek_dims(cfg, family)
         rope = cfg.get("rope_parameters") or {}
         if (rope_type := rope.get("rope_type", "default")) != "default" or cfg.get("rope_scaling"):
             raise ValueError(f"config.json rope_type={rope_type!r} / rope_scaling is not supported; "
@@ -232,7 +237,7 @@ def _rope_theta(cfg: Mapping) -> float:
     return float(theta)
 
 
-def _yarn(cfg: Mapping) -> tuple[tuple[str, float], ...] | None:
+def _yarn(cfg: Mapping, family: str) -> tuple[tuple[str, float], ...] | None:
     """DeepSeek's YaRN parameters (from rope_scaling, or transformers 5.x's rope_parameters), None
     for plain RoPE; other scalings raise ValueError."""
     rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
@@ -240,7 +245,7 @@ def _yarn(cfg: Mapping) -> tuple[tuple[str, float], ...] | None:
     if kind == "default":
         return None
     if kind != "yarn":
-        raise ValueError(f"config.json rope_scaling type={kind!r} is not supported for deepseek_v3; "
+        raise ValueError(f"config.json rope_scaling type={kind!r} is not supported for {family}; "
                          "valid: yarn, or no rope_scaling (plain RoPE)")
     if "factor" not in rope:
         raise ValueError("config.json rope_scaling (yarn) lacks 'factor'")
@@ -249,22 +254,52 @@ def _yarn(cfg: Mapping) -> tuple[tuple[str, float], ...] | None:
     return tuple((k, float(rope.get(k, defaults.get(k)))) for k in YARN_KEYS)
 
 
-def _deepseek_v3_dims(cfg: Mapping) -> HFModelDims:
-    """DeepSeek-V3 / Kimi-K2 / Moonlight: what transformers' DeepseekV3ForCausalLM computes, refusing
-    what the Megatron model cannot compute the same way (each error names the key and the fix)."""
+def _deepseek_dims(cfg: Mapping, family: str) -> HFModelDims:
+    """DeepSeek-V3 / Kimi-K2 / Moonlight (family deepseek_v3) and DeepSeek-V2 (deepseek_v2): what
+    transformers' DeepseekV3ForCausalLM / DeepseekV2ForCausalLM compute, refusing what the Megatron
+    model cannot compute the same way (each error names the key and the fix). The two share MLA, YaRN,
+    the dense first layers and the shared experts; they differ in the router (`_deepseek_v3_router`,
+    `_deepseek_v2_router`) and in V2's RoPE, always DeepSeek's interleaved layout (transformers' V2
+    rotates complex pairs and reads no rope_interleave)."""
     def bad(key: str, why: str) -> ValueError:
         return ValueError(f"config.json {key}={cfg.get(key)!r}: {why}")
 
-    if not cfg.get("rope_interleave", True):
+    if family == "deepseek_v3" and not cfg.get("rope_interleave", True):
         raise bad("rope_interleave", "only DeepSeek's interleaved RoPE layout (true, the default) is supported")
     if cfg.get("moe_layer_freq", 1) != 1:
         raise bad("moe_layer_freq", "only 1 (every layer after first_k_dense_replace is MoE) is supported")
+    experts, top_k = int(cfg["n_routed_experts"]), int(cfg["num_experts_per_tok"])
+    router = (_deepseek_v3_router if family == "deepseek_v3" else _deepseek_v2_router)(cfg, bad, experts, top_k)
+    if cfg.get("first_k_dense_replace", 0) > int(cfg["num_hidden_layers"]):
+        raise bad("first_k_dense_replace", f"exceeds num_hidden_layers={cfg['num_hidden_layers']}")
+    q_lora = cfg.get("q_lora_rank")
+    mla = MLADims(q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(cfg["kv_lora_rank"]),
+                  qk_nope_dim=int(cfg["qk_nope_head_dim"]), qk_rope_dim=int(cfg["qk_rope_head_dim"]),
+                  v_head_dim=int(cfg["v_head_dim"]))
+    heads = int(cfg["num_attention_heads"])
+    moe_ffn = int(cfg["moe_intermediate_size"])
+    scaling = cfg.get("routed_scaling_factor", 1.0)
+    return HFModelDims(
+        family=family, vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
+        num_layers=int(cfg["num_hidden_layers"]), num_heads=heads, num_kv_heads=heads,
+        head_dim=mla.qk_nope_dim + mla.qk_rope_dim, num_experts=experts, top_k=top_k, moe_ffn_size=moe_ffn,
+        qk_norm=False, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), mla=mla,
+        first_dense_layers=int(cfg.get("first_k_dense_replace", 0)), dense_ffn_size=int(cfg["intermediate_size"]),
+        shared_ffn_size=moe_ffn * int(cfg.get("n_shared_experts") or 0),
+        routed_scaling_factor=None if scaling in (None, 1.0) else float(scaling), yarn=_yarn(cfg, family),
+        mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0), **router)
+
+
+def _deepseek_v3_router(cfg: Mapping, bad: Callable[[str, str], ValueError], experts: int, top_k: int) -> dict:
+    """HFModelDims' router fields of DeepSeek-V3's router: sigmoid scores plus the score-correction
+    bias pick the top-k within the best groups; the chosen sigmoid scores are renormalised."""
     if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
         raise bad("scoring_func", f"(topk_method={cfg.get('topk_method')!r}): deepseek_v3 routes with "
                                   "sigmoid scores and the score-correction bias ('sigmoid', 'noaux_tc')")
     if not cfg.get("norm_topk_prob", True):
         raise bad("norm_topk_prob", "Megatron always renormalises sigmoid top-k weights; only true is supported")
-    experts, top_k = int(cfg["n_routed_experts"]), int(cfg["num_experts_per_tok"])
     n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
     if top_k < 2:
         raise bad("num_experts_per_tok", "top-1 sigmoid routing is not renormalised by Megatron; use >= 2")
@@ -277,27 +312,40 @@ def _deepseek_v3_dims(cfg: Mapping) -> HFModelDims:
         raise bad("num_experts_per_tok", f"with n_group={n_group} > 1, num_experts_per_tok // topk_group must "
                                          f"be 2 (DeepSeek's group score sums each group's top-2 experts, "
                                          f"Megatron's its top num_experts_per_tok // topk_group)")
-    if cfg.get("first_k_dense_replace", 0) > int(cfg["num_hidden_layers"]):
-        raise bad("first_k_dense_replace", f"exceeds num_hidden_layers={cfg['num_hidden_layers']}")
-    q_lora = cfg.get("q_lora_rank")
-    mla = MLADims(q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(cfg["kv_lora_rank"]),
-                  qk_nope_dim=int(cfg["qk_nope_head_dim"]), qk_rope_dim=int(cfg["qk_rope_head_dim"]),
-                  v_head_dim=int(cfg["v_head_dim"]))
-    heads = int(cfg["num_attention_heads"])
-    moe_ffn = int(cfg["moe_intermediate_size"])
-    scaling = cfg.get("routed_scaling_factor", 1.0)
-    return HFModelDims(
-        family="deepseek_v3", vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
-        num_layers=int(cfg["num_hidden_layers"]), num_heads=heads, num_kv_heads=heads,
-        head_dim=mla.qk_nope_dim + mla.qk_rope_dim, num_experts=experts, top_k=top_k, moe_ffn_size=moe_ffn,
-        qk_norm=False, norm_topk_prob=True, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(cfg),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), mla=mla,
-        first_dense_layers=int(cfg.get("first_k_dense_replace", 0)), dense_ffn_size=int(cfg["intermediate_size"]),
-        shared_ffn_size=moe_ffn * int(cfg.get("n_shared_experts") or 0), score_function="sigmoid",
-        expert_bias=True, n_group=n_group, topk_group=topk_group,
-        routed_scaling_factor=None if scaling in (None, 1.0) else float(scaling), yarn=_yarn(cfg),
-        mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
+    return dict(score_function="sigmoid", norm_topk_prob=True, expert_bias=True, n_group=n_group,
+                topk_group=topk_group)
+
+
+def _deepseek_v2_router(cfg: Mapping, bad: Callable[[str, str], ValueError], experts: int, top_k: int) -> dict:
+    """HFModelDims' router fields of DeepSeek-V2's router (transformers' DeepseekV2TopkRouter): softmax
+    over all experts in fp32, the top-k of those probabilities without renormalising, times
+    routed_scaling_factor; Megatron's pre-softmax top-k with its scaling factor computes the same.
+    V2's topk_method 'group_limited_greedy' first keeps the topk_group groups whose BEST expert scores
+    highest; Megatron ranks groups by the sum of their top num_experts_per_tok // topk_group experts,
+    so only the cases where no group is dropped (n_group 1, or topk_group == n_group: greedy) pass."""
+    if cfg.get("scoring_func", "softmax") != "softmax":
+        raise bad("scoring_func", "deepseek_v2 routes with softmax scores over all experts (transformers' "
+                                  "DeepseekV2TopkRouter); only 'softmax' is supported")
+    if cfg.get("norm_topk_prob", False):
+        raise bad("norm_topk_prob", "transformers' DeepSeek-V2 router never renormalises its top-k weights, "
+                                    "so a model trained with it computes something else; set it to false")
+    method = cfg.get("topk_method", "greedy")
+    if method == "group_limited_greedy":
+        n_group, topk_group = cfg.get("n_group"), cfg.get("topk_group")
+        if not (is_size(n_group) and is_size(topk_group)):
+            raise bad("n_group", f"topk_method 'group_limited_greedy' needs n_group and topk_group (now "
+                                 f"{topk_group!r}) as positive integers; or use topk_method 'greedy'")
+        if n_group != 1 and topk_group != n_group:
+            raise bad("topk_method", f"with n_group={n_group}, topk_group={topk_group}: DeepSeek-V2 keeps "
+                                     "the groups whose best expert scores highest, and Megatron's group-limited "
+                                     "top-k ranks a group by the sum of its top num_experts_per_tok // "
+                                     "topk_group experts instead; only 'greedy' (DeepSeek-V2-Lite), or "
+                                     "'group_limited_greedy' with n_group 1 or topk_group == n_group (no group "
+                                     "dropped: greedy) is supported")
+    elif method != "greedy":
+        raise bad("topk_method", "deepseek_v2 supports 'greedy' (DeepSeek-V2-Lite), or 'group_limited_greedy' "
+                                 "with n_group 1 or topk_group == n_group")
+    return dict(score_function="softmax", norm_topk_prob=False, expert_bias=False, n_group=1, topk_group=1)
 
 
 def _mla_shapes(dims: HFModelDims, p: str) -> dict[str, tuple[int, ...]]:

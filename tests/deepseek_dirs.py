@@ -7,6 +7,7 @@ release stores one (nothing is downloaded): what the MTP export tests start from
     load_dir(path)                  # every tensor of a directory, by name (tiny models only)
     add_shard(out, tensors, file)   # more tensors in a shard file of their own, named in the index
     kimi_k2_config()                # tiny-deepseek-v3 as Kimi-K2's config.json says it
+    deepseek_v2_config()            # tiny-deepseek-v3 as DeepSeek-V2-Lite's config.json says it
 
 transformers' save_pretrained writes no MTP tensors, so `mtp_tensors` draws them: for layer
 L = num_hidden_layers, embed_tokens, enorm, hnorm, eh_proj [H, 2H], shared_head.norm and
@@ -41,6 +42,23 @@ def kimi_k2_config() -> dict:
             "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
                          "AutoModel": "modeling_deepseek.DeepseekV3Model",
                          "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}}
+
+
+def deepseek_v2_config() -> dict:
+    """tiny-deepseek-v3 where deepseek-ai/DeepSeek-V2-Lite's config.json differs from DeepSeek-V3's:
+    model_type deepseek_v2, greedy softmax routing (topk_method greedy, scoring_func softmax,
+    norm_topk_prob false, no e_score_correction_bias, one expert group), a plain q_proj (q_lora_rank
+    null), YaRN with V2-Lite's mscale = mscale_all_dim = 0.707 (the attention's softmax scale takes
+    mscale_all_dim's factor, the rotary none) and betas 32 / 1, no MTP layer. routed_scaling_factor is
+    2.0 (V2-Lite's is 1.0) so that a router that drops the scaling computes something else."""
+    from hpcrl.models.presets import load_hf_config
+
+    cfg = load_hf_config("tiny-deepseek-v3", None)
+    rope = {**cfg["rope_scaling"], "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+    return {**cfg, "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+            "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False, "n_group": 1,
+            "topk_group": 1, "routed_scaling_factor": 2.0, "q_lora_rank": None, "rope_scaling": rope,
+            "num_nextn_predict_layers": 0}
 
 
 def keeps_float32(name: str) -> bool:

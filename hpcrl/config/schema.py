@@ -159,7 +159,8 @@ class AlgorithmConfig:
     """MoE load-balancing loss coefficient (Megatron moe_aux_loss_coeff, the batch-wise loss); null:
     the model's own (hpcrl/trainer/model.py `aux_loss_coef_of`): Qwen3-MoE's and Mixtral's
     router_aux_loss_coef (transformers' default 0.001 where config.json leaves it out), 0 for
-    DeepSeek-V3, which balances with its score-correction bias."""
+    DeepSeek-V3, which balances with its score-correction bias, and for DeepSeek-V2 (its sequence-wise
+    aux_loss_alpha is not built)."""
     num_steps: int = 40
     """RL steps (generate -> reward -> update -> weight sync) of the run."""
     gamma: float = 1.0

@@ -493,12 +493,11 @@ def _check_parallel(job: JobConfig, m: ModelDims) -> None:
 
 SGLANG_SHARD_MODEL_TYPES = ("qwen3_moe",)
 """Model types whose SGLang parameters hpcrl/rollout/sglang_shard_loader.py maps (Qwen3-MoE)."""
-SHARD_ROUTE_REFUSALS = {
-    "deepseek_v3": "SGLang 0.5.23's DeepSeek load derives parameters a custom loader does not produce: "
-                   "fused_qkv_a_proj_with_mqa, and w_kc/w_vc, which it rebuilds from kv_b_proj only inside "
-                   "load_weights (an update through --custom-weight-loader skips that step and leaves "
-                   "decode on the old weights; dev/notes_deepseek_sglang.md)",
-}
+_DEEPSEEK_LOAD = ("SGLang 0.5.23's DeepSeek load derives parameters a custom loader does not produce: "
+                  "fused_qkv_a_proj_with_mqa, and w_kc/w_vc, which it rebuilds from kv_b_proj only inside "
+                  "load_weights (an update through --custom-weight-loader skips that step and leaves "
+                  "decode on the old weights; dev/notes_deepseek_sglang.md)")
+SHARD_ROUTE_REFUSALS = {"deepseek_v3": _DEEPSEEK_LOAD, "deepseek_v2": _DEEPSEEK_LOAD}  # one DeepseekV2ForCausalLM
 """Why the shard route refuses a model type, where there is more to say than 'not mapped'."""
 
 

@@ -44,11 +44,13 @@ each MoE layer chose for the token at absolute position i when it was a forward 
 in the prefill, each fed-back output token in its decode step; the last output token was never an
 input and has no row), expert ids logical in [0, num_experts). Dense layers' rows are zeros, as SGLang's
 zero-initialised capture buffer leaves them. Left padding never reaches a row. The ids are the ones the
-forward used: DirectForward's own top-k, or a forward hook on each router (`mlp.gate`, whose third
-output is the chosen ids) around transformers' forward; nothing is recorded without `return_routes`.
-Column order within a row: Qwen3-MoE and Mixtral, descending router probability (torch.topk sorted);
-DeepSeek-V3/V2, whatever torch.topk(sorted=False) gives. SGLang's order depends on its kernel as well:
-compare rows as sets.
+forward used: DirectForward's own top-k, or a forward hook on each router (`mlp.gate`, whose outputs
+are (logits, weights, ids) of the chosen experts) around transformers' forward; nothing is recorded
+without `return_routes`. Column order within a row: descending router weight, i.e. descending
+probability: the softmax probability of Qwen3-MoE, Mixtral and DeepSeek-V2 (its greedy top-k, times
+routed_scaling_factor), the sigmoid score of DeepSeek-V3 (which chose them with its bias added).
+DeepSeek's routers pick with torch.topk(sorted=False), so the hook sorts their ids by weight. SGLang's
+order depends on its kernel: compare rows as sets.
 """
 
 from __future__ import annotations
@@ -408,7 +410,7 @@ class ReferenceModel:
             finally:
                 self._forward.on_route = None
             return
-        hooks = [gate.register_forward_hook(lambda mod, args, out, i=i: recorder(i, out[2]))
+        hooks = [gate.register_forward_hook(lambda mod, args, out, i=i: recorder(i, _by_weight(out[1], out[2])))
                  for i, gate in self.routers]
         try:
             yield
@@ -489,6 +491,12 @@ class ReferenceModel:
                 ids_in, pos_in = tok_B[:, None], pos_in[:, -1:] + 1
         routes = None if recorder is None else recorder.routes_BCLK.cpu()
         return tokens_BT.cpu(), logprobs_BT.cpu(), lengths_B.cpu(), stopped_B.tolist(), routes
+
+
+def _by_weight(weights_NK: torch.Tensor, chosen_NK: torch.Tensor) -> torch.Tensor:
+    """A transformers router's chosen ids in descending order of their weights (a stable sort: the
+    already sorted top-k of Qwen3-MoE and Mixtral stays as it is; DeepSeek's unsorted one is ordered)."""
+    return chosen_NK.gather(-1, weights_NK.argsort(dim=-1, descending=True, stable=True))
 
 
 class _RouteRecorder:

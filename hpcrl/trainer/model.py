@@ -1,4 +1,4 @@
-"""Megatron-core GPTModel (MoE) for a HuggingFace Qwen3-MoE / Mixtral config and a parallel layout.
+"""Megatron-core GPTModel (MoE) for a HuggingFace Qwen3-MoE / Mixtral / DeepSeek config and a parallel layout.
 
 `transformer_config` translates the HF config.json dict plus the trainer layout into a
 `TransformerConfig` that computes what HF's implementation computes: RMSNorm with the HF eps, q/k
@@ -58,10 +58,13 @@ def aux_loss_coef_of(hf_config: Mapping, aux_loss_coef: float | None) -> float:
     loss at config.json's router_aux_loss_coef (mbridge, verl's HF-to-Megatron bridge, reads the same
     key, though most of its bridges then set the balancing type to none for RL). DeepSeek-V3 balances
     with its score-correction bias; its hub config's sequence-wise loss (aux_loss_alpha with seq_aux)
-    is not built here and transformers' config drops it: 0."""
+    is not built here and transformers' config drops it: 0. DeepSeek-V2 likewise: 0 (its hub config's
+    aux_loss_alpha with seq_aux is that same unbuilt sequence-wise loss, and it has no
+    router_aux_loss_coef whose default would stand in for it); algorithm.aux_loss_coef turns
+    Megatron's batch-wise loss on for either."""
     if aux_loss_coef is not None:
         return float(aux_loss_coef)
-    if family_of(hf_config.get("model_type")) == "deepseek_v3":  # the family HFModelDims validates
+    if family_of(hf_config.get("model_type")) in ("deepseek_v3", "deepseek_v2"):  # as HFModelDims validates
         return 0.0
     return float(hf_config.get("router_aux_loss_coef", DEFAULT_ROUTER_AUX_LOSS_COEF))
 
@@ -147,10 +150,12 @@ def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: in
 
 
 def _deepseek_kwargs(dims: HFModelDims) -> dict:
-    """TransformerConfig fields of DeepSeek-V3 on top of the shared ones: MLA with its latent norms
+    """TransformerConfig fields of DeepSeek-V3 / V2 on top of the shared ones: MLA with its latent norms
     (`qk_layernorm` builds them), YaRN or plain RoPE (MLA's softmax scale takes the YaRN mscale only
-    when the scaling factor is > 1), dense first layers, a shared expert, and the sigmoid router with a
-    frozen score-correction bias (update rate 0), group-limited top-k and the routed scaling factor."""
+    when the scaling factor is > 1), dense first layers, a shared expert, and the router the dims
+    describe, times the routed scaling factor: V3's sigmoid scores with a frozen score-correction bias
+    (update rate 0), group-limited top-k and renormalised weights; V2's softmax over all experts then
+    top-k, not renormalised (pre-softmax), no bias, no groups."""
     mla, yarn = dims.mla, dict(dims.yarn or ())
     rope = ({"rope_type": "yarn", "rotary_scaling_factor": yarn["factor"],
              "original_max_position_embeddings": int(yarn["original_max_position_embeddings"]),
@@ -164,8 +169,9 @@ def _deepseek_kwargs(dims: HFModelDims) -> dict:
         ffn_hidden_size=dims.dense_ffn_size,
         moe_layer_freq=[0] * dims.first_dense_layers + [1] * (dims.num_layers - dims.first_dense_layers),
         moe_shared_expert_intermediate_size=dims.shared_ffn_size or None,
-        moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
-        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
+        moe_router_score_function=dims.score_function,
+        moe_router_pre_softmax=dims.score_function == "softmax" and not dims.norm_topk_prob,
+        moe_router_enable_expert_bias=dims.expert_bias, moe_router_bias_update_rate=0.0,
         moe_router_num_groups=dims.n_group if dims.n_group > 1 else None,
         moe_router_group_topk=dims.topk_group if dims.n_group > 1 else None,
         moe_router_topk_scaling_factor=dims.routed_scaling_factor)

@@ -1,7 +1,9 @@
 """MoE model specs: every tensor of a model (HF name, global shape, dtype, kind, role) from config.json.
 
 Families: `deepseek_v3`, `qwen3_moe`, `mixtral`; each module exposes `SPECS: Mapping[str, MoESpec]`
-(flavor -> spec, built lazily) with a `debug` flavor, and `spec_from_config(cfg)`.
+(flavor -> spec, built lazily) with a `debug` flavor, and `spec_from_config(cfg)`. A `deepseek_v2`
+config.json is described by `deepseek_v3.spec_from_config` (the same tensors, no router bias; no
+shipped flavors).
 
     from moe.specs import get_spec, spec_from_config
     spec = get_spec("deepseek_v3/671B")          # or get_spec("qwen3_moe", "30B-A3B")
@@ -26,8 +28,8 @@ FAMILIES: Mapping[str, Mapping[str, MoESpec]] = {
     qwen3_moe.FAMILY: qwen3_moe.SPECS,
     mixtral.FAMILY: mixtral.SPECS,
 }
-_FROM_CONFIG = {deepseek_v3.FAMILY: deepseek_v3.spec_from_config, qwen3_moe.FAMILY: qwen3_moe.spec_from_config,
-                mixtral.FAMILY: mixtral.spec_from_config}
+_FROM_CONFIG = {**{family: deepseek_v3.spec_from_config for family in deepseek_v3.BUILT_FAMILIES},
+                qwen3_moe.FAMILY: qwen3_moe.spec_from_config, mixtral.FAMILY: mixtral.spec_from_config}
 
 
 def get_spec(family: str, flavor: str | None = None) -> MoESpec:
@@ -44,7 +46,7 @@ def get_spec(family: str, flavor: str | None = None) -> MoESpec:
 
 def spec_from_config(cfg: Mapping[str, Any], flavor: str = "custom", **kwargs: Any) -> MoESpec:
     """The spec of any supported config.json dict, dispatched on its `model_type`'s family (kimi_k2 is
-    deepseek_v3: moe.hf_megatron.MODEL_TYPE_ALIASES)."""
+    deepseek_v3: moe.hf_megatron.MODEL_TYPE_ALIASES; deepseek_v2 is described as deepseek_v3)."""
     family = family_of(cfg.get("model_type"))
     if family not in _FROM_CONFIG:
         raise ValueError(f"config.json model_type={cfg.get('model_type')!r} is not supported; "

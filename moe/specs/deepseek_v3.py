@@ -28,6 +28,9 @@ from moe.specs._types import (CONFIG_DIR, LazySpecs, ModelDims, MoESpec, Role, T
                               config_dtype, load_config, require)
 
 FAMILY = "deepseek_v3"
+BUILT_FAMILIES = (FAMILY, "deepseek_v2")
+"""Families whose checkpoints this module describes: DeepSeek-V2 stores V3's tensors without the
+score-correction bias (its topk_method is not noaux_tc) and without MTP layers."""
 K, R = TensorKind, Role
 
 DEBUG_CONFIG: dict[str, Any] = {
@@ -92,9 +95,11 @@ def _decoder_layer(out: list[TensorSpec], i: int, cfg: Mapping[str, Any], hidden
 
 
 def spec_from_config(cfg: Mapping[str, Any], flavor: str = "custom", mtp: bool = False) -> MoESpec:
-    """Every tensor of a DeepSeek-V3 (or Kimi-K2) checkpoint described by `cfg`; `mtp` adds the MTP layers."""
-    if family_of(cfg.get("model_type")) != FAMILY:
-        raise ValueError(f"config.json model_type={cfg.get('model_type')!r}; expected {FAMILY!r}")
+    """Every tensor of a DeepSeek-V3 (or Kimi-K2, or DeepSeek-V2) checkpoint described by `cfg`; `mtp` adds
+    the MTP layers. The spec's family is the config's (deepseek_v2 for a V2)."""
+    family = family_of(cfg.get("model_type"))
+    if family not in BUILT_FAMILIES:
+        raise ValueError(f"config.json model_type={cfg.get('model_type')!r}; expected one of {BUILT_FAMILIES}")
     dtype = config_dtype(cfg)
     layers = int(require(cfg, "num_hidden_layers", FAMILY))
     hidden = int(require(cfg, "hidden_size", FAMILY))
@@ -123,7 +128,7 @@ def spec_from_config(cfg: Mapping[str, Any], flavor: str = "custom", mtp: bool =
                      moe_intermediate_size=moe_ffn,
                      shared_intermediate_size=moe_ffn * int(cfg.get("n_shared_experts") or 0),
                      tie_word_embeddings=tied, num_mtp_layers=num_mtp)
-    return MoESpec(FAMILY, flavor, dims, tuple(out), cfg)
+    return MoESpec(family, flavor, dims, tuple(out), cfg)
 
 
 SPECS = LazySpecs({

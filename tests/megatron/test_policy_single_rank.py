@@ -16,8 +16,8 @@ import math
 
 import pytest
 import torch
-from numerics import (U_FP32, forward_depth, hf_routing, logit_bound, logprob_bound, longest_reduction,
-                      reordered)
+from numerics import (U_FP32, forward_depth, hf_routing, layer_depth, logit_bound, logprob_bound,
+                      longest_reduction, reordered, router_depth, topk_margin)
 
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
@@ -110,14 +110,18 @@ def hf_logprobs(model: torch.nn.Module, batch, temperature: float = 1.0) -> tupl
     """HF's log-probs of the response tokens [B, T] (0 on padding), and how far another evaluation's
     may lie from them (logprob_bound of logit_bound)."""
     logits_BLV = hf_forward(model, batch)
+    cfg = model.config.to_dict()
+    apart = logit_bound(cfg, logits_BLV.abs().max().item(), batch.seq_len)
+    return response_logprobs(logits_BLV, batch, temperature), logprob_bound(apart, cfg["vocab_size"], temperature)
+
+
+def response_logprobs(logits_BLV: torch.Tensor, batch, temperature: float = 1.0) -> torch.Tensor:
+    """The response tokens' log-probs [B, T] under `logits_BLV` at `temperature` (0 on padding)."""
     logp_BLV = torch.log_softmax(logits_BLV / temperature, dim=-1)
     pos_BT = batch.logit_positions_BT()
     logp_BTV = logp_BLV.gather(1, pos_BT.unsqueeze(-1).expand(-1, -1, logp_BLV.shape[-1]))
     logp_BT = logp_BTV.gather(2, batch.response_tokens_BT().unsqueeze(-1)).squeeze(-1)
-    cfg = model.config.to_dict()
-    apart = logit_bound(cfg, logits_BLV.abs().max().item(), batch.seq_len)
-    return torch.where(batch.response_mask_BT(), logp_BT, 0.0), logprob_bound(apart, cfg["vocab_size"],
-                                                                                temperature)
+    return torch.where(batch.response_mask_BT(), logp_BT, 0.0)
 
 
 def assert_logprobs_close(ours: torch.Tensor, model: torch.nn.Module, batch, temperature: float = 1.0
@@ -127,23 +131,50 @@ def assert_logprobs_close(ours: torch.Tensor, model: torch.nn.Module, batch, tem
     assert diff <= bound, f"log-probs {diff:.3g} from HF's > bound {bound:.3g}"
 
 
+def deepseek_v2_margin_ratio(model: torch.nn.Module, batch) -> float:
+    """numerics.routing_margin_ratio of DeepSeek-V2's softmax top-k at DeepSeek's depths: router j sits
+    in layer first_k_dense_replace + j, and each earlier layer ends layer_depth (MLA's 10) reductions
+    (hf_routing counts 7 per layer from router 0, which undercounts MLA layers after dense ones). The
+    choice is made on softmax(logits), whose order is the logits' order, so the logits' margin decides."""
+    out, _ = hf_routing(model, batch)
+    cfg = model.config.to_dict()
+    real = ~batch.padding_mask_BL().reshape(-1)
+    n = longest_reduction(cfg, batch.seq_len)
+    ratios = []
+    for j, logits in enumerate(out.router_logits):
+        logits = logits.reshape(-1, logits.shape[-1])[real].float()
+        B = reordered(n, router_depth(cfg["first_k_dense_replace"] + j, layer_depth(cfg)), logits.abs().max().item())
+        ratios.append((topk_margin(logits, cfg["num_experts_per_tok"]).min() / (2 * B)).item())
+    return min(ratios)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_moe-tied", "deepseek_v3",
-                                    "deepseek_v3-no-q-lora", "kimi_k2"])
+                                    "deepseek_v3-no-q-lora", "kimi_k2", "deepseek_v2"])
 def test_megatron_matches_hf_on_arbitrary_weights(world1, family: str) -> None:
     """kimi_k2: Kimi-K2's config (one expert group, its YaRN betas) computed by transformers'
-    DeepseekV3ForCausalLM, the model SGLang 0.5.23 builds for model_type kimi_k2."""
-    from deepseek_dirs import kimi_k2_config
+    DeepseekV3ForCausalLM, the model SGLang 0.5.23 builds for model_type kimi_k2. deepseek_v2:
+    DeepSeek-V2-Lite's config (greedy softmax top-k, not renormalised, routed_scaling_factor 2.0, no
+    q_lora, YaRN with mscale_all_dim 0.707) computed by transformers' DeepseekV2ForCausalLM;
+    test_deepseek_v2_bound_sees_a_renormalising_router shows the bound tells its router from V3's
+    weighting."""
+    from deepseek_dirs import deepseek_v2_config, kimi_k2_config
 
     cfg = {"qwen3_moe": qwen_config(), "mixtral": MIXTRAL,
            "qwen3_moe-tied": {**qwen_config(), "tie_word_embeddings": True},
            "deepseek_v3": deepseek_config(), "deepseek_v3-no-q-lora": deepseek_config(q_lora=False),
-           "kimi_k2": kimi_k2_config()}[family]
+           "kimi_k2": kimi_k2_config(), "deepseek_v2": deepseek_v2_config()}[family]
     policy = make_policy(cfg, kl_coef=0.1)
     sd, model = perturbed_hf(cfg, seed=4)
     policy.load_hf_state_dict(sd, model="both")
     # Inputs whose routing is clear of near-ties (hf_forward checks it): batch seed 1 puts one of
-    # kimi_k2's ungrouped top-4 choices within the rounding bound.
-    batch = random_batch(cfg["vocab_size"], rows=6, seed=2 if family == "kimi_k2" else 1)
+    # kimi_k2's ungrouped top-4 choices within the rounding bound, and one of deepseek_v2's at its
+    # MLA depths (ratio 0.68; seed 5: 5.4).
+    batch = random_batch(cfg["vocab_size"], rows=6, seed={"kimi_k2": 2, "deepseek_v2": 5}.get(family, 1))
+    if family == "deepseek_v2":
+        assert deepseek_v2_margin_ratio(model, batch) > 1.5, "a router near-tie within the rounding bound"
+        c = policy.gpt.config  # softmax over all experts, then top-k, times routed_scaling_factor
+        assert (c.moe_router_score_function, c.moe_router_pre_softmax, c.moe_router_enable_expert_bias,
+                c.moe_router_num_groups, c.moe_router_topk_scaling_factor) == ("softmax", True, False, None, 2.0)
     for temperature in (1.0, 0.6):
         ours = policy.compute_logprobs(batch, temperature=temperature)
         assert_logprobs_close(ours, model, batch, temperature)
@@ -151,6 +182,41 @@ def test_megatron_matches_hf_on_arbitrary_weights(world1, family: str) -> None:
     exported = policy.export_hf_state_dict()
     assert list(exported) == sorted(sd)
     assert all(torch.equal(exported[k], sd[k]) for k in sd)
+
+
+def test_deepseek_v2_bound_sees_a_renormalising_router(monkeypatch) -> None:
+    """The deepseek_v2 case of test_megatron_matches_hf_on_arbitrary_weights would fail for a router
+    that weighs the chosen experts otherwise: transformers' DeepSeek-V2 with its top-k weights
+    renormalised (V3's rule, and Megatron's softmax after top-k), or without routed_scaling_factor,
+    moves a log-prob by more than 10x that test's bound. The bound: logprob_bound of logit_bound,
+    2 * (2 n u D max|logit|) with n = 96 (the dense FFN), u = 2^-24, D = 1 + 10 * 3 = 31 and
+    max|logit| ~ 2.7: about 2e-3. The top-4 of 8 softmax weights sum to 0.61-0.93 here, so
+    renormalising scales the routed experts' output by 1.1-1.6x, and dropping the factor 2.0 halves
+    it: log-probs move by about 0.2 and 0.28, some 100x the bound."""
+    from deepseek_dirs import deepseek_v2_config
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
+
+    cfg = deepseek_v2_config()
+    _, model = perturbed_hf(cfg, seed=4)
+    batch = random_batch(cfg["vocab_size"], rows=6, seed=5)
+    want, bound = hf_logprobs(model, batch)
+    forward = v2.DeepseekV2TopkRouter.forward
+
+    def renormalised(self, hidden_states):
+        logits, weights, indices = forward(self, hidden_states)
+        return logits, weights / weights.sum(-1, keepdim=True) * self.routed_scaling_factor, indices
+
+    def unscaled(self, hidden_states):
+        logits, weights, indices = forward(self, hidden_states)
+        return logits, weights / self.routed_scaling_factor, indices
+
+    for mutation in (renormalised, unscaled):
+        monkeypatch.setattr(v2.DeepseekV2TopkRouter, "forward", mutation)
+        with torch.no_grad():  # no near-tie check: the mutated model may route otherwise, which counts too
+            got = response_logprobs(model(batch.tokens_BL).logits.float(), batch)
+        assert (got - want).abs().max().item() > 10 * bound, mutation.__name__
+    monkeypatch.undo()
+    assert torch.equal(hf_logprobs(model, batch)[0], want)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
@@ -320,11 +386,14 @@ def test_entropy_bonus_gradient_is_the_entropy_gradient_of_hf(world1) -> None:
 
 
 def test_the_load_balancing_coefficient_is_the_models_unless_the_job_sets_one(world1) -> None:
-    """algorithm.aux_loss_coef null: config.json's router_aux_loss_coef (Qwen3-MoE), 0 for DeepSeek-V3;
-    a value set wins. What Megatron's routers read (the policy's TransformerConfig) and the policy's
-    own value, which decides whether the aux_loss metric is logged."""
+    """algorithm.aux_loss_coef null: config.json's router_aux_loss_coef (Qwen3-MoE), 0 for DeepSeek-V3
+    and V2; a value set wins. What Megatron's routers read (the policy's TransformerConfig) and the
+    policy's own value, which decides whether the aux_loss metric is logged."""
+    from deepseek_dirs import deepseek_v2_config
+
     for cfg, aux, want in ((dict(qwen_config(), router_aux_loss_coef=0.003), None, 0.003),
-                           (deepseek_config(), None, 0.0), (deepseek_config(), 0.02, 0.02)):
+                           (deepseek_config(), None, 0.0), (deepseek_config(), 0.02, 0.02),
+                           (deepseek_v2_config(), None, 0.0)):
         policy = make_policy(cfg, aux_loss_coef=aux)
         assert policy.gpt.config.moe_aux_loss_coeff == policy.aux_loss_coef == want, (cfg["model_type"], aux)
 

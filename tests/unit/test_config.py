@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from deepseek_dirs import deepseek_v2_config
 from hf_fixtures import MIXTRAL
 from hpcrl.config import (ConfigError, JobConfig, job_from_dict, load_job, to_dict, valid_keys,
                           validate)
@@ -229,6 +230,10 @@ BAD = [
      "model: {config_path: model.json}\nrollout: {backend: sglang, weight_sync: shard}\nresources: {device: cuda}",
      [], deepseek_json(model_type="kimi_k2", n_group=1, topk_group=1), "rollout.weight_sync", "'shard'",
      "model_type 'kimi_k2': SGLang 0.5.23's DeepSeek load derives"),
+    ("sglang-shard-sync-deepseek-v2",  # SGLang loads V2 and V3 with one DeepseekV2ForCausalLM
+     "model: {config_path: model.json}\nrollout: {backend: sglang, weight_sync: shard}\nresources: {device: cuda}",
+     [], lambda p: (p / "model.json").write_text(json.dumps(deepseek_v2_config())), "rollout.weight_sync",
+     "'shard'", "model_type 'deepseek_v2': SGLang 0.5.23's DeepSeek load derives"),
     ("shard-sync-on-cuda", "rollout: {weight_sync: shard}\nresources: {device: cuda}", [], None,
      "rollout.weight_sync", "'shard'", "gloo on CPU tensors"),
     ("sglang-shard-quantized",

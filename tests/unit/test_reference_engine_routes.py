@@ -10,6 +10,8 @@ experts wherever no near-tie lies within the fp32 rounding bound, which the test
 DeepSeek-V3's biased group-limited top-k: n = the preset's longest reduction with KEYS keys, the
 per-layer depths stated there; above 1.5, see numerics). test_the_comparison_sees_misplaced_routes
 shows that two swapped rows, and routes written one position late, fail the comparison.
+DeepSeek-V2 (test_deepseek_v2_rows_are_the_softmax_top_k_in_descending_order) is checked against the
+top-k of softmax(router logits) computed here, column order included.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import re
 import numpy as np
 import pytest
 import torch
-from numerics import grouped_margin_ratio, longest_reduction, routing_margin_ratio
+from deepseek_dirs import deepseek_v2_config
+from numerics import (grouped_margin_ratio, layer_depth, longest_reduction, reordered, router_depth,
+                      routing_margin_ratio)
 
 import hpcrl.rollout.engine as engine_module
 from hpcrl.models.presets import load_hf_config
@@ -141,6 +145,65 @@ def test_rows_are_the_routes_a_full_forward_takes(preset, path):
         (alone,) = engine.generate([prompt], [sp], return_routes=True)
         assert alone["output_ids"] == out["output_ids"]
         assert _mismatches(alone["routed_experts"], out["routed_experts"]) == []
+
+
+@torch.inference_mode()
+def _softmax_top_k(engine: ReferenceModel, seq: list[int]) -> torch.Tensor:
+    """[len(seq), num_hidden_layers, top_k]: per MoE layer the top_k experts of softmax(router logits)
+    in one transformers forward over `seq` (no padding, no cache), in descending order of probability;
+    dense layers' rows zero. First checks that each token's top_k + 1 logits are pairwise apart by
+    more than 3x the rounding bound B (numerics.reordered with n = longest_reduction, router j in layer
+    first_k_dense_replace + j at MLA's layer_depth): another summation order then picks the same
+    experts in the same order (softmax keeps the logits' order)."""
+    model, cfg = engine.model, engine.config.to_dict()
+    k, first = cfg["num_experts_per_tok"], cfg["first_k_dense_replace"]
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [gate.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(i, out[0].float()))
+             for i, gate in engine.routers]
+    try:
+        model(input_ids=torch.tensor([seq]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert sorted(seen) == [i for i, _ in engine.routers] and min(seen) == first
+    n = longest_reduction(cfg, KEYS)
+    out = torch.zeros(len(seq), cfg["num_hidden_layers"], k, dtype=torch.int32)
+    for i, logits in seen.items():
+        B = reordered(n, router_depth(i, layer_depth(cfg)), logits.abs().max().item())
+        top = logits.topk(k + 1, -1).values
+        ratio = ((top[:, :-1] - top[:, 1:]).min() / (2 * B)).item()
+        assert ratio > 1.5, f"a router near-tie within the rounding bound ({ratio:.2f}): use other inputs"
+        out[:, i] = logits.softmax(-1).topk(k, -1).indices
+    return out
+
+
+def test_deepseek_v2_rows_are_the_softmax_top_k_in_descending_order(monkeypatch):
+    """DeepSeek-V2-Lite's router (deepseek_dirs.deepseek_v2_config: greedy top-4 of 8 softmax scores,
+    not renormalised, no bias, no groups) through transformers' forward: every row of every answer of
+    a left-padded ragged batch is exactly, column order included, the top-k of softmax(router logits)
+    of its sequence's full forward. The router's own torch.topk(sorted=False) order is another: without
+    the engine's sort by weight (a multiple of the probability) the rows differ. Engine seed 1 and
+    prompt seed 5 keep every token's top-5 logits clear of near-ties (_softmax_top_k checks it; most
+    seeds put some pair among these 63 positions' 2 x 5 top logits within the bound)."""
+    engine = ReferenceModel(deepseek_v2_config(), seed=1)
+    cfg = engine.config
+    assert type(engine.model).__name__ == "DeepseekV2ForCausalLM" and cfg.topk_method == "greedy"
+    assert not any(hasattr(gate, "e_score_correction_bias") for _, gate in engine.routers)
+    prompts = _prompts(4, seed=5, vocab=cfg.vocab_size)
+    assert len({len(p) for p in prompts}) > 1, "the batch must be ragged (left padding)"
+    params = [{"temperature": 0.0 if i == 0 else 1.0, "max_new_tokens": 5 + i, "sampling_seed": 7 + i,
+               "ignore_eos": True} for i in range(len(prompts))]
+    outs = engine.generate(prompts, params, return_routes=True)
+    wants = [_softmax_top_k(engine, prompt + out["output_ids"][:-1]) for prompt, out in zip(prompts, outs)]
+    for out, want in zip(outs, wants):
+        routes = out["routed_experts"]
+        assert routes.dtype == torch.int32 and routes.shape == want.shape
+        assert torch.equal(routes, want)
+        assert not routes[:, 0].any() and routes[:, 1:].any()  # layer 0 is dense
+    monkeypatch.setattr(engine_module, "_by_weight", lambda weights_NK, chosen_NK: chosen_NK)
+    unsorted = engine.generate(prompts, params, return_routes=True)
+    assert all(_mismatches(a["routed_experts"], w) == [] for a, w in zip(unsorted, wants))
+    assert not any(torch.equal(a["routed_experts"], w) for a, w in zip(unsorted, wants))
 
 
 def test_routes_do_not_change_generation_and_are_only_given_when_asked(engines):

@@ -163,10 +163,12 @@ class ReferenceServer:
         self.routes |= {("GET", f"/{k}"): v for k, v in get.items()}
         self.routes[("PUT", "/generate")] = self.generate
         self.weight_routes = {f"/{k}" for k in weight}
-        # SGLang's model-update lock: every /generate holds it as a reader, a weight update as the
-        # writer (unless generation is paused), and a waiting update goes before new requests
+        # SGLang's model-update lock: every /generate holds it as a reader, a weight update and the
+        # session's begin and end (TokenizerManager._weight_update_session_call) as the writer (unless
+        # generation is paused), and a waiting update goes before new requests
         self.update_lock = _UpdateLock()
-        self.update_routes = {"/update_weights_from_distributed", ROUTE}
+        self.update_routes = {"/update_weights_from_distributed", ROUTE, "/begin_weight_update",
+                              "/end_weight_update"}
         self.api_key = getattr(args, "api_key", None)
         self.admin_api_key = getattr(args, "admin_api_key", None)
         self.auth = bool(self.api_key or self.admin_api_key)  # no keys: no check at all
@@ -862,8 +864,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"loaded {loaded} weights from {args.model_path}" + (
             f"; {len(mtp)} MTP tensors not loaded (the reference engine runs no draft model)" if mtp else ""),
               flush=True)
-    # Warm-up (lazy imports, allocator) so the first real request is not slow; an explicit seed keeps
-    # the engine's RNG for unseeded requests untouched.
+    # Warm-up (lazy imports, allocator) so the first real request is not slow.
     engine.generate([[0, 0], [0]], [{"max_new_tokens": 2, "temperature": 1.0, "sampling_seed": 0}] * 2)
     tokenizer = None
     if args.tokenizer == "char":

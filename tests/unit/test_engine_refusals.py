@@ -165,3 +165,39 @@ def test_pause_aborts_what_is_in_flight_by_default_and_holds_new_requests(server
     assert len(answers["later"]["output_ids"]) == 12
     with pytest.raises(Exception, match="mode 'drop' must be one of"):
         client.pause_generation(mode="drop")
+
+
+def test_a_weight_session_waits_for_generation_in_flight_unless_paused():
+    """SGLang 0.5.23 (TokenizerManager._weight_update_session_call): /begin_weight_update and
+    /end_weight_update take the model-update lock as its writer, so they wait for every /generate in
+    flight (readers of it), unless generation is paused, whose pauser holds the engine. A request in
+    flight is the test's read hold of the in-process server's lock: the begin stays blocked while it
+    lasts (a wait that ends only when the test lets go: no timing decides it), and goes through while
+    paused."""
+    import argparse
+
+    from hpcrl.rollout.reference_server import ReferenceServer, _Handler, _HTTPServer
+
+    app = ReferenceServer(ReferenceModel(HF_CONFIG, seed=0), None, "tiny.json", argparse.Namespace())
+    httpd = _HTTPServer(("127.0.0.1", 0), _Handler)
+    httpd.app = app
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    client = EngineClient(f"http://127.0.0.1:{httpd.server_address[1]}", timeout_s=60)
+    try:
+        for route, session_after in ((client.begin_weight_update, True), (client.end_weight_update, False)):
+            with app.update_lock.reading():  # a /generate in flight
+                call = threading.Thread(target=route)
+                call.start()
+                call.join(1.0)
+                assert call.is_alive(), f"{route.__name__} did not wait for the generation in flight"
+                assert app.session_open is not session_after
+            call.join(30)
+            assert not call.is_alive() and app.session_open is session_after
+        client.pause_generation(mode="in_place")
+        with app.update_lock.reading():  # paused: the session goes through beside it
+            client.begin_weight_update()
+            client.end_weight_update()
+        client.continue_generation()
+    finally:
+        client.close()
+        httpd.shutdown()

@@ -55,6 +55,7 @@ order depends on its kernel: compare rows as sets.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
@@ -69,13 +70,14 @@ from moe.hf_megatron import mtp_names, transformers_model_type
 __all__ = ["ReferenceModel", "SamplingParams"]
 
 # Keys SGLang accepts that the reference engine does not implement: allowed only at these
-# (inert) values so a request that relies on them fails loudly instead of being half-served.
+# (inert) values so a request that relies on them fails loudly instead of being half-served. null is
+# the default for every one of them (SGLang's SamplingParams.__post_init__), an empty grammar string
+# unset, and an empty logit_bias biases nothing.
 _INERT_DEFAULTS: dict[str, tuple] = {
     "min_p": (0, 0.0), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0), "min_new_tokens": (0,), "n": (1,), "stop": (None, "", ()),
-    "stop_regex": (None, "", ()), "json_schema": (None,), "regex": (None,), "ebnf": (None,),
-    "structural_tag": (None,),
-    "logit_bias": (None,), "custom_params": (None,),
+    "repetition_penalty": (1, 1.0), "min_new_tokens": (0,), "n": (1,), "stop": ("", ()),
+    "stop_regex": ("", ()), "json_schema": ("",), "regex": ("",), "ebnf": ("",), "structural_tag": ("",),
+    "logit_bias": ({},), "custom_params": (), "beam_width": (), "watermark": (),
 }
 _TEXT_ONLY = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
 SAMPLING_EPS = 1e-6
@@ -109,9 +111,11 @@ class SamplingParams:
                 elif key == "max_new_tokens":
                     kwargs[key] = 1 << 30  # SGLang: no limit but the context (capped in generate)
             elif key in _INERT_DEFAULTS:
-                if value not in _INERT_DEFAULTS[key] and not (key in ("stop", "stop_regex") and value == []):
+                if value is not None and value not in _INERT_DEFAULTS[key] \
+                        and not (key in ("stop", "stop_regex") and value == []):
+                    default = _INERT_DEFAULTS[key][0] if _INERT_DEFAULTS[key] else None
                     raise ValueError(f"sampling_params.{key}={value!r} is not supported by the reference "
-                                     f"engine; leave it at its default {_INERT_DEFAULTS[key][0]!r}")
+                                     f"engine; leave it at its default {default!r}")
             elif key not in _TEXT_ONLY:
                 raise ValueError(f"unknown sampling_params key {key!r}; supported: "
                                  f"{sorted(_FIELDS | set(_INERT_DEFAULTS) | _TEXT_ONLY)}")
@@ -134,8 +138,8 @@ class SamplingParams:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise bad("max_new_tokens", "must be an integer >= 0")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not self.temperature >= 0:
-            raise bad("temperature", "must be a number >= 0 (0 = greedy)")
+                or not 0 <= self.temperature < math.inf:
+            raise bad("temperature", "must be a finite number >= 0 (0 = greedy)")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
                 or not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
@@ -145,8 +149,9 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be a list of integer token ids")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "must be true or false")
-        if self.sampling_seed is not None and not _is_int(self.sampling_seed):
-            raise bad("sampling_seed", "must be an integer")
+        if self.sampling_seed is not None and not (_is_int(self.sampling_seed)
+                                                   and -2**63 <= self.sampling_seed < 2**63):
+            raise bad("sampling_seed", "must be an integer in [-2**63, 2**63 - 1]")
 
 
 _FIELDS = frozenset(f.name for f in fields(SamplingParams))

@@ -280,10 +280,25 @@ def test_length_limits(engine):
     ({"max_new_tokens": -2}, "max_new_tokens"), ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"frequency_penalty": 0.5}, "frequency_penalty=0.5 is not supported"),
     ({"bogus": 1}, "unknown sampling_params key 'bogus'"),
+    ({"temperature": float("inf")}, "temperature=inf: must be a finite number"),
+    ({"sampling_seed": 2**63}, r"sampling_seed=9223372036854775808: must be an integer in \[-2\*\*63"),
+    ({"beam_width": 2}, "beam_width=2 is not supported"), ({"json_schema": "{}"}, "json_schema='{}' is not"),
 ])
 def test_bad_sampling_params_name_the_field(params, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams.from_dict(params)
+
+
+def test_sampling_params_at_sglangs_defaults_are_accepted():
+    """SGLang 0.5.23's SamplingParams reads null as the default of every key, an empty grammar string
+    as unset, and an empty logit_bias biases nothing: requests spelling the defaults so are served."""
+    nulls = {k: None for k in ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+                               "min_new_tokens", "n", "stop", "json_schema", "logit_bias", "beam_width",
+                               "watermark", "custom_params", "temperature", "top_p", "top_k")}
+    assert SamplingParams.from_dict(nulls) == SamplingParams()
+    empties = {"json_schema": "", "regex": "", "ebnf": "", "structural_tag": "", "logit_bias": {}, "stop": []}
+    assert SamplingParams.from_dict(empties) == SamplingParams()
+    assert SamplingParams.from_dict({"sampling_seed": -2**63}).sampling_seed == -2**63
 
 
 def test_bad_prompts_are_rejected(engine):

@@ -88,15 +88,18 @@ def topk_margin(scores: torch.Tensor, k: int) -> torch.Tensor:
     return top[..., k - 1] - top[..., k]
 
 
-def routing_margin_ratio(router_logits: list[torch.Tensor], k: int, n: int) -> float:
+def routing_margin_ratio(router_logits: list[torch.Tensor], k: int, n: int, first_layer: int = 0,
+                         per_layer: int = 7) -> float:
     """min over layers and tokens of topk_margin / (2 * reordered(n, router_depth(layer), max|logit|)):
     above 1, every evaluation of the model in another summation order (B apart) routes every token to
     the experts these `router_logits` (one per layer, [tokens, E], from one fp32 evaluation) route it
     to, so comparing two such evaluations compares the same routing; at or below 1 a near-tie could
     send a token elsewhere, a jump no rounding bound covers (then the test needs other inputs). The
     ratio itself moves by at most 1/2 on another host (its evaluation is B away), so inputs measured
-    above 1.5 pass the check on every host."""
-    ratios = [(topk_margin(r, k).min() / (2 * reordered(n, router_depth(i), r.abs().max().item()))).item()
+    above 1.5 pass the check on every host. Router i sits in layer `first_layer` + i (after the dense
+    layers of a DeepSeek), each earlier layer ending `per_layer` reductions (layer_depth's)."""
+    ratios = [(topk_margin(r, k).min() / (2 * reordered(n, router_depth(first_layer + i, per_layer),
+                                                        r.abs().max().item()))).item()
               for i, r in enumerate(router_logits)]
     return min(ratios)
 
@@ -140,4 +143,6 @@ def hf_routing(model, batch) -> tuple[object, float]:
         biases = [layer.mlp.gate.e_score_correction_bias for layer in model.model.layers
                   if hasattr(layer.mlp, "gate")]
         return out, grouped_margin_ratio(routers, biases, cfg, n, cfg.get("first_k_dense_replace", 0))
-    return out, routing_margin_ratio(routers, cfg["num_experts_per_tok"], n)
+    # DeepSeek-V2's softmax top-k: the logits' order decides, at MLA's depths after the dense layers
+    return out, routing_margin_ratio(routers, cfg["num_experts_per_tok"], n, cfg.get("first_k_dense_replace", 0),
+                                     layer_depth(cfg))

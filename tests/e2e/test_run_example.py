@@ -131,6 +131,27 @@ def test_two_trainer_ranks_ep2_two_engines_shard_and_broadcast_sync_agree(tmp_pa
 
 
 @pytest.mark.timeout(600)
+def test_deepseek_v2_trains_under_ep2_with_the_engine_agreeing_at_every_step(tmp_path):
+    """A DeepSeek-V2-Lite-shaped model (tests/deepseek_dirs.deepseek_v2_config: greedy softmax top-k,
+    not renormalised, times routed_scaling_factor 2.0, no router bias, no q_lora) on the DeepSeek
+    example's job: the Megatron trainer (EP=2 over 2 ranks) syncs shard to shard into transformers'
+    DeepseekV2ForCausalLM in the reference engine, and the engine's log-probs of every step's samples
+    equal the trainer's within 1e-4 (run_with_sync): both compute V2's router, and every tensor
+    arrived."""
+    from deepseek_dirs import deepseek_v2_config
+
+    from moe.specs import spec_from_config
+
+    config = tmp_path / "deepseek_v2.json"
+    config.write_text(json.dumps(deepseek_v2_config()))
+    args = ["--set", "model.preset=null", "--set", f"model.config_path={config}", "--set", "trainer.num_procs=2",
+            "--set", "trainer.ep=2", "--set", "algorithm.num_steps=3", "--set", "logging.progress=false"]
+    records, _ = run_with_sync(tmp_path / "run", "shard", args, DEEPSEEK_EXAMPLE)
+    v2_bytes = sum(t.numel * 4 for t in spec_from_config(deepseek_v2_config()).tensors)  # no router bias
+    assert len(records) == 3 and all(r["sync/bytes"] == v2_bytes for r in records), records
+
+
+@pytest.mark.timeout(600)
 def test_broadcast_sync_from_two_sources_matches_shard_sync(tmp_path):
     """The small preset (108 MiB) with 16 MB buckets: both trainer ranks are broadcast sources,
     each engine hears from both in two turns (SGLang's protocol, one group per source and engine).

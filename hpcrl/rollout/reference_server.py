@@ -97,6 +97,22 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "stream",
                   "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
                   "log_metrics", "return_routed_experts", "routed_experts_start_len"}
+_SGLANG_GENERATE_FIELDS = frozenset("""
+    rid session_id text input_ids input_embeds image_data video_data audio_data mm_hashes mm_content_hashes
+    use_audio_in_video video_config sampling_params watermark return_logprob logprob_start_len top_logprobs_num
+    token_ids_logprob return_sampling_mask sampling_logprobs_mode return_text_in_logprobs
+    return_flat_raw_top_logprobs return_flat_raw_output_top_logprobs stream log_metrics return_hidden_states
+    return_routed_experts routed_experts_start_len return_indexer_topk modalities session_params lora_path
+    lora_id custom_logit_processor positional_embed_overrides bootstrap_host bootstrap_port bootstrap_room
+    bootstrap_pair_key decode_tp_size routed_dp_rank data_parallel_rank disagg_prefill_dp_rank routing_key
+    conversation_id http_worker_ipc background require_reasoning max_thinking_tokens priority extra_key no_logs
+    custom_labels return_bytes return_entropy return_prompt_token_ids external_trace_header received_time
+    need_wait_for_mm_inputs num_items_assigned encoder_urls max_dynamic_patch min_dynamic_patch
+    image_max_dynamic_patch video_max_dynamic_patch images_config mm_processor_kwargs
+    multi_item_delimiter_indices token_indices_to_pool cache_salt kv_hints""".split())
+"""/generate's fields in SGLang 0.5.23 (GenerateReqInput, managers/io_struct.py): the reference engine
+refuses those it does not serve when set (a half-served request would answer something else), and
+ignores any other key, as SGLang's body parsing and contract check (api/v1 GenerateRequest) do."""
 
 
 class _Fail(Exception):
@@ -186,7 +202,8 @@ class ReferenceServer:
         start = time.perf_counter()
         faults.inject(self.fault, "generate")
         for key, value in req.items():
-            if key not in _GENERATE_KEYS and value not in (None, False, 0, "", [], {}):
+            if key in _SGLANG_GENERATE_FIELDS and key not in _GENERATE_KEYS \
+                    and value not in (None, False, 0, "", [], {}):
                 raise _Fail(f"/generate field {key!r} is not supported by the reference engine")
         if req.get("stream"):
             raise _Fail("stream=true is not supported by the reference engine; use a non-streaming request")

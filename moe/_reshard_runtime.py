@@ -262,9 +262,10 @@ def exchange(peers: Sequence[_PeerPlan | _Prepared], *, deadline_s: float, round
     """Run one round: every peer's sends and receives, checked, within `deadline_s`.
 
     Both sides of a pair must list the same items (same order, sizes and dtypes) and pass `verify`
-    "off" or not (the sender's "full" or "sampled" travels in its bucket's header). The direct
-    sends and all receives are posted first; the sender's checksums are computed while those are
-    in flight, and the buckets (header + small items) follow. Raises `RoundTimeout` naming the
+    "off" or not (the sender's "full" or "sampled" travels in its bucket's header). On gloo the
+    direct sends and all receives are posted first, the sender's checksums are computed while those
+    are in flight, and the buckets (header + small items) follow; other backends (NCCL) pack and
+    checksum the buckets first and post the whole round as one batch (see the comment at the end). Raises `RoundTimeout` naming the
     stalled peers, `ChecksumError` naming the peer and its tensors. Peers may come `prepare`d
     (then `direct_bytes` and `staging` were applied when they were prepared).
     """
@@ -303,7 +304,8 @@ def exchange(peers: Sequence[_PeerPlan | _Prepared], *, deadline_s: float, round
                                        _finish(p, v, unpack, round_label))
     if not post.ops and not buckets:
         return
-    post.flush()
+    if post.gloo:  # the direct sends and the receives run while the buckets' checksums are computed
+        post.flush()
     if buckets:
         phase = next_phase(verify, round_label) if checked else FULL
         for q, tag, payloads in buckets:
@@ -313,7 +315,10 @@ def exchange(peers: Sequence[_PeerPlan | _Prepared], *, deadline_s: float, round
                 s = combine(_sums((*payloads, q.send_bucket[HEADER:]), q.send_words, phase))
                 q.send_bucket[:HEADER].view(torch.int64).copy_(torch.tensor([phase, s]))
             post.send(q.send_bucket, q.plan, tag)
-        post.flush()
+    # One batch on NCCL: it runs a batch as one kernel on the group's stream, so a bucket send in a
+    # second batch would wait for the first batch's receives, and two ranks that send each other
+    # buckets in one round (any cycle of peers) would each wait for the other's second batch.
+    post.flush()
     _wait(post.works, post.owners, deadline_s, round_label, group, done)
 
 

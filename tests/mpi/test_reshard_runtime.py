@@ -3,7 +3,8 @@
 One `mpiexec -n 6` launch runs every layout pair (EP change, TP change, PP -> no PP, DP replicas,
 uneven pipeline stages, ETP) through `reshard` (the planned shard-to-shard path, small memory budget
 so there are many rounds and on-node relays; each checksum mode), `broadcast_sync` (the SGLang path,
-small buckets; sampled and full checksums) and two repeated `reshard` syncs that reuse their
+small buckets; sampled and full checksums), both again with the poster NCCL uses (one batch per
+round, `_batched_as_on_nccl`), and two repeated `reshard` syncs that reuse their
 prepared rounds, comparing every rollout shard bit for bit with the same deterministically generated
 global tensors; then trainer rank 1 stops participating and the ranks waiting on it must raise
 RoundTimeout naming it. Run as a script, this file is the MPI program:
@@ -13,6 +14,7 @@ not stdout: mpiexec may interleave long lines of different ranks).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -85,9 +87,15 @@ def _run_case(name: str, grank: int) -> dict:
     bkw = {"bucket_bytes": BUCKET_BYTES, "groups": groups}
     paths = (("reshard", reshard, {}), ("reshard_full", reshard, {"verify": "full"}),
              ("reshard_off", reshard, {"verify": "off"}), ("broadcast", broadcast_sync, bkw),
-             ("broadcast_full", broadcast_sync, {**bkw, "verify": "full"}))
+             ("broadcast_full", broadcast_sync, {**bkw, "verify": "full"}),
+             ("reshard_batched", reshard, {}), ("broadcast_batched", broadcast_sync, bkw))
     for path, fn, kw in paths:
-        got = fn(p, role, rank, shards, deadline_s=60.0, **kw)
+        batches: list[int] = []
+        with _batched_as_on_nccl(batches) if path.endswith("_batched") else contextlib.nullcontext():
+            got = fn(p, role, rank, shards, deadline_s=60.0, **kw)
+        if max(batches, default=0) > 1:
+            res[path] = f"a round posted {max(batches)} batches (NCCL would hang on a cycle of peers)"
+            continue
         if role == "trainer":
             res[path] = 0 if got == {} else "trainer got shards"
             continue
@@ -97,6 +105,35 @@ def _run_case(name: str, grank: int) -> dict:
         res[path] = len(want) if not bad and len(got) == len(want) else f"mismatch: {bad[:5]}"
     res["repeat"] = _repeat_syncs(p, role, rank, shards, full, dst, spec)
     return res
+
+
+@contextlib.contextmanager
+def _batched_as_on_nccl(batches: list[int]):
+    """moe._reshard_runtime's poster as on NCCL (one batch_isend_irecv per flush) over gloo, which
+    runs the batch's ops one by one; `batches` gets, per round (exchange call), the batches it posted.
+    NCCL runs a batch as one kernel on the group's stream, so a round must be one batch: a bucket
+    send in a second batch waits for the first batch's receives, and two ranks sending each other
+    buckets in one round would each wait for the other's second batch. Gloo would not hang."""
+    import moe._reshard_runtime as rt
+
+    init, flush = rt._Poster.__init__, rt._Poster.flush
+
+    def batched_init(self, group):
+        init(self, group)
+        self.gloo = False
+        batches.append(0)
+        self.round = len(batches) - 1
+
+    def counted_flush(self):
+        if self.ops[self._posted:]:
+            batches[self.round] += 1
+        flush(self)
+
+    rt._Poster.__init__, rt._Poster.flush = batched_init, counted_flush
+    try:
+        yield
+    finally:
+        rt._Poster.__init__, rt._Poster.flush = init, flush
 
 
 def _repeat_syncs(p, role: str, rank: int, shards, full: dict, dst, spec):
@@ -221,7 +258,8 @@ def mpi_results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
 
-PATHS = ("reshard", "reshard_full", "reshard_off", "broadcast", "broadcast_full", "repeat")
+PATHS = ("reshard", "reshard_full", "reshard_off", "broadcast", "broadcast_full", "reshard_batched",
+         "broadcast_batched", "repeat")
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -29,7 +29,7 @@ import datetime
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ from moe.fused import fused_groups
 
 __all__ = ["WeightSender", "dtype_name", "end_sessions", "flatten_bucket", "init_custom_process_group",
            "parse_dtype", "unflatten_bucket"]
+
+BROADCAST_POLL_S = 0.002
+"""How often a bucket's broadcast is asked whether it completed while the engines' answers are awaited."""
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
@@ -264,17 +267,21 @@ class WeightSender:
         taken back) and RuntimeError names each engine that answered and SGLang's message.
         """
         works = [dist.broadcast(t, group=self.group, group_src=0, async_op=True) for t in tensors]
-        sent: Future = Future()
-        torch.futures.collect_all([w.get_future() for w in works]).add_done_callback(
-            lambda f: sent.set_result(None))
+        # Polled: NCCL marks a work's future done once the broadcast is queued on the stream, not when
+        # it completes (torch's Work.get_future), while is_completed() asks the GPU.
+        sent = lambda: all(w.is_completed() for w in works)  # noqa: E731
         end = time.monotonic() + self.timeout_s
-        pending = {sent, *calls}
-        while not sent.done():
+        pending = set(calls)
+        while not sent():
             left = end - time.monotonic()
-            finished, pending = wait(pending, timeout=max(left, 0.0), return_when=FIRST_COMPLETED)
-            if any(f is not sent and f.exception() is not None for f in finished) or left <= 0:
+            if left <= 0:
                 break
-        if sent.done():
+            finished, pending = wait(pending, timeout=min(left, BROADCAST_POLL_S), return_when=FIRST_COMPLETED)
+            if any(f.exception() is not None for f in finished):
+                break
+            if not pending:
+                time.sleep(min(left, BROADCAST_POLL_S))  # every engine answered: only the broadcast is left
+        if sent():
             return
         errors = [f"engine {e} ({c.base_url}): "
                   + (str(f.exception()) if f.done() and f.exception() is not None else

@@ -201,3 +201,35 @@ def test_a_weight_session_waits_for_generation_in_flight_unless_paused():
     finally:
         client.close()
         httpd.shutdown()
+
+
+def test_a_refusal_ends_the_wait_for_a_broadcast_nccl_has_only_queued(monkeypatch):
+    """On NCCL a broadcast's future is done once the broadcast is queued on the stream (torch's
+    Work.get_future), long before an engine that refused it could receive it. WeightSender asks the
+    work itself (is_completed), so the refusal still ends the wait and names the engine. The work
+    here is NCCL's as seen from the host: future done at once, not completed."""
+    from concurrent.futures import Future
+
+    import torch.distributed as dist
+
+    class QueuedOnly:
+        def get_future(self):
+            done = torch.futures.Future()
+            done.set_result(None)
+            return done
+
+        def is_completed(self):
+            return False
+
+    monkeypatch.setattr(dist, "broadcast", lambda *a, **k: QueuedOnly())
+    sender = WeightSender.__new__(WeightSender)
+    sender.group, sender.timeout_s, sender.group_name = object(), 60.0, "g"
+    sender.clients, sender.engine_ids = [type("C", (), {"base_url": "http://e:1"})()], [5]
+    dropped = []
+    monkeypatch.setattr(WeightSender, "abandon", lambda self: dropped.append(True))
+    refused: Future = Future()
+    refused.set_exception(RuntimeError("update refused: weights are released"))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"refused before receiving; .* engine 5 \(http://e:1\): update refused"):
+        sender._broadcast([torch.zeros(4)], [refused], "update_weights_from_distributed (bucket 1/1)")
+    assert dropped == [True] and time.monotonic() - t0 < 30

@@ -140,10 +140,28 @@ def reshard(plan: Plan, role: str, rank: int, shards: Shards | None = None, *, b
         rounds = _prepare_rounds(plan, role, rank, held, base, direct_bytes, staging, _device_of(held))
         staging.program = None if key is None else (plan, key, (result, rounds))
     held_device = _device_of(shards if role == "trainer" else result)
+    _form_communicator(group, held_device)
     for label, peers in rounds:
         exchange(peers, deadline_s=deadline_s, verify=verify, round_label=label, group=group,
                  device=held_device, staging=staging)
     return result
+
+
+_FORMED: dict[int, dist.ProcessGroup] = {}
+"""Non-gloo groups whose communicator a reshard has formed (kept, so that no new group takes the id)."""
+
+
+def _form_communicator(group: dist.ProcessGroup | None, device: torch.device | None) -> None:
+    """NCCL forms a group's communicator at the group's first collective call, and every rank of the
+    group must take part in it (torch's batch_isend_irecv note); a round leaves out the ranks with
+    nothing to send or receive in it. So the first reshard over a group starts with an all-reduce of
+    one element on every rank (all of them call reshard: trainer and engine ranks alike)."""
+    if group is None or id(group) in _FORMED or dist.get_backend(group) == "gloo":
+        return
+    if device is None and torch.cuda.is_available():  # a rank that holds nothing: NCCL's current device
+        device = torch.device("cuda", torch.cuda.current_device())
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    _FORMED[id(group)] = group
 
 
 def _identity(shards: Shards) -> tuple:

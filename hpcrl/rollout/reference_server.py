@@ -706,6 +706,9 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        device = self.server.app.engine.device  # type: ignore[attr-defined]
+        if device.type == "cuda":  # CUDA's current device is per thread; NCCL's p2p batches use it
+            torch.cuda.set_device(device)
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 (base-class signature)
         pass  # one line per request would cost more than the request

@@ -84,6 +84,10 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
         summary["build"]["note"] = note if today else f"{note}; not built by hpcrl run"
     report["weight_sync"] = {"rollout_backend": job.rollout.backend, "weight_sync": job.rollout.weight_sync,
                              "route": weight_sync_mode(job)}
+    if report["weight_sync"]["route"] == "broadcast":  # each source keeps its gathered share on its GPU
+        t["sync_buffer_bytes_per_gpu"] = report["sglang_broadcast_terms"]["source_buffer_bytes"]
+        t["total_bytes_per_gpu"] += t["sync_buffer_bytes_per_gpu"]  # at most: the largest share on the fullest GPU
+        t["fits"] = t["total_bytes_per_gpu"] <= gpu_bytes
     report["routing_replay"] = routes_report(job)
     report["async"] = async_report(job, report["routing_replay"])
     moved = report["plan"]["nic_bytes"] + report["plan"]["nvlink_bytes"]

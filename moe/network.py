@@ -189,7 +189,9 @@ def broadcast_baseline_seconds(spec: MoESpec, src: TrainerLayout, topo: Topology
 
 def sglang_broadcast_seconds(spec: MoESpec, src: TrainerLayout, topo: Topology,
                              bucket_bytes: int = 64 << 20) -> dict[str, float]:
-    """hpcrl's multi-source broadcast over SGLang's routes (module docstring), and its two parts."""
+    """hpcrl's multi-source broadcast over SGLang's routes (module docstring), and its two parts;
+    `source_buffer_bytes`: the largest share one source gathers into its GPU's memory and keeps
+    across syncs (hpcrl/trainer/broadcast_sync.py)."""
     from moe.sources import assign_sources, gather_holder, source_cap
 
     placement = src.placement(spec)
@@ -209,4 +211,5 @@ def sglang_broadcast_seconds(spec: MoESpec, src: TrainerLayout, topo: Topology,
     gather = float((near / topo.nvlink_bytes_per_s + far / topo.gpu_nic_bytes_per_s).max())
     bcast = spec.total_bytes / topo.gpu_nic_bytes_per_s
     return {"sglang_broadcast_s": gather + bcast, "gather_s": gather, "broadcast_s": float(bcast),
-            "num_sources": float(sum(1 for bs in buckets if bs))}
+            "num_sources": float(sum(1 for bs in buckets if bs)),
+            "source_buffer_bytes": float(max((sum(b.nbytes for b in bs) for bs in buckets), default=0))}

@@ -153,6 +153,8 @@ def trainer_memory_line(t: dict[str, Any]) -> str:
                 f"{_gib(t['adam_state_bytes_per_gpu'])})")
     ref = f" + reference {_gib(t['reference_bytes_per_gpu'])}" if t["reference_bytes_per_gpu"] else ""
     ref += f" + critic {_gib(t['critic_bytes_per_gpu'])}" if t.get("critic_bytes_per_gpu") else ""
+    ref += (f" + broadcast buffers {_gib(t['sync_buffer_bytes_per_gpu'])}" if t.get("sync_buffer_bytes_per_gpu")
+            else "")
     return (f"params {_gib(t['params_bytes_per_gpu'])} + grads {_gib(t['grads_bytes_per_gpu'])} + {opt}{ref} "
             f"= {_gib(t['total_bytes_per_gpu'])}")
 

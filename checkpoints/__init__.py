@@ -8,7 +8,7 @@ Imports neither `hpcrl` nor `launch`; the slice algebra is `moe.slices.Box`.
 
 import importlib
 
-from .catalog import apply_retention, discard_newer, latest_pointer, latest_step, list_checkpoints
+from .catalog import apply_retention, discard_newer, latest_pointer, latest_step, list_checkpoints, read_metadata
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CommitError,
                      CommitTimeoutError, CorruptCheckpointError)
 from .manifest import FORMAT_VERSION, Manifest
@@ -50,5 +50,6 @@ __all__ = [
     "latest_step",
     "list_checkpoints",
     "open_checkpoint",
+    "read_metadata",
     "verify",
 ]

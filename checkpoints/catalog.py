@@ -88,3 +88,15 @@ def discard_newer(store: ShardStore | str | os.PathLike[str], step: int) -> list
     for t in removed:
         s.remove(t)
     return removed
+
+
+def read_metadata(store: ShardStore | str | os.PathLike[str], step: int) -> dict:
+    """The JSON metadata of committed checkpoint `step` (its manifest only: no torch, no tensor
+    file opened); ValueError when the step has no manifest or a damaged one."""
+    from .manifest import Manifest
+
+    text = as_store(store).get_text(step, MANIFEST)
+    if text is None:
+        raise ValueError(f"checkpoint step {step} has no {MANIFEST}")
+    return Manifest.from_text(text).metadata
+

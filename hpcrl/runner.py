@@ -53,9 +53,12 @@ def prepare_run_dir(job: JobConfig, run_dir: Path) -> None:
 
 
 def check_resume(job: JobConfig, run_dir: Path, resume: str) -> None:
-    """Refuse impossible resume requests before anything starts (the controller checks again)."""
+    """Refuse impossible resume requests and run dirs before anything starts or is written (the
+    controller checks the checkpoint again): a run dir holding something else than an hpcrl run, and
+    checkpoints of another model or without (or with) the critic this job trains."""
     from checkpoints import list_checkpoints
 
+    check_run_dir(run_dir)
     ckpt_dir = Path(job.checkpoint.dir) if job.checkpoint.dir else run_dir / "checkpoints"
     existing = list_checkpoints(ckpt_dir) if ckpt_dir.exists() else []
     if resume == "none" and existing:
@@ -64,6 +67,77 @@ def check_resume(job: JobConfig, run_dir: Path, resume: str) -> None:
     if resume not in ("auto", "none") and int(resume) not in existing:
         raise ConfigError("--resume-from", int(resume), f"no complete checkpoint at that step in {ckpt_dir}; "
                           f"available steps: {existing or 'none'}")
+    if existing and resume != "none":
+        _check_same_run(job, run_dir, ckpt_dir, existing[-1] if resume == "auto" else int(resume))
+
+
+RUN_DIR_ENTRIES = frozenset({
+    "config.json", "config.yaml", "model_config.json", "metrics.jsonl", "final.json", "logs", "checkpoints",
+    "tensorboard", "engine_keys.yaml", "engine_model", "engine_python", "slurm.json", "job.sbatch",
+    "local_job.json", "submitted_job.yaml", ".phase.json", ".ranks.json", ".failure.txt", ".export.json",
+    ".hpcrl_world_formed", ".write-test"})
+"""What a run writes into its run dir (hpcrl/runner.py, hpcrl/jobs.py, launch/)."""
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """ConfigError for a run dir that holds something else than an hpcrl run: a config.json without
+    hpcrl's checkpoint section (a HuggingFace model directory's, say), or entries a run never writes.
+    The run would replace that config.json and fill the directory with run files."""
+    if not run_dir.is_dir():
+        return
+    entries = sorted(p.name for p in run_dir.iterdir())
+    try:
+        config = json.loads((run_dir / "config.json").read_text())
+        ours = isinstance(config, dict) and isinstance(config.get("checkpoint"), dict)
+    except FileNotFoundError:
+        ours = all(name in RUN_DIR_ENTRIES for name in entries)
+    except (OSError, ValueError, UnicodeDecodeError):
+        ours = False
+    if not ours:
+        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+        raise ConfigError("--run-dir", str(run_dir), f"holds {shown} but no hpcrl run (config.json with a "
+                          "checkpoint section); a run writes config.json, logs/ and checkpoints/ there: give a "
+                          "new or empty directory, or the run dir of the run to resume")
+
+
+def _check_same_run(job: JobConfig, run_dir: Path, ckpt_dir: Path, step: int) -> None:
+    """The checkpoint at `step` must be of this job's model (the run dir's model_config.json against
+    the job's HF config, where the checkpoints are the run dir's) and hold a critic exactly when the
+    job trains one; otherwise the trainer would fail on its first missing tensor."""
+    from checkpoints import read_metadata
+    from hpcrl.config import job_from_dict
+    from hpcrl.config.schema import critic_enabled
+
+    try:
+        stored = read_metadata(ckpt_dir, step).get("config")
+        before = job_from_dict(stored) if isinstance(stored, dict) else None
+    except Exception:  # noqa: BLE001 - an older or damaged checkpoint: the controller judges it
+        before = None
+    if before is not None and critic_enabled(before) != critic_enabled(job):
+        has = "holds a critic" if critic_enabled(before) else "holds no critic"
+        raise ConfigError("algorithm.name", job.algorithm.name,
+                          f"the checkpoint of step {step} in {ckpt_dir} {has} (its job: algorithm.name="
+                          f"{before.algorithm.name!r}, critic.enabled={before.critic.enabled}); resume with "
+                          "that job's algorithm, or use another --run-dir / checkpoint.dir")
+    old_model = run_dir / "model_config.json"
+    if job.checkpoint.dir or not old_model.is_file():
+        return
+    try:
+        old = json.loads(old_model.read_text())
+        new = load_hf_config(job.model.preset, job.model.config_path, job.model.path)
+    except Exception:  # noqa: BLE001 - a model not there yet (a pipeline's export): nothing to compare
+        return
+    ignored = {"torch_dtype", "dtype", "transformers_version", "_name_or_path", "architectures", "auto_map"}
+    differ = sorted((k for k in set(old) | set(new) if k not in ignored and old.get(k) != new.get(k)),
+                    key=lambda k: (k != "model_type", k))
+    if differ:
+        shown = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in differ[:4])
+        key = next(f"model.{k}" for k in ("path", "config_path", "preset") if getattr(job.model, k))
+        raise ConfigError(key, getattr(job.model, key.split(".")[1]),
+                          f"the run dir's checkpoints (latest step {step}) are of another model ({shown}"
+                          f"{' ...' if len(differ) > 4 else ''}); resume with that run's model, or use another "
+                          "--run-dir")
+
 
 
 def plan_cores(job: JobConfig, env: dict[str, str]) -> None:

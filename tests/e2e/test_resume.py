@@ -121,6 +121,33 @@ def test_resume_flags_are_checked_before_starting(tmp_path, uninterrupted):
     assert "Traceback" not in out.stderr
 
 
+def test_a_run_dir_of_another_model_or_algorithm_or_no_run_is_refused_untouched(tmp_path, reference_run):
+    """Resuming the shared run's checkpoints with another model (DeepSeek-V3 for its Qwen3-MoE) or an
+    algorithm with a critic (ppo; it has none), or running into a directory that holds no run (a
+    HuggingFace model directory), exits 2 naming the key before a file is written: the run dir's
+    config files stay as they were (a failed resume used to rewrite them, and an export then paired
+    the new model's config.json with the old weights)."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference_run[0], run_dir)
+    before = {f: (run_dir / f).read_bytes() for f in ("config.json", "config.yaml", "model_config.json")}
+    for setting, key, why in (("model.preset=tiny-deepseek-v3", "model.preset", "are of another model "
+                               "(model_type: 'qwen3_moe' -> 'deepseek_v3'"),
+                              ("algorithm.name=ppo", "algorithm.name", "holds no critic")):
+        out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, "--set", setting, timeout_s=120)
+        assert out.returncode == 2 and f"error: {key}=" in out.stderr and why in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+        assert {f: (run_dir / f).read_bytes() for f in before} == before
+    model_dir = tmp_path / "hf"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(model_dir), *ARGS, timeout_s=120)
+    assert out.returncode == 2 and "holds config.json but no hpcrl run" in out.stderr, out.stderr
+    assert json.loads((model_dir / "config.json").read_text()) == {"model_type": "qwen3_moe"}
+    assert sorted(p.name for p in model_dir.iterdir()) == ["config.json"]
+
+
 def test_resume_under_a_different_trainer_layout(tmp_path, uninterrupted):
     """Saved by 1 trainer rank, resumed by 2 (EP=2): each rank reads only its experts' slices, and
     the first resumed step generates exactly what the uninterrupted run generated."""

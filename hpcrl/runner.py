@@ -43,6 +43,17 @@ def prepare_run_dir(job: JobConfig, run_dir: Path) -> None:
     except OSError as exc:
         raise ConfigError("--run-dir", str(run_dir), f"cannot create or write it ({exc.strerror}); "
                           "choose a writable directory") from None
+    if job.checkpoint.dir:  # else RUN_DIR/checkpoints: writable with the run dir
+        ckpt_dir = Path(job.checkpoint.dir)
+        try:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            probe = ckpt_dir / f".write-test.{os.getpid()}"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError("checkpoint.dir", job.checkpoint.dir, f"cannot create or write it "
+                              f"({exc.strerror}); the run would train, then lose every checkpoint: choose a "
+                              "writable directory") from None
     resolved = to_dict(job)
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
     (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))

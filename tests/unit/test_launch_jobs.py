@@ -520,3 +520,19 @@ def test_checkpoint_step_prints_the_latest_complete_step(tmp_path: Path) -> None
     (tmp_path / "run" / "checkpoints").rename(tmp_path / "ckpt")
     (tmp_path / "ckpt" / "step_000005").mkdir()  # an interrupted save: no manifest, not complete
     assert latest() == "1"
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_before_the_run(tmp_path):
+    """checkpoint.dir under /proc cannot be created: refused when the run dir is prepared (before any
+    step), not after the last step's save failed and the run's training was lost."""
+    from hpcrl.config import job_from_dict
+    from hpcrl.config.errors import ConfigError
+    from hpcrl.runner import prepare_run_dir
+
+    job = job_from_dict({"checkpoint": {"dir": "/proc/hpcrl-no-such-dir/ckpt"}})
+    with pytest.raises(ConfigError, match=r"checkpoint.dir='/proc/hpcrl-no-such-dir/ckpt': cannot create or "
+                                          r"write it .* choose a writable directory"):
+        prepare_run_dir(job, tmp_path / "run")
+    ok = job_from_dict({"checkpoint": {"dir": str(tmp_path / "ckpt")}})
+    prepare_run_dir(ok, tmp_path / "run")
+    assert (tmp_path / "ckpt").is_dir() and list((tmp_path / "ckpt").iterdir()) == []

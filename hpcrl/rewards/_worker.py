@@ -73,13 +73,20 @@ def serve(conn: Connection, spec: str, progress: Any, parent_pid: int) -> None:
         conn.send((start, scores, errors, time.perf_counter() - began))
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""Rewards travel as float32 (RewardPool's Scores): a larger magnitude would arrive as inf."""
+
+
 def score_item(fn: Any, prompt: str, completion: str, answer: str, extra: Any) -> tuple[float, str | None]:
     """One completion's reward, or 0.0 and the error when the reward raises or returns a non-number
-    or a non-finite one."""
+    (a string or a bool included: float() would take "0.5" and True), or one not finite in float32."""
     try:
-        score = float(fn(prompt, completion, answer, extra))
-        if not math.isfinite(score):
-            raise ValueError(f"returned {score}")
+        raw = fn(prompt, completion, answer, extra)
+        if isinstance(raw, (str, bytes, bool)):
+            raise TypeError(f"returned {raw!r} ({type(raw).__name__}), not a number")
+        score = float(raw)
+        if not math.isfinite(score) or abs(score) > FLOAT32_MAX:
+            raise ValueError(f"returned {score}, not finite as a float32")
     except BaseException as exc:  # SystemExit too: a reward must not end the worker
         return 0.0, f"{type(exc).__name__}: {exc}"
     return score, None

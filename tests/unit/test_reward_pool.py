@@ -36,6 +36,10 @@ def misbehaving(prompt, completion, answer, extra=None):
         return math.nan
     if completion == "none":
         return None
+    if completion == "huge":  # finite in float64, inf as the float32 rewards travel in
+        return 1e300
+    if completion in ("text", "bool"):  # float() would take "0.5" and True
+        return "0.5" if completion == "text" else True
     return load_reward_fn("token_match")(prompt, completion, answer) + (extra or {}).get("bonus", 0.0)
 
 
@@ -73,15 +77,18 @@ def test_results_match_in_process_scoring_in_order(pool):
 @pytest.mark.timeout(60)
 def test_raising_and_garbage_rewards_score_zero_and_are_counted(pool):
     items = _good(20)
-    for i, bad in ((3, "raise"), (11, "nan"), (12, "none")):
-        items[i] = _items([bad])[0]
+    bad = {3: "raise", 11: "nan", 12: "none", 14: "huge", 15: "text", 16: "bool"}
+    for i, what in bad.items():
+        items[i] = _items([what])[0]
     scores = pool.score(items)
-    assert sorted(scores.errors) == [3, 11, 12] and scores.num_errors == 3
+    assert sorted(scores.errors) == sorted(bad) and scores.num_errors == len(bad)
     assert scores.errors[3] == "ValueError: bad completion"
     assert "returned nan" in scores.errors[11] and "TypeError" in scores.errors[12]
+    assert "returned 1e+300, not finite as a float32" in scores.errors[14]
+    assert "returned '0.5' (str), not a number" in scores.errors[15] and "returned True (bool)" in scores.errors[16]
     good = [i for i in range(20) if i not in scores.errors]
     assert np.array_equal(scores.rewards[good], score_in_process(misbehaving, [items[i] for i in good]))
-    assert (scores.rewards[[3, 11, 12]] == 0).all()
+    assert (scores.rewards[sorted(bad)] == 0).all() and np.isfinite(scores.rewards).all()
 
 
 @pytest.mark.timeout(90)

@@ -80,6 +80,8 @@ BAD = [
     ("lr-zero", "algorithm: {lr: 0}", [], None, "algorithm.lr", "0.0", "> 0"),
     ("top-p-above-1", "rollout: {top_p: 1.5}", [], None, "rollout.top_p", "1.5", "(0, 1]"),
     ("temperature-zero", "rollout: {temperature: 0}", [], None, "rollout.temperature", "0.0", ">= 1e-06"),
+    ("timeout-huge", "resources: {timeout_s: 1.0e12}", [], None, "resources.timeout_s", "1000000000000.0",
+     "in (0, 604800] seconds"),
     ("temperature-greedy", "rollout: {temperature: 5.0e-7}", [], None, "rollout.temperature", "5e-07",
      "below it SGLang samples greedily"),
     ("clip-eps-1", "algorithm: {clip_eps: 1.0}", [], None, "algorithm.clip_eps", "1.0", "(0, 1)"),

@@ -119,6 +119,11 @@ class ExampleFile:
                                  "directory with a real tokenizer (tokenizer.json), or keep prompts to "
                                  "that alphabet")
         ids = tok.encode_prompt(text, rendered)
+        if not ids:  # an engine refuses an empty input
+            how = (f"the chat template of {tok.name} renders it as {_short(text)}" if rendered
+                   else f"{tok.name} encodes {_short(text)} as no token")
+            raise self._error(i, f"has {what} of no tokens: {how}; fix the template (or set "
+                                 "data.apply_chat_template: false), or drop the row")
         if f.max_prompt_tokens and len(ids) > f.max_prompt_tokens:
             raise self._error(i, f"has {what} of {len(ids)} tokens, over {f.limit_reason}; shorten it, "
                                  "raise data.max_prompt_tokens, or set data.overlong_prompts: drop to "
@@ -127,7 +132,12 @@ class ExampleFile:
         if f.answer_key in row:
             top.add(f.answer_key)
         extra = {k: v for k, v in row.items() if k not in top}
-        answer_text = answer if isinstance(answer, str) else json.dumps(answer)
+        try:
+            answer_text = answer if isinstance(answer, str) else json.dumps(answer)
+        except (TypeError, ValueError):
+            raise self._error(i, f"has an answer ({f.answer_key!r}) of type {type(answer).__name__}, which "
+                                 "is neither text nor JSON; store the answers as strings (or numbers, lists, "
+                                 "objects)") from None
         return Example(text, answer_text, extra, prompt, tuple(ids), i)
 
     def _render(self, prompt: Any, i: int) -> tuple[str, bool]:

@@ -131,3 +131,25 @@ def test_hpcrl_validate_exits_2_with_one_line(tmp_path, rows, expected):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
     assert lines[0].startswith("hpcrl validate: error: data.path=") and expected in lines[0], lines[0]
+
+
+def test_answers_that_are_not_text_or_json_and_prompts_of_no_tokens_are_named(tmp_path, models):
+    """A parquet answer column of bytes (or a timestamp, a decimal) cannot become the reward's answer
+    text: named with its type, not a TypeError from json.dumps. A chat template that renders a prompt to
+    nothing would reach the engine as an empty input (400 at step 0): named at validation."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["ab", "cd"], "answer": [b"1", b"2"]}), tmp_path / "bin.parquet")
+    error(tmp_path, {"data": {"path": "bin.parquet"}}, "data.path",
+          "row 1 has an answer ('answer') of type bytes, which is neither text nor JSON")
+    blank = tmp_path / "blank_template"
+    shutil.copytree(models["ok"], blank)
+    config = json.loads((blank / "tokenizer_config.json").read_text())
+    (blank / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ '' }}"}))
+    (blank / "chat_template.jinja").unlink(missing_ok=True)
+    path = rows_file(tmp_path, [{"prompt": MESSAGES, "answer": "5"}])
+    error(tmp_path, {"model": {"path": str(blank)}, "data": {"path": path, "apply_chat_template": True}},
+          "data.path", "row 1 has a prompt ('prompt') of no tokens: the chat template of", "fix the template")

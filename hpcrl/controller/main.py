@@ -13,8 +13,10 @@ from hpcrl.controller.comm import RankFailure, World
 from hpcrl.controller.preemption import EXIT_REQUEUE, Preempted
 from hpcrl.controller.sync_check import WeightSyncError
 from hpcrl.rollout.shard_requests import ShardPushError
+from hpcrl.tasks.files import DataError
 
 EXIT_FAILURE = 1
+EXIT_BAD_INPUT = 2  # as `hpcrl validate` on bad input
 
 
 def _report(run_dir: Path, message: str) -> None:
@@ -73,6 +75,13 @@ def controller_main(job: JobConfig, run_dir: Path, world: World) -> int:
     except (WeightSyncError, ShardPushError, ResumeError) as exc:
         _report(run_dir, f"hpcrl run failed: {exc}")
         _abort(world, EXIT_FAILURE)
+    except DataError as exc:  # a row validation did not sample: bad input, not a fault
+        saved = None if session is None else session.checkpointer.saved_step
+        kept = f"the latest checkpoint (step {saved}) is kept" if saved is not None and saved >= 0 else \
+            "no checkpoint was saved yet"
+        _report(run_dir, f"hpcrl run stopped on bad data: {exc}\n{kept}; fix the file, then `hpcrl run JOB "
+                         f"--run-dir {run_dir}` resumes")
+        _abort(world, EXIT_BAD_INPUT)
     except BaseException as exc:  # the controller itself failed: say where, then stop every rank
         import traceback
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcrl.tasks.files import JsonlRows, ParquetRows, open_rows
+from hpcrl.tasks.files import DataError, JsonlRows, ParquetRows, open_rows
 from hpcrl.tasks.tokenizer import Tokenizer, default_tokenizer
 
 
@@ -44,7 +44,7 @@ class Example:
     """0-based row of the file (-1 for synthetic tasks)."""
 
 
-class OverlongPrompt(ValueError):
+class OverlongPrompt(DataError):
     """A row's prompt is longer than the prompt limit (skipped under overlong_prompts: drop)."""
 
 
@@ -94,7 +94,7 @@ class ExampleFile:
     def __getitem__(self, i: int) -> Example:
         return self.example(self.rows[i], i)
 
-    def _error(self, i: int, problem: str, cls: type[ValueError] = ValueError) -> ValueError:
+    def _error(self, i: int, problem: str, cls: type[DataError] = DataError) -> DataError:
         return cls(f"{self.key}={str(self.path)!r}: {self.rows.where(i)} {problem}")
 
     def example(self, row: dict[str, Any], i: int) -> Example:

@@ -9,7 +9,8 @@
 - parquet: `ParquetRows` reads the footer only; `rows[i]` reads the row group holding row i (the last
   CACHED_GROUPS groups stay in memory as Arrow tables) and converts that one row to Python.
 Rows are numbered from 1 in messages; a message also gives a jsonl row's line number. Bad files raise
-ValueError starting "{key}={path!r}: " (key: data.path or data.val_path) and saying what to fix.
+ValueError starting "{key}={path!r}: " (key: data.path or data.val_path) and saying what to fix; a bad
+row is a DataError, which a run stops on as on bad input (exit 2), not as on a fault.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ import numpy as np
 CHUNK_BYTES = 1 << 20
 CACHED_GROUPS = 2
 SUFFIXES = (".jsonl", ".parquet")
+
+
+class DataError(ValueError):
+    """A row of a data file cannot be used; the message names the key, the file, the row and the fix."""
 
 
 class JsonlRows:
@@ -56,12 +61,12 @@ class JsonlRows:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
             line_no = _line_number(self.path, int(self.offsets[i]))
-            raise ValueError(f"{self.key}={str(self.path)!r}: row {i + 1}: line {line_no} is not JSON "
-                             f"({msg}); every non-empty line must be one JSON object") from None
+            raise DataError(f"{self.key}={str(self.path)!r}: row {i + 1}: line {line_no} is not JSON "
+                            f"({msg}); every non-empty line must be one JSON object") from None
         if not isinstance(row, dict):
-            raise ValueError(f"{self.key}={str(self.path)!r}: {self.where(i)} is a JSON "
-                             f"{type(row).__name__}, not an object; every line must be one JSON object "
-                             "such as {\"prompt\": ..., \"answer\": ...}")
+            raise DataError(f"{self.key}={str(self.path)!r}: {self.where(i)} is a JSON "
+                            f"{type(row).__name__}, not an object; every line must be one JSON object "
+                            "such as {\"prompt\": ..., \"answer\": ...}")
         return row
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hpcrl.tasks.examples import Example, ExampleFile, OverlongPrompt, PromptFormat, read_examples
+from hpcrl.tasks.files import DataError
 from hpcrl.tasks.synthetic import TASKS, Task
 from hpcrl.tasks.tokenizer import Tokenizer, default_tokenizer
 
@@ -81,9 +82,9 @@ class PromptSampler:
                 if not self.drop_overlong:
                     raise
                 skipped.append(row)
-        raise ValueError(f"{self.examples.key}={str(self.examples.path)!r}: every row is over "
-                         f"{self.examples.fmt.limit_reason}; nothing is left to train on under "
-                         "data.overlong_prompts: drop; raise data.max_prompt_tokens")
+        raise DataError(f"{self.examples.key}={str(self.examples.path)!r}: every row is over "
+                        f"{self.examples.fmt.limit_reason}; nothing is left to train on under "
+                        "data.overlong_prompts: drop; raise data.max_prompt_tokens")
 
 
 def make_sampler(task: str | None, path: str | None, prompt_key: str, answer_key: str,

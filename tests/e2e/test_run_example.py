@@ -181,6 +181,28 @@ def failed_run(run_dir, fault: str, *settings: str) -> tuple[str, str]:
 
 
 @pytest.mark.timeout(300)
+def test_a_bad_row_validation_did_not_check_stops_the_run_as_bad_input(tmp_path):
+    """Validation reads the file's first 64 rows and the first 64 of the sampler's epoch-0 order; a bad
+    row the sampler draws later (here the 65th-100th of that order, drawn at step 0) stops the run with
+    exit 2 and the row's message, no traceback, nothing left running (it was a controller fault: a
+    traceback, MPI_Abort(1))."""
+    n, seed = 201, 0
+    order = np.random.default_rng([seed, 0]).permutation(n)  # hpcrl.tasks.sampler's epoch-0 order
+    bad = next(int(order[p]) for p in range(64, 100) if order[p] >= 64)
+    rows = [{"prompt": "ab", "answer": "ab"}] * n
+    rows[bad] = {"prompt": "AB!", "answer": "ab"}  # outside the character tokenizer's alphabet
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), "--set", f"data.path={data}", "--set",
+                   f"data.seed={seed}", "--set", "data.num_prompts_per_step=100", "--set", "algorithm.group_size=2",
+                   "--set", "algorithm.num_steps=1", "--set", "logging.progress=false", timeout_s=280)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"hpcrl run stopped on bad data: data.path='{data}': row {bad + 1} has a prompt" in out.stderr
+    assert "Traceback" not in out.stderr and not leftover_processes(str(run_dir))
+
+
+@pytest.mark.timeout(300)
 def test_hung_trainer_rank_is_named_and_the_job_stops(tmp_path):
     run_dir = tmp_path / "hang"
     text, stderr = failed_run(run_dir, "1:train:hang", "--set", "resources.timeout_s=10")

@@ -23,7 +23,12 @@ SLURM_OWNED_OPTIONS = {
         **dict.fromkeys(("cpus-per-task", "c"), "set resources.cpus_per_rank instead"),
         **dict.fromkeys(("error", "e", "output", "o"),
                         "the logs go to RUN_DIR/logs (see docs/on_disk_layout.md)"),
-        "gpus-per-node": "set resources.gpus_per_node instead",
+        **dict.fromkeys(("gpus-per-node", "gres", "gpus", "G", "gpus-per-task"),
+                        "set resources.gpus_per_node instead (hpcrl asks for --gpus-per-node)"),
+        **dict.fromkeys(("mem-per-cpu", "mem-per-gpu"), "set slurm.mem_gb instead (sbatch refuses it beside "
+                                                        "the --mem hpcrl writes)"),
+        **dict.fromkeys(("array", "a"), "remove it: each array task would run the same job into one run dir; "
+                                        "submit one job per run"),
         **dict.fromkeys(("job-name", "J"), "set name instead"),
         "mem": "set slurm.mem_gb instead",
         **dict.fromkeys(("nodes", "N"), "set resources.nodes / resources.rollout_nodes instead"),
@@ -36,7 +41,15 @@ SLURM_OWNED_OPTIONS = {
         "signal": "set slurm.signal_delay_s instead",
         **dict.fromkeys(("time", "t"), "set slurm.time instead"),
     },
-    "srun": {"het-group": "remove it: the step spans every component", "mpi": "set slurm.mpi instead"},
+    "srun": {
+        "het-group": "remove it: the step spans every component", "mpi": "set slurm.mpi instead",
+        **dict.fromkeys(("ntasks", "n", "ntasks-per-node", "nodes", "N"),
+                        "remove it: the step runs one rank per task the job asked for"),
+        **dict.fromkeys(("output", "o", "error", "e"), "remove it: the ranks' logs go to RUN_DIR/logs"),
+        **dict.fromkeys(("chdir", "D"), "remove it: the step runs in the run dir"),
+        **dict.fromkeys(("kill-on-bad-exit", "K"), "remove it: hpcrl passes --kill-on-bad-exit=0 and stops "
+                                                   "the world itself, naming the rank that failed"),
+    },
 }
 
 
@@ -55,9 +68,17 @@ def _check_slurm_options(key: str, options: list[str], tool: str) -> None:
         if not opt.startswith("-"):
             raise ConfigError(f"{key}[{i}]", opt, f"must be a {tool} option starting with '-' "
                                                   "(e.g. '--exclusive'); one option per list item")
-        fix = SLURM_OWNED_OPTIONS[tool].get(_option_name(opt))
+        name, owned = _option_name(opt), SLURM_OWNED_OPTIONS[tool]
+        fix = owned.get(name)
         if fix is not None:
             raise ConfigError(f"{key}[{i}]", opt, f"hpcrl writes this {tool} option itself; {fix}")
+        # sbatch and srun take a prefix of a long option for the option (none of theirs is a prefix of
+        # one hpcrl writes: a prefix here is an abbreviation, or ambiguous, which they refuse)
+        full = sorted(o for o in owned if len(o) > 1 and opt.startswith("--") and len(name) >= 2
+                      and o.startswith(name))
+        if full:
+            raise ConfigError(f"{key}[{i}]", opt, f"{tool} reads '--{name}' as an abbreviation of '--{full[0]}', "
+                                                  f"which hpcrl writes itself; {owned[full[0]]}")
     try:  # the template's own checks, so validate accepts exactly what launch/slurm_spec.py renders
         if tool == "sbatch":
             SlurmComponent(nodes=1, ntasks_per_node=1, extra_sbatch_options=tuple(options))

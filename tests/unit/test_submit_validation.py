@@ -216,6 +216,14 @@ def test_gpu_count(gres, n):
     ("slurm.rollout_extra_sbatch_options=[exclusive]", "slurm.rollout_extra_sbatch_options[0]",
      "starting with '-'"),
     ("slurm.extra_srun_options=[--mpi=pmix]", "slurm.extra_srun_options[0]", "set slurm.mpi instead"),
+    ("slurm.extra_sbatch_options=['--gres=gpu:8']", "slurm.extra_sbatch_options[0]", "resources.gpus_per_node"),
+    ("slurm.extra_sbatch_options=[--mem-per-cpu=1G]", "slurm.extra_sbatch_options[0]", "slurm.mem_gb"),
+    ("slurm.extra_sbatch_options=[--array=1-3]", "slurm.extra_sbatch_options[0]", "one job per run"),
+    ("slurm.extra_sbatch_options=[--partit=x]", "slurm.extra_sbatch_options[0]",
+     "an abbreviation of '--partition'"),
+    ("slurm.extra_srun_options=[-n 4]", "slurm.extra_srun_options[0]", "one rank per task"),
+    ("slurm.extra_srun_options=[--output=/dev/null]", "slurm.extra_srun_options[0]", "RUN_DIR/logs"),
+    ("slurm.extra_srun_options=[--kill-on-bad-exit=1]", "slurm.extra_srun_options[0]", "naming the rank"),
     ("slurm.python=' '", "slurm.python", "interpreter"),
 ])
 def test_slurm_section_errors_name_the_key(override, key, words):

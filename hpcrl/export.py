@@ -126,9 +126,12 @@ def export_checkpoint(run_dir: str, step: int | None, out_dir: str,
     config = _run_config(run, run_dir)
     ckpt_dir = Path(config["checkpoint"]["dir"] or run / "checkpoints")
     available = list_checkpoints(ckpt_dir) if ckpt_dir.exists() else []
-    if not available or (step is not None and step not in available):
+    if not available:  # nothing to export, whichever step
+        raise ConfigError("RUN_DIR", run_dir, f"has no complete checkpoint in {ckpt_dir}: the run saved none "
+                          "(checkpoint.interval_steps, or it stopped before its first save); export a run that did")
+    if step is not None and step not in available:
         raise ConfigError("--step", step, f"no complete checkpoint there in {ckpt_dir}; available steps: "
-                          f"{available or 'none'}")
+                          f"{available}")
     try:
         reader = open_checkpoint(ckpt_dir, step)
     except CheckpointNotFoundError as exc:

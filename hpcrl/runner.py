@@ -25,11 +25,21 @@ EXIT_FAILURE = 1
 
 
 def resolve_run_dir(job: JobConfig, cli_run_dir: str | None) -> Path:
-    if cli_run_dir:
+    if cli_run_dir is not None:
+        if not cli_run_dir.strip():
+            raise ConfigError("--run-dir", cli_run_dir, "give a directory, or leave --run-dir out for "
+                                                        "logging.run_dir or runs/<name>-<time>")
         return Path(cli_run_dir).resolve()
     if job.logging.run_dir:
         return (Path(job.base_dir) / job.logging.run_dir).resolve()
     return (Path("runs") / f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+
+
+def run_dir_key(job: JobConfig, run_dir: Path) -> str:
+    """The setting that named `run_dir`, for messages: logging.run_dir, or --run-dir."""
+    if job.logging.run_dir and (Path(job.base_dir) / job.logging.run_dir).resolve() == run_dir.resolve():
+        return "logging.run_dir"
+    return "--run-dir"
 
 
 def prepare_run_dir(job: JobConfig, run_dir: Path) -> None:
@@ -41,8 +51,8 @@ def prepare_run_dir(job: JobConfig, run_dir: Path) -> None:
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:
-        raise ConfigError("--run-dir", str(run_dir), f"cannot create or write it ({exc.strerror}); "
-                          "choose a writable directory") from None
+        raise ConfigError(run_dir_key(job, run_dir), str(run_dir), f"cannot create or write it "
+                          f"({exc.strerror}); choose a writable directory") from None
     if job.checkpoint.dir:  # else RUN_DIR/checkpoints: writable with the run dir
         ckpt_dir = Path(job.checkpoint.dir)
         try:
@@ -69,7 +79,7 @@ def check_resume(job: JobConfig, run_dir: Path, resume: str) -> None:
     checkpoints of another model or without (or with) the critic this job trains."""
     from checkpoints import list_checkpoints
 
-    check_run_dir(run_dir)
+    check_run_dir(run_dir, run_dir_key(job, run_dir))
     ckpt_dir = Path(job.checkpoint.dir) if job.checkpoint.dir else run_dir / "checkpoints"
     existing = list_checkpoints(ckpt_dir) if ckpt_dir.exists() else []
     if resume == "none" and existing:
@@ -90,7 +100,7 @@ RUN_DIR_ENTRIES = frozenset({
 """What a run writes into its run dir (hpcrl/runner.py, hpcrl/jobs.py, launch/)."""
 
 
-def check_run_dir(run_dir: Path) -> None:
+def check_run_dir(run_dir: Path, key: str = "--run-dir") -> None:
     """ConfigError for a run dir that holds something else than an hpcrl run: a config.json without
     hpcrl's checkpoint section (a HuggingFace model directory's, say), or entries a run never writes.
     The run would replace that config.json and fill the directory with run files."""
@@ -106,7 +116,7 @@ def check_run_dir(run_dir: Path) -> None:
         ours = False
     if not ours:
         shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
-        raise ConfigError("--run-dir", str(run_dir), f"holds {shown} but no hpcrl run (config.json with a "
+        raise ConfigError(key, str(run_dir), f"holds {shown} but no hpcrl run (config.json with a "
                           "checkpoint section); a run writes config.json, logs/ and checkpoints/ there: give a "
                           "new or empty directory, or the run dir of the run to resume")
 

@@ -92,5 +92,7 @@ def test_export_bad_arguments(tmp_path):
     assert out.returncode == 2 and "--max-shard-size" in out.stderr and "5GB" in out.stderr
     assert "Traceback" not in out.stderr
     (tmp_path / "config.json").write_text(json.dumps({"checkpoint": {"dir": None}}))
-    out = _cli(str(tmp_path), "--step", "4", "--out", str(tmp_path / "o"))
-    assert out.returncode == 2 and "available steps: none" in out.stderr and "Traceback" not in out.stderr
+    for step in (["--step", "4"], []):  # no checkpoint at all: the run dir is named, not a --step never given
+        out = _cli(str(tmp_path), *step, "--out", str(tmp_path / "o"))
+        assert out.returncode == 2 and "error: RUN_DIR=" in out.stderr and "has no complete checkpoint" in out.stderr
+        assert "Traceback" not in out.stderr and "--step=None" not in out.stderr

@@ -312,8 +312,8 @@ def _deepseek_v3_router(cfg: Mapping, bad: Callable[[str, str], ValueError], exp
         raise bad("num_experts_per_tok", f"with n_group={n_group} > 1, num_experts_per_tok // topk_group must "
                                          f"be 2 (DeepSeek's group score sums each group's top-2 experts, "
                                          f"Megatron's its top num_experts_per_tok // topk_group)")
-    return dict(score_function="sigmoid", norm_topk_prob=True, expert_bias=True, n_group=n_group,
-                topk_group=topk_group)
+    return {"score_function": "sigmoid", "norm_topk_prob": True, "expert_bias": True, "n_group": n_group,
+            "topk_group": topk_group}
 
 
 def _deepseek_v2_router(cfg: Mapping, bad: Callable[[str, str], ValueError], experts: int, top_k: int) -> dict:
@@ -345,7 +345,7 @@ def _deepseek_v2_router(cfg: Mapping, bad: Callable[[str, str], ValueError], exp
     elif method != "greedy":
         raise bad("topk_method", "deepseek_v2 supports 'greedy' (DeepSeek-V2-Lite), or 'group_limited_greedy' "
                                  "with n_group 1 or topk_group == n_group")
-    return dict(score_function="softmax", norm_topk_prob=False, expert_bias=False, n_group=1, topk_group=1)
+    return {"score_function": "softmax", "norm_topk_prob": False, "expert_bias": False, "n_group": 1, "topk_group": 1}
 
 
 def _mla_shapes(dims: HFModelDims, p: str) -> dict[str, tuple[int, ...]]:

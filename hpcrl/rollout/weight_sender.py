@@ -269,7 +269,9 @@ class WeightSender:
         works = [dist.broadcast(t, group=self.group, group_src=0, async_op=True) for t in tensors]
         # Polled: NCCL marks a work's future done once the broadcast is queued on the stream, not when
         # it completes (torch's Work.get_future), while is_completed() asks the GPU.
-        sent = lambda: all(w.is_completed() for w in works)  # noqa: E731
+        def sent() -> bool:
+            return all(w.is_completed() for w in works)
+
         end = time.monotonic() + self.timeout_s
         pending = set(calls)
         while not sent():

@@ -87,6 +87,10 @@ def check_data_and_reward(job: JobConfig) -> int | None:
 
     Data files (data.path, data.val_path) are checked on a sample of rows (`_check_data_file`)."""
     d = job.data
+    if d.task not in TASKS and (d.path is None or d.task is not None):  # a typo, even where data.path wins
+        raise ConfigError("data.task", d.task, f"unknown task{did_you_mean(str(d.task), TASKS)}; "
+                                               f"valid: {', '.join(TASKS)}, or set data.path to a file"
+                                               + (" (data.path is set: data.task: null)" if d.path else ""))
     tok = job_tokenizer(job)
     if d.path is not None:
         if d.path == "":
@@ -95,9 +99,6 @@ def check_data_and_reward(job: JobConfig) -> int | None:
         _check_data_file(job, "data.path", tok)
         prompt_len = None
     else:
-        if d.task not in TASKS:
-            raise ConfigError("data.task", d.task, f"unknown task{did_you_mean(str(d.task), TASKS)}; "
-                                                   f"valid: {', '.join(TASKS)}, or set data.path to a file")
         task = TASKS[d.task]
         # Tasks draw prompts of fixed length; a few draws make that robust to future variants.
         rng = np.random.default_rng(0)

@@ -153,3 +153,12 @@ def test_answers_that_are_not_text_or_json_and_prompts_of_no_tokens_are_named(tm
     path = rows_file(tmp_path, [{"prompt": MESSAGES, "answer": "5"}])
     error(tmp_path, {"model": {"path": str(blank)}, "data": {"path": path, "apply_chat_template": True}},
           "data.path", "row 1 has a prompt ('prompt') of no tokens: the chat template of", "fix the template")
+
+
+def test_a_task_typo_is_named_even_where_data_path_wins(tmp_path):
+    """data.task is not used with data.path, but 'revers' there is still a typo (it was accepted
+    silently); data.task: null is how to say none."""
+    path = rows_file(tmp_path, [{"prompt": "ab", "answer": "1"}])
+    error(tmp_path, {"data": {"path": path, "task": "revers"}}, "data.task", "did you mean 'reverse'",
+          "data.task: null")
+    assert check(tmp_path, {"data": {"path": path, "task": None}}) is None

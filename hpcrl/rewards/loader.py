@@ -59,4 +59,8 @@ def load_reward_fn(spec: str) -> RewardFn:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward.fn={spec!r}: module {module_name!r} has no function {attr!r}")
+    if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        kind = "an async function" if inspect.iscoroutinefunction(fn) else "a generator function"
+        raise ValueError(f"reward.fn={spec!r}: {attr!r} is {kind}, whose call returns no number (every "
+                         f"completion would score 0); define a plain `{SIGNATURE}` that returns a float")
     return fn if _takes_extra(fn, spec, attr) else _WithoutExtra(fn)

@@ -83,6 +83,17 @@ def test_reward_loader_builtin_import_path_and_errors():
         load_reward_fn("hpcrl.rewards.builtin:missing")
     with pytest.raises(ValueError, match="cannot be called as"):
         load_reward_fn("math:sqrt")
+    for name, kind in (("async_reward", "an async function"), ("generator_reward", "a generator function")):
+        with pytest.raises(ValueError, match=f"'{name}' is {kind}, whose call returns no number"):
+            load_reward_fn(f"{__name__}:{name}")
+
+
+async def async_reward(prompt, completion, answer, extra):
+    return 1.0
+
+
+def generator_reward(prompt, completion, answer, extra):
+    yield 1.0
 
 
 @pytest.mark.parametrize(("body", "raised"), [

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcrl.config.errors import ConfigError
+from hpcrl.runner import is_run_config
 
 if TYPE_CHECKING:
     from hpcrl.trainer.mtp_tensors import MTPSource
@@ -61,7 +62,7 @@ def _run_config(run: Path, run_dir: str) -> dict:
         config = json.loads(config_path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise ConfigError("RUN_DIR", run_dir, f"its config.json is not JSON ({exc}); {fix}") from None
-    if not isinstance(config, dict) or not isinstance(config.get("checkpoint"), dict):
+    if not is_run_config(config):
         raise ConfigError("RUN_DIR", run_dir, f"its config.json is not an hpcrl run's (no checkpoint section: "
                                               f"a HuggingFace model directory?); {fix}")
     return config

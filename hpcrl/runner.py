@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -42,28 +43,24 @@ def run_dir_key(job: JobConfig, run_dir: Path) -> str:
     return "--run-dir"
 
 
-def prepare_run_dir(job: JobConfig, run_dir: Path) -> None:
-    """Create the run dir and write the resolved job and model configs into it."""
+def _make_writable(path: Path, key: str, value: str, fix: str) -> None:
+    """Create `path` (with its parents) and write a file in it; ConfigError on `key` when it cannot."""
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "logs").mkdir(exist_ok=True)
-        probe = run_dir / ".write-test"
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:
-        raise ConfigError(run_dir_key(job, run_dir), str(run_dir), f"cannot create or write it "
-                          f"({exc.strerror}); choose a writable directory") from None
+        raise ConfigError(key, value, f"cannot create or write it ({exc.strerror}); {fix}") from None
+
+
+def prepare_run_dir(job: JobConfig, run_dir: Path) -> None:
+    """Create the run dir and write the resolved job and model configs into it."""
+    for path in (run_dir, run_dir / "logs"):
+        _make_writable(path, run_dir_key(job, run_dir), str(run_dir), "choose a writable directory")
     if job.checkpoint.dir:  # else RUN_DIR/checkpoints: writable with the run dir
-        ckpt_dir = Path(job.checkpoint.dir)
-        try:
-            ckpt_dir.mkdir(parents=True, exist_ok=True)
-            probe = ckpt_dir / f".write-test.{os.getpid()}"
-            probe.write_text("ok")
-            probe.unlink()
-        except OSError as exc:
-            raise ConfigError("checkpoint.dir", job.checkpoint.dir, f"cannot create or write it "
-                              f"({exc.strerror}); the run would train, then lose every checkpoint: choose a "
-                              "writable directory") from None
+        _make_writable(Path(job.checkpoint.dir), "checkpoint.dir", job.checkpoint.dir,
+                       "the run would train, then lose every checkpoint: choose a writable directory")
     resolved = to_dict(job)
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
     (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
@@ -100,6 +97,12 @@ RUN_DIR_ENTRIES = frozenset({
 """What a run writes into its run dir (hpcrl/runner.py, hpcrl/jobs.py, launch/)."""
 
 
+def is_run_config(config: Any) -> bool:
+    """Whether a run dir's parsed config.json is an hpcrl run's (it has the checkpoint section; a
+    HuggingFace model directory's config.json has none)."""
+    return isinstance(config, dict) and isinstance(config.get("checkpoint"), dict)
+
+
 def check_run_dir(run_dir: Path, key: str = "--run-dir") -> None:
     """ConfigError for a run dir that holds something else than an hpcrl run: a config.json without
     hpcrl's checkpoint section (a HuggingFace model directory's, say), or entries a run never writes.
@@ -108,8 +111,7 @@ def check_run_dir(run_dir: Path, key: str = "--run-dir") -> None:
         return
     entries = sorted(p.name for p in run_dir.iterdir())
     try:
-        config = json.loads((run_dir / "config.json").read_text())
-        ours = isinstance(config, dict) and isinstance(config.get("checkpoint"), dict)
+        ours = is_run_config(json.loads((run_dir / "config.json").read_text()))
     except FileNotFoundError:
         ours = all(name in RUN_DIR_ENTRIES for name in entries)
     except (OSError, ValueError, UnicodeDecodeError):
@@ -158,7 +160,6 @@ def _check_same_run(job: JobConfig, run_dir: Path, ckpt_dir: Path, step: int) ->
                           f"the run dir's checkpoints (latest step {step}) are of another model ({shown}"
                           f"{' ...' if len(differ) > 4 else ''}); resume with that run's model, or use another "
                           "--run-dir")
-
 
 
 def plan_cores(job: JobConfig, env: dict[str, str]) -> None:

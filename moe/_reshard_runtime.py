@@ -265,9 +265,9 @@ def exchange(peers: Sequence[_PeerPlan | _Prepared], *, deadline_s: float, round
     "off" or not (the sender's "full" or "sampled" travels in its bucket's header). On gloo the
     direct sends and all receives are posted first, the sender's checksums are computed while those
     are in flight, and the buckets (header + small items) follow; other backends (NCCL) pack and
-    checksum the buckets first and post the whole round as one batch (see the comment at the end). Raises `RoundTimeout` naming the
-    stalled peers, `ChecksumError` naming the peer and its tensors. Peers may come `prepare`d
-    (then `direct_bytes` and `staging` were applied when they were prepared).
+    checksum the buckets first and post the whole round as one batch (see the comment at the end).
+    Raises `RoundTimeout` naming the stalled peers, `ChecksumError` naming the peer and its tensors.
+    Peers may come `prepare`d (then `direct_bytes` and `staging` were applied when they were prepared).
     """
     post = _Poster(group)
     done: dict[int, Callable[[], None]] = {}  # index of a peer's last receive -> verify + unpack

@@ -46,7 +46,8 @@ ROUTING_REPLAYS = ("none", "observe", "r3", "r2")
 SYNC_CHECKSUMS = ("sampled", "full", "off")  # moe._reshard_runtime.VERIFY_MODES (torch-free here)
 MAX_TIMEOUT_S = 7 * 24 * 3600
 """The longest timeout a job may set: socket, queue and faulthandler timeouts overflow near 1e9 s."""
-SGLANG_GREEDY_BELOW = 1e-6
+_TIMEOUT = (lambda v: 0 < v <= MAX_TIMEOUT_S, f"in (0, {MAX_TIMEOUT_S}] seconds (a week at most)")
+SGLANG_GREEDY_BELOW = 1e-6  # hpcrl.rollout.engine.SAMPLING_EPS (torch-free here)
 """SGLang 0.5.23 samples a temperature in [0, 1e-6) greedily, at temperature 1 (SamplingParams'
 _SAMPLING_EPS, sampling/sampling_params.py); so does the reference engine."""
 
@@ -62,7 +63,7 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("model.path", lambda v: v is None or v != "", "a model directory, or null for preset/config_path"),
     ("data.val_path", lambda v: v is None or v != "", "a .jsonl/.parquet file, or null"),
     ("reward.num_workers", lambda v: v >= 1, ">= 1 (reward worker processes)"),
-    ("reward.timeout_s", lambda v: 0 < v <= MAX_TIMEOUT_S, f"in (0, {MAX_TIMEOUT_S}] seconds (a week at most)"),
+    ("reward.timeout_s", *_TIMEOUT),
     ("eval.interval_steps", lambda v: v >= 0, ">= 0 (0 disables evaluation)"),
     ("eval.num_samples", lambda v: v >= 1, ">= 1"),
     ("eval.temperature", lambda v: v >= 0, ">= 0 (0 is greedy)"),
@@ -139,8 +140,8 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("resources.rollout_nodes", lambda v: v >= 0, ">= 0 (0 colocates rollout with the trainer)"),
     ("resources.gpus_per_node", lambda v: v >= 0, ">= 0"),
     ("resources.cpus_per_rank", lambda v: v >= 1, ">= 1"),
-    ("resources.timeout_s", lambda v: 0 < v <= MAX_TIMEOUT_S, f"in (0, {MAX_TIMEOUT_S}] seconds (a week at most)"),
-    ("resources.startup_timeout_s", lambda v: 0 < v <= MAX_TIMEOUT_S, f"in (0, {MAX_TIMEOUT_S}] seconds (a week at most)"),
+    ("resources.timeout_s", *_TIMEOUT),
+    ("resources.startup_timeout_s", *_TIMEOUT),
     ("network.gpus_per_node", lambda v: v >= 1, ">= 1"),
     ("network.nics_per_node", lambda v: v >= 1, ">= 1"),
     ("network.nic_gbit_per_s", lambda v: 0 < v <= 1e5, "in (0, 1e5] Gbit/s, e.g. 400 (NDR)"),

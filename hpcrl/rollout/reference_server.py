@@ -113,6 +113,7 @@ _SGLANG_GENERATE_FIELDS = frozenset("""
 """/generate's fields in SGLang 0.5.23 (GenerateReqInput, managers/io_struct.py): the reference engine
 refuses those it does not serve when set (a half-served request would answer something else), and
 ignores any other key, as SGLang's body parsing and contract check (api/v1 GenerateRequest) do."""
+_UNSERVED_GENERATE_FIELDS = _SGLANG_GENERATE_FIELDS - _GENERATE_KEYS
 
 
 class _Fail(Exception):
@@ -202,8 +203,7 @@ class ReferenceServer:
         start = time.perf_counter()
         faults.inject(self.fault, "generate")
         for key, value in req.items():
-            if key in _SGLANG_GENERATE_FIELDS and key not in _GENERATE_KEYS \
-                    and value not in (None, False, 0, "", [], {}):
+            if key in _UNSERVED_GENERATE_FIELDS and value not in (None, False, 0, "", [], {}):
                 raise _Fail(f"/generate field {key!r} is not supported by the reference engine")
         if req.get("stream"):
             raise _Fail("stream=true is not supported by the reference engine; use a non-streaming request")

@@ -439,6 +439,14 @@ def test_sync_checksum_choices_are_the_runtimes_modes():
     assert SYNC_CHECKSUMS == VERIFY_MODES
 
 
+def test_the_greedy_threshold_is_the_reference_engines():
+    """validate.py is torch-free, so it states SGLang's greedy threshold itself; it must be the engine's."""
+    from hpcrl.config.validate import SGLANG_GREEDY_BELOW
+    from hpcrl.rollout.engine import SAMPLING_EPS
+
+    assert SGLANG_GREEDY_BELOW == SAMPLING_EPS
+
+
 def test_dict_fields_take_mappings_with_string_keys():
     job = job_from_dict({"data": {"chat_template_kwargs": {"enable_thinking": False}}})
     assert job.data.chat_template_kwargs == {"enable_thinking": False}

@@ -103,6 +103,10 @@ def check_data_and_reward(job: JobConfig) -> int | None:
         # Tasks draw prompts of fixed length; a few draws make that robust to future variants.
         rng = np.random.default_rng(0)
         prompt_len = max(len(tok.encode_prompt(task.make(rng)[0])) for _ in range(16))
+        if d.max_prompt_tokens and prompt_len > d.max_prompt_tokens:  # else it only sizes plan's routes
+            raise ConfigError("data.max_prompt_tokens", d.max_prompt_tokens,
+                              f"data.task={d.task}'s prompts are {prompt_len} tokens ({tok.name}); use "
+                              f"max_prompt_tokens >= {prompt_len}, or 0 for no limit")
     if d.val_path is not None:
         _check_data_file(job, "data.val_path", tok)
     try:

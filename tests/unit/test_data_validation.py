@@ -162,3 +162,11 @@ def test_a_task_typo_is_named_even_where_data_path_wins(tmp_path):
     error(tmp_path, {"data": {"path": path, "task": "revers"}}, "data.task", "did you mean 'reverse'",
           "data.task: null")
     assert check(tmp_path, {"data": {"path": path, "task": None}}) is None
+
+
+def test_a_task_longer_than_max_prompt_tokens_is_refused(tmp_path):
+    """A built-in task's prompts are not cut: a data.max_prompt_tokens below them was ignored without
+    a word (the run's prompts broke the limit that hpcrl plan sized the routes by)."""
+    error(tmp_path, {"data": {"task": "reverse", "max_prompt_tokens": 3}}, "data.max_prompt_tokens",
+          "data.task=reverse's prompts are 5 tokens", "use max_prompt_tokens >= 5, or 0 for no limit")
+    assert check(tmp_path, {"data": {"task": "reverse", "max_prompt_tokens": 5}}) is None

@@ -23,7 +23,7 @@ import sys
 from typing import Any, TextIO
 
 from hpcrl.config import ConfigError, JobConfig, load_job
-from hpcrl.config.schema import weight_sync_mode
+from hpcrl.config.schema import engine_routes, weight_sync_mode
 from hpcrl.models.job_model import (RUN_PARAM_DTYPES, build_layouts, build_spec, layout_summary,
                                     trainer_build)
 from moe.network import Topology
@@ -108,10 +108,11 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
 
 
 def routes_report(job: JobConfig) -> dict[str, Any] | None:
-    """rollout.routing_replay's extra memory: the engines' routes of one step's samples, held by the
-    controller and sent to trainer rank 0 (uint8/int16 [tokens, MoE layers, top_k] per sample, at
-    most data.max_prompt_tokens + rollout.max_new_tokens - 1 tokens: the model's context without
-    max_prompt_tokens). None without routing replay."""
+    """rollout.routing_replay's extra memory: the routes of one step's samples (uint8/int16 [tokens,
+    MoE layers, top_k] per sample, at most data.max_prompt_tokens + rollout.max_new_tokens - 1 tokens:
+    the model's context without max_prompt_tokens), and who holds them (`held_by`): the engines'
+    (observe, r3) the controller and trainer rank 0; r2's, recorded by the trainer's old forward, every
+    trainer rank (put together from every rank's layers and rows). None without routing replay."""
     if job.rollout.routing_replay == "none":
         return None
     from hpcrl.controller.routes import RouteFormat
@@ -124,8 +125,9 @@ def routes_report(job: JobConfig) -> dict[str, Any] | None:
               else dims.max_position_embeddings) - 1
     per_sample = fmt.bytes_per_token() * tokens
     samples = job.data.num_prompts_per_step * job.algorithm.group_size
+    held_by = "the controller and trainer rank 0" if engine_routes(job) else "every trainer rank (r2)"
     return {"bytes_per_token": fmt.bytes_per_token(), "max_tokens_per_sample": tokens,
-            "bytes_per_sample": per_sample, "bytes_per_step": per_sample * samples}
+            "bytes_per_sample": per_sample, "bytes_per_step": per_sample * samples, "held_by": held_by}
 
 
 def async_report(job: JobConfig, routes: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -139,7 +141,8 @@ def async_report(job: JobConfig, routes: dict[str, Any] | None) -> dict[str, Any
     from hpcrl.models.job_model import model_config
 
     prompt = job.data.max_prompt_tokens or model_config(job)[3]["max_position_embeddings"] - job.rollout.max_new_tokens
-    per_sample = 8 * prompt + 16 * job.rollout.max_new_tokens + (routes["bytes_per_sample"] if routes else 0)
+    engines = routes["bytes_per_sample"] if routes and engine_routes(job) else 0  # r2's are the trainer's
+    per_sample = 8 * prompt + 16 * job.rollout.max_new_tokens + engines
     per_batch = per_sample * job.data.num_prompts_per_step * job.algorithm.group_size
     return {"max_staleness": k, "bytes_per_batch": per_batch, "buffered_bytes": k * per_batch}
 
@@ -170,7 +173,7 @@ def render(report: dict[str, Any]) -> str:
     if routes:
         extra.insert(1, f"  routes         rollout.routing_replay: {routes['bytes_per_token']} B per token, at most "
                         f"{_gib(routes['bytes_per_sample'])} per sample ({routes['max_tokens_per_sample']} tokens), "
-                        f"{_gib(routes['bytes_per_step'])} per step on the controller and trainer rank 0")
+                        f"{_gib(routes['bytes_per_step'])} per step on {routes['held_by']}")
     buffered = report.get("async")
     if buffered:
         extra.insert(1, f"  async          rollout.max_staleness {buffered['max_staleness']}: "

@@ -45,9 +45,11 @@ class Rollout:
     def num_tokens(self) -> int:
         return sum(len(r) for r in self.response_ids)
 
-    def token_batch(self) -> dict:
+    def token_batch(self, routes: bool = True) -> dict:
+        """The trainer's payload of the completions' tokens, and their routes (with `routes`: only the
+        policy's forwards replay or compare them)."""
         batch = {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids}
-        return batch if self.routes is None else {**batch, "routes": self.routes}
+        return batch if self.routes is None or not routes else {**batch, "routes": self.routes}
 
     def select(self, rows: list[int]) -> Rollout:
         """The completions at `rows`, in that order."""
@@ -206,16 +208,17 @@ class PolicyGroup:
 
     def ref_logprobs(self, step: int, rollout: Rollout, temperature: float) -> np.ndarray:
         """Log-probs of the response tokens under the frozen reference policy, [B, T]."""
-        return self._async("ref_logprobs", step, {**rollout.token_batch(), "temperature": temperature}).wait()
+        payload = {**rollout.token_batch(routes=False), "temperature": temperature}
+        return self._async("ref_logprobs", step, payload).wait()
 
     def values(self, step: int, rollout: Rollout) -> np.ndarray:
         """The critic's values of the response positions, [B, T] (hpcrl/trainer/critic.py)."""
-        return self._async("values", step, rollout.token_batch()).wait()
+        return self._async("values", step, rollout.token_batch(routes=False)).wait()
 
     def train_critic(self, step: int, rollout: Rollout, returns: np.ndarray, old_values: np.ndarray,
                      epochs: int, mini_batch_size: int) -> dict[str, float]:
         """The critic's value-loss updates on the rollout; metrics."""
-        return self._async("train_critic", step, {**rollout.token_batch(), "returns": returns,
+        return self._async("train_critic", step, {**rollout.token_batch(routes=False), "returns": returns,
                                                   "old_values": old_values, "epochs": epochs,
                                                   "mini_batch_size": mini_batch_size}).wait()
 

@@ -60,4 +60,11 @@ class RouteFormat:
         routes = full[:, list(self.moe_layers)]
         if routes.size and (routes.min() < 0 or routes.max() >= self.num_experts):
             raise RoutesError(f"{where}: expert ids outside [0, {self.num_experts})")
+        twice = np.argwhere((np.diff(np.sort(routes, axis=-1), axis=-1) == 0).any(axis=-1))
+        if len(twice):  # SGLang's rows of layers it did not capture are zeros: K times expert 0
+            token, j = twice[0]
+            raise RoutesError(f"{where}: token {token} goes to one expert twice in MoE layer "
+                              f"{self.moe_layers[j]} ({routes[token, j].tolist()}); a top-{self.top_k} route names "
+                              f"{self.top_k} distinct experts (an engine serving another model, or a layer it "
+                              "did not capture)")
         return routes.astype(self.dtype)

@@ -484,6 +484,8 @@ class MegatronPolicy:
         """
         n_mb, mb, L = self._split_shape(batch)
         B = batch.batch_size
+        if batch.routes_BLNK is not None:
+            self._check_routes(batch.routes_BLNK)
         padded = batch.padded(self.dp_size * n_mb * mb, L)
         assert padded.response_width == batch.response_width
         full = {"tokens_BL": padded.tokens_BL, "pad_BL": padded.padding_mask_BL(),
@@ -501,6 +503,33 @@ class MegatronPolicy:
             d["position_ids"] = position_ids
             out.append(d)
         return out, n_mb, mb, L
+
+    def _agreement(self, batch: TrainBatch) -> float | None:
+        """On rank 0: the share of (token, MoE layer) routes of the forward(s) since the last call that
+        equal `batch`'s routes, pooled over every rank; None elsewhere and for a batch without routes.
+        Collective: every rank has the batch, so all or none take part."""
+        if batch.routes_BLNK is None:
+            return None
+        routed = self._to_rank0(torch.tensor(self.replay.take_agreement(), dtype=torch.float64))
+        # each (token, layer) is counted on one rank: sums
+        return None if routed is None or routed[1] == 0 else float(routed[0] / routed[1])
+
+    def _check_routes(self, routes_BLNK: torch.Tensor) -> None:
+        """Routes to replay or compare fit this model: its MoE layers and top_k, K distinct expert ids
+        in [0, num_experts) per (token, layer). Megatron would replay a top-(K+1) or a row of K copies
+        of one expert without a word, and fail deep inside on a missing layer or an id out of range."""
+        d = self.dims
+        want = (len(d.moe_layers), d.top_k)
+        if tuple(routes_BLNK.shape[2:]) != want:
+            raise ValueError(f"routes_BLNK has shape {tuple(routes_BLNK.shape)}; this model needs [B, L, "
+                             f"{want[0]} MoE layers, top_k={want[1]}] (an engine serving another model?)")
+        ids = routes_BLNK.long()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= d.num_experts):
+            raise ValueError(f"routes_BLNK holds expert ids in [{int(ids.min())}, {int(ids.max())}]; this model "
+                             f"has {d.num_experts} experts")
+        if d.top_k > 1 and bool((ids.sort(dim=-1).values.diff(dim=-1) == 0).any()):
+            raise ValueError("routes_BLNK routes a (token, layer) to one expert twice; a top-k route names "
+                             f"{d.top_k} distinct experts")
 
     def _forward_step(self, data_iterator: Any, model: torch.nn.Module, loss_fn: Any) -> tuple[Any, Any]:
         mbd = next(data_iterator)
@@ -681,7 +710,9 @@ class MegatronPolicy:
         once, before the first step, so the ratio moves and the clip acts from the second step on.
         Mini-batches are contiguous rows in batch order (the controller's groups stay together when
         the size is a multiple of the group size). Returns the mean of each metric over the steps,
-        `num_updates`, and `logprobs_BT`: the log-probs before the first update.
+        `num_updates`, and `logprobs_BT`: the log-probs before the first update. `router_agreement`
+        (with the engine's routes on the batch) is that forward's, the one with the engine's weights:
+        later steps route with updated weights, and r2's routes are the trainer's own.
         """
         if epochs < 1 or mini_batch_size < 0:
             raise ValueError(f"epochs={epochs}, mini_batch_size={mini_batch_size}: need >= 1 and >= 0")
@@ -694,8 +725,12 @@ class MegatronPolicy:
                                    tensors=tensors)
         if self.routing_replay == "r2":  # this forward's routes, replayed in every training forward
             old, batch = self._recorded_routes(batch, temperature)
+            agreement = None  # the engines return no routes under r2: nothing to compare with
         else:
+            self.replay.take_agreement()  # count the old log-probs' forward only
             old = self.compute_logprobs(batch, temperature=temperature)
+            # the forward with the engine's weights: the steps below route with updated ones
+            agreement = self._agreement(batch)
         parts = batch.mini_batches(size)
         _, shared = self._share(batch, {"old": old, **{f"t:{k}": v for k, v in (tensors or {}).items()}})
         named = {"advantages": t["adv"], **{k[2:]: v for k, v in shared.items() if k.startswith("t:")}}
@@ -712,12 +747,15 @@ class MegatronPolicy:
                                       temperature, loss=loss, tensors=sub_named)
                 if out is not None:
                     out.pop("logprobs_BT")
+                    out.pop("router_agreement", None)
                     for k, v in out.items():
                         sums[k] = sums.get(k, 0.0) + v
         if self.rank != 0:
             return None
         steps = epochs * len(parts)
-        return {**{k: v / steps for k, v in sums.items()}, "num_updates": float(steps), "logprobs_BT": old}
+        routed = {} if agreement is None else {"router_agreement": agreement}
+        return {**{k: v / steps for k, v in sums.items()}, **routed, "num_updates": float(steps),
+                "logprobs_BT": old}
 
     def train_step(self, batch: TrainBatch | None, advantages_B: torch.Tensor | None,
                    old_logp_BT: torch.Tensor | None = None, ref_logp_BT: torch.Tensor | None = None,
@@ -802,15 +840,13 @@ class MegatronPolicy:
             aux[0] = float(values.sum()) / len(self.dims.moe_layers) / n_mb  # mean over the MoE layers
             clear_aux_losses_tracker()
         logprobs_BT = self._gather_rows(store, "logp_BT", n_mb, mb, batch)
-        # every rank has the batch: all or none take part in the reduce (none without routes)
-        routed = (self._to_rank0(torch.tensor(self.replay.take_agreement(), dtype=torch.float64))
-                  if batch.routes_BLNK is not None else None)
+        agreement = self._agreement(batch)
         summed = self._to_rank0(local)
         if summed is None:
             return None
         out: dict[str, Any] = {name: float(v) for name, v in zip(names, summed)}
-        if routed is not None and routed[1] > 0:  # each (token, layer) on one rank: a sum
-            out["router_agreement"] = float(routed[0] / routed[1])
+        if agreement is not None:
+            out["router_agreement"] = agreement
         out["logprobs_BT"] = logprobs_BT
         if grad_norm is not None:
             out["grad_norm"] = float(grad_norm)

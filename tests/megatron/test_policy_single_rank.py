@@ -500,6 +500,20 @@ def test_replay_routes_every_token_to_the_given_experts(world1, family: str) -> 
     assert max(free) < every.numel() // 2  # the router's own choice is not the random routes
 
 
+def own_routes(policy, plain) -> list[torch.Tensor]:
+    """Per row [P + R - 1, N, K]: the routes `policy`'s routers take on `plain` (one micro-batch)."""
+    used = used_routes(policy, plain)  # bool maps [B * L, E] b-major
+    return [torch.stack([m.view(plain.batch_size, plain.seq_len, -1)[b, : int(p + n) - 1].nonzero()[:, 1]
+                         .view(int(p + n) - 1, -1) for m in used.values()], dim=1)
+            for b, (p, n) in enumerate(zip(plain.prompt_lens_B, plain.response_lens_B))]
+
+
+def split_rows(plain) -> tuple[list[list[int]], list[list[int]]]:
+    rows = zip(plain.tokens_BL.tolist(), plain.prompt_lens_B.tolist(), plain.response_lens_B.tolist())
+    prompts, responses = zip(*((row[:p], row[p: p + n]) for row, p, n in rows))
+    return list(prompts), list(responses)
+
+
 def test_router_agreement_counts_the_training_forwards_routes(world1) -> None:
     """mismatch/router_agreement: the share of real (token, MoE layer) routes the training forward
     took as the engine did. Given the routes the model itself takes (recorded from its own forward),
@@ -509,18 +523,13 @@ def test_router_agreement_counts_the_training_forwards_routes(world1) -> None:
 
     cfg = qwen_config()
     plain = random_batch(cfg["vocab_size"], rows=6, seed=4)
-    rows = zip(plain.tokens_BL.tolist(), plain.prompt_lens_B.tolist(), plain.response_lens_B.tolist())
-    prompts, responses = zip(*((row[:p], row[p: p + n]) for row, p, n in rows))
+    prompts, responses = split_rows(plain)
     adv = torch.linspace(-1, 1, 6)
     got = {}
     for mode in ("observe", "r3"):
         policy = make_policy(cfg, routing_replay=mode, micro_batch_size=8, lr=0.0)
         policy.init_from_seed(3)
-        used = used_routes(policy, plain)  # its own routes: bool maps [B * L, E] b-major
-        own = [torch.stack([m.view(plain.batch_size, plain.seq_len, -1)[b, : int(p + n) - 1].nonzero()[:, 1]
-                            .view(int(p + n) - 1, -1) for m in used.values()], dim=1)
-               for b, (p, n) in enumerate(zip(plain.prompt_lens_B, plain.response_lens_B))]
-        own_batch = TrainBatch.from_lists(prompts, responses, own)
+        own_batch = TrainBatch.from_lists(prompts, responses, own_routes(policy, plain))
         random = TrainBatch.from_lists(prompts, responses, random_routes(plain, 2, 4, 2, seed=6))
         got[mode] = [policy.train_step(b, adv, policy.compute_logprobs(b))["router_agreement"]
                      for b in (own_batch, random)]
@@ -529,6 +538,56 @@ def test_router_agreement_counts_the_training_forwards_routes(world1) -> None:
         assert isinstance(policy.replay.same, torch.Tensor), type(policy.replay.same)
     assert got["observe"][0] == 1.0 and got["observe"][1] < 0.8
     assert got["r3"] == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("mode", ["observe", "r2"])
+def test_router_agreement_of_an_update_is_the_old_forwards(world1, mode: str) -> None:
+    """update() in 2 epochs x 2 mini-batches at an lr that moves the routers, given the routes the
+    model takes at the engine's (its own, unmoved) weights: observe measures 1, as the forward with
+    those weights sees it (the mean over the steps, which route with moved weights, was 0.375 in the
+    audit's run); r2's engines return no routes, so it reports none (it compared the trainer's own
+    recorded routes with themselves: always 1)."""
+    from hpcrl.trainer.batch import TrainBatch
+
+    cfg = qwen_config()
+    plain = random_batch(cfg["vocab_size"], rows=8, seed=7)
+    policy = make_policy(cfg, routing_replay=mode, micro_batch_size=8, lr=0.3, adam_eps=1e-8)
+    policy.init_from_seed(3)
+    batch = TrainBatch.from_lists(*split_rows(plain), own_routes(policy, plain) if mode == "observe" else None)
+    policy.replay.observe()
+    out = policy.update(batch, torch.linspace(-1, 1, 8), epochs=2, mini_batch_size=4)
+    maps = policy.replay.observed_routes()
+    L = plain.seq_len  # the old forward: one micro-batch [L, 8]; then 4 steps of [L, 4] (rows 0-3, 4-7, ...)
+    moved = [not torch.equal(m[1 + step].view(L, 4, -1), m[0].view(L, 8, -1)[:, 4 * (step % 2):][:, :4])
+             for m in maps.values() for step in range(4)]
+    if mode == "observe":
+        assert any(moved)  # the later steps route elsewhere: the old mean could not be 1
+        assert out["router_agreement"] == 1.0
+    else:
+        assert "router_agreement" not in out
+
+
+def test_routes_that_do_not_fit_the_model_are_named(world1) -> None:
+    """Routes of another model's layers or top_k, ids out of range or a (token, layer) sent to one
+    expert twice (SGLang's zero rows) are a ValueError naming what is wrong; a top_k + 1 was replayed
+    without a word and an id out of range failed deep inside Megatron."""
+    from hpcrl.trainer.batch import TrainBatch
+
+    cfg = qwen_config()  # 2 MoE layers, 4 experts, top-2
+    plain = random_batch(cfg["vocab_size"], rows=4, seed=4)
+    prompts, responses = split_rows(plain)
+    policy = make_policy(cfg, routing_replay="r3", micro_batch_size=8)
+    policy.init_from_seed(3)
+    good = random_routes(plain, 2, 4, 2, seed=6)
+    assert policy.compute_logprobs(TrainBatch.from_lists(prompts, responses, good)) is not None
+    twice = [r.clone() for r in good]
+    twice[1][0, 1] = twice[1][0, 1, :1]
+    for routes, match in [(random_routes(plain, 2, 4, 3, seed=6), r"top_k=2"),
+                          (random_routes(plain, 3, 4, 2, seed=6), r"2 MoE layers"),
+                          ([r + 3 for r in good], r"expert ids in \[\d, 6\]; this model has 4 experts"),
+                          (twice, "to one expert twice")]:
+        with pytest.raises(ValueError, match=match):
+            policy.compute_logprobs(TrainBatch.from_lists(prompts, responses, routes))
 
 
 @pytest.mark.parametrize("mode", ["none", "r2"])

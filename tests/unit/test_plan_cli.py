@@ -295,6 +295,14 @@ def test_plan_counts_the_routes_of_routing_replay():
     assert routes["bytes_per_step"] == routes["bytes_per_sample"] * job.data.num_prompts_per_step * \
         job.algorithm.group_size
     assert plan_job(load_job(TINY, purpose="plan"))["routing_replay"] is None
+    assert routes["held_by"] == "the controller and trainer rank 0"
+    async_job = ["rollout.max_staleness=1", "algorithm.name=grpo_offpolicy"]
+    observe, r2 = (plan_job(load_job(TINY, [f"rollout.routing_replay={m}", *async_job], purpose="plan"))
+                   for m in ("observe", "r2"))
+    # r2's routes are the trainer's own, recorded by its old forward: not the engines', not buffered
+    assert r2["routing_replay"]["held_by"] == "every trainer rank (r2)"
+    assert observe["async"]["bytes_per_batch"] - r2["async"]["bytes_per_batch"] == \
+        routes["bytes_per_step"]
 
 
 def test_an_engine_tp_that_does_not_split_the_heads_names_tp_per_engine():

@@ -24,7 +24,7 @@ def answer(routes_TLK: np.ndarray) -> dict:
 
 def test_decode_keeps_the_moe_layers_compactly():
     rng = np.random.default_rng(0)
-    full = rng.integers(0, 8, (6, 3, 2))
+    full = rng.random((6, 3, 8)).argsort(-1)[..., :2]  # top-2: two distinct experts
     full[:, 0] = 0  # the dense layer's rows, as SGLang leaves them
     got = FMT.decode(answer(full), num_tokens=7, where="completion 0")
     assert got.dtype == np.uint8 and got.shape == (6, 2, 2)
@@ -36,6 +36,8 @@ def test_decode_keeps_the_moe_layers_compactly():
     ({}, 7, "--enable-return-routed-experts"),
     (answer(np.zeros((5, 3, 2))), 7, "expected (tokens - 1) x layers x top_k = 6 x 3 x 2"),
     (answer(np.full((6, 3, 2), 8)), 7, "outside [0, 8)"),
+    (answer(np.tile([0, 1], (6, 3, 1)) * np.arange(6)[:, None, None] % 5), 7,
+     "token 0 goes to one expert twice in MoE layer 1 ([0, 0]); a top-2 route names 2 distinct experts"),
 ])
 def test_decode_refuses_what_does_not_fit(meta, num_tokens, message):
     with pytest.raises(RoutesError, match=None) as info:

@@ -117,6 +117,7 @@ def export_checkpoint(run_dir: str, step: int | None, out_dir: str,
     from checkpoints.hf_safetensors import (EXPORT_TAG, create_files, parse_size, plan_shards, remove_stale,
                                             write_index)
     from hpcrl.trainer.hf_export import config_at_dtype
+    from hpcrl.trainer.mtp_tensors import exported_config
     from moe.hf_megatron import is_router_bias
 
     try:
@@ -166,6 +167,7 @@ def export_checkpoint(run_dir: str, step: int | None, out_dir: str,
             remove_stale(out)  # the files of this export, half written
             raise ConfigError("--step", reader.step, f"{exc}; export another step (--step)") from None
         write_index(out, plan)
+        model_config = exported_config(model_config, mtp)
     (out / "config.json").write_text(config_at_dtype(model_config, dtypes))
     if source and Path(source).is_dir():
         copy_model_files(source, out)

@@ -58,6 +58,34 @@ def family_of(model_type: str | None) -> str | None:
     return model_type if model_type in FAMILIES else None
 
 
+HF_DEFAULTS: dict[str, dict[str, object]] = {
+    "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
+                  "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "tie_word_embeddings": False},
+    "mixtral": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+                "tie_word_embeddings": False},
+    "deepseek_v3": {"q_lora_rank": 1536, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+                    "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "norm_topk_prob": True,
+                    "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+                    "rope_interleave": True},
+    "deepseek_v2": {"q_lora_rank": 1536, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0,
+                    "n_shared_experts": 2, "norm_topk_prob": False, "topk_method": "greedy", "rms_norm_eps": 1e-6,
+                    "max_position_embeddings": 2048, "tie_word_embeddings": False},
+}
+"""What transformers' config class of each family (Qwen3MoeConfig, MixtralConfig, DeepseekV3Config,
+DeepseekV2Config) puts in place of a key config.json leaves out, for the keys hpcrl reads. The engines
+(SGLang, the reference engine) build their models through those classes, so the trainer and the specs
+must read a trimmed config.json as they do: a missing routed_scaling_factor is 2.5 there, not 1.0
+(tests/unit/test_hf_defaults.py pins the table to the installed transformers)."""
+
+
+def with_hf_defaults(cfg: Mapping) -> dict:
+    """`cfg` with the keys it leaves out filled as transformers fills them (HF_DEFAULTS); as it is for
+    an unknown model_type. An explicit null stays null (q_lora_rank: null is no q LoRA)."""
+    family = family_of(cfg.get("model_type"))
+    return {**HF_DEFAULTS.get(family or "", {}), **cfg}
+
+
 def transformers_model_type(model_type: str) -> str:
     """The model_type transformers' AutoConfig builds `model_type` as (kimi_k2: deepseek_v3)."""
     return MODEL_TYPE_ALIASES.get(model_type, model_type)
@@ -126,7 +154,9 @@ class HFModelDims:
 
     @staticmethod
     def from_hf_config(cfg: Mapping) -> HFModelDims:
-        """Parse and validate a config dict; unsupported features raise ValueError naming the key."""
+        """Parse and validate a config dict; unsupported features raise ValueError naming the key.
+        Keys it leaves out are read as transformers reads them (`with_hf_defaults`)."""
+        cfg = with_hf_defaults(cfg)
         family = family_of(cfg.get("model_type"))
         if family is None:
             raise ValueError(f"config.json model_type={cfg.get('model_type')!r} is not supported; "
@@ -249,6 +279,17 @@ def _yarn(cfg: Mapping, family: str) -> tuple[tuple[str, float], ...] | None:
                          "valid: yarn, or no rope_scaling (plain RoPE)")
     if "factor" not in rope:
         raise ValueError("config.json rope_scaling (yarn) lacks 'factor'")
+    if "attention_factor" in rope:
+        raise ValueError(f"config.json rope_scaling attention_factor={rope['attention_factor']!r} is not supported "
+                         "for yarn: transformers takes it as the attention scale, SGLang and Megatron derive theirs "
+                         "from mscale and mscale_all_dim; remove it (DeepSeek's and Kimi's configs have none)")
+    m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+    if not (m and m_all) and (m not in (None, 1, 1.0) or m_all not in (None, 0, 0.0)):
+        # transformers scales by mscale / mscale_all_dim only when both are set, else as if mscale 1;
+        # SGLang and Megatron always by mscale / mscale_all_dim (defaults 1 and 0)
+        raise ValueError(f"config.json rope_scaling mscale={m!r}, mscale_all_dim={m_all!r}: give both (as "
+                         "DeepSeek's configs do) or neither; with one of them transformers and SGLang scale the "
+                         "attention differently")
     defaults = {"original_max_position_embeddings": cfg.get("max_position_embeddings", 4096), "beta_fast": 32.0,
                 "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
     return tuple((k, float(rope.get(k, defaults.get(k)))) for k in YARN_KEYS)

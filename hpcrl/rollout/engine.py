@@ -161,6 +161,17 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def latent_norms_at_config_eps(model: torch.nn.Module, config) -> None:
+    """DeepSeek's MLA normalises its q and kv latents (q_a_layernorm, kv_a_layernorm) with eps 1e-6 in
+    transformers, whatever config.json says; SGLang 0.5.23 (models/deepseek_v2.py) and Megatron with
+    config.rms_norm_eps. Set them to rms_norm_eps, as SGLang builds them."""
+    for module in model.modules():
+        for name in ("q_a_layernorm", "kv_a_layernorm"):
+            norm = getattr(module, name, None)
+            if norm is not None and hasattr(norm, "variance_epsilon"):
+                norm.variance_epsilon = float(config.rms_norm_eps)
+
+
 class ReferenceModel:
     """A transformers causal LM built from an HF config dict, with SGLang-style batched generation.
 
@@ -185,6 +196,7 @@ class ReferenceModel:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(self.config, dtype=dtype)
+        latent_norms_at_config_eps(model, self.config)
         self.model = model.to(self.device).eval().requires_grad_(False)
         direct = DirectForward.refusal(self.model) is None
         self._forward = DirectForward(self.model, fp32_lm_head) if direct else self._hf_forward  # [B, 1, V]

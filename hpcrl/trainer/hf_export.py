@@ -38,7 +38,7 @@ from checkpoints._dtypes import dtype_name, to_storage
 from checkpoints.hf_safetensors import (EXPORT_TAG, ShardWriter, create_files, plan_shards, remove_stale,
                                         write_index)
 from hpcrl.trainer.model import weight_tensors
-from hpcrl.trainer.mtp_tensors import MTPSource, assign_owners
+from hpcrl.trainer.mtp_tensors import MTPSource, assign_owners, exported_config
 from moe.hf_megatron import HFModelDims, Piece, is_router_bias
 from moe.slices import Box
 
@@ -163,6 +163,7 @@ def export_hf_dir(gpt: torch.nn.Module, dims: HFModelDims, hf_config: dict, plan
                     writer.write(pc.hf_name, part, to_storage(block.cpu()))
             for name, block, box in mtp_blocks(mtp, owners, rank):
                 writer.write(name, box, to_storage(block))
+        hf_config = exported_config(hf_config, mtp)
     dist.barrier()
     if rank == 0:
         write_index(out, files)

@@ -56,6 +56,15 @@ class MTPTensor:
         return prod(self.shape) * self.dtype.itemsize
 
 
+def exported_config(hf_config: dict, mtp: MTPSource) -> dict:
+    """config.json of an export that carries `mtp`'s tensors: num_nextn_predict_layers 0 when it
+    carries none (no source directory, or one that stores none), so SGLang's MTP speculative decoding
+    says the directory has no MTP layer instead of failing on tensors it lacks."""
+    if int(hf_config.get("num_nextn_predict_layers") or 0) and not mtp.tensors:
+        return {**hf_config, "num_nextn_predict_layers": 0}
+    return hf_config
+
+
 class MTPSource(SafetensorsFiles):
     """The MTP tensors of `model_dir` for a model of `dims`, exported with FP8 ones at `export_dtype`
     (float32 or bfloat16). Reads only the index and the headers of the files holding MTP tensors;

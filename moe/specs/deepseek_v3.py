@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from moe.hf_megatron import family_of
+from moe.hf_megatron import family_of, with_hf_defaults
 from moe.specs import _build as b
 from moe.specs._types import (CONFIG_DIR, LazySpecs, ModelDims, MoESpec, Role, TensorKind, TensorSpec,
                               config_dtype, load_config, require)
@@ -83,7 +83,7 @@ def _decoder_layer(out: list[TensorSpec], i: int, cfg: Mapping[str, Any], hidden
     experts = int(cfg["n_routed_experts"])
     moe_ffn = int(require(cfg, "moe_intermediate_size", FAMILY))
     b.router(out, f"{p}.mlp.gate.weight", experts, hidden, dtype, i)
-    if cfg.get("topk_method") == "noaux_tc":
+    if family_of(cfg.get("model_type")) == "deepseek_v3":  # its router always has the bias (HFModelDims)
         out.append(TensorSpec(f"{p}.mlp.gate.e_score_correction_bias", (experts,), "float32", K.ROUTER,
                               R.ROUTER, i))
     b.routed_experts(out, f"{p}.mlp.experts", i, experts, hidden, moe_ffn, dtype)
@@ -96,7 +96,9 @@ def _decoder_layer(out: list[TensorSpec], i: int, cfg: Mapping[str, Any], hidden
 
 def spec_from_config(cfg: Mapping[str, Any], flavor: str = "custom", mtp: bool = False) -> MoESpec:
     """Every tensor of a DeepSeek-V3 (or Kimi-K2, or DeepSeek-V2) checkpoint described by `cfg`; `mtp` adds
-    the MTP layers. The spec's family is the config's (deepseek_v2 for a V2)."""
+    the MTP layers. The spec's family is the config's (deepseek_v2 for a V2). Keys `cfg` leaves out
+    are read as transformers reads them (moe.hf_megatron.with_hf_defaults)."""
+    cfg = with_hf_defaults(cfg)
     family = family_of(cfg.get("model_type"))
     if family not in BUILT_FAMILIES:
         raise ValueError(f"config.json model_type={cfg.get('model_type')!r}; expected one of {BUILT_FAMILIES}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from moe.hf_megatron import with_hf_defaults
 from moe.specs import _build as b
 from moe.specs._types import (CONFIG_DIR, LazySpecs, ModelDims, MoESpec, TensorSpec, config_dtype,
                               load_config, require)
@@ -27,7 +28,9 @@ DEBUG_CONFIG: dict[str, Any] = {
 
 
 def spec_from_config(cfg: Mapping[str, Any], flavor: str = "custom") -> MoESpec:
-    """Every tensor of a Mixtral checkpoint described by `cfg` (a config.json dict)."""
+    """Every tensor of a Mixtral checkpoint described by `cfg` (a config.json dict; keys it leaves out
+    read as transformers reads them: moe.hf_megatron.with_hf_defaults)."""
+    cfg = with_hf_defaults(cfg)
     if cfg.get("model_type") != FAMILY:
         raise ValueError(f"config.json model_type={cfg.get('model_type')!r}; expected {FAMILY!r}")
     dtype = config_dtype(cfg)

@@ -115,6 +115,7 @@ def test_export_carries_the_mtp_layer(sources: dict[str, Path], tmp_path: Path, 
     config = json.loads((out / "config.json").read_text())
     # the weights' dtype, though the router biases are float32 and the source's config says float32
     assert config["dtype"] == "bfloat16" and "quantization_config" not in config
+    assert config["num_nextn_predict_layers"] == 1
     assert dir_digest(out) == state_dict_digest(want)
     assert (out / "tokenizer.json").is_file()
 
@@ -179,3 +180,6 @@ def test_export_warns_when_the_source_is_gone(tmp_path: Path, capsys: pytest.Cap
     out = export_checkpoint(str(run), 2, str(tmp_path / "out"))
     assert sorted(exported(out)) == sorted(policy_tensors())
     assert "1 MTP layer(s)" in capsys.readouterr().err
+    # no MTP tensors came along: config.json says so (SGLang's MTP speculative decoding would fail
+    # on tensors the directory lacks); with them it keeps the model's count
+    assert json.loads((Path(out) / "config.json").read_text())["num_nextn_predict_layers"] == 0

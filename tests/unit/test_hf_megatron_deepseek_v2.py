@@ -70,12 +70,25 @@ def test_group_limited_greedy_that_drops_no_group_is_greedy(groups):
     ({"moe_layer_freq": 2}, r"config.json moe_layer_freq=2"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, r"rope_scaling type='linear' is not supported for "
                                                            r"deepseek_v2"),
+    # transformers and SGLang scale YaRN's attention differently here (an audit: log-probs 0.07-0.64 apart)
+    ({"rope_scaling": {"type": "yarn", "factor": 40, "attention_factor": 1.2}},
+     r"rope_scaling attention_factor=1.2 is not supported for yarn"),
+    ({"rope_scaling": {"type": "yarn", "factor": 40, "mscale_all_dim": 0.707}},
+     r"mscale=None, mscale_all_dim=0.707: give both .* or neither"),
+    ({"rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.707}}, r"mscale=0.707, mscale_all_dim=None"),
 ], ids=["deepseek-v2", "group-limited-4-of-2", "group-limited-without-groups", "noaux_tc", "sigmoid",
-        "norm_topk_prob", "moe_layer_freq", "linear-rope"])
+        "norm_topk_prob", "moe_layer_freq", "linear-rope", "yarn-attention-factor", "yarn-mscale-all-dim-only",
+        "yarn-mscale-only"])
 def test_what_megatron_cannot_compute_is_refused_naming_the_key(changes, match):
     cfg = {**deepseek_v2_config(), **changes} if "model_type" not in changes else changes
     with pytest.raises(ValueError, match=match):
         HFModelDims.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("yarn", [{}, {"mscale": 1.0}, {"mscale": 0.707, "mscale_all_dim": 0.707}])
+def test_yarn_scales_that_every_side_reads_alike_are_taken(yarn):
+    cfg = {**deepseek_v2_config(), "rope_scaling": {"type": "yarn", "factor": 40, **yarn}}
+    assert dict(HFModelDims.from_hf_config(cfg).yarn or ())["factor"] == 40
 
 
 def test_rope_interleave_is_not_read():

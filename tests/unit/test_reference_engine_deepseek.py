@@ -396,3 +396,13 @@ def test_kimi_k2_is_built_as_deepseek_v3_and_answers_with_its_own_model_type(tmp
         got = client.generate(_prompts(2, seed=4), [GREEDY] * 2)
     assert [a["output_ids"] for a in got] == [o["output_ids"] for o in twin.generate(_prompts(2, seed=4),
                                                                                       [GREEDY] * 2)]
+
+
+def test_the_latent_norms_take_rms_norm_eps_as_sglang_builds_them():
+    """transformers builds q_a_layernorm and kv_a_layernorm with eps 1e-6 whatever config.json says;
+    SGLang 0.5.23 and the trainer (Megatron) with rms_norm_eps. The engine follows SGLang."""
+    cfg = {**load_hf_config("tiny-deepseek-v3", None), "rms_norm_eps": 1e-5}
+    model = ReferenceModel(cfg).model
+    eps = {name.rsplit(".", 1)[-1]: m.variance_epsilon for name, m in model.named_modules()
+           if name.endswith(("q_a_layernorm", "kv_a_layernorm", "input_layernorm"))}
+    assert eps == {"q_a_layernorm": 1e-5, "kv_a_layernorm": 1e-5, "input_layernorm": 1e-5}

@@ -359,6 +359,17 @@ def _check_async(job: JobConfig) -> None:
     if not 1 <= r.rescore_per_group <= a.group_size:
         raise ConfigError("rollout.rescore_per_group", r.rescore_per_group,
                           f"must be in [1, algorithm.group_size={a.group_size}]")
+    if r.max_staleness and r.routing_replay == "r3":
+        raise ConfigError("rollout.routing_replay", r.routing_replay,
+                          f"with rollout.max_staleness={r.max_staleness}: the trainer would replay the routes of the "
+                          "version that sampled the batch, while the sync check scores it again on the engines, "
+                          "which route with the new version: they differ wherever a router moved, and the check "
+                          "fails. Use r3 with max_staleness: 0, or observe (it measures) / r2 here")
+    if r.max_staleness and critic_enabled(job) and job.critic.warmup_steps:
+        raise ConfigError("critic.warmup_steps", job.critic.warmup_steps,
+                          f"with rollout.max_staleness={r.max_staleness}: warmup steps train only the critic and push "
+                          "no weights, and an asynchronous run needs a new policy version every step; set "
+                          "critic.warmup_steps: 0 or rollout.max_staleness: 0")
     if r.partial and r.max_staleness < 2:  # docs/async.md, "Partial rollouts"
         raise ConfigError("rollout.partial", r.partial,
                           f"with rollout.max_staleness={r.max_staleness}: a partial rollout is sampled by the "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -31,8 +32,9 @@ from hpcrl.controller.metrics import read_metrics, set_aside_metrics
 from hpcrl.controller.pipeline import BUFFER_BLOB, GenerationPipeline
 from hpcrl.controller.preemption import Preempted, PreemptionWatch
 
-# Phases before the policy changes: a step abandoned there leaves the state of the previous step.
-ABANDONABLE_PHASES = ("generate", "reward", "logprobs", "train")
+# Phases before which a step may be abandoned, as long as no update of it was sent yet (ppo updates
+# its critic before its policy): the trainers then hold the state of the previous step.
+ABANDONABLE_PHASES = ("generate", "reward", "logprobs", "train_critic", "train")
 
 
 class ResumeError(RuntimeError):
@@ -164,11 +166,19 @@ class Checkpointer:
     def check_abandon(self, step: int, phase: str) -> None:
         """At a phase boundary: after a preemption signal, abandon the step (before its update)
         when finishing it and saving would not fit in the grace budget."""
-        if phase in ABANDONABLE_PHASES and self.watch.requested and self._time_is_short():
+        if (phase in ABANDONABLE_PHASES and self.policy.changed_step != step and self.watch.requested
+                and self._time_is_short()):
             raise Preempted(step - 1, f"signal {self.watch.signal_name}; step {step} abandoned")
 
     def save_after_abandon(self, exc: Preempted) -> None:
-        """Make sure the state of `exc.last_completed_step` is saved (the loop did not get to it)."""
+        """Make sure the state of `exc.last_completed_step` is saved (the loop did not get to it), if
+        the trainers still hold it: after a later step's update was sent (a worker failed mid-step),
+        their state is no step's, and the latest checkpoint stays the one to resume from."""
+        changed = self.policy.changed_step
+        if changed is not None and changed > exc.last_completed_step:
+            print(f"hpcrl: step {changed}'s update was sent before the run stopped: the trainers no longer "
+                  f"hold step {exc.last_completed_step}'s state, so nothing is saved", file=sys.stderr, flush=True)
+            return
         if exc.last_completed_step >= 0 and self.saved_step != exc.last_completed_step:
             self.save(exc.last_completed_step)
 

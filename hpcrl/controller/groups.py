@@ -155,6 +155,8 @@ class PolicyGroup:
         self.on_pushed: Callable[[int, dict[str, float]], None] = lambda step, sync: None
         """Runs with (step, the sync's {"bytes", "seconds"}) once the push after `step` completed."""
         self._shard_requests: ShardRequests | None = None  # the shard route's engine requests
+        self.changed_step: int | None = None
+        """The last step that sent a command changing the trainers' state (policy or critic update)."""
 
     def _async(self, op: str, step: int, payload: object = None) -> _Handle:
         self.collect_push()
@@ -218,6 +220,7 @@ class PolicyGroup:
     def train_critic(self, step: int, rollout: Rollout, returns: np.ndarray, old_values: np.ndarray,
                      epochs: int, mini_batch_size: int) -> dict[str, float]:
         """The critic's value-loss updates on the rollout; metrics."""
+        self.changed_step = step
         return self._async("train_critic", step, {**rollout.token_batch(routes=False), "returns": returns,
                                                   "old_values": old_values, "epochs": epochs,
                                                   "mini_batch_size": mini_batch_size}).wait()
@@ -236,6 +239,7 @@ class PolicyGroup:
         payload = {**rollout.token_batch(), "advantages": advantages, "ref_logprobs": ref_BT,
                    "temperature": temperature, "loss": loss,
                    "tensors": tensors or {}, "epochs": epochs, "mini_batch_size": mini_batch_size}
+        self.changed_step = step
         train = self._send("train", step, payload)
         self.collect_push()
         before_sync()

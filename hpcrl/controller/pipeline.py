@@ -91,6 +91,10 @@ class GenerationPipeline:
         """The next rollout, its flight and how many stale requests were dropped first; keeps
         `max_staleness` requests started behind it."""
         dropped = 0
+        if step - self.version > self.max_staleness:  # a request started now would be stale too
+            raise RuntimeError(f"step {step}: the engines hold policy version {self.version}, more than "
+                               f"rollout.max_staleness={self.max_staleness} steps behind; an asynchronous run "
+                               "needs a weight push (rl.sync_weights) every step")
         while True:
             flight = self._ahead.popleft() if self._ahead else self._start(self.take_block(), step)
             if step - flight.version <= self.max_staleness:

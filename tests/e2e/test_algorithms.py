@@ -225,3 +225,52 @@ def test_ppo_learns_the_copy_example_and_resumes_bit_identically_after_sigusr1(t
     final, resumed = (json.loads((d / "final.json").read_text()) for d in (whole, cut))
     assert resumed["policy_sha256"] == final["policy_sha256"]
     assert resumed["critic_sha256"] == final["critic_sha256"] and len(final["critic_sha256"]) == 64
+
+
+SIGNAL_AFTER_CRITIC = textwrap.dedent('''
+    import os
+    import signal
+
+    from hpcrl.dataflows import ppo
+
+    DEFAULTS = ppo.DEFAULTS
+
+
+    def step(rl, step):
+        """ppo; at step PREEMPT_AT_STEP, a preemption signal right after the critic's update."""
+        if os.environ.get("PREEMPT_AT_STEP") == str(step):
+            update_critic = rl.update_critic
+
+            def then_signal(*args, **kwargs):
+                out = update_critic(*args, **kwargs)
+                os.kill(os.getpid(), signal.SIGTERM)  # what the launcher forwards a USR1 as
+                return out
+
+            rl.update_critic = then_signal
+        ppo.step(rl, step)
+''')
+
+
+@pytest.mark.timeout(600)
+def test_a_step_whose_critic_was_updated_is_not_abandoned(tmp_path):
+    """ppo updates its critic before its policy. A preemption signal between the two, with too little
+    grace left to finish (HPCRL_SIGNAL_DELAY_S), abandoned the step at the policy update and saved the
+    previous step with this step's critic: the resumed run updated it twice (other critic hash, step
+    1's critic metrics apart, an audit's run). Once an update is sent, the step is finished and saved."""
+    (tmp_path / "ppo_signalled.py").write_text(SIGNAL_AFTER_CRITIC)
+    args = ["--set", "algorithm.name=ppo_signalled", "--set", "critic.enabled=true", "--set",
+            "algorithm.num_steps=3", "--set", "checkpoint.interval_steps=0", "--set", "logging.progress=false"]
+    env = {"PYTHONPATH": str(tmp_path), "HPCRL_SIGNAL_DELAY_S": "0.5"}
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(whole), *args, timeout_s=280, env_extra=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(cut), *args, timeout_s=280,
+                   env_extra={**env, "PREEMPT_AT_STEP": "1"})
+    assert out.returncode == EXIT_REQUEUE and "checkpoint of step 1 saved" in out.stderr, out.stderr[-3000:]
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(cut), *args, timeout_s=280, env_extra=env)
+    assert out.returncode == 0 and "resumed from checkpoint step 1" in out.stdout, out.stdout[-3000:]
+    keys = ("reward/mean", "critic/vf_loss", "critic/explained_variance", "train/loss")
+    assert [[r[k] for k in keys] for r in records_of(cut)] == [[r[k] for k in keys] for r in records_of(whole)]
+    final, resumed = (json.loads((d / "final.json").read_text()) for d in (whole, cut))
+    assert resumed["critic_sha256"] == final["critic_sha256"]
+    assert resumed["policy_sha256"] == final["policy_sha256"]

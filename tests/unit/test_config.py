@@ -209,6 +209,12 @@ BAD = [
      "rollout.rescore_per_group", "0", "must be in [1, algorithm.group_size="),
     ("async-partial-k1", "rollout: {max_staleness: 1, partial: true}", [], None, "rollout.partial", "True",
      "set rollout.max_staleness: 2"),
+    # the sync check scored the batch again with the engines' new routes: a false failure at step 1
+    ("async-r3", "rollout: {max_staleness: 1, routing_replay: r3}", [], None, "rollout.routing_replay", "'r3'",
+     "Use r3 with max_staleness: 0"),
+    # no push in a warmup step: the engines fell behind and take() re-sampled forever
+    ("async-critic-warmup", "algorithm: {name: ppo}\nrollout: {max_staleness: 1}\ncritic: {warmup_steps: 2}", [],
+     None, "critic.warmup_steps", "2", "set critic.warmup_steps: 0 or rollout.max_staleness: 0"),
     ("async-tis-cap-kept", "rollout: {max_staleness: 1}\nalgorithm: {tis_cap: 3.0, rollout_correction: mis}", [],
      None, "algorithm.tis_cap", "3.0", "rollout_correction: tis (this job has mis)"),
     ("config-size-a-string", "model: {config_path: model.json}", [], deepseek_json(hidden_size="64"),

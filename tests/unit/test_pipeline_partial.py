@@ -231,3 +231,26 @@ def test_a_push_collected_late_leaves_the_schedule_as_it_was(k, partial, takes):
         for a, b in zip(now.step(s, n), late.step(s, n)):
             assert (a.response_ids, a.versions, a.token_versions) == (b.response_ids, b.versions, b.token_versions)
     assert late.engines.requests == now.engines.requests  # (version, max_new_tokens) of every request, in order
+
+
+def test_steps_without_a_push_are_named_not_sampled_again_forever():
+    """An asynchronous run whose steps push no weights (ppo's critic warmup did; validation now refuses
+    it): once the engines' version is more than k steps behind, every request take() started was stale
+    at once, and it started another, without end (a real run flooded its engine). It raises instead."""
+    d = Driver(k=1, num_steps=6, partial=False)
+    d.start(0)
+    started = []
+    start = d.engines.start
+
+    def counted(step, req):
+        started.append(step)
+        assert len(started) < 50, "take() keeps starting requests"
+        return start(step, req)
+
+    d.engines.start = counted
+    for s in range(2):  # no update, no push
+        d.pipeline.take(s)
+        d.pipeline.step_done()
+    with pytest.raises(RuntimeError, match=r"step 2: the engines hold policy version 0, more than "
+                                           r"rollout.max_staleness=1 steps behind; .* every step"):
+        d.pipeline.take(2)

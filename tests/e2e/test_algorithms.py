@@ -274,3 +274,53 @@ def test_a_step_whose_critic_was_updated_is_not_abandoned(tmp_path):
     final, resumed = (json.loads((d / "final.json").read_text()) for d in (whole, cut))
     assert resumed["critic_sha256"] == final["critic_sha256"]
     assert resumed["policy_sha256"] == final["policy_sha256"]
+
+
+ENGINE_DIES_WITH_THE_SIGNAL = textwrap.dedent('''
+    import json
+    import os
+    import signal
+    import time
+
+    from hpcrl.dataflows import grpo
+
+    DEFAULTS = grpo.DEFAULTS
+
+
+    def step(rl, step):
+        """grpo; after step ENGINE_DIES_AT_STEP's weight sync, preemption as Slurm delivers it to a whole
+        job step: the controller gets the signal and the engine server is killed (the evaluation that
+        follows fails on it)."""
+        grpo.step(rl, step)
+        if os.environ.get("ENGINE_DIES_AT_STEP") == str(step):
+            engine = json.loads((rl._s.run_dir / "logs" / "engine0.json").read_text())["pid"]
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(engine, signal.SIGKILL)
+            time.sleep(1)
+''')
+
+
+@pytest.mark.timeout(600)
+def test_a_failed_worker_after_an_update_saves_no_step_under_an_older_label(tmp_path):
+    """A preemption that also killed a worker after step 1's update (here: its evaluation's engine):
+    the trainers hold step 1's weights, and saving them as step 0 (the last completed step) made the
+    resumed run train step 1 twice (its sync check failed on every token, an audit's run). Nothing is
+    saved then; the resumed run starts over and ends as the uninterrupted one."""
+    (tmp_path / "grpo_engine_dies.py").write_text(ENGINE_DIES_WITH_THE_SIGNAL)
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps({"prompt": c, "answer": c * 4}) + "\n" for c in "abcd"))
+    args = ["--set", "algorithm.name=grpo_engine_dies", "--set", "algorithm.num_steps=3", "--set",
+            "checkpoint.interval_steps=0", "--set", f"data.val_path={tmp_path / 'val.jsonl'}", "--set",
+            "eval.interval_steps=1", "--set", "eval.num_samples=1", "--set", "eval.temperature=1.0",
+            "--set", "logging.progress=false"]
+    env = {"PYTHONPATH": str(tmp_path)}
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(whole), *args, timeout_s=280, env_extra=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(cut), *args, timeout_s=280,
+                   env_extra={**env, "ENGINE_DIES_AT_STEP": "1"})
+    assert out.returncode == EXIT_REQUEUE, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "the trainers no longer hold step 0's state, so nothing is saved" in out.stderr, out.stderr[-3000:]
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(cut), *args, timeout_s=280, env_extra=env)
+    assert out.returncode == 0 and "resumed from" not in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    final, resumed = (json.loads((d / "final.json").read_text()) for d in (whole, cut))
+    assert resumed["policy_sha256"] == final["policy_sha256"]

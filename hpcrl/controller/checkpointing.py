@@ -29,7 +29,7 @@ from hpcrl.config import to_dict
 from hpcrl.config.schema import JobConfig
 from hpcrl.controller.groups import PolicyGroup
 from hpcrl.controller.metrics import read_metrics, set_aside_metrics
-from hpcrl.controller.pipeline import BUFFER_BLOB, GenerationPipeline
+from hpcrl.controller.pipeline import BUFFER_BLOB, BufferMismatch, GenerationPipeline
 from hpcrl.controller.preemption import Preempted, PreemptionWatch
 
 # Phases before which a step may be abandoned, as long as no update of it was sent yet (ppo updates
@@ -104,7 +104,14 @@ class Checkpointer:
         self.prompt_cursor.next_block = int(meta.get("sampler", {}).get("cursor", step + 1))
         with open_checkpoint(self.dir, step) as reader:
             if reader.blob_ranks(BUFFER_BLOB):
-                self.pipeline.restore(reader.blob(BUFFER_BLOB))
+                try:
+                    self.pipeline.restore(reader.blob(BUFFER_BLOB))
+                except BufferMismatch as exc:
+                    raise ResumeError(f"checkpoint step {step} holds rollouts sampled and not yet trained on "
+                                      f"(rollout.max_staleness, or a step abandoned after its generation): {exc}. "
+                                      "algorithm.group_size, data.num_prompts_per_step, the data or the tokenizer "
+                                      "changed since it was saved; resume with the settings it was saved with, "
+                                      "or start a new run (another --run-dir)") from None
         self.algorithm_state.update(meta.get("algorithm_state", {}))
         self._algorithm_state_done = copy.deepcopy(self.algorithm_state)
         print(f"hpcrl: resumed from checkpoint step {step} ({self.dir})", flush=True)

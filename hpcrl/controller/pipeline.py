@@ -72,6 +72,10 @@ class Flight:
     cut: list[int] = field(default_factory=list)  # completions a segment's limit cut, to be continued
 
 
+class BufferMismatch(ValueError):
+    """Saved rollouts that do not belong to the resumed job's prompts."""
+
+
 class GenerationPipeline:
     def __init__(self, rollouts: RolloutGroup, request_of: Callable[[int], GenerateRequest],
                  take_block: Callable[[], int], max_staleness: int, num_steps: int,
@@ -263,11 +267,19 @@ class GenerationPipeline:
         return out.getvalue()
 
     def restore(self, data: bytes) -> None:
-        """Take the saved requests back as started ones, in order."""
+        """Take the saved requests back as started ones, in order. BufferMismatch when the job now
+        draws other prompts for a saved block (its group_size, prompts per step or data changed)."""
         with np.load(io.BytesIO(data)) as z:
             meta = json.loads(z["meta"].tobytes())
             for i, f in enumerate(meta["flights"]):
                 request = self.request_of(f["block"])
+                saved = _unragged(z[f"{i}/prompt"], z[f"{i}/prompt_len"])
+                if saved != request.prompt_ids:
+                    raise BufferMismatch(f"prompt block {f['block']} was saved as {len(saved)} completions, and "
+                                         f"this job draws {len(request.prompt_ids)} other ones for it"
+                                         if len(saved) != len(request.prompt_ids) else
+                                         f"prompt block {f['block']}'s saved prompts are not the ones this job "
+                                         "draws for it")
                 routes = None
                 if f["routes"]:
                     routes = np.split(z[f"{i}/routes"], np.cumsum(z[f"{i}/routes_len"])[:-1])

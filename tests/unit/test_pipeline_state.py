@@ -3,9 +3,10 @@ ahead survive to_bytes / restore exactly (token ids, float64 log-probs bit for b
 dtype, versions, finish reasons), in order; and the state is what no completed step took."""
 
 import numpy as np
+import pytest
 
 from hpcrl.controller.groups import GenerateRequest, Rollout
-from hpcrl.controller.pipeline import Flight, GenerationPipeline
+from hpcrl.controller.pipeline import BufferMismatch, Flight, GenerationPipeline
 from hpcrl.tasks import Example
 
 
@@ -59,3 +60,20 @@ def test_a_completed_step_takes_its_batches_out_of_the_state():
     q = _pipeline()
     q.restore(p.to_bytes())
     assert [f.block for f in q._ahead] == [4]
+
+
+def test_a_job_that_draws_other_prompts_for_a_saved_block_is_refused():
+    """Resumed with another group_size (or prompts per step, or data), the saved completions were
+    paired with the new job's examples: an IndexError in Rollout.select, or rows scored against other
+    answers without a word when the row count stayed (an audit's run)."""
+    p = _pipeline()
+    p._ahead.append(Flight(4, 1, rollout=_rollout(4, 1, False)))
+    data = p.to_bytes()
+    four = lambda block: GenerateRequest(_examples(block, 4), [[block, i % 2] for i in range(4)], [])  # noqa: E731
+    other = lambda block: GenerateRequest(_examples(block, 2), [[block, 1], [block, 0]], [])  # noqa: E731
+    for request_of, match in [(four, "prompt block 4 was saved as 2 completions, and this job draws 4 other ones"),
+                              (other, "prompt block 4's saved prompts are not the ones this job draws for it")]:
+        q = GenerationPipeline(rollouts=None, request_of=request_of, take_block=lambda: 0, max_staleness=2,
+                               num_steps=10)
+        with pytest.raises(BufferMismatch, match=match):
+            q.restore(data)

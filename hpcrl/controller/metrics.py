@@ -31,6 +31,8 @@ class MetricsLogger:
             from torch.utils.tensorboard.writer import FileWriter
 
             self._tb = FileWriter(str(run_dir / "tensorboard"))
+            if start_step > 0:  # a resume: hide the events of steps >= start_step an earlier attempt wrote
+                _purge_from(self._tb, start_step)
         self._bar = None
         self._val = ""  # the last evaluation's val/reward_mean, shown until the next one
         if progress:
@@ -61,6 +63,15 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
         self._file.close()
+
+
+def _purge_from(writer, step: int) -> None:
+    """TensorBoard's restart marker (what SummaryWriter(purge_step=step) writes): readers drop the
+    events of `step` and later from the files before it, as metrics.jsonl is rewritten on resume."""
+    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+    writer.add_event(Event(step=step, file_version="brain.Event:2"))
+    writer.add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
 
 
 def tensorboard_summary(metrics: dict[str, Any]):

@@ -57,3 +57,20 @@ def test_a_fresh_run_sets_an_earlier_attempts_records_aside(tmp_path):
     for attempt in (1, 2):  # each attempt's record, alone in its file
         lines = (tmp_path / f"metrics.jsonl.{attempt}").read_text().splitlines()
         assert [json.loads(line)["reward/mean"] for line in lines] == [RECORDS[attempt - 1]["reward/mean"]]
+
+
+def test_a_resume_hides_the_steps_an_earlier_attempt_logged_past_its_checkpoint(tmp_path):
+    """Killed after step 4, resumed from step 2's checkpoint: steps 3 and 4 are logged again, and
+    TensorBoard shows each step once, with the resumed run's values (it showed both attempts')."""
+    run = tmp_path / "run"
+    run.mkdir()
+    first = MetricsLogger(run, num_steps=6, progress=False)
+    for step in range(5):
+        first.log(step, {"reward/mean": float(step)})
+    first.close()
+    resumed = MetricsLogger(run, num_steps=6, start_step=3, progress=False)
+    for step in range(3, 6):
+        resumed.log(step, {"reward/mean": 10.0 + step})
+    resumed.close()
+    assert _scalars(run / "tensorboard")["reward/mean"] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0),
+                                                             (5, 15.0)]

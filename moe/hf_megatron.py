@@ -348,6 +348,8 @@ def _deepseek_v3_router(cfg: Mapping, bad: Callable[[str, str], ValueError], exp
         raise bad("n_group", f"must divide n_routed_experts={experts}")
     if not 1 <= topk_group <= n_group:
         raise bad("topk_group", f"must be between 1 and n_group={n_group}")
+    if topk_group == n_group:  # every group kept: plain top-k, whatever ranks the groups
+        n_group = topk_group = 1
     if n_group > 1 and top_k // topk_group != 2:
         # DeepSeek scores a group by the sum of its top-2 experts; Megatron by its top (top_k // topk_group).
         raise bad("num_experts_per_tok", f"with n_group={n_group} > 1, num_experts_per_tok // topk_group must "

@@ -132,20 +132,22 @@ def assert_logprobs_close(ours: torch.Tensor, model: torch.nn.Module, batch, tem
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_moe-tied", "deepseek_v3",
-                                    "deepseek_v3-no-q-lora", "kimi_k2", "deepseek_v2"])
+                                    "deepseek_v3-no-q-lora", "kimi_k2", "deepseek_v2", "deepseek_v3-every-group"])
 def test_megatron_matches_hf_on_arbitrary_weights(world1, family: str) -> None:
     """kimi_k2: Kimi-K2's config (one expert group, its YaRN betas) computed by transformers'
     DeepseekV3ForCausalLM, the model SGLang 0.5.23 builds for model_type kimi_k2. deepseek_v2:
     DeepSeek-V2-Lite's config (greedy softmax top-k, not renormalised, routed_scaling_factor 2.0, no
     q_lora, YaRN with mscale_all_dim 0.707) computed by transformers' DeepseekV2ForCausalLM;
     test_deepseek_v2_bound_sees_a_renormalising_router shows the bound tells its router from V3's
-    weighting."""
+    weighting. deepseek_v3-every-group: n_group groups all kept (topk_group = n_group) is plain top-k."""
     from deepseek_dirs import deepseek_v2_config, kimi_k2_config
 
     cfg = {"qwen3_moe": qwen_config(), "mixtral": MIXTRAL,
            "qwen3_moe-tied": {**qwen_config(), "tie_word_embeddings": True},
            "deepseek_v3": deepseek_config(), "deepseek_v3-no-q-lora": deepseek_config(q_lora=False),
-           "kimi_k2": kimi_k2_config(), "deepseek_v2": deepseek_v2_config()}[family]
+           "kimi_k2": kimi_k2_config(), "deepseek_v2": deepseek_v2_config(),
+           # top-2 from 4 groups, all 4 kept: plain top-k (was refused: 2 // topk_group is not 2)
+           "deepseek_v3-every-group": {**deepseek_config(), "topk_group": 4, "num_experts_per_tok": 2}}[family]
     policy = make_policy(cfg, kl_coef=0.1)
     sd, model = perturbed_hf(cfg, seed=4)
     policy.load_hf_state_dict(sd, model="both")

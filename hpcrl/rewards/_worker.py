@@ -79,9 +79,12 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 def score_item(fn: Any, prompt: str, completion: str, answer: str, extra: Any) -> tuple[float, str | None]:
     """One completion's reward, or 0.0 and the error when the reward raises or returns a non-number
-    (a string or a bool included: float() would take "0.5" and True), or one not finite in float32."""
+    (a string or a bool included: float() would take "0.5" and True), or one not finite in float32.
+    A dict's "score" is its reward (verl's rule for compute_score results)."""
     try:
         raw = fn(prompt, completion, answer, extra)
+        if isinstance(raw, dict) and "score" in raw:  # verl's reward functions may return {"score": ...}
+            raw = raw["score"]
         if isinstance(raw, (str, bytes, bool)):
             raise TypeError(f"returned {raw!r} ({type(raw).__name__}), not a number")
         score = float(raw)

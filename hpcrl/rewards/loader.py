@@ -11,7 +11,8 @@ from hpcrl.rewards.protocol import RewardFn
 from hpcrl.user_module import import_user_module
 
 SIGNATURE = ("def reward(prompt: str, completion: str, answer: str, extra: dict | None = None) -> float"
-             " (the form without `extra` is accepted too)")
+             " (the form without `extra` is accepted too, and verl's compute_score(data_source, solution_str, "
+             "ground_truth, extra_info=None))")
 
 
 class _WithoutExtra:
@@ -26,6 +27,49 @@ class _WithoutExtra:
     def __call__(self, prompt: str, completion: str, answer: str,
                  extra: dict[str, Any] | None = None) -> float:
         return self.fn(prompt, completion, answer)
+
+
+VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
+"""The keywords verl's reward managers call `compute_score` with (NaiveRewardManager)."""
+
+
+class _VerlScore:
+    """Adapts a verl `compute_score(data_source, solution_str, ground_truth, extra_info=None, ...)`:
+    called by keyword, as verl's reward manager calls it, with the row's verl columns
+    (`data_source`, `reward_model.ground_truth` as stored, `extra_info`; the answer text and None
+    where a row lacks them) and the decoded completion (special tokens skipped, as verl decodes).
+    A dict result is its "score" (verl's rule); `score_item` reads it."""
+
+    def __init__(self, fn: Callable[..., Any], names: tuple[str, ...]) -> None:
+        self.fn, self.names = fn, names
+        self.__name__ = getattr(fn, "__name__", repr(fn))
+        if callable(getattr(fn, "warm_up", None)):
+            self.warm_up = fn.warm_up
+
+    def __call__(self, prompt: str, completion: str, answer: str, extra: dict[str, Any] | None = None) -> Any:
+        row = extra or {}
+        model = row.get("reward_model")
+        truth = model["ground_truth"] if isinstance(model, dict) and "ground_truth" in model else answer
+        values = {"data_source": row.get("data_source"), "solution_str": completion, "ground_truth": truth,
+                  "extra_info": row.get("extra_info")}
+        return self.fn(**{k: values[k] for k in self.names})
+
+
+def _verl_params(fn: Callable[..., Any]) -> tuple[str, ...] | None:
+    """The verl keywords to call `fn` with when its parameters are verl's (solution_str and
+    ground_truth among them, every required one a verl keyword), else None."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    if not {"solution_str", "ground_truth"} <= set(params):
+        return None
+    named = [p for p in params.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if any(p.default is p.empty and p.name not in VERL_PARAMS for p in named):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return VERL_PARAMS
+    return tuple(k for k in VERL_PARAMS if k in params)
 
 
 def _takes_extra(fn: Callable[..., Any], spec: str, name: str) -> bool:
@@ -63,4 +107,7 @@ def load_reward_fn(spec: str) -> RewardFn:
         kind = "an async function" if inspect.iscoroutinefunction(fn) else "a generator function"
         raise ValueError(f"reward.fn={spec!r}: {attr!r} is {kind}, whose call returns no number (every "
                          f"completion would score 0); define a plain `{SIGNATURE}` that returns a float")
+    verl = _verl_params(fn)
+    if verl is not None:
+        return _VerlScore(fn, verl)
     return fn if _takes_extra(fn, spec, attr) else _WithoutExtra(fn)

@@ -129,3 +129,43 @@ def test_parquet_prompt_file(tmp_path):
     pq.write_table(pa.table({"question": ["1+1=", "2+2="], "solution": ["2", "4"]}), path)
     examples = read_examples(path, "question", "solution")
     assert [(e.prompt, e.answer) for e in examples] == [("1+1=", "2"), ("2+2=", "4")]
+
+
+VERL_REWARDS = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    ok = data_source == "openai/gsm8k" and extra_info == {"index": 7, "split": "train"}
+    return float(ok and solution_str.strip().endswith("#### " + ground_truth))
+
+
+def with_kwargs(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return compute_score(data_source, solution_str, ground_truth, extra_info)
+
+
+def as_dict(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": compute_score(data_source, solution_str, ground_truth, extra_info), "acc": True}
+
+
+def gsm8k_like(solution_str, ground_truth, method="strict", format_score=0.0, score=1.0):
+    return score if solution_str.strip().endswith("#### " + ground_truth) else format_score
+'''
+
+
+def test_a_verl_compute_score_is_called_as_verl_calls_it(tmp_path, monkeypatch):
+    """verl's reward managers call compute_score(data_source=, solution_str=, ground_truth=,
+    extra_info=) with the row's columns and take a dict's "score". Called by position, a verl function
+    got the prompt as data_source and scored 0 without a word (an audit's run); a dict scored 0 as an
+    error."""
+    from hpcrl.rewards._worker import score_item
+
+    (tmp_path / "verl_rewards.py").write_text(VERL_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # what ExampleFile gives a reward for a verl GSM8K row read with answer_key reward_model.ground_truth
+    extra = {"data_source": "openai/gsm8k", "ability": "math", "reward_model": {"style": "rule", "ground_truth": "72"},
+             "extra_info": {"index": 7, "split": "train"}}
+    prompt, right, wrong = "<|im_start|>user\nNatalia ...", "48 + 24 = 72\n#### 72", "#### 71"
+    for name in ("compute_score", "with_kwargs", "as_dict", "gsm8k_like"):
+        fn = load_reward_fn(f"verl_rewards:{name}")
+        assert score_item(fn, prompt, right, "72", extra) == (1.0, None), name
+        assert score_item(fn, prompt, wrong, "72", extra) == (0.0, None), name
+    # a row without verl's columns: the answer is the ground truth, no data source
+    assert score_item(load_reward_fn("verl_rewards:gsm8k_like"), prompt, right, "72", {}) == (1.0, None)

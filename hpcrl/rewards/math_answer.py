@@ -24,11 +24,18 @@ works in a main thread; elsewhere they are off and the reward pool's deadline is
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
 GSM8K_MARKER = "####"
 LATEX_MARKUP = ("\\", "^", "{")  # in text after a completion's marker: read it as LaTeX first
+LEADING_NUMBER = re.compile(r"\$?\s*(-?\d[\d,]*(?:\.\d+)?)(?=\s*$|\s+[A-Za-z(])")
+"""A number that opens the marker's line and is followed by words or a parenthesis ("#### 72 (48 +
+24)", "#### 18 dollars per week"): the answer, as verl's GSM8K scorer reads the number after "#### "
+(the last number of such a line is not; "#### 72 or 73" does not earn 73)."""
+BOXED_BARE = re.compile(r"\\boxed\s+([^$\n]+)")
+"""`\\boxed 5` (a space, no braces), which verl's MATH scorer reads as 5 (to the next $)."""
 
 
 def _limit_s() -> int | None:
@@ -73,12 +80,16 @@ def _final_answer(text: str, reference: bool) -> list:
     all answer and is read LaTeX first; a completion without one has no answer."""
     marker, boxed = text.rfind(GSM8K_MARKER), text.rfind("\\boxed")
     if boxed > marker:
-        return _parse_latex(text[boxed:])
+        bare = BOXED_BARE.match(text, boxed)
+        return _parse_latex(f"\\boxed{{{bare.group(1).strip()}}}" if bare else text[boxed:])
     if marker >= 0:
         rest = text[marker + len(GSM8K_MARKER):].strip()
         if not rest:
             return []
         line = rest.splitlines()[0]
+        leading = LEADING_NUMBER.match(line)
+        if leading:
+            line = leading.group(1)
         latex_first = reference or (any(m in line for m in LATEX_MARKUP) and "$" not in line)
         return _parse_bare(line, latex_first)
     return _parse_bare(text.strip(), latex_first=True) if reference and text.strip() else []

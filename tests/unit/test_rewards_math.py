@@ -117,6 +117,15 @@ def test_math_reward_bare_latex_reference(completion, answer, expected):
     ("#### $18", "18", 1.0),
     ("#### 72.", "72", 1.0),
     ("#### 72", "72.", 1.0),
+    # the number that opens the marker's line, as verl reads it (the last number scored 0, or hedged)
+    ("#### 72 (48 + 24)", "72", 1.0),
+    ("#### 18 dollars per week for 4 weeks", "18", 1.0),
+    ("#### 5 apples, 3 left", "5", 1.0),
+    ("#### 72 or 73", "73", 0.0),
+    ("#### 1,000 in total", "1000", 1.0),
+    ("#### 1/2", "0.5", 1.0),                                           # a fraction is not its leading 1
+    ("so the answer is \\boxed 5", "5", 1.0),                          # verl's brace-less \\boxed
+    ("so the answer is \\boxed 5$.", "5", 1.0),
 ])
 def test_math_reward_verl_math_and_gsm8k_references(completion, answer, expected):
     assert math_reward("prompt", completion, answer) == expected

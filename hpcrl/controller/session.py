@@ -139,11 +139,11 @@ class Session:
 
     def demonstrations(self) -> Rollout:
         """The next block's prompts with their reference answers as the responses (answer ids, then
-        the first stop id): supervised targets, no engine involved (no engine log-probs)."""
+        the tokenizer's `answer_end_id`): supervised targets, no engine involved (no engine log-probs)."""
         block = self.last_block = self.checkpointer.prompt_cursor.take()
         examples = self.sampler.batch(block)
-        stop = list(self.tokenizer.stop_token_ids[:1])
-        responses = [self.tokenizer.encode_completion(ex.answer) + stop for ex in examples]
+        end = [] if self.tokenizer.answer_end_id is None else [self.tokenizer.answer_end_id]
+        responses = [self.tokenizer.encode_completion(ex.answer) + end for ex in examples]
         return Rollout(examples, [list(ex.prompt_ids) for ex in examples], responses, [], ["stop"] * len(examples))
 
     def _request(self, block: int) -> GenerateRequest:

@@ -73,6 +73,8 @@ class HFTokenizer:
         self.vocab_size: int = len(self.tok)
         self.chat_template: bool = bool(getattr(self.tok, "chat_template", None))
         self.stop_token_ids = _stop_ids(model_dir, self.tok.eos_token_id)
+        eos = self.tok.eos_token_id
+        self.answer_end_id = int(eos) if eos is not None else next(iter(self.stop_token_ids), None)
 
     def encode_prompt(self, text: str, rendered: bool = False) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=not rendered))

@@ -29,6 +29,10 @@ class Tokenizer(Protocol):
     """Ids the tokenizer can produce (must fit the model's embedding)."""
     stop_token_ids: list[int]
     """Ids that end a completion (the engines' stop_token_ids)."""
+    answer_end_id: int | None
+    """The stop id that ends a supervised target (sft): the tokenizer's eos, which a chat model's
+    template writes after an assistant turn (Llama-3.1-Instruct's <|eot_id|>, not the first id of
+    generation_config.json's list, <|end_of_text|>); None when there is no stop id at all."""
     chat_template: bool
     """True when `render` can turn a message list into prompt text."""
 
@@ -69,6 +73,7 @@ class CharTokenizer:
         self.eos_id = self._id["<eos>"]
         self.unk_id = self._id["<unk>"]
         self.stop_token_ids = [self.eos_id]
+        self.answer_end_id = self.eos_id
         self.alphabet = "".join(t for t in self.tokens if len(t) == 1)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:

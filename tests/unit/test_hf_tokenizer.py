@@ -37,6 +37,9 @@ def test_load_tokenizer_picks_the_model_tokenizer_or_the_character_one(tok_dir, 
     assert tok.vocab_size == 320  # len(tokenizer): trained vocabulary incl. the 3 special tokens
     # generation_config.json's eos list, then the tokenizer's eos (<|im_end|> = 2), without duplicates
     assert tok.stop_token_ids == [0, 2]
+    # sft's targets end as the chat template ends an assistant turn: the tokenizer's eos, not the
+    # first id of generation_config.json's list (Llama-3.1-Instruct: <|eot_id|>, not <|end_of_text|>)
+    assert tok.answer_end_id == 2
     (tmp_path / "config.json").write_text("{}")  # a model directory without tokenizer files
     assert isinstance(load_tokenizer(job(tmp_path)), CharTokenizer)
     assert isinstance(load_tokenizer(job(None)), CharTokenizer)

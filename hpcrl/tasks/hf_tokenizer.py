@@ -77,7 +77,14 @@ class HFTokenizer:
         self.answer_end_id = int(eos) if eos is not None else next(iter(self.stop_token_ids), None)
 
     def encode_prompt(self, text: str, rendered: bool = False) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=not rendered))
+        """Rendered text holds its template's specials; other text gets the tokenizer's own, but no
+        second BOS where the text already opens with it (a prompt rendered before it was stored, as
+        slime's and OpenRLHF's data often are)."""
+        ids = list(self.tok.encode(text, add_special_tokens=not rendered))
+        bos = self.tok.bos_token_id
+        if not rendered and bos is not None and ids[:2] == [bos, bos]:
+            return ids[1:]
+        return ids
 
     def encode_completion(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))

@@ -254,3 +254,25 @@ def test_a_directory_tokenizer_missing_a_package_names_it(tmp_path):
     assert exc.value.path == "model.path"
     assert "hpcrl_no_such_package" in str(exc.value) and "hpcrl's environment" in str(exc.value)
     assert "remove the tokenizer files" not in str(exc.value)
+
+
+def test_a_prompt_stored_rendered_gets_one_bos(tmp_path):
+    """A tokenizer whose post-processor adds BOS (Llama's) and a string prompt that was rendered
+    before it was stored (it opens with the BOS text; data.apply_chat_template: false): one BOS, not
+    two; a plain string still gets its BOS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.train_from_iterator(["what is 2+3? the answer is 5."] * 4, trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|begin_of_text|>", "<|eot_id|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    raw.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                       special_tokens=[("<|begin_of_text|>", 0)])
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<|begin_of_text|>",
+                            eos_token="<|eot_id|>").save_pretrained(str(tmp_path / "llama_like"))
+    tok = HFTokenizer(tmp_path / "llama_like")
+    stored = tok.encode_prompt("<|begin_of_text|>what is 2+3?")
+    plain = tok.encode_prompt("what is 2+3?")
+    assert stored == plain and plain[0] == 0 and plain.count(0) == 1

@@ -767,6 +767,8 @@ def _check_sglang_shard_args(job: JobConfig) -> None:
 
 SGLANG_DETERMINISTIC_ATTENTION = ("ascend", "fa3", "fa4", "flashinfer", "intel_xpu", "triton")
 """SGLang 0.5.23's DETERMINISTIC_ATTENTION_BACKEND_CHOICES (sglang/srt/arg_groups/choices.py)."""
+SGLANG_HALF_ONLY_ATTENTION = ("fa3", "fa4", "flashinfer")
+"""Of those, the backends whose kernels take fp16/bf16 only (FlashAttention 3/4, FlashInfer)."""
 
 
 def check_sglang_determinism(job: JobConfig) -> None:
@@ -781,6 +783,11 @@ def check_sglang_determinism(job: JobConfig) -> None:
             raise ConfigError(f"rollout.server_args[{i}]", arg,
                               "hpcrl runs SGLang with --enable-deterministic-inference (seeded, reproducible "
                               "sampling), which samples with the pytorch backend; remove --sampling-backend")
+        if flag == "--attention-backend" and value in SGLANG_HALF_ONLY_ATTENTION and engine_dtype(job) == "float32":
+            raise ConfigError(f"rollout.server_args[{i}]", arg,
+                              f"the engines run in float32 (rollout.dtype / model.dtype), which the {value} kernels "
+                              "do not take (fp16/bf16 only); use --attention-backend triton (hpcrl's choice for "
+                              "float32 engines when none is given), or rollout.dtype: bfloat16")
         if flag == "--attention-backend" and value not in SGLANG_DETERMINISTIC_ATTENTION:
             raise ConfigError(f"rollout.server_args[{i}]", arg,
                               "SGLang's deterministic inference (which hpcrl enables for seeded sampling) "

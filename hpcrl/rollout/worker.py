@@ -52,6 +52,19 @@ def engine_server_args(job: JobConfig) -> list[str]:
     return args
 
 
+FP32_ATTENTION = ("--attention-backend", "triton")
+"""A float32 engine's attention backend. Deterministic inference (which hpcrl enables) picks fa3 on
+Hopper and flashinfer on Blackwell when none is given (SGLang 0.5.23, arg_groups/overrides.py), and
+both kernels take fp16/bf16 only; triton computes in the tensors' dtype, is among the deterministic
+backends and keeps the radix cache."""
+
+
+def fp32_attention_args(job: JobConfig) -> list[str]:
+    """FP32_ATTENTION for a float32 engine whose rollout.server_args name no attention backend."""
+    named = any(a.split("=")[0] == FP32_ATTENTION[0] for a in job.rollout.server_args)
+    return list(FP32_ATTENTION) if engine_dtype(job) == "float32" and not named else []
+
+
 def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
                    gpus: tuple[int, ...] = ()) -> list[str]:
     """SGLang's launch command: `--model-path` is the job's model directory (its real weights) or,
@@ -83,7 +96,7 @@ def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", host,
            "--port", str(port), "--tp-size", str(job.rollout.tp_per_engine), *sglang_gpu_args(gpus), *load,
            "--skip-tokenizer-init", "--dtype", engine_dtype(job), "--config", str(keys_path(run_dir)),
-           "--enable-deterministic-inference", *engine_server_args(job)]
+           "--enable-deterministic-inference", *engine_server_args(job), *fp32_attention_args(job)]
     if weight_sync_mode(job) == "shard":
         from hpcrl.rollout.sglang_shard_loader import LOADER
 

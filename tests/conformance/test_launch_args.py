@@ -33,9 +33,11 @@ def _job(dtype: str, tp: int, model_path: str | None = None, server_args=(), env
 # (job, the engine's GPUs from hpcrl.rollout.placement, expected parsed values)
 CASES = [
     (_job("bfloat16", 2), (4, 5),
-     {"tp_size": 2, "base_gpu_id": 4, "load_format": "dummy", "dtype": "bfloat16"}),
+     {"tp_size": 2, "base_gpu_id": 4, "load_format": "dummy", "dtype": "bfloat16", "attention_backend": None}),
+    # float32: triton attention (fa3/flashinfer, deterministic inference's picks, take fp16/bf16 only)
     (_job("float32", 1, model_path="/models/qwen3"), (0,),
-     {"tp_size": 1, "base_gpu_id": 0, "model_path": "/models/qwen3", "dtype": "float32"}),
+     {"tp_size": 1, "base_gpu_id": 0, "model_path": "/models/qwen3", "dtype": "float32",
+      "attention_backend": "triton"}),
     (_job("bfloat16", 4, server_args=["--mem-fraction-static", "0.7"], env_setup=["module load cuda"]),
      (0, 1, 2, 3), {"tp_size": 4, "base_gpu_id": 0, "mem_fraction_static": 0.7}),
     (_job("bfloat16", 2, weight_sync="shard"), (2, 3),  # the shard route: hpcrl's loader in the TP workers

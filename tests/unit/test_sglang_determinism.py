@@ -45,3 +45,22 @@ def test_validation_refuses_what_deterministic_sglang_cannot_serve(args, index, 
                                   ["--attention-backend=triton", "--mem-fraction-static", "0.8"]])
 def test_validation_accepts_deterministic_backends(args):
     validate(_sglang_job(args))
+
+
+def test_a_float32_engine_attends_with_triton_unless_told(tmp_path):
+    """Deterministic inference picks fa3 (Hopper) or flashinfer (Blackwell) when no attention
+    backend is given, and both take fp16/bf16 only: a float32 engine (the default model.dtype) gets
+    triton; a bf16 one SGLang's pick; a backend the job names stays, and a half-only one is refused
+    with float32."""
+    (tmp_path / "model_config.json").write_text("{}")
+    fp32 = _sglang_job([])
+    fp32.model.dtype = "float32"
+    cmd = sglang_command(fp32, tmp_path, "h", 1)
+    assert cmd[cmd.index("--attention-backend") + 1] == "triton"
+    assert "--attention-backend" not in sglang_command(_sglang_job([]), tmp_path, "h", 1)
+    fp32.rollout.server_args = ["--attention-backend=triton"]
+    assert sum(a.startswith("--attention-backend") for a in sglang_command(fp32, tmp_path, "h", 1)) == 1
+    fp32.rollout.server_args = ["--attention-backend", "fa3"]
+    fp32.rollout.logprob_tolerance, fp32.rollout.logprob_mean_tolerance = 1e-4, 0.0
+    with pytest.raises(ConfigError, match=r"run in float32 .* the fa3 kernels do not take \(fp16/bf16 only\)"):
+        validate(fp32)

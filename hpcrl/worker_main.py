@@ -79,6 +79,9 @@ def serve(world, handlers: dict[str, Callable[[Any], Any]], idle_timeout_s: floa
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hpcrl.controller.preemption import record_early_signals
+
+    record_early_signals()  # before the imports and MPI_Init, which take minutes at scale
     argv = sys.argv[1:] if argv is None else argv
     run_dir = Path(argv[0])
     from hpcrl.config import job_from_dict

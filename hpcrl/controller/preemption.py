@@ -40,20 +40,45 @@ def slurm_end_time() -> float | None:
         return None
     try:
         out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        return datetime.fromisoformat(out).timestamp()
-    except (OSError, ValueError, subprocess.SubprocessError):
+                             timeout=10).stdout.split()
+        # a heterogeneous job prints one line per component, all with the job's end time
+        return datetime.fromisoformat(out[0]).timestamp()
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
         return None
+
+
+_EARLY: list[tuple[float, str]] = []
+"""(monotonic time, name) of the first preemption signal a rank got before its PreemptionWatch."""
+
+
+def record_early_signals() -> None:
+    """From the very start of a rank: USR1/USR2/TERM are recorded, not fatal (Python's default
+    action for USR1 ends the process, and Slurm may preempt a job during the minutes its ranks
+    import and form the MPI world; the job then failed instead of being requeued). The controller's
+    PreemptionWatch takes a recorded signal as its own; worker ranks ignore them once the world formed.
+    Under `hpcrl run`'s mpiexec, USR1 is Hydra's note that a rank died: ignored (see PreemptionWatch)."""
+    def record(signum: int, _frame: object) -> None:
+        if not _EARLY:
+            _EARLY.append((time.monotonic(), signal.Signals(signum).name))
+
+    for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
+        local_usr1 = sig == signal.SIGUSR1 and os.environ.get("HPCRL_LAUNCHER") == "mpiexec"
+        signal.signal(sig, signal.SIG_IGN if local_usr1 else record)
 
 
 class PreemptionWatch:
     """Records SIGUSR1/SIGUSR2/SIGTERM on this process and knows the grace budget and the end time."""
 
     def __init__(self, grace_s: float) -> None:
-        self.grace_s = float(os.environ.get("HPCRL_SIGNAL_DELAY_S") or grace_s)
+        # Under Slurm the signal comes signal_delay_s before the time limit, but a preemption's kill
+        # follows after the partition's GraceTime, which checkpoint.grace_s states: the smaller
+        delay = os.environ.get("HPCRL_SIGNAL_DELAY_S")
+        self.grace_s = min(float(delay), float(grace_s)) if delay else float(grace_s)
         self.end_time = slurm_end_time()
         self.signal_time: float | None = None
         self.signal_name = ""
+        if _EARLY:  # a signal before this watch existed (record_early_signals)
+            self.signal_time, self.signal_name = _EARLY[0]
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGUSR2, self._on_signal)  # its default action would end the controller
         if os.environ.get("HPCRL_LAUNCHER") == "mpiexec":

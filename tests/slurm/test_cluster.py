@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,7 @@ def test_hetjob_step_is_one_mpi_world_over_both_components(slurm, job_dir: Path)
         f"#SBATCH --nodes=1 --ntasks-per-node=2 --time=3 --output={job_dir}/het-%j.out\n"
         "#SBATCH hetjob\n"
         "#SBATCH --nodes=1 --ntasks-per-node=1 --time=3\n"
+        f"{PYTHON} -c 'from hpcrl.controller.preemption import slurm_end_time as t; print(\"end time\", t())'\n"
         "for attempt in 0 1 2; do\n"
         f"  srun --het-group=0,1 --mpi=pmi2 --kill-on-bad-exit=1 {PYTHON} {job_dir}/world.py {job_dir} "
         "&& exit 0\n"
@@ -119,6 +121,10 @@ def test_hetjob_step_is_one_mpi_world_over_both_components(slurm, job_dir: Path)
     record = slurm.wait_final(job_id, timeout_s=150)
     log = next(job_dir.glob("het-*.out")).read_text()
     assert record["JobState"] == "COMPLETED", f"{record}\n{log}"
+    # squeue prints a hetjob's end time once per component: it was read as None, and the save before
+    # the time limit never fired for hetjobs
+    end = float(log.split("end time ", 1)[1].split()[0])
+    assert 0 < end - time.time() < 4 * 60, log
     nodes = {int(c["HetJobOffset"]): c["NodeList"] for c in slurm.job(job_id)}
     assert nodes[0] != nodes[1]
     ranks = read_json_records(job_dir, "rank-*.json")
@@ -299,6 +305,18 @@ def test_rendered_step_is_retried_only_when_its_world_never_formed(slurm, job_di
     bad_log = (job_dir / "logs" / f"slurm-{bad_id}.out").read_text()
     assert bad["JobState"] == "FAILED" and bad["ExitCode"] == "5:0", bad
     assert "starting the step again" not in bad_log, bad_log
+    # A site's env_setup with `set -eu` and a `cd`: the script went on (it ended at the step's exit
+    # code, where a 3 was not requeued) and checked the world file in the run dir (it looked in the
+    # other directory and retried a step whose world had formed, twice).
+    site = dataclasses.replace(
+        make_spec(job_dir, one, f"bash -c 'touch {job_dir}/.hpcrl_world_formed; exit 5'"), world_retries=2,
+        env_setup=("set -euo pipefail", "cd /tmp"))
+    (job_dir / "site.sbatch").write_text(render(site))
+    site_id = slurm.submit(job_dir / "site.sbatch")
+    record = slurm.wait_final(site_id, 90)
+    site_log = (job_dir / "logs" / f"slurm-{site_id}.out").read_text()
+    assert record["JobState"] == "FAILED" and record["ExitCode"] == "5:0", record
+    assert "step exited with code 5" in site_log and "starting the step again" not in site_log, site_log
 
 
 # hpcrl's GPU placement inside a real step: every rank joins hpcrl's world (its rank table), asks

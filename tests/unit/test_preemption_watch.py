@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from hpcrl.controller.preemption import PreemptionWatch, slurm_end_time
+import hpcrl.controller.preemption as preemption
+from hpcrl.controller.preemption import PreemptionWatch, record_early_signals, slurm_end_time
 
 
 @pytest.fixture
@@ -47,9 +48,32 @@ def test_which_signals_mean_preemption(monkeypatch, restore_signals, launcher, s
     monkeypatch.setenv("HPCRL_LAUNCHER", launcher)
     monkeypatch.setenv("HPCRL_SIGNAL_DELAY_S", "30")
     watch = PreemptionWatch(grace_s=60)
-    assert watch.grace_s == 30  # the batch script's --signal delay wins over checkpoint.grace_s
+    assert watch.grace_s == 30  # the smaller of the --signal delay and checkpoint.grace_s
     os.kill(os.getpid(), sig)
     time.sleep(0.05)
     assert watch.requested is counts
     if counts:
         assert 29 < watch.seconds_left() <= 30 and watch.signal_name == signal.Signals(sig).name
+
+
+def test_the_grace_is_the_smaller_of_the_signal_delay_and_checkpoint_grace(monkeypatch, restore_signals):
+    """Under Slurm a preemption's kill follows after the partition's GraceTime (checkpoint.grace_s),
+    however early the --signal lead would come before the time limit: the step was finished on a
+    budget of 120 s with 30 left."""
+    monkeypatch.setenv("HPCRL_SIGNAL_DELAY_S", "120")
+    assert PreemptionWatch(grace_s=30).grace_s == 30
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_a_signal_before_the_watch_is_recorded_not_fatal(monkeypatch, restore_signals, sig):
+    """Slurm may preempt while the ranks import and form their world (minutes at scale): Python's
+    default USR1 ended every rank and the job FAILED instead of being requeued. From a rank's start
+    the signal is recorded, and the controller's watch takes it as its own."""
+    monkeypatch.delenv("HPCRL_LAUNCHER", raising=False)
+    monkeypatch.setattr(preemption, "_EARLY", [])
+    record_early_signals()
+    os.kill(os.getpid(), sig)
+    time.sleep(0.05)
+    watch = PreemptionWatch(grace_s=60)
+    assert watch.requested and watch.signal_name == signal.Signals(sig).name
+

@@ -13,7 +13,7 @@ import re
 
 from hpcrl.config.errors import ConfigError, did_you_mean
 from hpcrl.config.schema import JobConfig
-from launch.slurm_spec import MPI_PLUGINS, SlurmComponent, SlurmJobSpec, parse_time_limit
+from launch.slurm_spec import MPI_PLUGINS, SlurmComponent, SlurmJobSpec, option_name, parse_time_limit
 
 # sbatch/srun options hpcrl writes itself (launch/slurm_spec.py) -> what to do instead, in job-file terms.
 SLURM_OWNED_OPTIONS = {
@@ -21,6 +21,8 @@ SLURM_OWNED_OPTIONS = {
         **dict.fromkeys(("account", "A"), "set slurm.account instead"),
         **dict.fromkeys(("chdir", "D"), "the job runs in the run dir; set logging.run_dir or --run-dir"),
         **dict.fromkeys(("cpus-per-task", "c"), "set resources.cpus_per_rank instead"),
+        "cpus-per-gpu": "set resources.cpus_per_rank instead (sbatch refuses it beside the --cpus-per-task "
+                        "hpcrl writes)",
         **dict.fromkeys(("error", "e", "output", "o"),
                         "the logs go to RUN_DIR/logs (see docs/on_disk_layout.md)"),
         **dict.fromkeys(("gpus-per-node", "gres", "gpus", "G", "gpus-per-task"),
@@ -32,8 +34,8 @@ SLURM_OWNED_OPTIONS = {
         **dict.fromkeys(("job-name", "J"), "set name instead"),
         "mem": "set slurm.mem_gb instead",
         **dict.fromkeys(("nodes", "N"), "set resources.nodes / resources.rollout_nodes instead"),
-        **dict.fromkeys(("ntasks-per-node", "ntasks", "n"), "hpcrl places the ranks; set trainer.num_procs, "
-                                                            "rollout.num_engines and resources.nodes"),
+        **dict.fromkeys(("ntasks-per-node", "ntasks", "n", "ntasks-per-gpu"),
+                        "hpcrl places the ranks; set trainer.num_procs, rollout.num_engines and resources.nodes"),
         "open-mode": "remove it: the logs are always appended across requeues",
         **dict.fromkeys(("partition", "p"), "set slurm.partition instead"),
         **dict.fromkeys(("qos", "q"), "set slurm.qos instead"),
@@ -53,11 +55,6 @@ SLURM_OWNED_OPTIONS = {
 }
 
 
-def _option_name(opt: str) -> str:
-    """'--name=value' / '--name value' -> 'name'; '-Xvalue' / '-X value' -> 'X'."""
-    return re.split(r"[=\s]", opt[2:], maxsplit=1)[0] if opt.startswith("--") else opt[1:2]
-
-
 def _check_slurm_options(key: str, options: list[str], tool: str) -> None:
     for i, opt in enumerate(options):
         if "\n" in opt or "\r" in opt:
@@ -68,7 +65,7 @@ def _check_slurm_options(key: str, options: list[str], tool: str) -> None:
         if not opt.startswith("-"):
             raise ConfigError(f"{key}[{i}]", opt, f"must be a {tool} option starting with '-' "
                                                   "(e.g. '--exclusive'); one option per list item")
-        name, owned = _option_name(opt), SLURM_OWNED_OPTIONS[tool]
+        name, owned = option_name(opt), SLURM_OWNED_OPTIONS[tool]
         fix = owned.get(name)
         if fix is not None:
             raise ConfigError(f"{key}[{i}]", opt, f"hpcrl writes this {tool} option itself; {fix}")

@@ -271,6 +271,11 @@ def environment() -> jinja2.Environment:
     return env
 
 
+def option_name(opt: str) -> str:
+    """'--name=value' / '--name value' -> 'name'; '-Xvalue' / '-X value' -> 'X'."""
+    return re.split(r"[=\s]", opt[2:], maxsplit=1)[0] if opt.startswith("--") else opt[1:2]
+
+
 def render(spec: SlurmJobSpec) -> str:
     """The sbatch script for `spec` (the hetjob template for 2 components, the single one for 1)."""
     if not isinstance(spec, SlurmJobSpec):

@@ -35,7 +35,8 @@ from launch.export_step import export_command
 from launch.slurm_executor import HetJob, HetJobExecutor
 from launch.slurm_query import (SUBMISSION_FILE, PartitionInfo, SlurmError, cluster_partitions, job_state,
                                 require_tool)
-from launch.slurm_spec import SlurmComponent, SlurmJobSpec, format_time_limit, parse_time_limit, render
+from launch.slurm_spec import (SlurmComponent, SlurmJobSpec, format_time_limit, option_name, parse_time_limit,
+                               render)
 
 SCRIPT_NAME = "job.sbatch"
 WORLD_RETRIES = 2  # step retries when the MPI world never formed (SlurmJobSpec.world_retries)
@@ -141,12 +142,22 @@ def job_spec(job: Any, run_dir: Path, partition: str, resume: str = "auto", expo
     if any(c.isspace() or c in "'\"%\\" for c in str(run_dir)):
         raise SlurmError("--run-dir", str(run_dir), "sbatch cannot quote paths in #SBATCH lines: choose a "
                                                     "run dir without whitespace, quotes, backslashes or '%'")
+    if res.device == "cuda" and res.gpus_per_node < 1:  # the job would ask Slurm for no GPU
+        raise SlurmError("resources.gpus_per_node", res.gpus_per_node,
+                         "resources.device is cuda: set the GPUs each node gives the job (hpcrl asks Slurm "
+                         "for --gpus-per-node), e.g. 8")
     each = {"gpus": res.gpus_per_node if res.device == "cuda" else 0, "cpus": res.cpus_per_rank,
             "mem_gb": None if s.mem_gb < 0 else s.mem_gb}
     trainers, rollouts = _plural(t.num_procs, "trainer rank"), _plural(r.num_engines, "rollout rank")
     warnings = []
     if res.rollout_nodes > 0:
         roles = (f"controller + {trainers}", rollouts)
+        rollout_names = {option_name(o) for o in s.rollout_extra_sbatch_options}
+        alone = [o for o in s.extra_sbatch_options if option_name(o) not in rollout_names]
+        if alone:  # Slurm gives a hetjob's later components none of component 0's options
+            warnings.append(f"slurm.extra_sbatch_options {alone} apply to the trainer nodes only: Slurm does not "
+                            "carry them to the rollout nodes' component; repeat them in "
+                            "slurm.rollout_extra_sbatch_options where the rollout nodes need them too")
         components = (
             _component("resources.nodes", res.nodes, 1 + t.num_procs, roles[0], **each,
                        extra=s.extra_sbatch_options),
@@ -215,9 +226,12 @@ def check_cluster(job: Any, spec: SlurmJobSpec, roles: tuple[str, ...],
     if total > len(p.nodes):
         raise SlurmError(key, comps[-1].nodes, f"the job needs {need} but partition {name} has "
                                                f"{len(p.nodes)}; use fewer nodes or another partition")
-    if p.max_nodes is not None and total > p.max_nodes:
-        raise SlurmError(key, comps[-1].nodes, f"the job needs {need} but partition {name} allows "
-                                               f"MaxNodes={p.max_nodes} per job")
+    for i, c in enumerate(comps):  # Slurm applies MaxNodes to each component, a job record of its own
+        if p.max_nodes is not None and c.nodes > p.max_nodes:
+            node_key = "resources.rollout_nodes" if i == 1 else "resources.nodes"
+            raise SlurmError(node_key, c.nodes, f"partition {name} allows MaxNodes={p.max_nodes} per job "
+                                                f"(per component of a heterogeneous job); use {node_key} <= "
+                                                f"{p.max_nodes} or another partition")
     max_cpus = max(n.cpus for n in p.nodes)
     max_gpus = max(n.gpus for n in p.nodes)
     max_mem = max(n.memory_mb for n in p.nodes)

@@ -62,7 +62,13 @@ def test_rollout_nodes_make_a_hetjob_with_controller_and_trainers_in_component_0
     job = job_with("resources.rollout_nodes=1", "rollout.num_engines=2",
                    "slurm.extra_sbatch_options=[--exclusive]",
                    "slurm.rollout_extra_sbatch_options=['--constraint=fast']", "slurm.time='2-00:00:00'")
-    spec, roles, _ = spec_of(job)
+    spec, roles, warnings = spec_of(job)
+    # Slurm carries none of component 0's options to component 1 (the README's example assumed it)
+    assert warnings == ("slurm.extra_sbatch_options ['--exclusive'] apply to the trainer nodes only: Slurm does "
+                        "not carry them to the rollout nodes' component; repeat them in "
+                        "slurm.rollout_extra_sbatch_options where the rollout nodes need them too",)
+    job.slurm.rollout_extra_sbatch_options.append("--exclusive")
+    assert spec_of(job)[2] == ()
     head, rollout = spec.components
     assert (head.nodes, head.ntasks_per_node, head.extra_sbatch_options) == (1, 2, ("--exclusive",))
     assert (rollout.nodes, rollout.ntasks_per_node) == (1, 2)
@@ -159,6 +165,18 @@ def test_more_nodes_than_the_partition_has():
 def test_more_nodes_than_max_nodes():
     err = reject(job_with("resources.nodes=2"), cluster(partition(max_nodes=1)))
     assert err.path == "resources.nodes" and "MaxNodes=1" in err.hint
+    # per component, as Slurm applies it (1 + 1 nodes ran under MaxNodes=1 and were refused)
+    hetjob = job_with("resources.rollout_nodes=1", "rollout.num_engines=1")
+    check_cluster(hetjob, *spec_of(hetjob)[:2], cluster(partition(max_nodes=1)))
+    err = reject(job_with("resources.rollout_nodes=2", "rollout.num_engines=2"), cluster(partition(max_nodes=1)))
+    assert (err.path, err.value) == ("resources.rollout_nodes", 2) and "use resources.rollout_nodes <= 1" in err.hint
+
+
+def test_a_cuda_job_asks_for_gpus():
+    """device cuda with gpus_per_node 0 (the default) rendered a job that asked Slurm for no GPU."""
+    with pytest.raises(SlurmError) as err:
+        spec_of(job_with("resources.device=cuda"))
+    assert err.value.path == "resources.gpus_per_node" and "--gpus-per-node" in err.value.hint
 
 
 def test_more_gpus_than_a_node_has():
@@ -219,6 +237,8 @@ def test_gpu_count(gres, n):
     ("slurm.extra_sbatch_options=['--gres=gpu:8']", "slurm.extra_sbatch_options[0]", "resources.gpus_per_node"),
     ("slurm.extra_sbatch_options=[--mem-per-cpu=1G]", "slurm.extra_sbatch_options[0]", "slurm.mem_gb"),
     ("slurm.extra_sbatch_options=[--array=1-3]", "slurm.extra_sbatch_options[0]", "one job per run"),
+    ("slurm.extra_sbatch_options=[--cpus-per-gpu=8]", "slurm.extra_sbatch_options[0]", "resources.cpus_per_rank"),
+    ("slurm.extra_sbatch_options=[--ntasks-per-gpu=1]", "slurm.extra_sbatch_options[0]", "hpcrl places the ranks"),
     ("slurm.extra_sbatch_options=[--partit=x]", "slurm.extra_sbatch_options[0]",
      "an abbreviation of '--partition'"),
     ("slurm.extra_srun_options=[-n 4]", "slurm.extra_srun_options[0]", "one rank per task"),

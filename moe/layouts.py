@@ -61,6 +61,13 @@ def padded_rows_box(shape: tuple[int, ...], parts: int, index: int, multiple: in
     return Box((lo,) + (0,) * (len(shape) - 1), (hi - lo,) + shape[1:])
 
 
+def sglang_vocab_multiple(rows: int, tp: int) -> int:
+    """What SGLang 0.5.23 pads a vocab-parallel tensor's rows to (VocabParallelEmbedding): 64, or
+    64 * tp when the rows padded to 64 do not split evenly over tp (tp 6 or 12 with Qwen3's 151936)."""
+    padded = -(-rows // SGLANG_VOCAB_PADDING) * SGLANG_VOCAB_PADDING
+    return SGLANG_VOCAB_PADDING * (tp if padded % tp else 1)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -410,7 +417,7 @@ class RolloutLayout:
             if role is Role.LM_HEAD or (role is Role.EMBED and self.dp_attention == 1):
                 pl = []
                 for r in range(tp):
-                    box = padded_rows_box(shape, tp, r, SGLANG_VOCAB_PADDING)
+                    box = padded_rows_box(shape, tp, r, sglang_vocab_multiple(shape[0], tp))
                     if box is not None:
                         pl.append((box, by_tp[r]))
                 out.append(pl)

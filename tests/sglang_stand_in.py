@@ -32,7 +32,8 @@ def sglang_params(full: dict[str, torch.Tensor], d, r: int, tp: int, ep: int) ->
     """What SGLang's load_weights leaves on TP rank r (qwen3_moe.py, linear.py, fused_moe layer.py)."""
     moe_tp, hd, out = tp // ep, d.hidden_size // d.num_heads, {}
     ep_rank, mr = r // moe_tp, r % moe_tp
-    per = -(-d.vocab_size // 64) * 64 // tp
+    pad = 64 if (-(-d.vocab_size // 64) * 64) % tp == 0 else 64 * tp  # VocabParallelEmbedding's padding
+    per = -(-d.vocab_size // pad) * pad // tp
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         t = torch.full((per, d.hidden_size), SENTINEL)
         rows = full[name][r * per:(r + 1) * per]
@@ -78,5 +79,5 @@ def stand_in_model(cfg: dict, shapes: dict[str, torch.Size]) -> torch.nn.Module:
                 mod.add_module(part, torch.nn.Module())
             mod = getattr(mod, part)
         mod.register_parameter(leaf, torch.nn.Parameter(torch.full(shape, SENTINEL), requires_grad=False))
-    root.config = types.SimpleNamespace(to_dict=lambda: dict(cfg))
+    root.config = types.SimpleNamespace(to_dict=lambda: dict(cfg), vocab_size=cfg["vocab_size"])
     return root

@@ -559,6 +559,13 @@ def _check_devices(job: JobConfig, m: ModelDims) -> None:
         raise ConfigError("rollout.weight_sync", r.weight_sync,
                           f"SGLang engines take the shard route through hpcrl's loader; {m.source} is model_type "
                           f"{m.model_type!r}: {why}. Use rollout.weight_sync: broadcast or auto")
+    if r.backend == "sglang" and m.tied_embeddings and transformers_model_type(m.model_type) in SGLANG_UNTIED_HEADS:
+        raise ConfigError(m.path, job_field(job, m.path),
+                          f"{m.source} has tie_word_embeddings: true, and SGLang 0.5.23's "
+                          f"{SGLANG_UNTIED_HEADS[transformers_model_type(m.model_type)]} always builds an lm_head "
+                          "of its own (models/qwen3_moe.py, mixtral.py tie nothing): hpcrl's syncs send the "
+                          "embedding once, so the engines' head would keep its initial weights; use a model with "
+                          "untied embeddings, or rollout.backend: reference")
     if r.backend == "sglang":
         if res.device != "cuda":
             raise ConfigError("rollout.backend", r.backend, f"SGLang needs GPUs: set resources.device=cuda "
@@ -764,6 +771,9 @@ def _check_sglang_shard_args(job: JobConfig) -> None:
                               f"{' or '.join(SGLANG_SHARD_MOE_RUNNERS)}); remove it, or use "
                               f"rollout.weight_sync: broadcast")
 
+
+SGLANG_UNTIED_HEADS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+"""Model types whose SGLang 0.5.23 class never ties lm_head to the embedding (DeepSeek's does)."""
 
 SGLANG_DETERMINISTIC_ATTENTION = ("ascend", "fa3", "fa4", "flashinfer", "intel_xpu", "triton")
 """SGLang 0.5.23's DETERMINISTIC_ATTENTION_BACKEND_CHOICES (sglang/srt/arg_groups/choices.py)."""

@@ -113,6 +113,7 @@ def param_views(model: torch.nn.Module, boxes: list[tuple[str, Box]]) -> Shards:
     the one SGLang's loaders give this rank's slices."""
     params = dict(model.named_parameters())
     rows = {n: b.shape[0] for n, b in boxes}
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     out: Shards = {}
     checked: set[str] = set()
 
@@ -146,7 +147,13 @@ def param_views(model: torch.nn.Module, boxes: list[tuple[str, Box]]) -> Shards:
             p = param(f"{m.group(1)}.gate_up_proj.weight", hf)
             view = p.narrow(0, 0 if m.group(2) == "gate" else box.shape[0], box.shape[0])
         elif hf in _VOCAB:
-            view = param(hf, hf).narrow(0, 0, box.shape[0])  # the rank's padded vocab shard starts at its box
+            p = param(hf, hf)
+            ends = vocab is None or box.offsets[0] + box.shape[0] == vocab
+            if box.shape[0] != p.shape[0] and not ends:  # only the last shards stop short (padding rows)
+                raise ValueError(f"{hf}: the plan gives this rank {box.shape[0]} vocab rows from row "
+                                 f"{box.offsets[0]}, SGLang's shard has {p.shape[0]}: the two pad the vocab "
+                                 "differently")
+            view = p.narrow(0, 0, box.shape[0])  # the rank's padded vocab shard starts at its box
         else:
             view = param(hf, hf)
         if tuple(view.shape) != box.shape:
@@ -163,6 +170,7 @@ class _State:
     key: tuple | None = None
     out: Shards | None = None
     staging: Staging | None = None
+    spec: Any = None  # the model's spec, built once: the plan cache keys on its identity
 
 
 _STATES: dict[int, _State] = {}
@@ -184,7 +192,10 @@ def load(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
     a bad request (nothing received) and moe.runtime.ReshardError for a failed transfer (some
     parameters may hold new bytes: SGLang then reports the update as failed)."""
     control = parse_control(named_tensors)
-    spec = model_spec(model)
+    state = _STATES.setdefault(id(model), _State())
+    if state.spec is None:  # a new spec each sync missed the plan cache: ~3 s of planning at 235B
+        state.spec = model_spec(model)
+    spec = state.spec
     if spec_fingerprint(spec) != control.get("spec_sha256"):
         raise ValueError(f"{LOADER}: spec_sha256 {control.get('spec_sha256')!r} is not this engine's model "
                          f"({spec_fingerprint(spec)}): trainer and engine would plan different models")
@@ -198,7 +209,6 @@ def load(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
         raise ValueError(f"this TP worker is rank {group.rank()} of {control['group_name']!r}, the plan "
                          f"needs {want} for rollout rank {rank}: join with rank_offset = trainer world + "
                          f"engine index * tp")
-    state = _STATES.setdefault(id(model), _State())
     key = (id(plan), rank, tuple((n, p.data_ptr()) for n, p in model.named_parameters()))
     if state.key != key:
         state.out, state.staging, state.key = param_views(model, plan.dst.shards(spec, rank)), Staging(), key

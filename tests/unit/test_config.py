@@ -187,6 +187,11 @@ BAD = [
      [], lambda p: (p / "model.json").write_text(json.dumps(MIXTRAL)),
      "rollout.weight_sync", "'shard'", "model_type 'mixtral': hpcrl's loader writes qwen3_moe parameters only. "
      "Use rollout.weight_sync: broadcast"),
+    # SGLang's Qwen3-MoE and Mixtral classes never tie lm_head: a tied model's head was never synced
+    ("sglang-tied-qwen3-moe", "model: {config_path: model.json}\nrollout: {backend: sglang}\nresources: {device: cuda}",
+     [], lambda p: (p / "model.json").write_text(json.dumps({**json.loads((CONFIG_DIR / "tiny-qwen3-moe.json")
+                                                                          .read_text()), "tie_word_embeddings": True})),
+     "model.config_path", "model.json'", "Qwen3MoeForCausalLM always builds an lm_head of its own"),
     ("verl-key-name", "algorithm: {learning_rate: 0.1}", [], None, "algorithm.learning_rate", "0.1",
      "(did you mean 'lr'?)"),
     ("checkpoint-dir-a-file", "checkpoint: {dir: job.yaml}", [], None, "checkpoint.dir", "job.yaml",

@@ -180,3 +180,21 @@ def test_rollout_kv_heads_must_divide_or_be_divided() -> None:
     from moe.specs import spec_from_config
     with pytest.raises(ValueError, match="num_kv_heads=4: one must divide the other"):
         RolloutLayout(tp=6).validate(spec_from_config(cfg))
+
+
+def test_sglang_vocab_shards_where_the_padded_vocab_does_not_split_over_tp() -> None:
+    """SGLang pads the vocab to 64, or to 64 * tp when that does not split evenly over tp
+    (VocabParallelEmbedding): Qwen3's 151936 rows over tp 12 are 12672 per rank. Padding to 64 alone put
+    rank 1's rows at 12662 (the shard route wrote every rank after 0 shifted, without a word)."""
+    from moe.specs import spec_from_config
+
+    cfg = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 48, "intermediate_size": 48,
+           "moe_intermediate_size": 24, "num_hidden_layers": 1, "num_attention_heads": 12, "num_key_value_heads": 4,
+           "head_dim": 4, "num_experts": 12, "num_experts_per_tok": 2, "rope_theta": 1e6,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    spec = spec_from_config(cfg)
+    layout = RolloutLayout(num_engines=1, tp=12)
+    rows = {r: dict(layout.shards(spec, r))["lm_head.weight"] for r in (0, 1, 11)}
+    assert [(b.offsets[0], b.shape[0]) for b in rows.values()] == [(0, 12672), (12672, 12672), (139392, 12544)]
+    # a tp that splits the padded vocab: 64 only (151936 / 4 = 37984 rows each)
+    assert dict(RolloutLayout(num_engines=1, tp=4).shards(spec, 1))["lm_head.weight"].offsets[0] == 37984

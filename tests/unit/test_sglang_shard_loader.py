@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from hpcrl.rollout.reshard_route import PlanRequest, spec_at_dtype, spec_fingerprint
-from hpcrl.rollout.sglang_shard_loader import (LOADER, load, param_views, parse_control,
+from hpcrl.rollout.sglang_shard_loader import (_STATES, LOADER, load, param_views, parse_control,
                                                tensor_request_body)
 from moe.layouts import RolloutLayout, TrainerLayout
 from moe.network import Topology
@@ -55,10 +55,15 @@ def _process(rank: int, port: int, tp: int, ep: int, colocated: bool, out_dir: s
     control = {**request.to_json(), "group_name": GROUP, "spec_sha256": spec_fingerprint(spec),
                "verify": "full", "deadline_s": 60}
     body = tensor_request_body(control, engine_index=0, tp=tp)
+    stagings = []
     for _ in range(2):
         # what SGLang's TP worker does: its own entry, deserialized, each tensor moved to the device
         named = pickle.loads(base64.b64decode(body["serialized_named_tensors"][r]))
         load(model, [(n, t.to("cpu")) for n, t in named])
+        stagings.append(_STATES[id(model)].staging)
+    # the second sync reuses the plan, views and prepared rounds (a spec built per sync missed the
+    # plan cache: ~3 s of planning per TP worker and sync at 235B)
+    assert stagings[0] is stagings[1]
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out_dir}/rank{r}.pt")
     torch.save(want, f"{out_dir}/want{r}.pt")
 

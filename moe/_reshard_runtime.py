@@ -54,14 +54,16 @@ class RoundTimeout(ReshardError):
 
 # Checksum modes. "sampled" sums one 32nd of every message's words, a contiguous slice at a
 # different position in each repetition of a round (the sender picks the phase and sends it along):
-# every round checks every message's length and catches a lost, truncated or misrouted message and
-# most garbage (what a routing or offset bug produces), and 32 repetitions of a round (32 weight
+# every round checks every message's length and catches a lost or truncated message and most
+# garbage (what an offset bug produces), and 32 repetitions of a round (32 weight
 # syncs) have checked every byte of it once. A 16th cost 5-10% of a sync's time on a CPU host;
 # a 32nd halves that (benchmarks/RESULTS.md, reshard_cpu, 2026-12-01). "full" sums every byte: on
 # a CPU host that is two more memory passes over the payload (sender and receiver), about half the
 # cost of moving it; on GPUs it is cheap next to the transfer. A contiguous slice, not strided
 # blocks: on this VM every page touched costs a page walk, so a slice is 1.5x cheaper than 4 KiB
-# blocks spread over the message.
+# blocks spread over the message. A word sum does not see words reordered within a message (rows
+# swapped between two pieces of one bucket); `combine` weighs a peer's messages by their place, so
+# two of its messages swapped are seen. Both sides' orders come from one plan.
 VERIFY_MODES = ("sampled", "full", "off")
 SAMPLE_EVERY = 32
 FULL = -1  # the phase that means every byte
@@ -123,8 +125,9 @@ def word_sum(words: np.ndarray | torch.Tensor, nbytes: int, phase: int = FULL) -
 
 
 def combine(sums: list[int]) -> int:
-    """The checksum of several messages (their sum, as a signed 64-bit value)."""
-    return _wrap(sum(sums))
+    """The checksum of several messages in their order: the k-th weighted by k + 1 (swapped messages
+    are seen), as a signed 64-bit value."""
+    return _wrap(sum((k + 1) * s for k, s in enumerate(sums)))
 
 
 def _wrap(x: int) -> int:

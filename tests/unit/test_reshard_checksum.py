@@ -90,3 +90,13 @@ def test_garbage_phase_from_the_wire_is_a_checksum_error() -> None:
     peer = _PeerPlan(2, "trainer rank 2", recv=[("w", buf)])
     with pytest.raises(ChecksumError, match="phase 99"):
         _finish(peer, _arrived(peer, 99, checksum(buf)), [], "round 0")
+
+
+def test_a_peers_messages_swapped_are_seen() -> None:
+    """Two of a peer's messages of equal size arriving in each other's place (a tag or offset mix-up)
+    summed to the same checksum; `combine` weighs each by its place."""
+    from moe._reshard_runtime import combine
+
+    a, b = _message(800), _message(800).flip(0)
+    assert combine([checksum(a), checksum(b)]) != combine([checksum(b), checksum(a)])
+    assert combine([checksum(a)]) == checksum(a)

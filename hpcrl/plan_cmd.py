@@ -139,8 +139,10 @@ def async_report(job: JobConfig, routes: dict[str, Any] | None) -> dict[str, Any
     if not k:
         return None
     from hpcrl.models.job_model import model_config
+    from moe.hf_megatron import HFModelDims
 
-    prompt = job.data.max_prompt_tokens or model_config(job)[3]["max_position_embeddings"] - job.rollout.max_new_tokens
+    context = HFModelDims.from_hf_config(model_config(job)[3]).max_position_embeddings  # transformers' default too
+    prompt = job.data.max_prompt_tokens or context - job.rollout.max_new_tokens
     engines = routes["bytes_per_sample"] if routes and engine_routes(job) else 0  # r2's are the trainer's
     per_sample = 8 * prompt + 16 * job.rollout.max_new_tokens + engines
     per_batch = per_sample * job.data.num_prompts_per_step * job.algorithm.group_size

@@ -311,3 +311,19 @@ def test_an_engine_tp_that_does_not_split_the_heads_names_tp_per_engine():
     assert out.returncode == 2 and out.stderr.startswith(
         "hpcrl plan: error: rollout.tp_per_engine=3: attention TP tp/dp_attention=3 does not divide num_heads=64"), \
         out.stderr
+
+
+def test_an_async_plan_of_a_config_without_max_position_embeddings(tmp_path):
+    """The async buffer's bytes read the context from config.json directly: a KeyError for a config that
+    leaves max_position_embeddings out (transformers, and now hpcrl, read Qwen3-MoE's 32768 then)."""
+    from hpcrl.models.presets import load_hf_config
+    from hpcrl.plan_cmd import plan_job
+
+    cfg = {k: v for k, v in load_hf_config("tiny-qwen3-moe", None).items() if k != "max_position_embeddings"}
+    (tmp_path / "model.json").write_text(json.dumps(cfg))
+    job = load_job(TINY, [f"model.config_path={tmp_path / 'model.json'}", "model.preset=null",
+                          "rollout.max_staleness=1", "algorithm.name=grpo_offpolicy"], purpose="plan")
+    report = plan_job(job)["async"]
+    new = job.rollout.max_new_tokens
+    assert report["bytes_per_batch"] == (8 * (32768 - new) + 16 * new) * job.data.num_prompts_per_step * \
+        job.algorithm.group_size

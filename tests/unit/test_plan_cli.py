@@ -296,7 +296,7 @@ def test_plan_counts_the_routes_of_routing_replay():
         job.algorithm.group_size
     assert plan_job(load_job(TINY, purpose="plan"))["routing_replay"] is None
     assert routes["held_by"] == "the controller and trainer rank 0"
-    async_job = ["rollout.max_staleness=1", "algorithm.name=grpo_offpolicy"]
+    async_job = ["rollout.max_staleness=1"]
     observe, r2 = (plan_job(load_job(TINY, [f"rollout.routing_replay={m}", *async_job], purpose="plan"))
                    for m in ("observe", "r2"))
     # r2's routes are the trainer's own, recorded by its old forward: not the engines', not buffered
@@ -322,7 +322,7 @@ def test_an_async_plan_of_a_config_without_max_position_embeddings(tmp_path):
     cfg = {k: v for k, v in load_hf_config("tiny-qwen3-moe", None).items() if k != "max_position_embeddings"}
     (tmp_path / "model.json").write_text(json.dumps(cfg))
     job = load_job(TINY, [f"model.config_path={tmp_path / 'model.json'}", "model.preset=null",
-                          "rollout.max_staleness=1", "algorithm.name=grpo_offpolicy"], purpose="plan")
+                          "rollout.max_staleness=1"], purpose="plan")
     report = plan_job(job)["async"]
     new = job.rollout.max_new_tokens
     assert report["bytes_per_batch"] == (8 * (32768 - new) + 16 * new) * job.data.num_prompts_per_step * \

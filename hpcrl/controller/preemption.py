@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from datetime import datetime
 
 from launch.result import REQUEUE_EXIT_CODE
@@ -56,14 +57,23 @@ def record_early_signals() -> None:
     action for USR1 ends the process, and Slurm may preempt a job during the minutes its ranks
     import and form the MPI world; the job then failed instead of being requeued). The controller's
     PreemptionWatch takes a recorded signal as its own; worker ranks ignore them once the world formed.
-    Under `hpcrl run`'s mpiexec, USR1 is Hydra's note that a rank died: ignored (see PreemptionWatch)."""
+    Under `hpcrl run`'s mpiexec, USR1 is Hydra's note that a rank died: ignored (_on_preemption_signals)."""
     def record(signum: int, _frame: object) -> None:
         if not _EARLY:
             _EARLY.append((time.monotonic(), signal.Signals(signum).name))
 
-    for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
-        local_usr1 = sig == signal.SIGUSR1 and os.environ.get("HPCRL_LAUNCHER") == "mpiexec"
-        signal.signal(sig, signal.SIG_IGN if local_usr1 else record)
+    _on_preemption_signals(record)
+
+
+def _on_preemption_signals(handler: Callable[[int, object], None]) -> None:
+    """`handler` for SIGTERM, SIGUSR2 (its default action would end the process) and SIGUSR1, except
+    under `hpcrl run`'s mpiexec: MPICH's Hydra (local runs, -disable-auto-cleanup) tells survivors
+    that a rank died with SIGUSR1, which is not a preemption (the controller's deadlines handle it);
+    the local launcher forwards a user's USR1 to the controller as SIGTERM instead."""
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGUSR2, handler)
+    local = os.environ.get("HPCRL_LAUNCHER") == "mpiexec"
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN if local else handler)
 
 
 class PreemptionWatch:
@@ -79,15 +89,7 @@ class PreemptionWatch:
         self.signal_name = ""
         if _EARLY:  # a signal before this watch existed (record_early_signals)
             self.signal_time, self.signal_name = _EARLY[0]
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGUSR2, self._on_signal)  # its default action would end the controller
-        if os.environ.get("HPCRL_LAUNCHER") == "mpiexec":
-            # MPICH's Hydra (local runs, -disable-auto-cleanup) tells survivors that a rank died
-            # with SIGUSR1; that is not a preemption (the controller's deadlines handle it). The
-            # local launcher forwards a user's USR1 to the controller as SIGTERM instead.
-            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-        else:
-            signal.signal(signal.SIGUSR1, self._on_signal)
+        _on_preemption_signals(self._on_signal)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if self.signal_time is None:

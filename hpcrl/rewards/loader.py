@@ -15,14 +15,18 @@ SIGNATURE = ("def reward(prompt: str, completion: str, answer: str, extra: dict 
              "ground_truth, extra_info=None))")
 
 
-class _WithoutExtra:
-    """Adapts a three-argument reward to the four-argument protocol (drops `extra`)."""
+class _Adapted:
+    """A user function called through the four-argument protocol, keeping its name and `warm_up`."""
 
-    def __init__(self, fn: Callable[[str, str, str], float]) -> None:
+    def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.__name__ = getattr(fn, "__name__", repr(fn))
         if callable(getattr(fn, "warm_up", None)):
             self.warm_up = fn.warm_up
+
+
+class _WithoutExtra(_Adapted):
+    """Adapts a three-argument reward to the four-argument protocol (drops `extra`)."""
 
     def __call__(self, prompt: str, completion: str, answer: str,
                  extra: dict[str, Any] | None = None) -> float:
@@ -33,7 +37,7 @@ VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
 """The keywords verl's reward managers call `compute_score` with (NaiveRewardManager)."""
 
 
-class _VerlScore:
+class _VerlScore(_Adapted):
     """Adapts a verl `compute_score(data_source, solution_str, ground_truth, extra_info=None, ...)`:
     called by keyword, as verl's reward manager calls it, with the row's verl columns
     (`data_source`, `reward_model.ground_truth` as stored, `extra_info`; the answer text and None
@@ -41,10 +45,8 @@ class _VerlScore:
     A dict result is its "score" (verl's rule); `score_item` reads it."""
 
     def __init__(self, fn: Callable[..., Any], names: tuple[str, ...]) -> None:
-        self.fn, self.names = fn, names
-        self.__name__ = getattr(fn, "__name__", repr(fn))
-        if callable(getattr(fn, "warm_up", None)):
-            self.warm_up = fn.warm_up
+        super().__init__(fn)
+        self.names = names
 
     def __call__(self, prompt: str, completion: str, answer: str, extra: dict[str, Any] | None = None) -> Any:
         row = extra or {}

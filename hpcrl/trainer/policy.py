@@ -523,11 +523,12 @@ class MegatronPolicy:
         if tuple(routes_BLNK.shape[2:]) != want:
             raise ValueError(f"routes_BLNK has shape {tuple(routes_BLNK.shape)}; this model needs [B, L, "
                              f"{want[0]} MoE layers, top_k={want[1]}] (an engine serving another model?)")
-        ids = routes_BLNK.long()
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= d.num_experts):
-            raise ValueError(f"routes_BLNK holds expert ids in [{int(ids.min())}, {int(ids.max())}]; this model "
-                             f"has {d.num_experts} experts")
-        if d.top_k > 1 and bool((ids.sort(dim=-1).values.diff(dim=-1) == 0).any()):
+        # in the routes' own compact dtype: an int64 copy would be 8x the batch's routes, at every split
+        lo, hi = (int(routes_BLNK.min()), int(routes_BLNK.max())) if routes_BLNK.numel() else (0, 0)
+        if lo < 0 or hi >= d.num_experts:
+            raise ValueError(f"routes_BLNK holds expert ids in [{lo}, {hi}]; this model has {d.num_experts} experts")
+        ids = routes_BLNK.sort(dim=-1).values
+        if d.top_k > 1 and bool((ids[..., 1:] == ids[..., :-1]).any()):
             raise ValueError("routes_BLNK routes a (token, layer) to one expert twice; a top-k route names "
                              f"{d.top_k} distinct experts")
 

@@ -285,7 +285,7 @@ class GenerationPipeline:
                     routes = np.split(z[f"{i}/routes"], np.cumsum(z[f"{i}/routes_len"])[:-1])
                 lens = z[f"{i}/response_len"]
                 token_versions = _unragged(z[f"{i}/token_versions"], lens) if f"{i}/token_versions" in z else None
-                rollout = Rollout(request.examples, _unragged(z[f"{i}/prompt"], z[f"{i}/prompt_len"]),
+                rollout = Rollout(request.examples, saved,
                                   _unragged(z[f"{i}/response"], lens), _unragged(z[f"{i}/logprobs"], lens),
                                   f["finish_reasons"], routes, [f["version"]] * len(f["finish_reasons"]),
                                   token_versions)

@@ -247,6 +247,18 @@ def _check_weights(job: JobConfig, dims: HFModelDims, key: str, path: str) -> No
         raise ConfigError(key, path, str(exc)) from None
 
 
+def _check_algorithm_name(name: str) -> None:
+    """algorithm.name: a built-in, or the import path of a module with a `step` function (imported)."""
+    if name in ALGORITHMS:
+        return
+    from hpcrl.controller.api import load_algorithm
+
+    try:
+        load_algorithm(name)
+    except ValueError as exc:
+        raise ConfigError("algorithm.name", name, f"{exc}{did_you_mean(name, ALGORITHMS)}") from None
+
+
 def _check_algorithm(job: JobConfig) -> None:
     """algorithm.name: a built-in, or the import path of a module with a `step` function (imported
     here, as reward.fn is); no key the algorithm would silently ignore; mini-batches that split the
@@ -259,13 +271,7 @@ def _check_algorithm(job: JobConfig) -> None:
                           f"must divide the batch of {batch} completions (data.num_prompts_per_step * "
                           f"algorithm.group_size) and be a multiple of the data-parallel size {dp}; e.g. "
                           f"{', '.join(str(m) for m in range(dp, batch + 1, dp) if batch % m == 0)[:60]}")
-    if a.name not in ALGORITHMS:
-        from hpcrl.controller.api import load_algorithm
-
-        try:
-            load_algorithm(a.name)
-        except ValueError as exc:
-            raise ConfigError("algorithm.name", a.name, f"{exc}{did_you_mean(a.name, ALGORITHMS)}") from None
+    _check_algorithm_name(a.name)
     if a.name in ("gspo", "dapo", "sft") and a.kl_coef > 0:
         raise ConfigError("algorithm.kl_coef", a.kl_coef, f"{a.name}'s loss has no KL term; set it to 0 (or "
                                                          "use grpo / reinforce_pp for a KL penalty)")
@@ -648,7 +654,7 @@ def validate(job: JobConfig, purpose: str = "run") -> None:
     trainer parses it: Qwen3-MoE or Mixtral), data and reward, dtype/backend/device, Megatron
     layout divisibility and rank counts, context length, the slurm section (without a cluster;
     `hpcrl submit` checks the cluster). Reads files and imports the reward module.
-    purpose "plan" (hpcrl plan): single-field ranges and choices, the model config file (any JSON
+    purpose "plan" (hpcrl plan): single-field ranges and choices, algorithm.name, the model config file (any JSON
     object; `hpcrl.plan_cmd` parses it with moe.specs and checks the layouts), the slurm section.
     Needs no GPU. Does not modify `job`.
     """
@@ -658,6 +664,7 @@ def validate(job: JobConfig, purpose: str = "run") -> None:
         raise ValueError(f"validate(purpose={purpose!r}): must be one of {PURPOSES}")
     _check_fields(job)
     if purpose == "plan":
+        _check_algorithm_name(job.algorithm.name)  # plan sizes ppo's critic by the name
         read_model_config(job)
         check_slurm(job)
         return

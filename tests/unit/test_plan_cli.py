@@ -327,3 +327,13 @@ def test_an_async_plan_of_a_config_without_max_position_embeddings(tmp_path):
     new = job.rollout.max_new_tokens
     assert report["bytes_per_batch"] == (8 * (32768 - new) + 16 * new) * job.data.num_prompts_per_step * \
         job.algorithm.group_size
+
+
+def test_an_unknown_algorithm_name_is_refused_as_validate_refuses_it():
+    # plan sizes ppo's critic by algorithm.name: a typo ("pp0") planned a job without one
+    out = hpcrl_plan(str(QWEN), "--set", "algorithm.name=pp0")
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hpcrl plan: error: algorithm.name='pp0'"), out.stderr
+    assert "did you mean" in lines[0] and "ppo" in lines[0], lines[0]
+    assert out.stdout == ""

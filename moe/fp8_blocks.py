@@ -5,7 +5,8 @@ transformers' `FineGrainedFP8Config` and `integrations/finegrained_fp8.py`):
   * config.json carries `quantization_config` = {"quant_method": "fp8", "fmt": "e4m3",
     "activation_scheme": "dynamic", "weight_block_size": [bN, bK]} (usually [128, 128]);
   * a quantized tensor `<name>` (a linear `...proj.weight`, or a fused `...experts.gate_up_proj`) is
-    float8_e4m3fn w8_NK, and beside it `<name>_scale_inv` is float32 s_nk with
+    float8_e4m3fn w8_NK, and beside it `<name>_scale_inv` is s_nk (float32; bf16/fp16 in some FP8
+    releases, widened to float32 exactly) with
     n = ceil(N / bN), k = ceil(K / bK): the last row/column block of a dimension that bN/bK does not
     divide is a partial block with a scale of its own;
   * the real weight is w_NK[i, j] = float32(w8_NK[i, j]) * s_nk[i // bN, j // bK]. Leading axes
@@ -37,7 +38,9 @@ if TYPE_CHECKING:
 SCALE_SUFFIX = "_scale_inv"
 DEFAULT_BLOCK_NK = (128, 128)  # transformers' FineGrainedFP8Config default when the key is absent
 FP8_TAG = "F8_E4M3"  # safetensors dtype tag of float8_e4m3fn
-SCALE_TAGS = ("F32",)
+SCALE_TAGS = ("F32", "BF16", "F16")
+"""Scale dtypes read: DeepSeek-V3 and Kimi-K2 store float32 scales, some FP8 releases (Qwen's dense
+ones) bf16 or fp16 ones, which transformers dequantizes too; each widens to float32 exactly."""
 
 
 class FP8FormatError(ValueError):
@@ -97,7 +100,7 @@ def parse_quantization_config(config: Mapping[str, Any], source: str = "config.j
         raise FP8FormatError(f"{where}.fmt is {fmt!r}; only 'e4m3' (float8_e4m3fn weights) is supported: "
                              "convert the weights to bf16 first")
     scheme = qc.get("activation_scheme", "dynamic")
-    if scheme != "dynamic":
+    if not isinstance(scheme, str) or scheme.lower() != "dynamic":  # transformers lower-cases it
         raise FP8FormatError(
             f"{where}.activation_scheme is {scheme!r}; only 'dynamic' is supported (a static scheme stores "
             "activation scales hpcrl does not use): use a checkpoint with dynamic activation scales")
@@ -115,7 +118,7 @@ def parse_quantization_config(config: Mapping[str, Any], source: str = "config.j
 
 
 def check_scale(weight: HeaderTensor, scale: HeaderTensor | None, block_NK: tuple[int, int]) -> None:
-    """Check that FP8 `weight` has a float32 scale tensor whose grid tiles it at `block_NK`."""
+    """Check that FP8 `weight` has a floating scale tensor (SCALE_TAGS) whose grid tiles it at `block_NK`."""
     if scale is None:
         raise FP8FormatError(
             f"{weight.file}: FP8 tensor {weight.name!r} {list(weight.shape)} has no scale tensor "
@@ -132,7 +135,7 @@ def check_scale(weight: HeaderTensor, scale: HeaderTensor | None, block_NK: tupl
             f"{list(want)} (ceil(N/bN), ceil(K/bK)); quantization_config.weight_block_size does not "
             "match how these weights were quantized, or the scale belongs to another weight")
     if scale.dtype not in SCALE_TAGS:
-        raise FP8FormatError(f"{scale.file}: scale {scale.name!r} has dtype {scale.dtype}; only float32 "
+        raise FP8FormatError(f"{scale.file}: scale {scale.name!r} has dtype {scale.dtype}; only floating "
                              f"({', '.join(SCALE_TAGS)}) block scales are supported: convert the weights "
                              "to bf16")
 

@@ -163,6 +163,23 @@ def test_quantization_config_accepted() -> None:
     assert parse_quantization_config({"quantization_config": {"quant_method": "fp8"}}) == (128, 128)
     qc = {**OFFICIAL_QC, "weight_block_size": [4, 8], "scale_fmt": "ue8m0"}
     assert parse_quantization_config({"quantization_config": qc}) == (4, 8)
+    qc = {**OFFICIAL_QC, "activation_scheme": "Dynamic"}  # transformers lower-cases the scheme
+    assert parse_quantization_config({"quantization_config": qc}) == (128, 128)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_scales_read_exactly(tmp_path: Path, scale_dtype: torch.dtype) -> None:
+    """Some FP8 releases store bf16/fp16 scales. Widened to float32 they are exact, and a 4-bit e4m3
+    significand times an 8- (bf16) or 11-bit (fp16) one fits float32's 24: every element equals the
+    float64 reference of the stored scale, bit for bit."""
+    tensors = {k: v.to(scale_dtype) if k.endswith("_scale_inv") else v for k, v in _tensors().items()}
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    assert check_fp8_tensors(_stored(path), BLOCK) == {n: n + "_scale_inv" for n in SHAPES}
+    with safe_open(str(path), "pt") as f:
+        for name, shape in SHAPES.items():
+            got = read_box(f.get_slice(name), f.get_slice(name + "_scale_inv"), Box.full(shape), BLOCK)
+            assert torch.equal(got, _reference(tensors[name], tensors[name + "_scale_inv"])), name
 
 
 @pytest.mark.parametrize("key, value, fix", [
@@ -222,8 +239,8 @@ def test_scale_grid_that_does_not_tile_the_weight(tmp_path: Path) -> None:
 
 def test_other_bad_tensors(tmp_path: Path) -> None:
     t = _tensors()
-    t["a.weight_scale_inv"] = t["a.weight_scale_inv"].to(torch.bfloat16)
-    assert "has dtype BF16; only float32" in _bad(tmp_path, t)
+    t["a.weight_scale_inv"] = t["a.weight_scale_inv"].to(torch.float64)
+    assert "has dtype F64; only floating (F32, BF16, F16) block scales" in _bad(tmp_path, t)
     t = _tensors()
     t["a.weight"] = t["a.weight"].to(torch.bfloat16)
     assert "scale 'a.weight_scale_inv' belongs to no FP8 tensor (its weight is BF16)" in _bad(tmp_path, t)

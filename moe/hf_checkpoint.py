@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from moe.fp8_blocks import FP8_TAG, FP8FormatError, check_fp8_tensors, parse_quantization_config, read_box
-from moe.hf_megatron import HFModelDims, expert_names, mtp_names, router_name
+from moe.hf_megatron import HFModelDims, expert_names, layers_past, mtp_names, router_name
 from moe.slices import Box
 
 if TYPE_CHECKING:
@@ -307,10 +307,24 @@ class HFCheckpoint(SafetensorsFiles):
             st = stored[extra[0]]
             raise CheckpointFormatError(
                 f"{st.file.name}: unexpected tensor {extra[0]!r} (shape {list(st.shape)}; {len(extra)} in "
-                f"all) that a {self.dims.family} model of this config.json does not have; the weights belong "
-                "to another architecture or config (e.g. shared experts or dense MLP layers are not "
-                "supported)")
+                f"all) that a {self.dims.family} model of this config.json does not have; "
+                f"{self._extra_hint(extra)}")
         return where
+
+    def _extra_hint(self, extra: list[str]) -> str:
+        """Why a checkpoint holds tensors the config's model does not: layers past num_hidden_layers
+        (DeepSeek's MTP layers, which config.json's num_nextn_predict_layers must count), or weights
+        of another architecture."""
+        past = layers_past(extra, self.dims.num_layers)
+        if past and self.dims.mla:
+            return (f"they are layers {past} after config.json's num_hidden_layers={self.dims.num_layers}, "
+                    f"DeepSeek's multi-token-prediction layers, which config.json's num_nextn_predict_layers "
+                    f"(now {self.dims.mtp_layers}) must count: set it to {past[-1] - self.dims.num_layers + 1}")
+        if past:
+            return (f"they are layers {past} after config.json's num_hidden_layers={self.dims.num_layers}: "
+                    "the weights belong to a deeper model; use its config.json")
+        shape_hint = "" if self.dims.mla else " (e.g. shared experts or dense MLP layers are not supported)"
+        return f"the weights belong to another architecture or config{shape_hint}"
 
     # -- reading ---------------------------------------------------------------------------------
 

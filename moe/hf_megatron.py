@@ -425,6 +425,18 @@ def mtp_names(names: Iterable[str], num_layers: int, num_mtp_layers: int) -> lis
     return out
 
 
+def layers_past(names: Iterable[str], num_layers: int) -> list[int]:
+    """The layer indices >= num_layers that `names` hold (`model.layers.{i}.*`), sorted; [] when one
+    of `names` is not a layer tensor or belongs to a decoder layer below num_layers."""
+    past = set()
+    for name in names:
+        m = _LAYER_RE.match(name)
+        if m is None or int(m.group(1)) < num_layers:
+            return []
+        past.add(int(m.group(1)))
+    return sorted(past)
+
+
 def is_router_bias(name: str) -> bool:
     """Whether `name` is a DeepSeek-V3 router bias: float32 in checkpoints, in the trainer and in
     SGLang whatever the model's dtype, so it moves (sync, export) in float32."""

@@ -322,6 +322,28 @@ def test_load_model_dir_refuses_tensors_the_model_does_not_have(model_dir, extra
     assert {name: _bytes(eng.get_weight(name)) for name in eng.slots} == before
 
 
+@pytest.mark.parametrize("count", [0, None], ids=["zero", "absent"])
+def test_mtp_layers_config_json_does_not_count_are_named_as_such(model_dir, tmp_path, count):
+    """DeepSeek's MTP layers in the weights while config.json's num_nextn_predict_layers is 0 or
+    absent: the error says which key to set (it said shared experts were not supported)."""
+    from moe.hf_checkpoint import CheckpointFormatError, HFCheckpoint
+    from moe.hf_megatron import HFModelDims
+
+    path, _ = model_dir
+    bad = Path(shutil.copytree(path, tmp_path / "bad"))
+    config = json.loads((bad / "config.json").read_text())
+    config.pop("num_nextn_predict_layers")
+    if count is not None:
+        config["num_nextn_predict_layers"] = count
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointFormatError) as err:
+        HFCheckpoint(bad, HFModelDims.from_hf_config(config)).close()
+    msg = str(err.value)
+    assert f"layers [{LAYERS}] after config.json's num_hidden_layers={LAYERS}" in msg, msg
+    assert "num_nextn_predict_layers (now 0) must count: set it to 1" in msg, msg
+    assert "shared experts" not in msg, msg
+
+
 def test_load_model_dir_refuses_a_directory_without_the_router_bias(model_dir, tmp_path):
     path, _ = model_dir
     bad = Path(shutil.copytree(path, tmp_path / "bad"))

@@ -68,14 +68,20 @@ def _run_config(run: Path, run_dir: str) -> dict:
     return config
 
 
-def _check_out_dir(out: Path, run: Path) -> None:
+def _check_out_dir(out: Path, run: Path, source: str | None) -> None:
     """ConfigError (exit 2) for an --out that export would damage: a file, a run directory (its
-    config.json would be replaced), or a directory with safetensors files an export did not write
-    (export replaces its own earlier files: these would be deleted)."""
+    config.json would be replaced), the run's model.path (an earlier export the run started from:
+    its MTP layer and tokenizer are read while the export replaces the files), or a directory with
+    safetensors files an export did not write (export replaces its own earlier files: these would be
+    deleted)."""
     from checkpoints.hf_safetensors import foreign_weights
 
     if out.exists() and not out.is_dir():
         raise ConfigError("--out", str(out), "is a file; give a directory (created if missing)")
+    if source and out.exists() and Path(source).is_dir() and out.samefile(source):
+        raise ConfigError("--out", str(out), f"is the run's model.path ({source}), which the export reads (its "
+                                             "MTP layer, tokenizer files) while it replaces the weights: give "
+                                             "another directory")
     if out.resolve() == run.resolve() or (out / "checkpoints").is_dir() and (out / "config.yaml").is_file():
         raise ConfigError("--out", str(out), "is an hpcrl run directory, whose config.json the export would "
                                              "replace; give another directory, e.g. RUN_DIR/hf")
@@ -86,19 +92,25 @@ def _check_out_dir(out: Path, run: Path) -> None:
 
 
 def _mtp_source(config: dict, model_config: dict, source: str | None) -> MTPSource:
-    """The MTPSource of the run's model.path (none when the model has no MTP layers or the path is
-    gone, with a warning then); ConfigError (exit 2) for a source whose MTP tensors cannot be read."""
+    """The MTPSource of the run's model.path (none when the model has no MTP layers, or when the path
+    is gone or holds no safetensors files, with a warning then); ConfigError (exit 2) for a source
+    whose MTP tensors cannot be read."""
     from hpcrl.trainer.model import PARAM_DTYPES
     from hpcrl.trainer.mtp_tensors import MTPSource
     from moe.hf_checkpoint import CheckpointFormatError
     from moe.hf_megatron import HFModelDims
 
     mtp_layers = int(model_config.get("num_nextn_predict_layers") or 0)
+    lost = f" its {mtp_layers} MTP layer(s) (SGLang's speculative decoding)" if mtp_layers else ""
     if source and not Path(source).is_dir():
-        lost = f" and its {mtp_layers} MTP layer(s) (SGLang's speculative decoding)" if mtp_layers else ""
-        print(f"warning: the run's model.path {source} is gone; its tokenizer files{lost} are not copied",
-              file=sys.stderr)
+        print(f"warning: the run's model.path {source} is gone; its tokenizer files{' and' if lost else ''}"
+              f"{lost} are not copied", file=sys.stderr)
         source = None
+    elif source and mtp_layers and not any(Path(source).glob("*.safetensors")):
+        # the weights deleted after the run, config.json and the tokenizer kept: as if gone
+        print(f"warning: the run's model.path {source} holds no *.safetensors any more;{lost} are not copied",
+              file=sys.stderr)
+        return MTPSource(None, None)
     if not source or not mtp_layers:
         return MTPSource(None, None)
     dtype = PARAM_DTYPES[(config.get("model") or {}).get("dtype") or "float32"]
@@ -141,7 +153,7 @@ def export_checkpoint(run_dir: str, step: int | None, out_dir: str,
     model_config = json.loads((run / "model_config.json").read_text())
     source = (config.get("model") or {}).get("path")
     out = Path(out_dir)
-    _check_out_dir(out, run)
+    _check_out_dir(out, run, source)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -183,3 +183,34 @@ def test_export_warns_when_the_source_is_gone(tmp_path: Path, capsys: pytest.Cap
     # no MTP tensors came along: config.json says so (SGLang's MTP speculative decoding would fail
     # on tensors the directory lacks); with them it keeps the model's count
     assert json.loads((Path(out) / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
+def test_export_warns_when_the_source_lost_its_weights(sources: dict[str, Path], tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """model.path kept with config.json and the tokenizer, its safetensors deleted after the run (the
+    FP8 release of a 671B model is ~700 GB): exported as when the directory is gone, the tokenizer
+    copied (it was exit 2 without a way to export)."""
+    import shutil
+
+    src = Path(shutil.copytree(sources["fp8"], tmp_path / "src"))
+    for f in [*src.glob("*.safetensors"), src / INDEX]:
+        f.unlink()
+    out = export_checkpoint(str(make_run(tmp_path, src)), 2, str(tmp_path / "out"))
+    assert sorted(exported(out)) == sorted(policy_tensors())
+    assert "no *.safetensors any more; its 1 MTP layer(s)" in capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_export_refuses_the_runs_own_model_path_as_out(sources: dict[str, Path], tmp_path: Path) -> None:
+    """A run that started from an earlier export, exported back into it: the export deleted the files
+    it then read the MTP layer from (written as zeros), then copying the tokenizer onto itself raised
+    SameFileError. Refused before a file changes."""
+    import shutil
+
+    src = Path(shutil.copytree(sources["bf16"], tmp_path / "src"))
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    run = make_run(tmp_path, src)
+    with pytest.raises(ConfigError, match=r"--out=.*is the run's model\.path"):
+        export_checkpoint(str(run), 2, str(tmp_path / "." / "src"))
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before

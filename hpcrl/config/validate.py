@@ -247,16 +247,20 @@ def _check_weights(job: JobConfig, dims: HFModelDims, key: str, path: str) -> No
         raise ConfigError(key, path, str(exc)) from None
 
 
-def _check_algorithm_name(name: str) -> None:
-    """algorithm.name: a built-in, or the import path of a module with a `step` function (imported)."""
-    if name in ALGORITHMS:
-        return
-    from hpcrl.controller.api import load_algorithm
+def _check_algorithm_models(a: AlgorithmConfig) -> None:
+    """What decides the models a job builds (hpcrl plan sizes them too): algorithm.name a built-in or
+    the import path of a module with a `step` function (imported); a KL coefficient (the reference
+    model) only for an algorithm with a KL term."""
+    if a.name not in ALGORITHMS:
+        from hpcrl.controller.api import load_algorithm
 
-    try:
-        load_algorithm(name)
-    except ValueError as exc:
-        raise ConfigError("algorithm.name", name, f"{exc}{did_you_mean(name, ALGORITHMS)}") from None
+        try:
+            load_algorithm(a.name)
+        except ValueError as exc:
+            raise ConfigError("algorithm.name", a.name, f"{exc}{did_you_mean(a.name, ALGORITHMS)}") from None
+    if a.name in ("gspo", "dapo", "sft") and a.kl_coef > 0:
+        raise ConfigError("algorithm.kl_coef", a.kl_coef, f"{a.name}'s loss has no KL term; set it to 0 (or "
+                                                         "use grpo / reinforce_pp for a KL penalty)")
 
 
 def _check_algorithm(job: JobConfig) -> None:
@@ -264,17 +268,17 @@ def _check_algorithm(job: JobConfig) -> None:
     here, as reward.fn is); no key the algorithm would silently ignore; mini-batches that split the
     batch evenly over the data-parallel ranks; an lr schedule that fits in the run."""
     a = job.algorithm
-    batch = job.data.num_prompts_per_step * a.group_size
+    # sft's batch is one demonstration per prompt; the others sample group_size completions of each
+    batch = job.data.num_prompts_per_step * (1 if a.name == "sft" else a.group_size)
+    batch_rows = ("demonstrations (data.num_prompts_per_step)" if a.name == "sft" else
+                  "completions (data.num_prompts_per_step * algorithm.group_size)")
     dp = max(1, job.trainer.num_procs // (job.trainer.tp * job.trainer.pp * job.trainer.cp))
     if a.mini_batch_size and (batch % a.mini_batch_size or a.mini_batch_size % dp):
         raise ConfigError("algorithm.mini_batch_size", a.mini_batch_size,
-                          f"must divide the batch of {batch} completions (data.num_prompts_per_step * "
-                          f"algorithm.group_size) and be a multiple of the data-parallel size {dp}; e.g. "
+                          f"must divide the batch of {batch} {batch_rows} and be a multiple of the "
+                          f"data-parallel size {dp}; e.g. "
                           f"{', '.join(str(m) for m in range(dp, batch + 1, dp) if batch % m == 0)[:60]}")
-    _check_algorithm_name(a.name)
-    if a.name in ("gspo", "dapo", "sft") and a.kl_coef > 0:
-        raise ConfigError("algorithm.kl_coef", a.kl_coef, f"{a.name}'s loss has no KL term; set it to 0 (or "
-                                                         "use grpo / reinforce_pp for a KL penalty)")
+    _check_algorithm_models(a)
     if a.name == "sft" and a.entropy_coef > 0:
         raise ConfigError("algorithm.entropy_coef", a.entropy_coef,
                           "an entropy bonus applies to the RL algorithms; sft fits the data's answers. "
@@ -308,9 +312,10 @@ def _check_algorithm(job: JobConfig) -> None:
         why = "clips one ratio per sequence, which dual clip does not bound" if a.name == "gspo" else \
             "has no importance ratio"
         raise ConfigError("algorithm.clip_ratio_c", a.clip_ratio_c, f"{a.name} {why}; remove the key")
-    if a.name in ("rloo", "reinforce_pp", "dr_grpo", "ppo") and not a.norm_adv_by_std:
-        raise ConfigError("algorithm.norm_adv_by_std", a.norm_adv_by_std,
-                          f"{a.name} computes its own advantages and ignores it; remove the key")
+    if a.name in ("rloo", "reinforce_pp", "dr_grpo", "ppo", "sft") and not a.norm_adv_by_std:
+        why = "has no advantages" if a.name == "sft" else "computes its own advantages"
+        raise ConfigError("algorithm.norm_adv_by_std", a.norm_adv_by_std, f"{a.name} {why} and ignores it; "
+                                                                          "remove the key")
 
 
 _NOT_READ = {"clip_eps": "has no importance ratio to clip",
@@ -654,8 +659,9 @@ def validate(job: JobConfig, purpose: str = "run") -> None:
     trainer parses it: Qwen3-MoE or Mixtral), data and reward, dtype/backend/device, Megatron
     layout divisibility and rank counts, context length, the slurm section (without a cluster;
     `hpcrl submit` checks the cluster). Reads files and imports the reward module.
-    purpose "plan" (hpcrl plan): single-field ranges and choices, algorithm.name, the model config file (any JSON
-    object; `hpcrl.plan_cmd` parses it with moe.specs and checks the layouts), the slurm section.
+    purpose "plan" (hpcrl plan): single-field ranges and choices, algorithm.name and kl_coef, the
+    model config file (any JSON object; `hpcrl.plan_cmd` parses it with moe.specs and checks the
+    layouts), the slurm section.
     Needs no GPU. Does not modify `job`.
     """
     from hpcrl.slurm_section import check_slurm  # needs launch, which importing hpcrl.config must not load
@@ -664,7 +670,7 @@ def validate(job: JobConfig, purpose: str = "run") -> None:
         raise ValueError(f"validate(purpose={purpose!r}): must be one of {PURPOSES}")
     _check_fields(job)
     if purpose == "plan":
-        _check_algorithm_name(job.algorithm.name)  # plan sizes ppo's critic by the name
+        _check_algorithm_models(job.algorithm)  # plan sizes ppo's critic and the reference model
         read_model_config(job)
         check_slurm(job)
         return

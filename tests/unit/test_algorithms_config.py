@@ -85,6 +85,7 @@ def test_every_builtins_resolved_config_validates_and_resolves_to_itself(name):
     ({"name": "dr_grpo", "loss_agg": "token-mean"}, "dr_grpo always uses seq-mean-token-sum-norm"),
     ({"name": "sft", "loss_agg": "seq-mean-token-mean"}, "sft always uses token-mean"),
     ({"name": "sft", "kl_coef": 0.1}, "algorithm.kl_coef=0.1: sft's loss has no KL term"),
+    ({"name": "sft", "norm_adv_by_std": False}, "algorithm.norm_adv_by_std=False: sft has no advantages"),
     ({"name": "sft", "rollout_correction": "tis"}, "sft trains on the data's answers, which no engine"),
     ({"tis_cap": 3.0}, "algorithm.tis_cap=3.0: applies to algorithm.rollout_correction: tis (this job has"),
     ({"rollout_correction": "tis", "mis_high": 3.0}, "algorithm.mis_high=3.0: applies to algorithm.rollout_"),

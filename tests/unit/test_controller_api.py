@@ -87,6 +87,18 @@ def test_mini_batches_must_split_the_batch_over_data_parallel_ranks():
     validate(job_from_dict(job))
 
 
+def test_sfts_mini_batches_split_its_demonstrations():
+    """sft's batch is one demonstration per prompt (4 here), not prompts x group_size (16): a
+    mini_batch_size of 8 was accepted and then trained the 4 rows in one step without a word."""
+    job = {"data": {"num_prompts_per_step": 4}, "algorithm": {"name": "sft", "group_size": 4,
+                                                              "mini_batch_size": 8}}
+    with pytest.raises(ConfigError, match=r"algorithm.mini_batch_size=8: must divide the batch of 4 "
+                                          r"demonstrations \(data.num_prompts_per_step\)"):
+        validate(job_from_dict(job))
+    job["algorithm"]["mini_batch_size"] = 2
+    validate(job_from_dict(job))
+
+
 def test_dapo_keys_apply_to_dapo_only():
     with pytest.raises(ConfigError, match=r"algorithm.overlong_buffer_len=2: applies to algorithm.name: dapo only"):
         validate(job_from_dict({"algorithm": {"overlong_buffer_len": 2}}))

@@ -337,3 +337,10 @@ def test_an_unknown_algorithm_name_is_refused_as_validate_refuses_it():
     assert len(lines) == 1 and lines[0].startswith("hpcrl plan: error: algorithm.name='pp0'"), out.stderr
     assert "did you mean" in lines[0] and "ppo" in lines[0], lines[0]
     assert out.stdout == ""
+
+
+def test_a_kl_coef_the_algorithm_refuses_is_not_planned_as_a_reference_model():
+    # validate refuses it; plan counted a reference model the run would never build
+    out = hpcrl_plan(str(QWEN), "--set", "algorithm.name=gspo", "--set", "algorithm.kl_coef=0.1")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.startswith("hpcrl plan: error: algorithm.kl_coef=0.1: gspo's loss has no KL term"), out.stderr

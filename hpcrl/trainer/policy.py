@@ -27,9 +27,10 @@ of the bf16 ones (`ddp_and_adam`).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -94,6 +95,23 @@ def _logp_and_entropy(logits_BLv: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: to
     return logp_BT, entropy_BT
 
 
+@contextlib.contextmanager
+def torch_adam() -> Iterator[None]:
+    """Megatron-core's optimizer factory builds transformer-engine's or apex's FusedAdam when either
+    imports (NGC images ship both), which keeps Adam's step in the param group; hpcrl's checkpoints
+    hold torch's Adam state, a step per parameter (hpcrl/trainer/checkpoint_io.py: a FusedAdam's
+    bf16 resume lost the moments, an fp32 save failed). Inside, the factory builds torch's Adam(W),
+    the optimizer hpcrl is tested with (torch's fused kernels on CUDA)."""
+    import megatron.core.optimizer as factory
+
+    saved = factory.USING_PYTORCH_OPTIMIZER
+    factory.USING_PYTORCH_OPTIMIZER = True
+    try:
+        yield
+    finally:
+        factory.USING_PYTORCH_OPTIMIZER = saved
+
+
 def ddp_and_adam(gpt: torch.nn.Module, config: Any, device: torch.device, *, lr: float, weight_decay: float,
                  betas: tuple[float, float], eps: float, grad_clip: float) -> tuple[Any, Any]:
     """`gpt` wrapped for training as hpcrl trains (the policy, and PPO's critic) at learning rate
@@ -122,11 +140,12 @@ def ddp_and_adam(gpt: torch.nn.Module, config: Any, device: torch.device, *, lr:
                                                  use_distributed_optimizer=bf16))
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
-                        adam_beta2=betas[1], adam_eps=eps, clip_grad=grad_clip, params_dtype=config.params_dtype,
-                        bf16=bf16, fp16=False, use_distributed_optimizer=bf16),
-        [ddp])
+    with torch_adam():
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
+                            adam_beta2=betas[1], adam_eps=eps, clip_grad=grad_clip,
+                            params_dtype=config.params_dtype, bf16=bf16, fp16=False, use_distributed_optimizer=bf16),
+            [ddp])
     # Megatron applies wd_mult (0 for norms and biases) through its LR scheduler, which hpcrl
     # builds only for a schedule (LRSchedule); apply it to the param groups once here. torch's Adam takes
     # its per-tensor loop on CPU unless asked otherwise; its fused CPU kernel (one pass over

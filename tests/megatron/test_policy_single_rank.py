@@ -383,6 +383,24 @@ def test_the_load_balancing_coefficient_is_the_models_unless_the_job_sets_one(wo
         assert policy.gpt.config.moe_aux_loss_coeff == policy.aux_loss_coef == want, (cfg["model_type"], aux)
 
 
+def test_the_optimizer_is_torchs_adam_where_megatron_would_build_fusedadam(world1, monkeypatch) -> None:
+    """With transformer-engine or apex importable, Megatron's factory builds their FusedAdam (the step
+    in the param group, not per parameter: hpcrl's checkpoints lost a bf16 run's moments and failed an
+    fp32 save). Here the factory is set up as it is then, with a FusedAdam that must not be built."""
+    import megatron.core.optimizer as factory
+
+    class FusedAdam:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("Megatron built the FusedAdam of transformer-engine/apex")
+
+    monkeypatch.setattr(factory, "USING_PYTORCH_OPTIMIZER", False)
+    monkeypatch.setattr(factory, "Adam", FusedAdam)
+    policy = make_policy(qwen_config())
+    inner = policy.optimizer.optimizer
+    assert type(inner) in (torch.optim.AdamW, torch.optim.Adam), type(inner)
+    assert factory.USING_PYTORCH_OPTIMIZER is False  # as found: only the build is steered
+
+
 def test_grad_clipping_scales_grads_on_cpu(world1) -> None:
     policy = make_policy(qwen_config(), grad_clip=0.05)
     policy.init_from_seed(0)

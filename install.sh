@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs hpcrl into ./.venv (never sglang or transformer-engine: SGLang gets its own environment,
 # docs/sglang_install.md).
-#   bash install.sh          # runtime, CPU build of torch (laptops, CI, CPU nodes)
+#   bash install.sh          # runtime, CPU build of torch (laptops, CI, CPU nodes); on Linux, where pip's
+#                            # index offers only PyPI's CUDA wheel, from PyTorch's CPU index (or
+#                            # HPCRL_TORCH_INDEX=<a CPU wheel index of torch>)
 #   bash install.sh --test   # runtime + test tools
 #   bash install.sh --cuda   # the trainer's environment on GPU nodes: the CUDA build of torch==2.13.0
 #                            # (PyPI's Linux wheel, or HPCRL_TORCH_INDEX=<a CUDA wheel index of torch>)
@@ -25,7 +27,15 @@ fi
 if (( cuda )); then
   "$VENV/bin/pip" install -q "torch==2.13.0" ${HPCRL_TORCH_INDEX:+--index-url "$HPCRL_TORCH_INDEX"}
 else
-  "$VENV/bin/pip" install -q "torch==2.13.0"
+  index="${HPCRL_TORCH_INDEX:-}"
+  # PyPI's Linux wheel of torch 2.13.0 is a CUDA build (GBs of CUDA libraries): ask pip what it would
+  # take, and where that is not a +cpu build, take PyTorch's CPU index. macOS wheels are CPU builds.
+  if [[ -z "$index" && "$(uname -s)" == Linux ]]; then
+    picked=$("$VENV/bin/pip" install -q --dry-run --ignore-installed --no-deps --report - "torch==2.13.0" \
+             | "$VENV/bin/python" -c 'import json, sys; print(json.load(sys.stdin)["install"][0]["metadata"]["version"])')
+    [[ "$picked" == *+cpu ]] || index="https://download.pytorch.org/whl/cpu"
+  fi
+  "$VENV/bin/pip" install -q "torch==2.13.0" ${index:+--index-url "$index"}
 fi
 "$VENV/bin/pip" install -q -e ".$extras"
 HPCRL_WANT_CUDA=$cuda "$VENV/bin/python" - <<'PY'
@@ -39,6 +49,7 @@ if os.environ["HPCRL_WANT_CUDA"] == "1":
 else:
     assert torch.version.cuda is None, (
         f"a CUDA build of torch was installed ({torch.__version__}); hpcrl's CPU install needs "
-        "torch==2.13.0+cpu (use --cuda on GPU nodes)")
+        "torch==2.13.0+cpu: remove .venv and set HPCRL_TORCH_INDEX to a CPU wheel index of torch "
+        "(https://download.pytorch.org/whl/cpu), or use --cuda on GPU nodes")
 PY
 echo "hpcrl installed in $VENV"

@@ -42,6 +42,7 @@ import yaml
 
 from hpcrl.config import ConfigError, JobConfig, apply_overrides, job_from_dict, load_job, to_dict, validate
 from hpcrl.config.load import load_yaml
+from hpcrl.config.schema import checkpoint_dir
 from hpcrl.runner import check_resume, prepare_run_dir, resolve_run_dir
 
 KINDS = ("slurm", "local")
@@ -263,6 +264,11 @@ class Executor:
         if len(set(dirs)) != len(dirs):
             raise ConfigError("run_dir", dirs, "every job of a batch needs its own run dir; give run_dir= "
                               "to each submission")
+        ckpt_dirs = [str(checkpoint_dir(job, d).resolve()) for job, d, _ in loaded]
+        if len(set(ckpt_dirs)) != len(ckpt_dirs):
+            raise ConfigError("checkpoint.dir", ckpt_dirs, "every job of a batch needs its own checkpoint dir "
+                              "(they would overwrite, delete and resume each other's checkpoints): leave "
+                              "checkpoint.dir null (RUN_DIR/checkpoints) or give each job its own")
         if self.kind == "local" and any(s.after for _, _, s in loaded):
             raise ConfigError("after", "local", "dependencies need Slurm; run local jobs one after another")
         if self.kind == "local":

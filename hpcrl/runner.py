@@ -18,7 +18,7 @@ import yaml
 from hpcrl import cpu_bind
 from hpcrl.config import load_job, to_dict
 from hpcrl.config.errors import ConfigError
-from hpcrl.config.schema import JobConfig
+from hpcrl.config.schema import JobConfig, checkpoint_dir
 from hpcrl.models.presets import load_hf_config
 from launch.result import REQUEUE_EXIT_CODE as EXIT_REQUEUE  # the controller's "requeue me"
 
@@ -77,7 +77,7 @@ def check_resume(job: JobConfig, run_dir: Path, resume: str) -> None:
     from checkpoints import list_checkpoints
 
     check_run_dir(run_dir, run_dir_key(job, run_dir))
-    ckpt_dir = Path(job.checkpoint.dir) if job.checkpoint.dir else run_dir / "checkpoints"
+    ckpt_dir = checkpoint_dir(job, run_dir)
     existing = list_checkpoints(ckpt_dir) if ckpt_dir.exists() else []
     if resume == "none" and existing:
         raise ConfigError("--no-resume", True, f"{ckpt_dir} holds checkpoints (steps {existing}) that a fresh "
@@ -86,7 +86,16 @@ def check_resume(job: JobConfig, run_dir: Path, resume: str) -> None:
         raise ConfigError("--resume-from", int(resume), f"no complete checkpoint at that step in {ckpt_dir}; "
                           f"available steps: {existing or 'none'}")
     if existing and resume != "none":
-        _check_same_run(job, run_dir, ckpt_dir, existing[-1] if resume == "auto" else int(resume))
+        step = existing[-1] if resume == "auto" else int(resume)
+        _check_same_run(job, run_dir, ckpt_dir, step)
+        if step >= job.algorithm.num_steps:
+            flag = "" if resume == "auto" else f"--resume-from {step}: "
+            raise ConfigError("algorithm.num_steps", job.algorithm.num_steps,
+                              f"{flag}the checkpoint to resume from, step {step} in {ckpt_dir}, is past the run's "
+                              f"last step ({job.algorithm.num_steps - 1}): the run would train nothing and label "
+                              f"step {step}'s policy as {job.algorithm.num_steps} steps; raise algorithm.num_steps "
+                              f"above {step + 1} to train on, --resume-from an earlier step (steps {existing}), or "
+                              "use another --run-dir")
 
 
 RUN_DIR_ENTRIES = frozenset({
@@ -124,18 +133,21 @@ def check_run_dir(run_dir: Path, key: str = "--run-dir") -> None:
 
 
 def _check_same_run(job: JobConfig, run_dir: Path, ckpt_dir: Path, step: int) -> None:
-    """The checkpoint at `step` must be of this job's model (the run dir's model_config.json against
-    the job's HF config, where the checkpoints are the run dir's) and hold a critic exactly when the
-    job trains one; otherwise the trainer would fail on its first missing tensor."""
+    """The checkpoint at `step` must be of this job's model (the HF config the checkpoint records, or,
+    for checkpoints written before it did, the run dir's model_config.json where the checkpoints are
+    the run dir's, against the job's HF config) and hold a critic exactly when the job trains one;
+    otherwise the trainer would fail on its first missing tensor, or train on another model's weights."""
     from checkpoints import read_metadata
     from hpcrl.config import job_from_dict
     from hpcrl.config.schema import critic_enabled
 
     try:
-        stored = read_metadata(ckpt_dir, step).get("config")
+        meta = read_metadata(ckpt_dir, step)
+        stored = meta.get("config")
         before = job_from_dict(stored) if isinstance(stored, dict) else None
+        recorded = meta.get("model_config")
     except Exception:  # noqa: BLE001 - an older or damaged checkpoint: the controller judges it
-        before = None
+        before, recorded = None, None
     if before is not None and critic_enabled(before) != critic_enabled(job):
         has = "holds a critic" if critic_enabled(before) else "holds no critic"
         raise ConfigError("algorithm.name", job.algorithm.name,
@@ -143,10 +155,10 @@ def _check_same_run(job: JobConfig, run_dir: Path, ckpt_dir: Path, step: int) ->
                           f"{before.algorithm.name!r}, critic.enabled={before.critic.enabled}); resume with "
                           "that job's algorithm, or use another --run-dir / checkpoint.dir")
     old_model = run_dir / "model_config.json"
-    if job.checkpoint.dir or not old_model.is_file():
+    if not isinstance(recorded, dict) and (job.checkpoint.dir or not old_model.is_file()):
         return
     try:
-        old = json.loads(old_model.read_text())
+        old = recorded if isinstance(recorded, dict) else json.loads(old_model.read_text())
         new = load_hf_config(job.model.preset, job.model.config_path, job.model.path)
     except Exception:  # noqa: BLE001 - a model not there yet (a pipeline's export): nothing to compare
         return
@@ -157,9 +169,9 @@ def _check_same_run(job: JobConfig, run_dir: Path, ckpt_dir: Path, step: int) ->
         shown = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in differ[:4])
         key = next(f"model.{k}" for k in ("path", "config_path", "preset") if getattr(job.model, k))
         raise ConfigError(key, getattr(job.model, key.split(".")[1]),
-                          f"the run dir's checkpoints (latest step {step}) are of another model ({shown}"
-                          f"{' ...' if len(differ) > 4 else ''}); resume with that run's model, or use another "
-                          "--run-dir")
+                          f"the checkpoint to resume from (step {step} in {ckpt_dir}) is of another model "
+                          f"({shown}{' ...' if len(differ) > 4 else ''}); resume with that run's model, or use "
+                          "another --run-dir (and checkpoint.dir)")
 
 
 def plan_cores(job: JobConfig, env: dict[str, str]) -> None:

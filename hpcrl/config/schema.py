@@ -10,6 +10,7 @@ messages that name the YAML path, the bad value and the valid choices.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hpcrl.dataflows._declared import declared as declared_defaults
@@ -515,3 +516,8 @@ def rollout_correction(job: JobConfig) -> str:
 def critic_enabled(job: JobConfig) -> bool:
     """Whether the trainer ranks build PPO's critic (hpcrl/trainer/critic.py)."""
     return job.algorithm.name == "ppo" or job.critic.enabled
+
+
+def checkpoint_dir(job: JobConfig, run_dir: Path) -> Path:
+    """Where the run's checkpoints go: checkpoint.dir, or RUN_DIR/checkpoints."""
+    return Path(job.checkpoint.dir) if job.checkpoint.dir else run_dir / "checkpoints"

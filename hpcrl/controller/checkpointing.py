@@ -26,7 +26,8 @@ from pathlib import Path
 
 from checkpoints import discard_newer, latest_step, list_checkpoints, open_checkpoint
 from hpcrl.config import to_dict
-from hpcrl.config.schema import JobConfig
+from hpcrl.config.schema import JobConfig, checkpoint_dir
+from hpcrl.controller.comm import RankFailure
 from hpcrl.controller.groups import PolicyGroup
 from hpcrl.controller.metrics import read_metrics, set_aside_metrics
 from hpcrl.controller.pipeline import BUFFER_BLOB, BufferMismatch, GenerationPipeline
@@ -44,7 +45,7 @@ class ResumeError(RuntimeError):
 class Checkpointer:
     def __init__(self, job: JobConfig, run_dir: Path, policy: PolicyGroup, resume: str = "auto") -> None:
         self.job, self.run_dir, self.policy = job, run_dir, policy
-        self.dir = Path(job.checkpoint.dir) if job.checkpoint.dir else run_dir / "checkpoints"
+        self.dir = checkpoint_dir(job, run_dir)
         self.resume_mode = resume
         self.watch = PreemptionWatch(job.checkpoint.grace_s)
         self.attempt_id = uuid.uuid4().hex
@@ -64,6 +65,10 @@ class Checkpointer:
         self.algorithm_state: dict = {}
         """The algorithm's own state across steps (RL.state), e.g. ppo's adaptive KL coefficient."""
         self._algorithm_state_done: dict = {}  # as of the last completed step: what a save records
+        model_config = run_dir / "model_config.json"
+        self._model_config = json.loads(model_config.read_text()) if model_config.is_file() else None
+        """The policy's HF config, recorded in each checkpoint: a resume from a shared checkpoint.dir
+        compares it with the job's model (hpcrl/runner.py _check_same_run)."""
 
     # ------------------------------------------------------------------ resume
 
@@ -81,7 +86,6 @@ class Checkpointer:
         if step not in existing:
             raise ResumeError(f"--resume-from {step}: no complete checkpoint at step {step} in {self.dir}; "
                               f"available: {existing or 'none'}")
-        discard_newer(self.dir, step)
         return step
 
     def restore(self) -> int:
@@ -94,7 +98,13 @@ class Checkpointer:
                 print(f"hpcrl: no checkpoint to resume from; the earlier attempt's metrics.jsonl is kept as "
                       f"{moved.name}", flush=True)
             return 0
-        meta = self.policy.load_checkpoint(str(self.dir), step)
+        try:
+            meta = self.policy.load_checkpoint(str(self.dir), step)
+        except RankFailure as exc:
+            others = [s for s in list_checkpoints(self.dir) if s != step]
+            hint = (f"; `--resume-from {others[-1]}` resumes from another complete checkpoint (steps {others})"
+                    if others else "")
+            raise RankFailure(f"{exc}\ncheckpoint step {step} in {self.dir} did not load{hint}") from None
         history = [r for r in meta.get("metrics_history", []) if r["step"] <= step]
         (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
         self._start_step = step + 1
@@ -114,6 +124,8 @@ class Checkpointer:
                                       "or start a new run (another --run-dir)") from None
         self.algorithm_state.update(meta.get("algorithm_state", {}))
         self._algorithm_state_done = copy.deepcopy(self.algorithm_state)
+        if self.resume_mode not in ("auto", "none"):
+            discard_newer(self.dir, step)  # once the step loaded: a failed load keeps them
         print(f"hpcrl: resumed from checkpoint step {step} ({self.dir})", flush=True)
         return self._start_step
 
@@ -135,6 +147,7 @@ class Checkpointer:
                 "counters": {"steps_done": step + 1},
                 "eval": self.eval_state,
                 "algorithm_state": self._algorithm_state_done,
+                "model_config": self._model_config,
                 "metrics_history": [r for r in read_metrics(self.run_dir) if r["step"] <= step]
                 if (self.run_dir / "metrics.jsonl").exists() else []}
 

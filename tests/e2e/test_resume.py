@@ -68,6 +68,7 @@ def test_signal_saves_exits_for_requeue_and_resume_is_bit_identical(tmp_path, re
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == EXIT_REQUEUE, out[-3000:]
     assert "preempted" in out and "requeue" in out
+    assert f"hpcrl run: {signame} forwarded to the controller as SIGTERM" in out, out[-3000:]
     assert not (run_dir / "final.json").exists()
     resumed, _ = hpcrl("run", str(job), "--run-dir", str(run_dir), *args, timeout_s=400)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
@@ -98,11 +99,27 @@ def test_corrupt_shard_is_named_and_an_older_checkpoint_can_be_chosen(tmp_path, 
     assert proc.communicate(timeout=300)[0] and proc.returncode == EXIT_REQUEUE
     ckpt = run_dir / "checkpoints"
     steps = sorted(int(p.name.split("_")[1]) for p in ckpt.glob("step_*"))
-    latest = ckpt / f"step_{steps[-1]:06d}"
-    shard = sorted(latest.glob("*.h5"))[0]
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    assert len(steps) >= 2, steps
+
+    def corrupt(step: int) -> tuple[Path, bytes]:
+        shard = sorted((ckpt / f"step_{step:06d}").glob("*.h5"))[0]
+        good = shard.read_bytes()
+        data = bytearray(good)
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        return shard, good
+
+    # --resume-from an older step that does not load: the newer checkpoints stay (they were discarded
+    # before the load) and the message names the step to resume from instead
+    older, good = corrupt(steps[0])
+    bad, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, "--resume-from", str(steps[0]),
+                   timeout_s=400)
+    text = bad.stdout + bad.stderr
+    assert bad.returncode != 0 and older.name in text, text[-3000:]
+    assert f"`--resume-from {steps[-1]}` resumes from another complete checkpoint" in text, text[-3000:]
+    assert sorted(int(p.name.split("_")[1]) for p in ckpt.glob("step_*")) == steps
+    older.write_bytes(good)
+    shard, _ = corrupt(steps[-1])
     bad, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, timeout_s=400)
     text = bad.stdout + bad.stderr
     assert bad.returncode != 0
@@ -132,7 +149,7 @@ def test_a_run_dir_of_another_model_or_algorithm_or_no_run_is_refused_untouched(
     run_dir = tmp_path / "run"
     shutil.copytree(reference_run[0], run_dir)
     before = {f: (run_dir / f).read_bytes() for f in ("config.json", "config.yaml", "model_config.json")}
-    for setting, key, why in (("model.preset=tiny-deepseek-v3", "model.preset", "are of another model "
+    for setting, key, why in (("model.preset=tiny-deepseek-v3", "model.preset", "is of another model "
                                "(model_type: 'qwen3_moe' -> 'deepseek_v3'"),
                               ("algorithm.name=ppo", "algorithm.name", "holds no critic")):
         out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, "--set", setting, timeout_s=120)

@@ -1,0 +1,74 @@
+"""hpcrl run's checks of a resume before anything starts (hpcrl/runner.py check_resume), on
+checkpoints written here with the store's writer: a checkpoint of another model in a shared
+checkpoint.dir (the model each checkpoint records), a checkpoint past algorithm.num_steps, and a batch
+of jobs sharing one checkpoint dir."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoints import CheckpointWriter
+from hpcrl.config import ConfigError, load_job, to_dict
+from hpcrl.jobs import Executor, Submission
+from hpcrl.models.presets import load_hf_config
+from hpcrl.runner import check_resume
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe_grpo.yaml"
+
+
+def shared_checkpoint(ckpt_dir: Path, step: int, preset: str, record_model: bool = True) -> None:
+    """A committed checkpoint of `step` as a run of `preset` writes its metadata (the policy's tensors
+    do not matter to these checks)."""
+    job = load_job(EXAMPLE, [f"model.preset={preset}"])
+    w = CheckpointWriter(ckpt_dir, step, attempt_id="a")
+    w.write("policy/lm_head.weight", torch.zeros(2, 2))
+    meta = {"step": step, "config": to_dict(job)}
+    if record_model:
+        meta["model_config"] = load_hf_config(preset, None)
+    w.commit(meta)
+
+
+def test_a_shared_checkpoint_dir_of_another_model_is_refused(tmp_path: Path) -> None:
+    """checkpoint.dir set: the run dir is new, so only the checkpoint's record tells the model (the
+    other model's weights were loaded silently where the shapes matched, a traceback where not)."""
+    shared = tmp_path / "shared"
+    shared_checkpoint(shared, 1, "tiny-qwen3-moe")
+    job = load_job(EXAMPLE, ["model.preset=tiny-deepseek-v3", f"checkpoint.dir={shared}"])
+    with pytest.raises(ConfigError) as err:
+        check_resume(job, tmp_path / "new", "auto")
+    assert err.value.path == "model.preset" and "is of another model (model_type: 'qwen3_moe' -> " \
+        "'deepseek_v3'" in str(err.value), str(err.value)
+    check_resume(load_job(EXAMPLE, [f"checkpoint.dir={shared}"]), tmp_path / "new", "auto")  # its own model
+    older = tmp_path / "older"  # written before checkpoints recorded the model: nothing to compare
+    shared_checkpoint(older, 1, "tiny-qwen3-moe", record_model=False)
+    check_resume(load_job(EXAMPLE, ["model.preset=tiny-deepseek-v3", f"checkpoint.dir={older}"]),
+                 tmp_path / "new", "auto")
+
+
+@pytest.mark.parametrize("resume", ["auto", "5"])
+def test_a_checkpoint_past_num_steps_is_refused(tmp_path: Path, resume: str) -> None:
+    """Resumed at step 5 with num_steps 4, the run trained nothing and its final.json labelled step
+    5's policy as 4 steps. The checkpoint of the last step (a finished run, requeued) is resumed."""
+    shared = tmp_path / "ck"
+    shared_checkpoint(shared, 5, "tiny-qwen3-moe")
+    job = load_job(EXAMPLE, ["algorithm.num_steps=4", f"checkpoint.dir={shared}"])
+    with pytest.raises(ConfigError) as err:
+        check_resume(job, tmp_path / "run", resume)
+    assert err.value.path == "algorithm.num_steps" and "step 5" in str(err.value) and \
+        "past the run's last step (3)" in str(err.value), str(err.value)
+    check_resume(load_job(EXAMPLE, ["algorithm.num_steps=6", f"checkpoint.dir={shared}"]), tmp_path / "run",
+                 resume)
+
+
+def test_a_batch_sharing_a_checkpoint_dir_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """Two sweep points with one fixed checkpoint.dir overwrote, deleted and resumed each other's
+    checkpoints (one failed with CheckpointExistsError)."""
+    shared = f"checkpoint.dir={tmp_path / 'ck'}"
+    batch = [Submission(EXAMPLE, [shared, f"algorithm.lr={lr}"], run_dir=tmp_path / f"run{i}")
+             for i, lr in enumerate((1e-3, 3e-3))]
+    with pytest.raises(ConfigError, match="every job of a batch needs its own checkpoint dir"):
+        Executor(kind="local").submit_batch(batch)
+    assert not any((tmp_path / d).exists() for d in ("run0", "run1", "ck"))

@@ -150,6 +150,10 @@ def export_checkpoint(run_dir: str, step: int | None, out_dir: str,
         reader = open_checkpoint(ckpt_dir, step)
     except CheckpointNotFoundError as exc:
         raise ConfigError("--step", step, str(exc)) from None
+    except CorruptCheckpointError as exc:  # its manifest: the shards are checked as they are read
+        others = [s for s in available if s != (step if step is not None else available[-1])]
+        raise ConfigError("--step", step, f"{exc}; export another step (--step, complete steps: {others})") \
+            from None
     model_config = json.loads((run / "model_config.json").read_text())
     source = (config.get("model") or {}).get("path")
     out = Path(out_dir)

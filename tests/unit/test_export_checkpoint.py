@@ -155,3 +155,22 @@ def test_a_corrupt_checkpoint_shard_exits_2_and_leaves_no_half_export(tmp_path) 
         export_checkpoint(str(run), None, str(out))
     assert err.value.path == "--step" and shards[-1].name in str(err.value)
     assert not list(out.glob("model*.safetensors"))
+
+
+def test_a_damaged_manifest_exits_2_naming_it(tmp_path) -> None:
+    """open_checkpoint checks the manifest's own checksum: its CorruptCheckpointError was a traceback."""
+    import pytest
+
+    from hpcrl.config.errors import ConfigError
+
+    sd = {"lm_head.weight": torch.randn(16, 8, generator=torch.Generator().manual_seed(0))}
+    run = tmp_path / "run"
+    _checkpoint(run / "checkpoints", sd)
+    (run / "config.json").write_text(json.dumps({"checkpoint": {"dir": None}, "model": {"path": None}}))
+    (run / "model_config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    manifest = next((run / "checkpoints").rglob("manifest.json"))
+    manifest.write_text(manifest.read_text().replace('"step": ', '"step":  ', 1).replace("a", "b", 1))
+    with pytest.raises(ConfigError) as err:
+        export_checkpoint(str(run), None, str(tmp_path / "out"))
+    assert err.value.path == "--step" and "manifest" in str(err.value), str(err.value)
+    assert "export another step" in str(err.value)

@@ -247,6 +247,12 @@ def _check_weights(job: JobConfig, dims: HFModelDims, key: str, path: str) -> No
         raise ConfigError(key, path, str(exc)) from None
 
 
+def rows_per_prompt(job: JobConfig) -> int:
+    """A step's batch rows per prompt: sft trains one demonstration of each, the RL algorithms
+    algorithm.group_size completions."""
+    return 1 if job.algorithm.name == "sft" else job.algorithm.group_size
+
+
 def _check_algorithm_models(a: AlgorithmConfig) -> None:
     """What decides the models a job builds (hpcrl plan sizes them too): algorithm.name a built-in or
     the import path of a module with a `step` function (imported); a KL coefficient (the reference
@@ -268,8 +274,7 @@ def _check_algorithm(job: JobConfig) -> None:
     here, as reward.fn is); no key the algorithm would silently ignore; mini-batches that split the
     batch evenly over the data-parallel ranks; an lr schedule that fits in the run."""
     a = job.algorithm
-    # sft's batch is one demonstration per prompt; the others sample group_size completions of each
-    batch = job.data.num_prompts_per_step * (1 if a.name == "sft" else a.group_size)
+    batch = job.data.num_prompts_per_step * rows_per_prompt(job)
     batch_rows = ("demonstrations (data.num_prompts_per_step)" if a.name == "sft" else
                   "completions (data.num_prompts_per_step * algorithm.group_size)")
     dp = max(1, job.trainer.num_procs // (job.trainer.tp * job.trainer.pp * job.trainer.cp))
@@ -508,12 +513,13 @@ def _check_parallel(job: JobConfig, m: ModelDims) -> None:
                                                 "all_gather that gloo (device cpu) cannot do; set "
                                                 "trainer.etp=1 or trainer.dispatcher=allgather")
     dp = t.num_procs // dense
-    group = job.algorithm.group_size
+    group = rows_per_prompt(job)
     n = job.data.num_prompts_per_step
     if (n * group) % dp:
         valid = [p for p in range(1, n + 2 * dp + 1) if (p * group) % dp == 0]
+        rows = f"{n}*group_size={n * group} sequences" if group > 1 else f"{n} demonstrations (sft)"
         raise ConfigError("data.num_prompts_per_step", n,
-                          f"a step's {n}*group_size={n * group} sequences do not split evenly over the "
+                          f"a step's {rows} do not split evenly over the "
                           f"dp={dp} data-parallel trainer ranks (num_procs/(tp*pp)); valid "
                           f"num_prompts_per_step: {_nearest(valid, n)}")
 

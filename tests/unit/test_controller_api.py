@@ -97,6 +97,12 @@ def test_sfts_mini_batches_split_its_demonstrations():
         validate(job_from_dict(job))
     job["algorithm"]["mini_batch_size"] = 2
     validate(job_from_dict(job))
+    # and its demonstrations split over the data-parallel ranks (3 x group_size 4 would)
+    job = {"data": {"num_prompts_per_step": 3}, "algorithm": {"name": "sft", "group_size": 4},
+           "trainer": {"num_procs": 2}}
+    with pytest.raises(ConfigError, match=r"data.num_prompts_per_step=3: a step's 3 demonstrations \(sft\) do "
+                                          r"not split evenly over the dp=2"):
+        validate(job_from_dict(job))
 
 
 def test_dapo_keys_apply_to_dapo_only():

@@ -103,6 +103,9 @@ def run_world(world_size: int, argv: list[str], run_dir: Path, env: dict[str, st
         try:
             if ranks:
                 # TERM, not USR1: Hydra uses USR1 inside the world to report a dead rank.
+                if signum != signal.SIGTERM:  # the controller then names SIGTERM
+                    print(f"hpcrl run: {signal.Signals(signum).name} forwarded to the controller as SIGTERM",
+                          file=sys.stderr, flush=True)
                 os.kill(ranks[0]["pid"], signal.SIGTERM)
             else:
                 os.killpg(proc.pid, signal.SIGTERM)

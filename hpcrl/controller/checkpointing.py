@@ -169,7 +169,7 @@ class Checkpointer:
         limit asks for it; on preemption or time limit raise `Preempted` to end the run."""
         self.completed_step = step
         if self.pipeline is not None:
-            self.pipeline.step_done()
+            self.pipeline.step_done(step, updated=self.policy.policy_step == step)
         self._algorithm_state_done = copy.deepcopy(self.algorithm_state)
         now = time.monotonic()
         self.step_s = max(self.step_s * 0.8, now - self._last_step_end)

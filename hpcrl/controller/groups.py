@@ -157,6 +157,8 @@ class PolicyGroup:
         self._shard_requests: ShardRequests | None = None  # the shard route's engine requests
         self.changed_step: int | None = None
         """The last step that sent a command changing the trainers' state (policy or critic update)."""
+        self.policy_step: int | None = None
+        """The last step that sent a policy update (its weight push queued behind it)."""
 
     def _async(self, op: str, step: int, payload: object = None) -> _Handle:
         self.collect_push()
@@ -239,7 +241,7 @@ class PolicyGroup:
         payload = {**rollout.token_batch(), "advantages": advantages, "ref_logprobs": ref_BT,
                    "temperature": temperature, "loss": loss,
                    "tensors": tensors or {}, "epochs": epochs, "mini_batch_size": mini_batch_size}
-        self.changed_step = step
+        self.changed_step = self.policy_step = step
         train = self._send("train", step, payload)
         self.collect_push()
         before_sync()

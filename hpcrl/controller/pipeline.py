@@ -157,9 +157,13 @@ class GenerationPipeline:
             reach = max(reach, b)
         return total
 
-    def step_done(self) -> None:
-        """The step in progress completed: what it took is no longer state."""
+    def step_done(self, step: int, updated: bool) -> None:
+        """Step `step` completed: what it took is no longer state. A synchronous step without a policy
+        update (ppo's critic warmup) pushed nothing: the engines' policy is still the trainer's, the
+        one the next step samples with (an asynchronous run pushes every step: validation)."""
         self._taken = []
+        if not updated and not self.max_staleness:
+            self.version = step + 1
 
     def _start(self, block: int, step: int, bounded: bool = False) -> Flight:
         """Block `block`'s first segment (all of it unless `bounded`, partial rollouts)."""

@@ -93,6 +93,10 @@ class RL:
     def begin_step(self, step: int) -> None:
         self.step, self._metrics, self._timing, self._t0 = step, {}, {}, time.perf_counter()
         self._staleness: list[int] = []  # per completion generated this step: step - its policy version
+        # every round of a step that generates and scores more than once (dapo's dynamic sampling)
+        self._generated = [0, 0]  # tokens, completions
+        self._scores: list[float] = []
+        self._score_errors = 0
 
     def end_step(self) -> dict[str, Any]:
         """The step's metrics record (timing/* included), for the metrics logger."""
@@ -131,8 +135,10 @@ class RL:
         if rollout.token_versions is not None:  # partial rollouts: completions a push cut
             spanning = sum(len(set(vs)) > 1 for vs in rollout.token_versions) / max(len(rollout.token_versions), 1)
             self.log(**{"rollout/spanning_frac": spanning})
-        self.log(**{"rollout/tokens": rollout.num_tokens,
-                    "rollout/response_len": rollout.num_tokens / len(rollout.response_ids),
+        self._generated[0] += rollout.num_tokens
+        self._generated[1] += len(rollout.response_ids)
+        self.log(**{"rollout/tokens": self._generated[0],
+                    "rollout/response_len": self._generated[0] / max(self._generated[1], 1),
                     "data/dropped_prompts": dropped,
                     "rollout/dropped_stale": self._metrics.get("rollout/dropped_stale", 0) + stale})
         return rollout
@@ -147,8 +153,10 @@ class RL:
         """Float32 [B] rewards of reward.fn; a completion whose reward raised or timed out scores 0."""
         with self._phase("reward"):
             rewards, errors = self._s.score(self.step, rollout)
-        mean, std = _mean_std(rewards)
-        self.log(**{"reward/mean": mean, "reward/std": std, "reward/errors": errors})
+        self._scores += rewards.tolist()
+        self._score_errors += errors
+        mean, std = _mean_std(self._scores)  # over every completion the step scored
+        self.log(**{"reward/mean": mean, "reward/std": std, "reward/errors": self._score_errors})
         return rewards
 
     def ref_logprobs(self, rollout: Rollout) -> np.ndarray:
@@ -279,10 +287,9 @@ class RL:
         self._metrics.update(metrics)
 
 
-def _mean_std(x: np.ndarray) -> tuple[float, float]:
+def _mean_std(values: list[float]) -> tuple[float, float]:
     """Mean and (population) std of a step's rewards in plain Python: between phases the controller's
     caches are cold, where numpy's two reductions cost ~0.1 ms and this a third of it."""
-    values = x.tolist()
     mean = math.fsum(values) / max(len(values), 1)
     return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / max(len(values), 1))
 

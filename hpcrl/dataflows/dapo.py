@@ -36,7 +36,9 @@ def step(rl: RL, step: int) -> None:
                                    a.overlong_buffer_len, a.overlong_penalty_factor, a.norm_adv_by_std)
     shaping = {"reward/overlong_penalty_mean": float((batch.shaped - batch.rewards).mean())} \
         if a.overlong_buffer_len else {}
-    rl.log(**{"reward/mean": float(batch.rewards.mean()), **shaping,
+    # the kept groups' rewards (rl.score logged every round's: reward/errors stays theirs)
+    rl.log(**{"reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std(correction=0)),
+              **shaping,
               **{f"dynamic_sampling/{k}": v for k, v in batch.fill.metrics().items()}})
     rl.update_policy(Rollout.concat(rounds).select(batch.rows), batch.advantages.float().numpy(), loss="ppo")
     rl.sync_weights()

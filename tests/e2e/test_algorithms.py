@@ -172,6 +172,10 @@ def test_dapo_fills_its_batch_and_resumes_bit_identically_after_sigusr1(tmp_path
     first = records_of(whole)
     assert first[0]["dynamic_sampling/rounds"] > 1 and first[0]["dynamic_sampling/groups_dropped"] > 0, first[0]
     assert all(r["dynamic_sampling/groups_kept"] == 16 for r in first)
+    # the step's metrics cover every round: all the completions generated (they were the last round's)
+    for r in first:
+        completions = r["rollout/tokens"] / r["rollout/response_len"]
+        assert round(completions) == r["dynamic_sampling/groups_generated"] * 8, r  # group_size 8
     preempt_then_resume(cut, args, at_step=2)
     keys = ("reward/mean", "train/loss", "dynamic_sampling/rounds", "rollout/tokens")
     assert [[r[k] for k in keys] for r in records_of(cut)] == [[r[k] for k in keys] for r in first]

@@ -30,9 +30,11 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard.writer import FileWriter
 
+            earlier = any((run_dir / "tensorboard").glob("events.out.tfevents.*"))
             self._tb = FileWriter(str(run_dir / "tensorboard"))
-            if start_step > 0:  # a resume: hide the events of steps >= start_step an earlier attempt wrote
-                _purge_from(self._tb, start_step)
+            if start_step > 0 or earlier:  # hide the events of steps >= start_step an earlier attempt wrote
+                _purge_from(self._tb, start_step)  # (from 0 when it saved no checkpoint: its metrics.jsonl
+                # was set aside)
         self._bar = None
         self._val = ""  # the last evaluation's val/reward_mean, shown until the next one
         if progress:
@@ -48,8 +50,9 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.add_summary(tensorboard_summary(metrics), step)
         if self._bar is not None:
-            postfix = {"reward": f"{metrics.get('reward/mean', float('nan')):.3f}",
-                       "step_s": f"{metrics.get('timing/step_s', float('nan')):.2f}"}
+            postfix = {"reward": f"{metrics['reward/mean']:.3f}"} if "reward/mean" in metrics else \
+                {"nll": f"{metrics['train/nll']:.3f}"} if "train/nll" in metrics else {}  # sft scores nothing
+            postfix["step_s"] = f"{metrics.get('timing/step_s', float('nan')):.2f}"
             if "val/reward_mean" in metrics:
                 self._val = f"{metrics['val/reward_mean']:.3f}"
             if self._val:

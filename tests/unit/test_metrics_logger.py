@@ -74,3 +74,19 @@ def test_a_resume_hides_the_steps_an_earlier_attempt_logged_past_its_checkpoint(
     resumed.close()
     assert _scalars(run / "tensorboard")["reward/mean"] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0),
                                                              (5, 15.0)]
+
+
+def test_a_rerun_from_step_0_hides_an_earlier_attempts_steps(tmp_path):
+    """An attempt that saved no checkpoint (its metrics.jsonl is set aside), then a rerun from step 0:
+    TensorBoard showed both attempts' steps 0 and 1."""
+    run = tmp_path / "run"
+    run.mkdir()
+    first = MetricsLogger(run, num_steps=3, progress=False)
+    for step in range(2):
+        first.log(step, {"reward/mean": float(step)})
+    first.close()
+    rerun = MetricsLogger(run, num_steps=3, progress=False)
+    for step in range(3):
+        rerun.log(step, {"reward/mean": 10.0 + step})
+    rerun.close()
+    assert _scalars(run / "tensorboard")["reward/mean"] == [(0, 10.0), (1, 11.0), (2, 12.0)]

@@ -89,7 +89,7 @@ class Driver:
         self.pipeline.collect_started()
         self.engines.version = self.pipeline.version = step + 1  # the push
         self.pipeline.fill(step + 1)
-        self.pipeline.step_done()
+        self.pipeline.step_done(step, updated=True)
         return rollouts
 
 
@@ -114,7 +114,7 @@ class LateDriver(Driver):
         self._collect_push()  # the update's train command is sent, the push before it collected
         self.pipeline.collect_started()
         self.pushed = step  # queued behind the update
-        self.pipeline.step_done()
+        self.pipeline.step_done(step, updated=True)
         return rollouts
 
 
@@ -250,7 +250,18 @@ def test_steps_without_a_push_are_named_not_sampled_again_forever():
     d.engines.start = counted
     for s in range(2):  # no update, no push
         d.pipeline.take(s)
-        d.pipeline.step_done()
+        d.pipeline.step_done(s, updated=False)
     with pytest.raises(RuntimeError, match=r"step 2: the engines hold policy version 0, more than "
                                            r"rollout.max_staleness=1 steps behind; .* every step"):
         d.pipeline.take(2)
+
+
+def test_a_synchronous_step_without_an_update_leaves_the_engines_current():
+    """ppo's critic warmup: step 0 updates only the critic and pushes nothing. The engines still
+    hold the trainer's policy, so step 1 samples with it (it raised: a version behind)."""
+    d = Driver(k=0, num_steps=3, partial=False)
+    d.start(0)
+    d.pipeline.take(0)
+    d.pipeline.step_done(0, updated=False)
+    _, flight, dropped = d.pipeline.take(1)
+    assert dropped == 0 and flight.version == 1

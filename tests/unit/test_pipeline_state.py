@@ -54,7 +54,7 @@ def test_state_round_trips_exactly_in_order():
 def test_a_completed_step_takes_its_batches_out_of_the_state():
     p = _pipeline()
     p._taken.append(Flight(3, 1, rollout=_rollout(3, 1, False)))
-    p.step_done()
+    p.step_done(3, updated=True)
     assert p.to_bytes() is None
     p._ahead.append(Flight(4, 1, rollout=_rollout(4, 1, False)))
     q = _pipeline()

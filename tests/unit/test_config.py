@@ -480,6 +480,9 @@ def test_eval_needs_val_path_and_sampling_for_several_samples(tmp_path):
         validate(job)
     job.eval.temperature = 1.0
     validate(job)
+    job.eval.temperature = 1e-7  # SGLang decodes greedily below 1e-6: pass@4 was a greedy pass@1
+    with pytest.raises(ConfigError, match=r"eval.temperature=1e-07: must be 0 \(greedy\) or >= 1e-06"):
+        validate(job)
 
 
 def test_async_run_corrects_with_tis_and_takes_its_cap():

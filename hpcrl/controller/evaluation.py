@@ -107,9 +107,10 @@ class Evaluator:
                    "stop_token_ids": self.stop_token_ids, "ignore_eos": r.ignore_eos,
                    "sampling_seed": eval_sampling_seed(self.job.trainer.seed, i)}
                   for i in range(len(examples))]
-        request = self.rollouts.prepare(examples, [list(ex.prompt_ids) for ex in examples], params)
+        request = self.rollouts.prepare(examples, [list(ex.prompt_ids) for ex in examples], params, routes=False)
         rollout = self.rollouts.collect(self.rollouts.start(step, request))
         scores = self.score(rollout)
+        scores.report(f"step {step}: evaluation", self.job.reward.fn, "held-out completions")
         metrics = val_metrics(scores.rewards, [len(ids) for ids in rollout.response_ids], ev.num_samples,
                               scores.num_errors)
         metrics["timing/eval_s"] = round(time.perf_counter() - t0, 6)

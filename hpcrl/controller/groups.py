@@ -95,6 +95,7 @@ class GenerateRequest:
     prompt_ids: list[list[int]]
     bodies: list[bytes | None]
     sampling_params: list[dict] | None = None
+    routes: bool = False  # the bodies ask for the routed experts
 
 
 @dataclass
@@ -309,15 +310,17 @@ class RolloutGroup:
                        startup_timeout_s, connect)
 
     def prepare(self, examples: list[Example], prompt_ids: list[list[int]],
-                sampling_params: list[dict]) -> GenerateRequest:
+                sampling_params: list[dict], routes: bool = True) -> GenerateRequest:
         """Split a step's prompts evenly across the engines and encode each engine's /generate body
-        (asking for the routed experts when `self.routes` is set: rollout.routing_replay)."""
+        (asking for the routed experts when `self.routes` is set, rollout.routing_replay, unless
+        `routes` is False: evaluation trains on nothing)."""
         bounds = np.linspace(0, len(prompt_ids), len(self.engines) + 1).astype(int)
-        extra = routed_experts_fields() if self.routes is not None else {}
+        routes = routes and self.routes is not None
+        extra = routed_experts_fields() if routes else {}
         bodies = [json.dumps({"input_ids": prompt_ids[lo:hi], "sampling_params": sampling_params[lo:hi],
                               "return_logprob": True, **extra}).encode() if hi > lo else None
                   for lo, hi in zip(bounds[:-1], bounds[1:])]
-        return GenerateRequest(examples, prompt_ids, bodies, sampling_params)
+        return GenerateRequest(examples, prompt_ids, bodies, sampling_params, routes)
 
     def prepare_scoring(self, rollout: Rollout) -> GenerateRequest:
         """The rollout's completions as scoring requests, split evenly across the engines: prompt +
@@ -360,7 +363,7 @@ class RolloutGroup:
                 outs += answer.result()
         r = started.request
         routes = None
-        if self.routes is not None:
+        if r.routes:
             routes = [self.routes.decode(o["meta_info"], len(p) + len(o["output_ids"]),
                                          f"step {started.step}, completion {i}")
                       for i, (p, o) in enumerate(zip(r.prompt_ids, outs))]

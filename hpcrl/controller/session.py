@@ -167,11 +167,7 @@ class Session:
         """The rollout's rewards (float32, in order) and how many scored 0 on a reward error; the
         step's first error is printed, naming the reward."""
         scores = self._score(rollout)
-        if scores.errors:
-            index, message = next(iter(scores.errors.items()))
-            print(f"hpcrl: step {step}: reward.fn={self.job.reward.fn!r} failed on {scores.num_errors} of "
-                  f"{len(scores.rewards)} completions (scored 0); first, completion {index}: {message}",
-                  flush=True)
+        scores.report(f"step {step}", self.job.reward.fn)
         return scores.rewards, scores.num_errors
 
     def _score(self, rollout: Rollout) -> Scores:

@@ -78,6 +78,13 @@ class Scores:
     def num_errors(self) -> int:
         return len(self.errors)
 
+    def report(self, where: str, fn: str, what: str = "completions") -> None:
+        """Print the first error, if any, naming the reward and how many of the items failed."""
+        if self.errors:
+            index, message = next(iter(self.errors.items()))
+            print(f"hpcrl: {where}: reward.fn={fn!r} failed on {self.num_errors} of {len(self.rewards)} "
+                  f"{what} (scored 0); first, completion {index}: {message}", flush=True)
+
 
 @dataclass
 class _Slot:

@@ -73,8 +73,8 @@ class FakeRollouts:
     def __init__(self):
         self.requests = []
 
-    def prepare(self, examples, prompt_ids, params):
-        self.requests.append((examples, prompt_ids, params))
+    def prepare(self, examples, prompt_ids, params, routes=True):
+        self.requests.append((examples, prompt_ids, params, routes))
         return examples, prompt_ids
 
     def start(self, step, request):
@@ -100,7 +100,8 @@ def test_evaluator_requests_and_metrics(tmp_path):
     assert [s for s in range(4) if ev.due(s)] == [2, 3]
     assert ev.maybe_evaluate(0) == {} and not rollouts.requests
     m = ev.maybe_evaluate(2)
-    sent_examples, prompt_ids, params = rollouts.requests[0]
+    sent_examples, prompt_ids, params, routes = rollouts.requests[0]
+    assert routes is False  # routing replay's routes: evaluation trains on nothing
     assert [e.prompt for e in sent_examples] == ["a", "a", "b", "b", "c", "c"]
     assert prompt_ids[0] == list(examples[0].prompt_ids)
     assert [p["sampling_seed"] for p in params] == [eval_sampling_seed(job.trainer.seed, i) for i in range(6)]
@@ -108,3 +109,17 @@ def test_evaluator_requests_and_metrics(tmp_path):
     assert m["val/pass@2"] == 1.0 and m["val/reward_mean"] == pytest.approx(0.625)
     assert m["val/reward_errors"] == 0 and m["timing/eval_s"] >= 0
     assert not Evaluator(job, [], rollouts, [3], score).due(3)
+
+
+def test_evaluation_names_its_reward_errors(tmp_path, capsys):
+    """Held-out rewards that raised were only counted in val/reward_errors (training prints the first)."""
+    job = JobConfig()
+    job.algorithm.num_steps, job.eval.interval_steps = 2, 1
+    path = _val_file(tmp_path, [{"prompt": p, "answer": p * 4} for p in "ab"])
+    examples, _ = read_val_examples(ExampleFile(path, PromptFormat(), "data.val_path"), 0, False)
+    score = lambda rollout: Scores(np.zeros(len(rollout.response_ids), dtype=np.float32),
+                                   {0: "ValueError: no answer", 1: "ValueError: no answer"})
+    m = Evaluator(job, examples, FakeRollouts(), [3], score).maybe_evaluate(1)
+    assert m["val/reward_errors"] == 2
+    assert (f"hpcrl: step 1: evaluation: reward.fn={job.reward.fn!r} failed on 2 of 2 held-out completions "
+            "(scored 0); first, completion 0: ValueError: no answer") in capsys.readouterr().out

@@ -102,7 +102,11 @@ class RL:
         """The step's metrics record (timing/* included), for the metrics logger."""
         self._check_logprobs()  # updates of a step that did not call sync_weights
         if self.step == self.algo.num_steps - 1:
-            self._s.policy.collect_push()  # the last step's, left queued (sync_weights)
+            with _Timed(self._timing, "sync"):
+                self._s.policy.collect_push()  # the last step's, left queued (sync_weights)
+        saved_s = self._s.checkpointer.take_save_s()
+        if saved_s is not None:
+            self.log(**{"timing/save_s": round(saved_s, 6)})  # the save after the previous step
         if self._s.pushes:  # the weight pushes collected in this step
             pushed, self._s.pushes = self._s.pushes, []
             moved, seconds = sum(p["bytes"] for p in pushed), sum(p["seconds"] for p in pushed)

@@ -53,6 +53,7 @@ class Checkpointer:
         self._last_step_end = time.monotonic()
         self.step_s = 0.0
         self.save_s = 0.0
+        self._unlogged_save_s: float | None = None
         self.saved_step: int | None = None
         self.completed_step = -1
         """Last step whose update and weight sync completed."""
@@ -158,7 +159,14 @@ class Checkpointer:
         self.policy.save_checkpoint(str(self.dir), step, self.attempt_id, self.job.checkpoint.keep,
                                     self._metadata(step), {BUFFER_BLOB: buffer} if buffer else None)
         self.save_s = time.monotonic() - t0
+        self._unlogged_save_s = self.save_s
         self.saved_step = step
+
+    def take_save_s(self) -> float | None:
+        """The seconds of the last save, once: the next step's record logs them (timing/save_s; a
+        step's record is written before its save)."""
+        saved, self._unlogged_save_s = self._unlogged_save_s, None
+        return saved
 
     def _time_is_short(self) -> bool:
         """True when one more step plus a save would not fit before the expected kill."""

@@ -11,7 +11,8 @@ step's metrics record gets:
                         correct (reward >= 1.0): with n = k it is 1 when any sample is correct
     val/reward_errors   held-out completions whose reward raised or timed out (scored 0)
     val/response_len    mean completion length in tokens
-    timing/eval_s       wall time of the evaluation
+    timing/eval_s       wall time of the evaluation (the session's: with the wait for an
+                        asynchronous run's weight push it collects first)
 
 Evaluation does not change training: its sampling seeds are a separate namespace
 (`eval_sampling_seed`: the same seeds at every evaluation, so successive evaluations differ only by
@@ -90,6 +91,8 @@ class Evaluator:
     def __init__(self, job: JobConfig, examples: list[Example], rollouts: RolloutGroup,
                  stop_token_ids: list[int], score: Callable[[Rollout], Scores]) -> None:
         self.job, self.examples, self.rollouts, self.score = job, examples, rollouts, score
+        self.generation_span: tuple[float, float] | None = None
+        """(start, end) perf_counter of the last evaluation's generation on the engines."""
         self.stop_token_ids = list(stop_token_ids)
 
     def due(self, step: int) -> bool:
@@ -100,7 +103,6 @@ class Evaluator:
         """After `step`'s weight sync: evaluate if it is an evaluation step; its metrics, else {}."""
         if not self.due(step):
             return {}
-        t0 = time.perf_counter()
         ev, r = self.job.eval, self.job.rollout
         examples = [ex for ex in self.examples for _ in range(ev.num_samples)]
         params = [{"temperature": ev.temperature, "top_p": 1.0, "max_new_tokens": r.max_new_tokens,
@@ -108,10 +110,11 @@ class Evaluator:
                    "sampling_seed": eval_sampling_seed(self.job.trainer.seed, i)}
                   for i in range(len(examples))]
         request = self.rollouts.prepare(examples, [list(ex.prompt_ids) for ex in examples], params, routes=False)
-        rollout = self.rollouts.collect(self.rollouts.start(step, request))
+        t_generate = time.perf_counter()
+        started = self.rollouts.start(step, request)
+        rollout = self.rollouts.collect(started)
+        self.generation_span = (t_generate, t_generate + started.latency_s)  # the engines' busy time
         scores = self.score(rollout)
         scores.report(f"step {step}: evaluation", self.job.reward.fn, "held-out completions")
-        metrics = val_metrics(scores.rewards, [len(ids) for ids in rollout.response_ids], ev.num_samples,
-                              scores.num_errors)
-        metrics["timing/eval_s"] = round(time.perf_counter() - t0, 6)
-        return metrics
+        return val_metrics(scores.rewards, [len(ids) for ids in rollout.response_ids], ev.num_samples,
+                           scores.num_errors)

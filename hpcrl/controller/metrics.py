@@ -3,8 +3,9 @@
 One JSON object per step, flushed at once (a crash loses nothing already logged). Keys use the
 `group/name` convention: `reward/mean`, `reward/std`, `reward/errors` (completions whose reward
 raised or timed out, scored 0), `data/dropped_prompts` (overlong rows skipped while drawing the
-step's prompts, `data.overlong_prompts: drop`), `dynamic_sampling/*` (dapo), `rollout/*`, `train/*`, `sync/*`, `timing/*_s`; at evaluation steps
-also `val/reward_mean`, `val/pass@k`, `val/reward_errors`, `val/response_len` and `timing/eval_s`
+step's prompts, `data.overlong_prompts: drop`), `dynamic_sampling/*` (dapo), `rollout/*`,
+`train/*`, `sync/*`, `timing/*_s` (`timing/save_s`: the checkpoint save after the previous step);
+at evaluation steps also `val/reward_mean`, `val/pass@k`, `val/reward_errors`, `val/response_len` and `timing/eval_s`
 (hpcrl/controller/evaluation.py). TensorBoard gets every numeric key as a scalar at its step,
 all of a step's scalars in one event (`tensorboard_summary`: one `add_scalar` per key cost ~0.5-1 ms
 per step on the controller's critical path, one event ~0.06 ms; benchmarks/small_kernels.py).

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -193,8 +194,11 @@ class Session:
         if not self.evaluator.due(step):
             return {}
         self.phase(step, "eval")
-        self.policy.collect_push()
+        t0 = time.perf_counter()
+        self.policy.collect_push()  # an asynchronous run's push: its wait counts in timing/eval_s
         metrics = self.evaluator.maybe_evaluate(step)
+        metrics["timing/eval_s"] = round(time.perf_counter() - t0, 6)
+        self.pipeline.busy.append(self.evaluator.generation_span)  # timing/engine_idle_s
         self.checkpointer.eval_state = {"last_step": step, "metrics": metrics}
         return metrics
 

@@ -43,6 +43,8 @@ def test_evaluation_logs_val_metrics_and_leaves_training_unchanged(tmp_path, ref
             assert 0 <= r["val/reward_mean"] <= 1 and 0 <= r["val/pass@2"] <= 1
             assert r["val/reward_errors"] == 0
             assert r["timing/eval_s"] > 0
+    # a save's seconds are in the next step's record (checkpoints after steps 2 and 5)
+    assert [r["step"] for r in records if "timing/save_s" in r] == [3, 6]
 
     # training is exactly the run without evaluation
     assert [r["reward/mean"] for r in records] == [r["reward/mean"] for r in reference]

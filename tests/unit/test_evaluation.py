@@ -120,8 +120,10 @@ def test_evaluation_names_its_reward_errors(tmp_path, capsys):
     job.algorithm.num_steps, job.eval.interval_steps = 2, 1
     path = _val_file(tmp_path, [{"prompt": p, "answer": p * 4} for p in "ab"])
     examples, _ = read_val_examples(ExampleFile(path, PromptFormat(), "data.val_path"), 0, False)
-    score = lambda rollout: Scores(np.zeros(len(rollout.response_ids), dtype=np.float32),
-                                   {0: "ValueError: no answer", 1: "ValueError: no answer"})
+    def score(rollout):
+        return Scores(np.zeros(len(rollout.response_ids), dtype=np.float32),
+                      {0: "ValueError: no answer", 1: "ValueError: no answer"})
+
     m = Evaluator(job, examples, FakeRollouts(), [3], score).maybe_evaluate(1)
     assert m["val/reward_errors"] == 2
     assert (f"hpcrl: step 1: evaluation: reward.fn={job.reward.fn!r} failed on 2 of 2 held-out completions "

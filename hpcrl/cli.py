@@ -10,6 +10,7 @@ import contextlib
 import sys
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # the shell's code for Ctrl-C (launch/local.py uses the same)
 
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:
@@ -240,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"hpcrl {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:  # Ctrl-C outside a world (`hpcrl run` forwards it to one)
+        print(f"hpcrl {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

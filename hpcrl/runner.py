@@ -54,6 +54,32 @@ def _make_writable(path: Path, key: str, value: str, fix: str) -> None:
         raise ConfigError(key, value, f"cannot create or write it ({exc.strerror}); {fix}") from None
 
 
+LOCK_FILE = ".hpcrl_lock"
+
+
+def lock_run_dir(job: JobConfig, run_dir: Path) -> int:
+    """An exclusive lock on RUN_DIR/.hpcrl_lock for the run's life; returns its fd, which the
+    launcher hands to mpiexec too, so that a world whose `hpcrl run` was killed keeps it. ConfigError
+    (exit 2) while another run holds it: two runs in one run dir resumed, wrote and deleted each
+    other's checkpoints and metrics."""
+    import fcntl
+
+    _make_writable(run_dir, run_dir_key(job, run_dir), str(run_dir), "choose a writable directory")
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(run_dir_key(job, run_dir), str(run_dir),
+                          f"is in use by another hpcrl run (its `hpcrl run` pid {holder}, or the MPI world it "
+                          f"left running: `pgrep -af {run_dir}` lists it); wait for it, stop it, or use "
+                          "another --run-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def prepare_run_dir(job: JobConfig, run_dir: Path) -> None:
     """Create the run dir and write the resolved job and model configs into it."""
     for path in (run_dir, run_dir / "logs"):
@@ -102,7 +128,7 @@ RUN_DIR_ENTRIES = frozenset({
     "config.json", "config.yaml", "model_config.json", "metrics.jsonl", "final.json", "logs", "checkpoints",
     "tensorboard", "engine_keys.yaml", "engine_model", "engine_python", "slurm.json", "job.sbatch",
     "local_job.json", "submitted_job.yaml", ".phase.json", ".ranks.json", ".failure.txt", ".export.json",
-    ".hpcrl_world_formed", ".write-test"})
+    ".hpcrl_world_formed", ".write-test", ".hpcrl_lock"})
 """What a run writes into its run dir (hpcrl/runner.py, hpcrl/jobs.py, launch/)."""
 
 
@@ -191,11 +217,19 @@ def plan_cores(job: JobConfig, env: dict[str, str]) -> None:
 
 def run_local(job_path: str, overrides: list[str], cli_run_dir: str | None, resume: str = "auto") -> int:
     """`hpcrl run`: resume is "auto" (latest checkpoint of the run dir), "none" or a step number."""
-    from launch.local import run_world
-
     job = load_job(job_path, overrides)
     run_dir = resolve_run_dir(job, cli_run_dir)
     check_resume(job, run_dir, resume)
+    lock = lock_run_dir(job, run_dir)
+    try:
+        return _run_locked(job, run_dir, resume, lock)
+    finally:
+        os.close(lock)
+
+
+def _run_locked(job: JobConfig, run_dir: Path, resume: str, lock: int) -> int:
+    from launch.local import EXIT_INTERRUPTED, run_world
+
     prepare_run_dir(job, run_dir)
     print(f"hpcrl run: {job.name}: {job.world_size} ranks (1 controller, {job.trainer.num_procs} trainer, "
           f"{job.rollout.num_engines} rollout), run dir {run_dir}", flush=True)
@@ -208,9 +242,13 @@ def run_local(job_path: str, overrides: list[str], cli_run_dir: str | None, resu
     # -P: the working directory stays off sys.path (a `checkpoints/` or `moe/` folder there would
     # shadow hpcrl's packages).
     rc, first_death = run_world(job.world_size, [sys.executable, "-P", "-m", "hpcrl.worker_main", str(run_dir)],
-                                run_dir, env=env)
+                                run_dir, env=env, keep_fds=(lock,))
     if rc == 0 and (run_dir / "final.json").exists():
         return 0
+    if rc == EXIT_INTERRUPTED:
+        print(f"hpcrl run: interrupted; `hpcrl run JOB --run-dir {run_dir}` resumes from the latest checkpoint",
+              file=sys.stderr, flush=True)
+        return rc
     failure = run_dir / ".failure.txt"
     if failure.exists():
         print(f"\n{failure.read_text().rstrip()}\nLogs: {run_dir / 'logs'}", file=sys.stderr, flush=True)

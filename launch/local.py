@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from launch.procs import process_gone, session_members
+from launch.result import REQUEUE_EXIT_CODE
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -84,31 +85,44 @@ def _kill_session(sid: int, grace_s: float) -> None:
             time.sleep(0.05)
 
 
+EXIT_INTERRUPTED = 130  # the shell's code for a job ended by Ctrl-C; a preemption signal: REQUEUE_EXIT_CODE
+
+
 def run_world(world_size: int, argv: list[str], run_dir: Path, env: dict[str, str] | None = None,
-              grace_s: float = 5.0) -> tuple[int, str | None]:
-    """Run `argv` as `world_size` MPI ranks; return (exit code, first rank death or None)."""
+              grace_s: float = 5.0, keep_fds: tuple[int, ...] = ()) -> tuple[int, str | None]:
+    """Run `argv` as `world_size` MPI ranks; return (exit code, first rank death or None).
+    `keep_fds` stay open in mpiexec (the run dir's lock: a world whose supervisor was killed keeps it)."""
     # -disable-auto-cleanup: a rank that dies must not take the others down with it before the
     # controller has named it; the controller then aborts the world and we kill what is left.
     cmd = [mpiexec_path(), "-launcher", "fork", "-disable-auto-cleanup", "-n", str(world_size), *argv]
     env = dict(os.environ if env is None else env)
     env["HPCRL_LAUNCHER"] = "mpiexec"
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, pass_fds=keep_fds)
     watch = _RankWatch(run_dir)
     watch.start()
+    stopped: list[int] = []  # the exit code of a world stopped here, without its controller
+    interrupts = [0]  # Ctrl-Cs so far
 
     def forward(signum: int, _frame: object) -> None:
         # Preemption (USR1/USR2/TERM) and Ctrl-C go to the controller (rank 0), which saves a
-        # checkpoint and stops the workers; before the controller is known, stop the world.
+        # checkpoint and stops the workers. Before the controller is known there is nothing to
+        # save: stop the world (a TERM would be recorded as a preemption, and the world would start
+        # up and train a step first). A second Ctrl-C stops it at once, without saving.
         ranks = _read_json(run_dir / ".ranks.json")
+        name = signal.Signals(signum).name
+        interrupts[0] += signum == signal.SIGINT
+        if not ranks or interrupts[0] >= 2:
+            why = "before the MPI world formed" if not ranks else "a second time"
+            print(f"hpcrl run: {name} {why}: the world is stopped without saving", file=sys.stderr, flush=True)
+            stopped.append(EXIT_INTERRUPTED if signum == signal.SIGINT else REQUEUE_EXIT_CODE)
+            _kill_session(proc.pid, 0.0)
+            return
         try:
-            if ranks:
-                # TERM, not USR1: Hydra uses USR1 inside the world to report a dead rank.
-                if signum != signal.SIGTERM:  # the controller then names SIGTERM
-                    print(f"hpcrl run: {signal.Signals(signum).name} forwarded to the controller as SIGTERM",
-                          file=sys.stderr, flush=True)
-                os.kill(ranks[0]["pid"], signal.SIGTERM)
-            else:
-                os.killpg(proc.pid, signal.SIGTERM)
+            # TERM, not USR1: Hydra uses USR1 inside the world to report a dead rank.
+            if signum != signal.SIGTERM:  # the controller then names SIGTERM
+                print(f"hpcrl run: {name} forwarded to the controller as SIGTERM (a second Ctrl-C stops "
+                      "the world without saving)", file=sys.stderr, flush=True)
+            os.kill(ranks[0]["pid"], signal.SIGTERM)
         except ProcessLookupError:
             pass
 
@@ -120,4 +134,4 @@ def run_world(world_size: int, argv: list[str], run_dir: Path, env: dict[str, st
             signal.signal(s, handler)
         watch.stop.set()
         _kill_session(proc.pid, grace_s)
-    return rc, watch.first_death
+    return (stopped[0] if stopped else rc), watch.first_death

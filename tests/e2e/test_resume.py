@@ -6,6 +6,7 @@ import json
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,43 @@ def test_resume_under_a_different_trainer_layout(tmp_path, uninterrupted):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(6))
     assert all(r["sync/logprob_max_abs_diff"] < 1e-4 for r in records)
+
+
+def test_ctrl_c_before_the_world_forms_twice_and_a_second_run_in_the_run_dir(tmp_path, monkeypatch):
+    """Ctrl-C before the MPI world formed stops it (the ranks recorded the forwarded TERM as a
+    preemption: the world started up, trained a step and saved, then exited 3); a second `hpcrl run`
+    on a live run dir exits 2 (the two resumed, wrote and deleted each other's checkpoints and
+    metrics); a second Ctrl-C stops the world at once, without saving."""
+    import psutil
+
+    early = tmp_path / "early"
+    proc = _start(early)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(  # mpiexec has started the ranks
+            "hpcrl.worker_main" in " ".join(p.info["cmdline"] or []) and str(early) in " ".join(p.info["cmdline"])
+            for p in psutil.process_iter(["cmdline"])):
+        time.sleep(0.02)
+    assert not (early / ".ranks.json").exists()
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out[-3000:]
+    assert "SIGINT before the MPI world formed: the world is stopped without saving" in out, out[-3000:]
+    assert not list((early / "checkpoints").glob("step_*")) and not leftover_processes(str(early))
+
+    # grpo, each step a second longer: the second Ctrl-C comes while the controller finishes its step
+    (tmp_path / "slow_grpo.py").write_text("import time\nfrom hpcrl.dataflows import grpo\nDEFAULTS = grpo.DEFAULTS\n"
+                                           "def step(rl, step):\n    grpo.step(rl, step)\n    time.sleep(1.0)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    run_dir = tmp_path / "run"
+    proc = start_run(run_dir, *ARGS, "--set", "algorithm.name=slow_grpo")
+    _wait_for_step(proc, run_dir, 2)
+    second, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, timeout_s=120)
+    assert second.returncode == 2 and "is in use by another hpcrl run (its `hpcrl run` pid " \
+        f"{proc.pid}" in second.stderr, second.stderr[-2000:]
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)  # two signals sent at once arrive as one
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130 and "SIGINT a second time: the world is stopped without saving" in out, \
+        out[-3000:]
+    assert not leftover_processes(str(run_dir))

@@ -72,6 +72,15 @@ def load_algorithm(name: str) -> ModuleType:
     return module
 
 
+class AlgorithmError(RuntimeError):
+    """A call of this API that cannot be carried out as made (the algorithm's code is at fault, not
+    the run): the run stops with exit 2 and this message, which names the call and the fix."""
+
+
+RESERVED_KEYS = ("step", "time")
+"""Keys of every metrics record that rl.log must not replace (metrics.jsonl, resume)."""
+
+
 class RL:
     """The API of one run (rank 0); the loop calls `begin_step` / `end_step` around each step."""
 
@@ -94,6 +103,7 @@ class RL:
         self.step, self._metrics, self._timing, self._t0 = step, {}, {}, time.perf_counter()
         self._staleness: list[int] = []  # per completion generated this step: step - its policy version
         # every round of a step that generates and scores more than once (dapo's dynamic sampling)
+        self._updated_since_generate = False  # a policy update on engine samples, no rl.generate() since
         self._generated = [0, 0]  # tokens, completions
         self._scores: list[float] = []
         self._score_errors = 0
@@ -134,6 +144,7 @@ class RL:
         """The step's prompts (job.data), each sampled job.algorithm.group_size times, group after group."""
         with self._phase("generate", "rollout"):
             rollout, flight, stale = self._s.generate(self.step)
+        self._updated_since_generate = False
         dropped = self._metrics.get("data/dropped_prompts", 0) + len(self._s.sampler.dropped(self._s.last_block))
         self._staleness += [self.step - v for v in rollout.versions or [flight.version]]
         if rollout.token_versions is not None:  # partial rollouts: completions a push cut
@@ -166,6 +177,10 @@ class RL:
     def ref_logprobs(self, rollout: Rollout) -> np.ndarray:
         """Float32 [B, T] log-probs of the response tokens under the frozen reference policy
         (needs algorithm.kl_coef > 0, which builds the reference model)."""
+        if not self.algo.kl_coef > 0:
+            raise AlgorithmError(f"algorithm {self.algo.name!r} calls rl.ref_logprobs, but the job builds no "
+                                 "reference model: set algorithm.kl_coef > 0 (the KL penalty's coefficient)")
+        self._check_rows("ref_logprobs", rollout)
         with self._phase("logprobs"):
             return self._s.policy.ref_logprobs(self.step, rollout, self._temperature)
 
@@ -191,7 +206,7 @@ class RL:
 
     def _need_critic(self, primitive: str) -> None:
         if not critic_enabled(self.job):
-            raise RuntimeError(f"algorithm {self.algo.name!r} calls rl.{primitive} but this job has no critic: "
+            raise AlgorithmError(f"algorithm {self.algo.name!r} calls rl.{primitive} but this job has no critic: "
                                "set critic.enabled: true (algorithm.name: ppo always builds one)")
 
     def update_policy(self, rollout: Rollout, advantages: np.ndarray, *, loss: str = "grpo",
@@ -207,9 +222,12 @@ class RL:
         log-probs of the sampled tokens against this forward before the update while the sync is in
         flight (WeightSyncError above rollout.logprob_tolerance), and waits for it.
         """
+        self._check_update("update_policy", rollout, advantages, loss, ref_logprobs, tensors, epochs,
+                           mini_batch_size)
+        self._check_sampled_by_this_policy(rollout)
         temperature = 1.0 if loss == "sft" else self._temperature  # the answers' NLL under the model itself
         if temperature != self._temperature and rollout.engine_logprobs:
-            raise RuntimeError(
+            raise AlgorithmError(
                 f"rl.update_policy(loss='sft') on completions the engines sampled at rollout.temperature="
                 f"{self._temperature}: the sft loss is the NLL at temperature 1, so the sync check cannot "
                 f"compare its log-probs with the engines'; use rollout.temperature: 1, or rl.demonstrations()")
@@ -238,6 +256,7 @@ class RL:
         self.log(**{("mismatch/" if k == "router_agreement" else "train/") + k: v
                     for k, v in train.metrics.items()})
         if rollout.engine_logprobs:  # demonstrations have none: no engine sampled them
+            self._updated_since_generate = True
             agreement = train.metrics.get("router_agreement")
             if rows is None:
                 self._unchecked.append((rollout, train.logprobs_BT, None, agreement))
@@ -250,7 +269,7 @@ class RL:
         version the trainer's forward runs must have answered."""
         logprobs, versions = self._s.rollouts.collect_scores(scoring, rollout)
         if set(versions) != {self.step}:
-            raise RuntimeError(f"step {self.step}: the engines scored the batch with policy versions "
+            raise AlgorithmError(f"step {self.step}: the engines scored the batch with policy versions "
                                f"{sorted(set(versions))}, the trainer's forward ran version {self.step}: "
                                f"with rollout.max_staleness >= 1 algorithm {self.algo.name!r} must call "
                                "rl.sync_weights() after every rl.update_policy()")
@@ -287,8 +306,88 @@ class RL:
         return self._s.checkpointer.algorithm_state
 
     def log(self, **metrics: Any) -> None:
-        """Add metrics to the step's record (metrics.jsonl, TensorBoard)."""
+        """Add metrics to the step's record (metrics.jsonl, TensorBoard): numbers (numpy and
+        one-element torch values are taken as Python numbers), strings, bools or None; a key logged
+        again replaces the step's earlier value."""
+        for key, value in metrics.items():
+            if type(value) not in _PLAIN:
+                metrics[key] = _plain(key, value)
+            if key in RESERVED_KEYS:
+                raise AlgorithmError(f"rl.log({key}=...): {key!r} is every record's own key (metrics.jsonl); "
+                                     "log the value under another name")
         self._metrics.update(metrics)
+
+    # -- the checks of the calls' arguments -------------------------------------------------------
+
+    def _check_sampled_by_this_policy(self, rollout: Rollout) -> None:
+        """Synchronous runs: no second update of engine samples before new ones are generated (its
+        forward runs the once-updated policy, which did not sample them: the sync check then failed
+        as if the weight sync were broken). Asynchronous runs correct for staleness instead."""
+        if self._rescore or not rollout.engine_logprobs:
+            return
+        if self._updated_since_generate:
+            raise AlgorithmError(
+                f"rl.update_policy in step {self.step}: a second update on engine samples of the policy the "
+                "first update changed; several updates of one batch take epochs= / mini_batch_size= "
+                "(algorithm.ppo_epochs), and a new batch needs rl.sync_weights() then rl.generate()")
+
+    def _check_rows(self, call: str, rollout: Rollout) -> None:
+        if not isinstance(rollout, Rollout) or not rollout.response_ids:
+            what = "empty" if isinstance(rollout, Rollout) else type(rollout).__name__
+            raise AlgorithmError(f"rl.{call}: the rollout is {what}; pass completions of rl.generate() or "
+                                 "rl.demonstrations() (or a non-empty rollout.select(rows))")
+
+    def _check_update(self, call: str, rollout: Rollout, advantages: Any, loss: str, ref: Any,
+                      tensors: dict | None, epochs: int | None, mini_batch_size: int | None) -> None:
+        """The arguments of an update against the rollout, before anything is sent to the trainer
+        (where a mistake was a rank's traceback after the step's generation and rewards)."""
+        from hpcrl.algorithms.losses import resolve_loss
+
+        self._check_rows(call, rollout)
+        B, T = len(rollout.response_ids), rollout.response_mask_BT().shape[1]
+        try:
+            resolve_loss(loss)
+        except ValueError as exc:
+            raise AlgorithmError(f"rl.{call}(loss={loss!r}): {exc}") from None
+        named = {"advantages": advantages, **({"ref_logprobs": ref} if ref is not None else {}),
+                 **{f"tensors[{k!r}]": v for k, v in (tensors or {}).items()}}
+        for what, x in named.items():
+            shapes = [(B, T)] if what == "ref_logprobs" else [(B,), (B, T)]
+            if not isinstance(x, np.ndarray) or x.dtype.kind != "f" or x.shape not in shapes:
+                got = f"{type(x).__name__} {getattr(x, 'dtype', '')} {list(getattr(x, 'shape', []))}".strip()
+                raise AlgorithmError(f"rl.{call}: {what} is {got}; expected a float numpy array of shape "
+                                     f"{' or '.join(str(list(sh)) for sh in shapes)} for this rollout of {B} "
+                                     f"completions (T = {T}, its longest response; np.asarray(x, np.float32), "
+                                     "or tensor.numpy())")
+            if not np.isfinite(x).all():
+                raise AlgorithmError(f"rl.{call}: {what} holds NaN or inf at rows "
+                                     f"{sorted(set(np.argwhere(~np.isfinite(x))[:, 0].tolist()))[:8]}")
+        if epochs is not None and not (isinstance(epochs, int) and epochs >= 1):
+            raise AlgorithmError(f"rl.{call}(epochs={epochs!r}): passes over the batch must be an integer >= 1")
+        if mini_batch_size:
+            t = self.job.trainer
+            dp = max(1, t.num_procs // (t.tp * t.pp * t.cp))
+            if not isinstance(mini_batch_size, int) or mini_batch_size < 0 or B % mini_batch_size \
+                    or mini_batch_size % dp:
+                raise AlgorithmError(f"rl.{call}(mini_batch_size={mini_batch_size!r}): must divide the "
+                                     f"rollout's {B} completions and be a multiple of the data-parallel size "
+                                     f"{dp} (0: the whole batch)")
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _plain(key: str, value: Any) -> Any:
+    """A metric value as a JSON value: a numpy scalar or one-element array/tensor as its Python
+    number; AlgorithmError for anything else (json.dumps failed after the step's update)."""
+    numel = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
+    if numel == 1 and callable(getattr(value, "item", None)):  # numpy scalars and arrays, torch tensors
+        got = value.item()
+        if type(got) in _PLAIN:
+            return got
+    raise AlgorithmError(f"rl.log({key}=...): {type(value).__name__} {getattr(value, 'shape', '')} is not a "
+                         "metric value; log a number, a string, a bool or None (float(x) for a one-element "
+                         "array or tensor, x.mean() for a summary)")
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:

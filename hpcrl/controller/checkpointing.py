@@ -178,7 +178,7 @@ class Checkpointer:
         self.completed_step = step
         if self.pipeline is not None:
             self.pipeline.step_done(step, updated=self.policy.policy_step == step)
-        self._algorithm_state_done = copy.deepcopy(self.algorithm_state)
+        self._algorithm_state_done = self._state_as_saved()
         now = time.monotonic()
         self.step_s = max(self.step_s * 0.8, now - self._last_step_end)
         self._last_step_end = now
@@ -190,6 +190,23 @@ class Checkpointer:
         if stop and not last:
             why = (f"signal {self.watch.signal_name}" if self.watch.requested else "job time limit near")
             raise Preempted(step, why)
+
+    def _state_as_saved(self) -> dict:
+        """rl.state as a checkpoint keeps it (JSON), which the live state becomes too: a resumed run
+        reads back what an uninterrupted one holds (int keys as strings, tuples as lists).
+        AlgorithmError, at the step that set it, for a value JSON cannot hold (it failed at the
+        save on the trainer, by default the last step's: the run ended without a checkpoint)."""
+        from hpcrl.controller.api import AlgorithmError
+
+        try:
+            saved = json.loads(json.dumps(self.algorithm_state))
+        except (TypeError, ValueError) as exc:
+            raise AlgorithmError(f"rl.state holds a value a checkpoint cannot keep ({exc}): use JSON values "
+                                 "(numbers, strings, bools, None, lists, dicts; float(x) or x.tolist() for "
+                                 "numpy and torch values)") from None
+        self.algorithm_state.clear()
+        self.algorithm_state.update(saved)
+        return copy.deepcopy(saved)
 
     def check_abandon(self, step: int, phase: str) -> None:
         """At a phase boundary: after a preemption signal, abandon the step (before its update)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from hpcrl.config.schema import JobConfig
+from hpcrl.controller.api import AlgorithmError
 from hpcrl.controller.checkpointing import ResumeError
 from hpcrl.controller.comm import RankFailure, World
 from hpcrl.controller.preemption import EXIT_REQUEUE, Preempted
@@ -28,6 +29,18 @@ def _report(run_dir: Path, message: str) -> None:
     (run_dir / ".failure.txt").write_text(message + "\n")
     if os.environ.get("HPCRL_LAUNCHER") != "mpiexec":
         print(f"\n{message}", file=sys.stderr, flush=True)
+
+
+def _kept(session) -> str:
+    saved = None if session is None else session.checkpointer.saved_step
+    return f"the latest checkpoint (step {saved}) is kept" if saved is not None and saved >= 0 else \
+        "no checkpoint was saved yet"
+
+
+def _in_step(session) -> str:
+    """Where the controller was: the step in progress, or start-up."""
+    return "at start-up" if session is None or session.metrics is None else \
+        f"in step {session.checkpointer.completed_step + 1}"
 
 
 def _abort(world: World, code: int) -> NoReturn:
@@ -76,17 +89,19 @@ def controller_main(job: JobConfig, run_dir: Path, world: World) -> int:
         _report(run_dir, f"hpcrl run failed: {exc}")
         _abort(world, EXIT_FAILURE)
     except DataError as exc:  # a row validation did not sample: bad input, not a fault
-        saved = None if session is None else session.checkpointer.saved_step
-        kept = f"the latest checkpoint (step {saved}) is kept" if saved is not None and saved >= 0 else \
-            "no checkpoint was saved yet"
-        _report(run_dir, f"hpcrl run stopped on bad data: {exc}\n{kept}; fix the file, then `hpcrl run JOB "
-                         f"--run-dir {run_dir}` resumes")
+        _report(run_dir, f"hpcrl run stopped on bad data: {exc}\n{_kept(session)}; fix the file, then "
+                         f"`hpcrl run JOB --run-dir {run_dir}` resumes")
+        _abort(world, EXIT_BAD_INPUT)
+    except AlgorithmError as exc:  # the algorithm's code called the API wrongly: bad input, not a fault
+        _report(run_dir, f"hpcrl run stopped: algorithm.name={job.algorithm.name!r}, {_in_step(session)}: {exc}"
+                         f"\n{_kept(session)}; fix the algorithm, then `hpcrl run JOB --run-dir {run_dir}` resumes")
         _abort(world, EXIT_BAD_INPUT)
     except BaseException as exc:  # the controller itself failed: say where, then stop every rank
         import traceback
 
         traceback.print_exc()
-        _report(run_dir, f"hpcrl run failed on the controller (rank 0): {exc!r}")
+        _report(run_dir, f"hpcrl run failed on the controller (rank 0), {_in_step(session)} of algorithm.name="
+                         f"{job.algorithm.name!r}: {exc!r}")
         _abort(world, EXIT_FAILURE)
     print(f"policy sha256: {digest}", flush=True)
     print(f"run dir: {run_dir}", flush=True)

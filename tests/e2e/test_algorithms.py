@@ -332,3 +332,29 @@ def test_a_failed_worker_after_an_update_saves_no_step_under_an_older_label(tmp_
     assert out.returncode == 0 and "resumed from" not in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
     final, resumed = (json.loads((d / "final.json").read_text()) for d in (whole, cut))
     assert resumed["policy_sha256"] == final["policy_sha256"]
+
+
+@pytest.mark.timeout(300)
+def test_an_algorithm_that_misuses_the_api_stops_with_exit_2_naming_the_call(tmp_path):
+    """A user algorithm whose step logs under a record's own key (after step 0 is checkpointed): the
+    run stops with exit 2, the algorithm, the step and the call named, no traceback, the checkpoint
+    kept (an API misuse was a controller failure with a traceback, or a trainer rank's)."""
+    (tmp_path / "logs_step.py").write_text(textwrap.dedent('''
+        from hpcrl.dataflows import grpo
+
+        DEFAULTS = grpo.DEFAULTS
+
+
+        def step(rl, step):
+            grpo.step(rl, step)
+            if step == 1:
+                rl.log(step=step)
+    '''))
+    args = ["--set", "algorithm.name=logs_step", "--set", "algorithm.num_steps=3", "--set",
+            "checkpoint.interval_steps=1", "--set", "logging.progress=false"]
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(tmp_path / "run"), *args, timeout_s=280,
+                   env_extra={"PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    assert ("hpcrl run stopped: algorithm.name='logs_step', in step 1: rl.log(step=...): 'step' is every "
+            "record's own key") in out.stderr, out.stderr[-3000:]
+    assert "the latest checkpoint (step 0) is kept" in out.stderr and "Traceback" not in out.stderr

@@ -4,6 +4,7 @@ checked at validation with one message each."""
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from hpcrl.config.errors import ConfigError
@@ -132,6 +133,7 @@ def test_the_sft_loss_is_the_nll_at_temperature_one():
     import numpy as np
 
     from hpcrl.controller.api import RL
+    from hpcrl.controller.groups import Rollout
 
     seen = []
 
@@ -143,10 +145,109 @@ def test_the_sft_loss_is_the_nll_at_temperature_one():
     job = job_from_dict({"rollout": {"temperature": 0.7}})
     rl = RL(SimpleNamespace(job=job, policy=Policy(), phase=lambda step, name: None))
     rl.begin_step(0)
-    demonstrations = SimpleNamespace(engine_logprobs=None, response_ids=[[5, 6]])
+    demonstrations = Rollout([None], [[4]], [[5, 6]], [], ["stop"])
     rl.update_policy(demonstrations, np.zeros(1, dtype=np.float32), loss="sft")
     rl.update_policy(demonstrations, np.zeros(1, dtype=np.float32), loss="grpo")
     assert seen == [1.0, 0.7]
-    sampled = SimpleNamespace(engine_logprobs=[[-0.5, -0.1]], response_ids=[[5, 6]])
+    sampled = Rollout([None], [[4]], [[5, 6]], [[-0.5, -0.1]], ["stop"])
     with pytest.raises(RuntimeError, match=r"loss='sft'.*rollout.temperature=0.7.*rl.demonstrations\(\)"):
         rl.update_policy(sampled, np.zeros(1, dtype=np.float32), loss="sft")
+
+
+def _api_rl(job_dict: dict | None = None):
+    """An RL whose trainer records the updates it is sent (no ranks), at step 0."""
+    from types import SimpleNamespace
+
+    from hpcrl.controller.api import RL
+
+    class Policy:
+        policy_step = None
+        sent = []
+
+        def train(self, step, rollout, advantages, *args, **kw):
+            self.sent.append(advantages.shape)
+            return SimpleNamespace(metrics={"loss": 0.5}, logprobs_BT=np.zeros((len(rollout.response_ids), 2)))
+
+    session = SimpleNamespace(job=job_from_dict(job_dict or {}), policy=Policy(), phase=lambda step, name: None,
+                              pipeline=SimpleNamespace(collect_started=lambda: None))
+    rl = RL(session)
+    rl.begin_step(0)
+    return rl, session.policy
+
+
+def _sampled(rows: int = 2):
+    from hpcrl.controller.groups import Rollout
+
+    return Rollout([None] * rows, [[4]] * rows, [[5, 6]] + [[5]] * (rows - 1), [[-0.5, -0.1]] + [[-0.2]] * (rows - 1),
+                   ["stop"] * rows)
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda rl: rl.update_policy(_sampled(), np.zeros(3, np.float32)),
+     r"rl.update_policy: advantages is ndarray float32 \[3\]; expected a float numpy array of shape \[2\] or "
+     r"\[2, 2\] for this rollout of 2 completions"),
+    (lambda rl: rl.update_policy(_sampled(), [0.1, 0.2]), r"advantages is list"),
+    (lambda rl: rl.update_policy(_sampled(), np.array([0.1, np.nan], np.float32)),
+     r"advantages holds NaN or inf at rows \[1\]"),
+    (lambda rl: rl.update_policy(_sampled(), np.zeros(2, np.float32), loss="gpro"),
+     r"rl.update_policy\(loss='gpro'\): .*"),
+    (lambda rl: rl.update_policy(_sampled(), np.zeros(2, np.float32), epochs=0), r"epochs=0\): passes"),
+    (lambda rl: rl.update_policy(_sampled(), np.zeros(2, np.float32), mini_batch_size=3),
+     r"mini_batch_size=3\): must divide the rollout's 2 completions"),
+    (lambda rl: rl.update_policy(_sampled().select([]), np.zeros(0, np.float32)), r"the rollout is empty"),
+    (lambda rl: rl.update_policy(_sampled(), np.zeros(2, np.float32), ref_logprobs=np.zeros(2, np.float32)),
+     r"ref_logprobs is ndarray float32 \[2\]; expected .* \[2, 2\]"),
+    (lambda rl: rl.ref_logprobs(_sampled()), r"rl.ref_logprobs, but the job builds no reference model"),
+    (lambda rl: rl.log(step=3), r"rl.log\(step=...\): 'step' is every record's own key"),
+    (lambda rl: rl.log(x=np.zeros(3)), r"rl.log\(x=...\): ndarray \(3,\) is not a metric value"),
+], ids=["advantages-rows", "advantages-list", "advantages-nan", "loss", "epochs", "mini-batch", "empty",
+        "ref-shape", "ref-without-kl", "reserved-key", "array-metric"])
+def test_api_calls_that_cannot_be_carried_out_are_named_before_the_trainer_sees_them(call, message):
+    """Each was a trainer rank's traceback after the step's generation and rewards (or, for rl.log,
+    json.dumps failing after the update): an AlgorithmError naming the call (exit 2)."""
+    from hpcrl.controller.api import AlgorithmError
+
+    rl, policy = _api_rl()
+    with pytest.raises(AlgorithmError, match=message):
+        call(rl)
+    assert policy.sent == []
+
+
+def test_rl_log_takes_numpy_and_torch_numbers_as_python_numbers():
+    import torch
+
+    rl, _ = _api_rl()
+    rl.log(a=np.float32(0.5), b=torch.tensor(2.0), c=np.array([3]), d="text", e=None)
+    record = rl._metrics
+    assert record == {"a": 0.5, "b": 2.0, "c": 3, "d": "text", "e": None}
+    assert all(type(v) in (float, int, str, type(None)) for v in record.values())
+
+
+def test_a_second_update_of_the_same_engine_samples_is_named():
+    """Its forward ran the once-updated policy, which did not sample them: the sync check failed as if
+    the weight sync were broken. A new rl.generate() in between is what makes it right."""
+    from hpcrl.controller.api import AlgorithmError
+
+    rl, policy = _api_rl()
+    rollout = _sampled()
+    rl.update_policy(rollout, np.zeros(2, np.float32))
+    with pytest.raises(AlgorithmError, match=r"a second update on engine samples of the policy the first "
+                                             r"update changed; several updates of one batch take epochs="):
+        rl.update_policy(rollout, np.zeros(2, np.float32))
+    assert policy.sent == [(2,)]
+
+
+def test_rl_state_is_what_a_checkpoint_keeps_from_the_step_that_set_it():
+    """A resumed run read its state back from JSON (int keys as strings) while an uninterrupted one
+    kept Python's; a value JSON cannot hold failed at the save on the trainer, by default the last
+    step's (the run ended without a checkpoint)."""
+    from hpcrl.controller.api import AlgorithmError
+    from hpcrl.controller.checkpointing import Checkpointer
+
+    ckpt = Checkpointer.__new__(Checkpointer)  # only its state: no trainer, no signal handlers
+    ckpt.algorithm_state = {"kl_coef": 0.1, "seen": {0: (1, 2)}}
+    assert ckpt._state_as_saved() == {"kl_coef": 0.1, "seen": {"0": [1, 2]}}
+    assert ckpt.algorithm_state == {"kl_coef": 0.1, "seen": {"0": [1, 2]}}  # the live state too
+    ckpt.algorithm_state["ids"] = {1, 2}
+    with pytest.raises(AlgorithmError, match=r"rl.state holds a value a checkpoint cannot keep \(.*set.*\)"):
+        ckpt._state_as_saved()

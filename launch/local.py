@@ -59,13 +59,14 @@ class _RankWatch(threading.Thread):
             ranks = ranks or _read_json(self.run_dir / ".ranks.json")
             if not ranks:
                 continue
-            for r in ranks:
-                if process_gone(r["pid"]):
-                    phase = _read_json(self.run_dir / ".phase.json") or {}
-                    self.first_death = (f"rank {r['rank']} ({r['role']}, host {r['host']}, pid {r['pid']}) "
-                                        f"ended during phase '{phase.get('phase', '?')}' of step "
-                                        f"{phase.get('step', '?')}")
-                    return
+            gone = [r for r in ranks if process_gone(r["pid"])]
+            if gone:  # seen in one poll: a worker before the controller, which aborts when one dies
+                r = next((r for r in gone if r["role"] != "controller"), gone[0])
+                phase = _read_json(self.run_dir / ".phase.json") or {}
+                self.first_death = (f"rank {r['rank']} ({r['role']}, host {r['host']}, pid {r['pid']}) "
+                                    f"ended during phase '{phase.get('phase', '?')}' of step "
+                                    f"{phase.get('step', '?')}")
+                return
 
 
 def _kill_session(sid: int, grace_s: float) -> None:

@@ -22,6 +22,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from checkpoints import discard_newer, latest_step, list_checkpoints, open_checkpoint
@@ -54,6 +55,8 @@ class Checkpointer:
         self.step_s = 0.0
         self.save_s = 0.0
         self._unlogged_save_s: float | None = None
+        self.on_phase: Callable[[int, str], None] = lambda step, phase: None
+        """Records a phase the checkpointer starts (the session's phase file)."""
         self.saved_step: int | None = None
         self.completed_step = -1
         """Last step whose update and weight sync completed."""
@@ -153,6 +156,7 @@ class Checkpointer:
                 if (self.run_dir / "metrics.jsonl").exists() else []}
 
     def save(self, step: int) -> None:
+        self.on_phase(step, "save")  # a rank that dies saving is named in it
         t0 = time.monotonic()
         self.policy.collect_push()  # a push left queued: its pipeline fill is part of the state
         buffer = self.pipeline.to_bytes() if self.pipeline is not None else None

@@ -59,6 +59,7 @@ class Session:
         self.evaluator = self._evaluator()
         self.metrics: MetricsLogger | None = None
         self.phase_file = PhaseFile(run_dir / ".phase.json")
+        self.checkpointer.on_phase = self.phase_file.write  # not phase(): a save abandons nothing
         self._prepared: dict[int, GenerateRequest] = {}  # the next block's requests, built ahead
         self.pipeline = self.checkpointer.pipeline = GenerationPipeline(
             self.rollouts, self._request_of, self.checkpointer.prompt_cursor.take, job.rollout.max_staleness,

@@ -120,8 +120,8 @@ def dead_engines_first(run_dir: str | Path, message: str, wait_s: float = 5.0) -
 
     Engines without a death record that do not accept a connection get up to `wait_s` for their
     rollout rank to write one (it is usually there before any other rank notices). An engine whose
-    rollout rank died with it has no record (and, on this host, is not waited for): the message
-    names that rank already.
+    rollout rank died with it has no record (and, on this host, is not waited for): the rank is named,
+    unless the message names it already.
     """
     run_dir = Path(run_dir)
     if not (run_dir / "logs").is_dir():
@@ -135,6 +135,11 @@ def dead_engines_first(run_dir: str | Path, message: str, wait_s: float = 5.0) -
         records = _records(run_dir)
         silent = [e for e in silent if not any(r["engine"] == e and "exit" in r for r in records)]
     dead = [d for d in (describe(r) for r in records if "exit" in r) if d not in message]
+    # a rollout rank killed with its engine leaves no record; the message may name only what the
+    # loss caused (the weight push's refused connection)
+    dead += [f"rollout rank {r['rank']} (host {r['host']}, pid {r['rank_pid']}) is gone, and its engine "
+             f"{r['engine']} ({r['url']}) with it" for r in records
+             if "exit" not in r and _rank_gone(r) and f"rank {r['rank']} " not in message]
     if not dead:  # none, or the message is already a death (a rollout rank's heartbeat reports it)
         return message
     head, _, rest = message.partition(": ")

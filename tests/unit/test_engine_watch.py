@@ -78,13 +78,21 @@ def test_an_engine_gone_with_its_rank_is_not_waited_for(tmp_path):
     (tmp_path / "logs").mkdir()
     dead_rank = subprocess.Popen([sys.executable, "-c", "pass"])
     dead_rank.wait()
+    url = f"http://127.0.0.1:{free_port()}"
     record_path(tmp_path, 0).write_text(json.dumps({
         "engine": 0, "rank": 2, "host": socket.gethostname(), "rank_pid": dead_rank.pid, "pid": 1,
-        "url": f"http://127.0.0.1:{free_port()}", "log": "RUN_DIR/logs/engine0.log"}))
+        "url": url, "log": "RUN_DIR/logs/engine0.log"}))
     t0 = time.monotonic()
     assert dead_engines_first(tmp_path, "hpcrl run failed: rank 2 exited", wait_s=30) == \
         "hpcrl run failed: rank 2 exited"
     assert time.monotonic() - t0 < 5
+    # a message of what the loss caused names the rank first (it appeared nowhere)
+    push = ("hpcrl run failed: shard-to-shard weight push 1 failed: engine 0 (http://127.0.0.1:1): "
+            "/hpcrl/update_weights_reshard failed (no HTTP answer): ConnectionRefusedError")
+    head, then = dead_engines_first(tmp_path, push, wait_s=30).split("\n")
+    assert head == (f"hpcrl run failed: rollout rank 2 (host {socket.gethostname()}, pid {dead_rank.pid}) is gone, "
+                    f"and its engine 0 ({url}) with it"), head
+    assert then.startswith("  then: shard-to-shard weight push 1 failed")
 
 
 def test_records_of_an_earlier_attempt_are_ignored(tmp_path):

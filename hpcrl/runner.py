@@ -23,6 +23,7 @@ from hpcrl.models.presets import load_hf_config
 from launch.result import REQUEUE_EXIT_CODE as EXIT_REQUEUE  # the controller's "requeue me"
 
 EXIT_FAILURE = 1
+EXIT_BAD_INPUT = 2  # the controller's code for bad data or an algorithm's misuse (hpcrl/controller/main.py)
 
 
 def resolve_run_dir(job: JobConfig, cli_run_dir: str | None) -> Path:
@@ -252,7 +253,8 @@ def _run_locked(job: JobConfig, run_dir: Path, resume: str, lock: int) -> int:
     failure = run_dir / ".failure.txt"
     if failure.exists():
         print(f"\n{failure.read_text().rstrip()}\nLogs: {run_dir / 'logs'}", file=sys.stderr, flush=True)
-        return EXIT_REQUEUE if rc == EXIT_REQUEUE else (rc or EXIT_FAILURE)
+        # the controller's code; mpiexec's is a killed rank's signal (9) when one was killed
+        return rc if rc in (EXIT_REQUEUE, EXIT_BAD_INPUT) else EXIT_FAILURE
     if rc == EXIT_REQUEUE:
         return rc
     why = first_death or f"mpiexec exited with code {rc}"

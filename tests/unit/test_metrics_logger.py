@@ -59,34 +59,29 @@ def test_a_fresh_run_sets_an_earlier_attempts_records_aside(tmp_path):
         assert [json.loads(line)["reward/mean"] for line in lines] == [RECORDS[attempt - 1]["reward/mean"]]
 
 
+def _two_attempts(tmp_path, first_steps: int, start_step: int, num_steps: int) -> list[tuple[int, float]]:
+    """TensorBoard's reward/mean after an attempt that logged steps 0..first_steps-1 (reward = step)
+    and one that logged start_step..num_steps-1 (reward = 10 + step)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    first = MetricsLogger(run, num_steps=num_steps, progress=False)
+    for step in range(first_steps):
+        first.log(step, {"reward/mean": float(step)})
+    first.close()
+    second = MetricsLogger(run, num_steps=num_steps, start_step=start_step, progress=False)
+    for step in range(start_step, num_steps):
+        second.log(step, {"reward/mean": 10.0 + step})
+    second.close()
+    return _scalars(run / "tensorboard")["reward/mean"]
+
+
 def test_a_resume_hides_the_steps_an_earlier_attempt_logged_past_its_checkpoint(tmp_path):
     """Killed after step 4, resumed from step 2's checkpoint: steps 3 and 4 are logged again, and
     TensorBoard shows each step once, with the resumed run's values (it showed both attempts')."""
-    run = tmp_path / "run"
-    run.mkdir()
-    first = MetricsLogger(run, num_steps=6, progress=False)
-    for step in range(5):
-        first.log(step, {"reward/mean": float(step)})
-    first.close()
-    resumed = MetricsLogger(run, num_steps=6, start_step=3, progress=False)
-    for step in range(3, 6):
-        resumed.log(step, {"reward/mean": 10.0 + step})
-    resumed.close()
-    assert _scalars(run / "tensorboard")["reward/mean"] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0),
-                                                             (5, 15.0)]
+    assert _two_attempts(tmp_path, 5, 3, 6) == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0), (5, 15.0)]
 
 
 def test_a_rerun_from_step_0_hides_an_earlier_attempts_steps(tmp_path):
     """An attempt that saved no checkpoint (its metrics.jsonl is set aside), then a rerun from step 0:
     TensorBoard showed both attempts' steps 0 and 1."""
-    run = tmp_path / "run"
-    run.mkdir()
-    first = MetricsLogger(run, num_steps=3, progress=False)
-    for step in range(2):
-        first.log(step, {"reward/mean": float(step)})
-    first.close()
-    rerun = MetricsLogger(run, num_steps=3, progress=False)
-    for step in range(3):
-        rerun.log(step, {"reward/mean": 10.0 + step})
-    rerun.close()
-    assert _scalars(run / "tensorboard")["reward/mean"] == [(0, 10.0), (1, 11.0), (2, 12.0)]
+    assert _two_attempts(tmp_path, 2, 0, 3) == [(0, 10.0), (1, 11.0), (2, 12.0)]

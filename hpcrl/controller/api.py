@@ -105,7 +105,7 @@ class RL:
         # every round of a step that generates and scores more than once (dapo's dynamic sampling)
         self._updated_since_generate = False  # a policy update on engine samples, no rl.generate() since
         self._generated = [0, 0]  # tokens, completions
-        self._scores: list[float] = []
+        self._rewards: list[float] = []
         self._score_errors = 0
 
     def end_step(self) -> dict[str, Any]:
@@ -168,9 +168,9 @@ class RL:
         """Float32 [B] rewards of reward.fn; a completion whose reward raised or timed out scores 0."""
         with self._phase("reward"):
             rewards, errors = self._s.score(self.step, rollout)
-        self._scores += rewards.tolist()
+        self._rewards += rewards.tolist()
         self._score_errors += errors
-        mean, std = _mean_std(self._scores)  # over every completion the step scored
+        mean, std = _mean_std(self._rewards)  # over every completion the step scored
         self.log(**{"reward/mean": mean, "reward/std": std, "reward/errors": self._score_errors})
         return rewards
 

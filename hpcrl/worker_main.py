@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,12 @@ def serve(world, handlers: dict[str, Callable[[Any], Any]], idle_timeout_s: floa
             faults.inject(faults.planned(world.rank, cmd.op), cmd.op)
             result = handlers[cmd.op](cmd)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the controller
-            chan.reply_error(cmd, exc)
+            from checkpoints.errors import CheckpointError
+
+            brief = isinstance(exc, CheckpointError)  # names its file and step: the traceback stays in the log
+            if brief:
+                traceback.print_exc()
+            chan.reply_error(cmd, exc, brief=brief)
             time.sleep(idle_timeout_s)
             os._exit(EXIT_FAILURE)
         if cmd.op == "init" and cores is not None:

@@ -254,8 +254,10 @@ class WorkerChannel:
     def reply(self, cmd: Command, payload: Any = None, timeout_s: float = 300.0) -> None:
         self._send(Reply(self.world.rank, cmd.op, cmd.step, True, payload), timeout_s)
 
-    def reply_error(self, cmd: Command, exc: BaseException, timeout_s: float = 30.0) -> None:
-        text = "".join(traceback.format_exception(exc)).rstrip()
+    def reply_error(self, cmd: Command, exc: BaseException, timeout_s: float = 30.0, brief: bool = False) -> None:
+        """The failure of `cmd`, as its traceback, or `brief`: its one line (an error whose message
+        names what is wrong and where, e.g. a damaged checkpoint's file and step)."""
+        text = f"{type(exc).__name__}: {exc}" if brief else "".join(traceback.format_exception(exc)).rstrip()
         self._send(Reply(self.world.rank, cmd.op, cmd.step, False, error=text), timeout_s)
 
     def _send(self, reply: Reply, timeout_s: float) -> None:

@@ -118,6 +118,7 @@ def test_corrupt_shard_is_named_and_an_older_checkpoint_can_be_chosen(tmp_path, 
     text = bad.stdout + bad.stderr
     assert bad.returncode != 0 and older.name in text, text[-3000:]
     assert f"`--resume-from {steps[-1]}` resumes from another complete checkpoint" in text, text[-3000:]
+    assert "failed in phase 'load' of step" in text and "Traceback" not in text, text[-3000:]  # one line
     assert sorted(int(p.name.split("_")[1]) for p in ckpt.glob("step_*")) == steps
     older.write_bytes(good)
     shard, _ = corrupt(steps[-1])

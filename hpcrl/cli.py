@@ -10,7 +10,6 @@ import contextlib
 import sys
 
 EXIT_USER_ERROR = 2
-EXIT_INTERRUPTED = 130  # the shell's code for Ctrl-C (launch/local.py uses the same)
 
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:
@@ -242,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hpcrl {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:  # Ctrl-C outside a world (`hpcrl run` forwards it to one)
+        from launch.result import EXIT_INTERRUPTED
+
         print(f"hpcrl {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
 

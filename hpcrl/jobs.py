@@ -42,8 +42,8 @@ import yaml
 
 from hpcrl.config import ConfigError, JobConfig, apply_overrides, job_from_dict, load_job, to_dict, validate
 from hpcrl.config.load import load_yaml
-from hpcrl.config.schema import checkpoint_dir
 from hpcrl.runner import check_resume, prepare_run_dir, resolve_run_dir
+from launch.checkpoint_step import checkpoint_dir
 
 KINDS = ("slurm", "local")
 LOCAL_RECORD = "local_job.json"

@@ -18,8 +18,10 @@ import yaml
 from hpcrl import cpu_bind
 from hpcrl.config import load_job, to_dict
 from hpcrl.config.errors import ConfigError
-from hpcrl.config.schema import JobConfig, checkpoint_dir
+from hpcrl.config.schema import JobConfig
 from hpcrl.models.presets import load_hf_config
+from launch.checkpoint_step import checkpoint_dir
+from launch.result import EXIT_INTERRUPTED
 from launch.result import REQUEUE_EXIT_CODE as EXIT_REQUEUE  # the controller's "requeue me"
 
 EXIT_FAILURE = 1
@@ -229,7 +231,7 @@ def run_local(job_path: str, overrides: list[str], cli_run_dir: str | None, resu
 
 
 def _run_locked(job: JobConfig, run_dir: Path, resume: str, lock: int) -> int:
-    from launch.local import EXIT_INTERRUPTED, run_world
+    from launch.local import run_world
 
     prepare_run_dir(job, run_dir)
     print(f"hpcrl run: {job.name}: {job.world_size} ranks (1 controller, {job.trainer.num_procs} trainer, "

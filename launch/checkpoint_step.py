@@ -13,6 +13,13 @@ from __future__ import annotations
 
 import shlex
 import sys
+from pathlib import Path
+from typing import Any
+
+
+def checkpoint_dir(job: Any, run_dir: Path) -> Path:
+    """Where the run's checkpoints go: checkpoint.dir, or RUN_DIR/checkpoints."""
+    return Path(job.checkpoint.dir) if job.checkpoint.dir else run_dir / "checkpoints"
 
 
 def checkpoint_step_command(python: str, ckpt_dir: str) -> str:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from launch.procs import process_gone, session_members
-from launch.result import REQUEUE_EXIT_CODE
+from launch.result import EXIT_INTERRUPTED, REQUEUE_EXIT_CODE
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -84,9 +84,6 @@ def _kill_session(sid: int, grace_s: float) -> None:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and session_members(sid):
             time.sleep(0.05)
-
-
-EXIT_INTERRUPTED = 130  # the shell's code for a job ended by Ctrl-C; a preemption signal: REQUEUE_EXIT_CODE
 
 
 def run_world(world_size: int, argv: list[str], run_dir: Path, env: dict[str, str] | None = None,

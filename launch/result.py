@@ -26,6 +26,9 @@ FINAL_FILE = "final.json"
 REQUEUE_EXIT_CODE = 3
 """The one definition of the exit code of "checkpoint saved, requeue me": the controller exits with
 it (hpcrl.controller.preemption), the batch script requeues on it (SlurmJobSpec.requeue_exit_code)."""
+EXIT_INTERRUPTED = 130
+"""`hpcrl run` ended by Ctrl-C (the shell's code): outside a world (hpcrl/cli.py), or a world stopped
+without saving (launch/local.py)."""
 EXPORT_FILE = ".export.json"  # launch/export_step.py's record: {"out", "rc", "step"}
 EXPORT_FAILED_EXIT_CODE = 4  # the finish step's export failed (after 0 done, 1-2 failures, 3 requeue)
 

@@ -30,7 +30,7 @@ from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
 
-from launch.checkpoint_step import checkpoint_step_command
+from launch.checkpoint_step import checkpoint_dir, checkpoint_step_command
 from launch.export_step import export_command
 from launch.slurm_executor import HetJob, HetJobExecutor
 from launch.slurm_query import (SUBMISSION_FILE, PartitionInfo, SlurmError, cluster_partitions, job_state,
@@ -78,11 +78,6 @@ def result_command(job: Any, run_dir: Path) -> str:
     q = shlex.quote
     folder = run_dir / LOG_DIR_NAME
     return f'{q(python)} -P -m launch.result {q(str(run_dir))} {q(str(folder))} "${{SLURM_JOB_ID}}"'
-
-
-def checkpoint_dir(job: Any, run_dir: Path) -> Path:
-    """Where the run's checkpoints go: checkpoint.dir, or RUN_DIR/checkpoints."""
-    return Path(job.checkpoint.dir) if job.checkpoint.dir else run_dir / "checkpoints"
 
 
 def check_export_dir(job: Any, run_dir: Path, export_dir: Path) -> None:

@@ -10,7 +10,6 @@ messages that name the YAML path, the bad value and the valid choices.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hpcrl.dataflows._declared import declared as declared_defaults
@@ -513,11 +512,18 @@ def rollout_correction(job: JobConfig) -> str:
     return "tis" if a.rollout_correction == "none" and job.rollout.max_staleness > 0 else a.rollout_correction
 
 
+def data_parallel_size(job: JobConfig) -> int:
+    """The trainer's data-parallel ranks: trainer.num_procs / (tp * pp * cp), at least 1."""
+    t = job.trainer
+    return max(1, t.num_procs // (t.tp * t.pp * t.cp))
+
+
+def splits_into_mini_batches(rows: int, mini_batch_size: int, dp: int) -> bool:
+    """Whether mini-batches of `mini_batch_size` rows (0: the whole batch) split a batch of `rows`
+    evenly, each over the `dp` data-parallel ranks (MegatronPolicy.update)."""
+    return not mini_batch_size or (rows % mini_batch_size == 0 and mini_batch_size % dp == 0)
+
+
 def critic_enabled(job: JobConfig) -> bool:
     """Whether the trainer ranks build PPO's critic (hpcrl/trainer/critic.py)."""
     return job.algorithm.name == "ppo" or job.critic.enabled
-
-
-def checkpoint_dir(job: JobConfig, run_dir: Path) -> Path:
-    """Where the run's checkpoints go: checkpoint.dir, or RUN_DIR/checkpoints."""
-    return Path(job.checkpoint.dir) if job.checkpoint.dir else run_dir / "checkpoints"

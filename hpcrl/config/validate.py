@@ -21,7 +21,7 @@ from typing import Any
 from hpcrl.algorithms import KL_ESTIMATORS, LOSS_AGGS, MIS_LEVELS
 from hpcrl.config.errors import ConfigError, did_you_mean, job_field
 from hpcrl.config.schema import (AlgorithmConfig, CriticConfig, JobConfig, RolloutConfig, critic_enabled,
-                                 engine_dtype, rollout_correction)
+                                 data_parallel_size, engine_dtype, rollout_correction, splits_into_mini_batches)
 from hpcrl.config.validate_data import (  # noqa: F401 (read_model_config, prompt_limit: re-exported)
     CONTEXT_RESERVE, check_data_and_reward, job_tokenizer, prompt_limit, read_model_config)
 from hpcrl.dataflows._declared import PER_ALGORITHM_KEYS, declared
@@ -278,8 +278,8 @@ def _check_algorithm(job: JobConfig) -> None:
     batch = job.data.num_prompts_per_step * rows_per_prompt(job)
     batch_rows = ("demonstrations (data.num_prompts_per_step)" if a.name == "sft" else
                   "completions (data.num_prompts_per_step * algorithm.group_size)")
-    dp = max(1, job.trainer.num_procs // (job.trainer.tp * job.trainer.pp * job.trainer.cp))
-    if a.mini_batch_size and (batch % a.mini_batch_size or a.mini_batch_size % dp):
+    dp = data_parallel_size(job)
+    if not splits_into_mini_batches(batch, a.mini_batch_size, dp):
         raise ConfigError("algorithm.mini_batch_size", a.mini_batch_size,
                           f"must divide the batch of {batch} {batch_rows} and be a multiple of the "
                           f"data-parallel size {dp}; e.g. "

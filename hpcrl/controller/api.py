@@ -40,7 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from hpcrl.config.schema import AlgorithmConfig, JobConfig, critic_enabled, rollout_correction
+from hpcrl.config.schema import (AlgorithmConfig, JobConfig, critic_enabled, data_parallel_size,
+                                 rollout_correction, splits_into_mini_batches)
 from hpcrl.controller.groups import Rollout
 from hpcrl.controller.sync_check import sync_check_metrics
 from hpcrl.user_module import import_user_module
@@ -365,10 +366,9 @@ class RL:
         if epochs is not None and not (isinstance(epochs, int) and epochs >= 1):
             raise AlgorithmError(f"rl.{call}(epochs={epochs!r}): passes over the batch must be an integer >= 1")
         if mini_batch_size:
-            t = self.job.trainer
-            dp = max(1, t.num_procs // (t.tp * t.pp * t.cp))
-            if not isinstance(mini_batch_size, int) or mini_batch_size < 0 or B % mini_batch_size \
-                    or mini_batch_size % dp:
+            dp = data_parallel_size(self.job)
+            if not isinstance(mini_batch_size, int) or mini_batch_size < 0 \
+                    or not splits_into_mini_batches(B, mini_batch_size, dp):
                 raise AlgorithmError(f"rl.{call}(mini_batch_size={mini_batch_size!r}): must divide the "
                                      f"rollout's {B} completions and be a multiple of the data-parallel size "
                                      f"{dp} (0: the whole batch)")

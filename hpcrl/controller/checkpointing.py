@@ -27,12 +27,13 @@ from pathlib import Path
 
 from checkpoints import discard_newer, latest_step, list_checkpoints, open_checkpoint
 from hpcrl.config import to_dict
-from hpcrl.config.schema import JobConfig, checkpoint_dir
+from hpcrl.config.schema import JobConfig
 from hpcrl.controller.comm import RankFailure
 from hpcrl.controller.groups import PolicyGroup
 from hpcrl.controller.metrics import read_metrics, set_aside_metrics
 from hpcrl.controller.pipeline import BUFFER_BLOB, BufferMismatch, GenerationPipeline
 from hpcrl.controller.preemption import Preempted, PreemptionWatch
+from launch.checkpoint_step import checkpoint_dir
 
 # Phases before which a step may be abandoned, as long as no update of it was sent yet (ppo updates
 # its critic before its policy): the trainers then hold the state of the previous step.

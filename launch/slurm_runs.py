@@ -64,7 +64,7 @@ def status_text(job: HetJob) -> str:
     config = read_json(run_dir / "config.json") or {}
     num_steps = config.get("algorithm", {}).get("num_steps", "?")
     last = last_metrics(run_dir)
-    if last is None:
+    if last is None or last["step"] < 0:  # step -1: eval.before_train's record
         rows.append(("progress", f"no step finished yet (0/{num_steps})"))
     else:
         reward = last.get("reward/mean")

@@ -350,6 +350,9 @@ class EvalConfig:
     """Sampling temperature of evaluation; 0 is greedy (then num_samples must be 1)."""
     max_prompts: int = 0
     """Held-out prompts per evaluation (the first N rows); 0: every row."""
+    before_train: bool = False
+    """Also evaluate the initial policy before the first update (verl's trainer.val_before_train),
+    logged as step -1; a resumed run does not repeat it."""
 
 
 @dataclass(kw_only=True)

@@ -437,11 +437,15 @@ def _check_engine_dtype(job: JobConfig) -> None:
 
 
 def _check_eval(job: JobConfig) -> None:
-    """Evaluation needs held-out prompts, and several samples per prompt need sampling."""
+    """Evaluation (at intervals or before training) needs held-out prompts, and several samples per
+    prompt need sampling."""
     ev = job.eval
     if ev.interval_steps > 0 and not job.data.val_path:
         raise ConfigError("eval.interval_steps", ev.interval_steps, "evaluation needs held-out prompts: "
                                                                    "set data.val_path, or eval.interval_steps: 0")
+    if ev.before_train and not job.data.val_path:
+        raise ConfigError("eval.before_train", ev.before_train, "evaluation needs held-out prompts: "
+                                                               "set data.val_path, or eval.before_train: false")
     if ev.num_samples > 1 and ev.temperature == 0:
         raise ConfigError("eval.num_samples", ev.num_samples, "greedy samples (eval.temperature: 0) are all "
                                                              "the same: set eval.temperature > 0 (e.g. 1.0) "

@@ -11,8 +11,14 @@ step's metrics record gets:
                         correct (reward >= 1.0): with n = k it is 1 when any sample is correct
     val/reward_errors   held-out completions whose reward raised or timed out (scored 0)
     val/response_len    mean completion length in tokens
+    val/<data_source>/reward_mean, val/<data_source>/pass@k
+                        the same over one data source's prompts, when the held-out rows name more
+                        than one (verl's `data_source` column; a row without it is "unknown")
     timing/eval_s       wall time of the evaluation (the session's: with the wait for an
                         asynchronous run's weight push it collects first)
+
+`eval.before_train` also evaluates the initial policy (after the initial weight push), logged as a
+record of its own at step -1 (verl's val_before_train, at its global step 0).
 
 Evaluation does not change training: its sampling seeds are a separate namespace
 (`eval_sampling_seed`: the same seeds at every evaluation, so successive evaluations differ only by
@@ -54,19 +60,41 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def is_eval_step(step: int, interval_steps: int, num_steps: int) -> bool:
-    """Evaluate after `step`: every `interval_steps` steps (step + 1 a multiple) and after the last."""
+BEFORE_TRAINING = -1
+"""The step of the initial policy's evaluation (eval.before_train) and of its metrics record."""
+
+
+def is_eval_step(step: int, interval_steps: int, num_steps: int, before_train: bool = False) -> bool:
+    """Evaluate after `step`: every `interval_steps` steps (step + 1 a multiple) and after the last;
+    at BEFORE_TRAINING when `before_train`."""
+    if step == BEFORE_TRAINING:
+        return before_train
     return interval_steps > 0 and ((step + 1) % interval_steps == 0 or step == num_steps - 1)
 
 
-def val_metrics(rewards: np.ndarray, response_lens: list[int], num_samples: int, num_errors: int) -> dict:
+def data_source(example: Example) -> str:
+    """The row's verl `data_source` (as text), "unknown" without one (as verl's validation names it)."""
+    source = example.extra.get("data_source")
+    return "unknown" if source is None else str(source)
+
+
+def val_metrics(rewards: np.ndarray, response_lens: list[int], num_samples: int, num_errors: int,
+                sources: list[str] | None = None) -> dict:
     """The val/ metrics of one evaluation; `rewards` holds each prompt's `num_samples` rewards
-    adjacently."""
+    adjacently; `sources` (one per prompt) adds each source's reward_mean and pass@k when it names
+    more than one."""
     per_prompt = rewards.reshape(-1, num_samples)
     correct = (per_prompt >= CORRECT_AT).sum(axis=1)
-    passed = [pass_at_k(num_samples, int(c), num_samples) for c in correct]
-    return {"val/reward_mean": float(rewards.mean()), f"val/pass@{num_samples}": float(np.mean(passed)),
-            "val/reward_errors": num_errors, "val/response_len": float(np.mean(response_lens))}
+    passed = np.array([pass_at_k(num_samples, int(c), num_samples) for c in correct])
+    metrics = {"val/reward_mean": float(rewards.mean()), f"val/pass@{num_samples}": float(passed.mean()),
+               "val/reward_errors": num_errors, "val/response_len": float(np.mean(response_lens))}
+    if sources is not None and len(set(sources)) > 1:
+        assert len(sources) == len(per_prompt), (len(sources), len(per_prompt))
+        for source in sorted(set(sources)):
+            mine = np.array([s == source for s in sources])
+            metrics[f"val/{source}/reward_mean"] = float(per_prompt[mine].mean())
+            metrics[f"val/{source}/pass@{num_samples}"] = float(passed[mine].mean())
+    return metrics
 
 
 def read_val_examples(file: ExampleFile, max_prompts: int, drop_overlong: bool) -> tuple[list[Example], int]:
@@ -96,11 +124,13 @@ class Evaluator:
         self.stop_token_ids = list(stop_token_ids)
 
     def due(self, step: int) -> bool:
-        return bool(self.examples) and is_eval_step(step, self.job.eval.interval_steps,
-                                                    self.job.algorithm.num_steps)
+        ev = self.job.eval
+        return bool(self.examples) and is_eval_step(step, ev.interval_steps, self.job.algorithm.num_steps,
+                                                    ev.before_train)
 
     def maybe_evaluate(self, step: int) -> dict[str, Any]:
-        """After `step`'s weight sync: evaluate if it is an evaluation step; its metrics, else {}."""
+        """After `step`'s weight sync (BEFORE_TRAINING: the initial push): evaluate if it is an
+        evaluation step; its metrics, else {}."""
         if not self.due(step):
             return {}
         ev, r = self.job.eval, self.job.rollout
@@ -115,6 +145,7 @@ class Evaluator:
         rollout = self.rollouts.collect(started)
         self.generation_span = (t_generate, t_generate + started.latency_s)  # the engines' busy time
         scores = self.score(rollout)
-        scores.report(f"step {step}: evaluation", self.job.reward.fn, "held-out completions")
+        when = "before training" if step == BEFORE_TRAINING else f"step {step}"
+        scores.report(f"{when}: evaluation", self.job.reward.fn, "held-out completions")
         return val_metrics(scores.rewards, [len(ids) for ids in rollout.response_ids], ev.num_samples,
-                           scores.num_errors)
+                           scores.num_errors, [data_source(ex) for ex in self.examples])

@@ -12,7 +12,8 @@ user's module), written against the public API of hpcrl/controller/api.py; GRPO'
     rl.sync_weights()                        Megatron shards -> engines; meanwhile the check:
                                              engine vs trainer log-probs of the rollout
 
-then: Evaluator (every eval.interval_steps) -> MetricsLogger.log -> Checkpointer.maybe_save.
+then: Evaluator (every eval.interval_steps) -> MetricsLogger.log -> Checkpointer.maybe_save; and
+before the first step, with eval.before_train, an evaluation of the initial policy.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def run(s: Session) -> None:
     """Run the job's algorithm for `algorithm.num_steps` steps from the checkpointer's resume step."""
     algorithm = load_algorithm(s.job.algorithm.name)
     rl = RL(s)
+    s.evaluate_before_training()
     for step in range(s.checkpointer.resume_step(), s.job.algorithm.num_steps):
         rl.begin_step(step)
         algorithm.step(rl, step)

@@ -5,9 +5,9 @@ One JSON object per step, flushed at once (a crash loses nothing already logged)
 raised or timed out, scored 0), `data/dropped_prompts` (overlong rows skipped while drawing the
 step's prompts, `data.overlong_prompts: drop`), `dynamic_sampling/*` (dapo), `rollout/*`,
 `train/*`, `sync/*`, `timing/*_s` (`timing/save_s`: the checkpoint save after the previous step);
-at evaluation steps also `val/reward_mean`, `val/pass@k`, `val/reward_errors`, `val/response_len` and `timing/eval_s`
-(hpcrl/controller/evaluation.py). TensorBoard gets every numeric key as a scalar at its step,
-all of a step's scalars in one event (`tensorboard_summary`: one `add_scalar` per key cost ~0.5-1 ms
+at evaluation steps also `val/*` (per data source too) and `timing/eval_s`
+(hpcrl/controller/evaluation.py; `eval.before_train`'s record is step -1). TensorBoard gets every
+numeric key as a scalar at its step, all of a step's scalars in one event (`tensorboard_summary`: one `add_scalar` per key cost ~0.5-1 ms
 per step on the controller's critical path, one event ~0.06 ms; benchmarks/small_kernels.py).
 """
 
@@ -34,8 +34,8 @@ class MetricsLogger:
             earlier = any((run_dir / "tensorboard").glob("events.out.tfevents.*"))
             self._tb = FileWriter(str(run_dir / "tensorboard"))
             if start_step > 0 or earlier:  # hide the events of steps >= start_step an earlier attempt wrote
-                _purge_from(self._tb, start_step)  # (from 0 when it saved no checkpoint: its metrics.jsonl
-                # was set aside)
+                _purge_from(self._tb, start_step or -1)  # (from -1, eval.before_train's, when it saved no
+                # checkpoint: its metrics.jsonl was set aside)
         self._bar = None
         self._val = ""  # the last evaluation's val/reward_mean, shown until the next one
         if progress:
@@ -53,13 +53,14 @@ class MetricsLogger:
         if self._bar is not None:
             postfix = {"reward": f"{metrics['reward/mean']:.3f}"} if "reward/mean" in metrics else \
                 {"nll": f"{metrics['train/nll']:.3f}"} if "train/nll" in metrics else {}  # sft scores nothing
-            postfix["step_s"] = f"{metrics.get('timing/step_s', float('nan')):.2f}"
+            if "timing/step_s" in metrics:  # not in eval.before_train's record (step -1)
+                postfix["step_s"] = f"{metrics['timing/step_s']:.2f}"
             if "val/reward_mean" in metrics:
                 self._val = f"{metrics['val/reward_mean']:.3f}"
             if self._val:
                 postfix["val"] = self._val
             self._bar.set_postfix(postfix, refresh=False)
-            self._bar.update(1)
+            self._bar.update(1 if step >= 0 else 0)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -17,7 +17,7 @@ from hpcrl.config.schema import JobConfig, critic_enabled, engine_routes
 from hpcrl.config.validate import prompt_limit
 from hpcrl.controller.checkpointing import Checkpointer, resume_mode_from_env
 from hpcrl.controller.comm import World
-from hpcrl.controller.evaluation import Evaluator, read_val_examples
+from hpcrl.controller.evaluation import BEFORE_TRAINING, Evaluator, read_val_examples
 from hpcrl.controller.groups import GenerateRequest, PolicyGroup, Rollout, RolloutGroup
 from hpcrl.controller.metrics import MetricsLogger
 from hpcrl.controller.phase_file import PhaseFile
@@ -179,16 +179,24 @@ class Session:
 
     def _evaluator(self) -> Evaluator:
         """Evaluation on data.val_path (hpcrl/controller/evaluation.py); without it, never due."""
-        job, examples = self.job, []
-        if job.data.val_path and job.eval.interval_steps > 0:  # validate() checked the combination
+        job, ev, examples = self.job, self.job.eval, []
+        if job.data.val_path and (ev.interval_steps > 0 or ev.before_train):  # validate() checked the combination
             examples, skipped = read_val_examples(open_examples(job, self.prompts, "data.val_path"),
-                                                  job.eval.max_prompts, job.data.overlong_prompts == "drop")
-            print(f"hpcrl: evaluation every {job.eval.interval_steps} steps on {len(examples)} prompts of "
+                                                  ev.max_prompts, job.data.overlong_prompts == "drop")
+            when = [f"every {ev.interval_steps} steps"] if ev.interval_steps > 0 else []
+            when = (["before training"] if ev.before_train else []) + when
+            print(f"hpcrl: evaluation {' and '.join(when)} on {len(examples)} prompts of "
                   f"{job.data.val_path}" + (f" ({skipped} overlong skipped)" if skipped else ""), flush=True)
         elif job.data.val_path:
             print(f"hpcrl: warning: data.val_path={job.data.val_path!r} is not evaluated: set "
-                  "eval.interval_steps > 0", flush=True)
+                  "eval.interval_steps > 0 or eval.before_train: true", flush=True)
         return Evaluator(job, examples, self.rollouts, self.tokenizer.stop_token_ids, self._score)
+
+    def evaluate_before_training(self) -> None:
+        """eval.before_train: the initial policy's evaluation, its own record at step -1 (once: a
+        resumed run has it in its metrics history)."""
+        if self.checkpointer.resume_step() == 0 and self.evaluator.due(BEFORE_TRAINING):
+            self.metrics.log(BEFORE_TRAINING, self.evaluate(BEFORE_TRAINING))
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """Validation metrics after `step`'s weight sync, or {} when `step` is no evaluation step."""

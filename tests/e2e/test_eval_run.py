@@ -1,5 +1,6 @@
-"""Evaluation end to end (`data.val_path`, `eval.*`): val/ metrics at the evaluation steps, the
-training trajectory unchanged by it, its state in the checkpoints, and a resume that reproduces it."""
+"""Evaluation end to end (`data.val_path`, `eval.*`): val/ metrics at the evaluation steps and before
+training (per data source too), the training trajectory unchanged by it, its state in the checkpoints,
+and a resume that reproduces it."""
 
 import json
 
@@ -24,42 +25,52 @@ def _sha(run_dir):
 def test_evaluation_logs_val_metrics_and_leaves_training_unchanged(tmp_path, reference_run):
     ref_dir, args = reference_run  # 8 steps, checkpoints after steps 2, 5, 7
     val = tmp_path / "val.jsonl"  # held-out copy-task prompts: a letter, answered by four of it
-    val.write_text("".join(json.dumps({"prompt": c, "answer": c * 4, "split": "val"}) + "\n"
-                           for c in "abcdefgh"))
+    val.write_text("".join(json.dumps({"prompt": c, "answer": c * 4, "data_source": source}) + "\n"
+                           for source, letters in (("first", "abcd"), ("second", "efgh")) for c in letters))
     run_dir = tmp_path / "eval"
     eval_args = [*args, "--set", f"data.val_path={val}", "--set", "eval.interval_steps=3",
-                 "--set", "eval.num_samples=2", "--set", "eval.temperature=1.0"]
+                 "--set", "eval.num_samples=2", "--set", "eval.temperature=1.0", "--set", "eval.before_train=true"]
     out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *eval_args, timeout_s=500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "evaluation every 3 steps on 8 prompts" in out.stdout
+    assert "evaluation before training and every 3 steps on 8 prompts" in out.stdout
     records, reference = _records(run_dir), _records(ref_dir)
 
-    # evaluation after steps 2 and 5 (interval) and 7 (the last step), with every val/ metric
-    assert [r["step"] for r in records if _val(r)] == [2, 5, 7]
+    # evaluation of the initial policy (its own record, step -1), after steps 2 and 5 (interval) and
+    # 7 (the last step), with every val/ metric, per data source too
+    assert [r["step"] for r in records if _val(r)] == [-1, 2, 5, 7]
+    assert [r["step"] for r in records] == list(range(-1, 8))
+    assert set(records[0]) == {"step", "time", "timing/eval_s", *_val(records[0])}
     for r in records:
-        assert r["reward/errors"] == 0
         if _val(r):
-            assert set(_val(r)) == {"val/reward_mean", "val/pass@2", "val/reward_errors", "val/response_len"}
+            assert set(_val(r)) == {"val/reward_mean", "val/pass@2", "val/reward_errors", "val/response_len",
+                                    "val/first/reward_mean", "val/first/pass@2",
+                                    "val/second/reward_mean", "val/second/pass@2"}
             assert 0 <= r["val/reward_mean"] <= 1 and 0 <= r["val/pass@2"] <= 1
+            # 4 prompts x 2 samples each: the pooled mean is the sources' mean
+            assert r["val/reward_mean"] == pytest.approx((r["val/first/reward_mean"] + r["val/second/reward_mean"]) / 2)
             assert r["val/reward_errors"] == 0
             assert r["timing/eval_s"] > 0
+    trained = records[1:]
+    assert all(r["reward/errors"] == 0 for r in trained)
     # a save's seconds are in the next step's record (checkpoints after steps 2 and 5)
-    assert [r["step"] for r in records if "timing/save_s" in r] == [3, 6]
+    assert [r["step"] for r in trained if "timing/save_s" in r] == [3, 6]
 
     # training is exactly the run without evaluation
-    assert [r["reward/mean"] for r in records] == [r["reward/mean"] for r in reference]
+    assert [r["reward/mean"] for r in trained] == [r["reward/mean"] for r in reference]
     assert _sha(run_dir) == _sha(ref_dir)
 
     # the last evaluation is in the checkpoint metadata
     manifest = json.loads((run_dir / "checkpoints" / "step_000005" / "manifest.json").read_text())
     saved = manifest["body"]["metadata"]["eval"]
-    assert saved["last_step"] == 5 and _val(saved["metrics"]) == _val(records[5])
+    assert saved["last_step"] == 5 and _val(saved["metrics"]) == _val(records[6])
 
-    # resuming after step 2 evaluates again at 5 and 7 with the same numbers
+    # resuming after step 2 evaluates again at 5 and 7 with the same numbers, not before training
+    # (that record comes from the checkpoint's metrics history, with its time)
     resumed, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *eval_args, "--resume-from", "2",
                        timeout_s=500)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     again = _records(run_dir)
-    assert [(r["step"], r["reward/mean"], _val(r)) for r in again] == \
-        [(r["step"], r["reward/mean"], _val(r)) for r in records]
+    assert [(r["step"], r.get("reward/mean"), _val(r)) for r in again] == \
+        [(r["step"], r.get("reward/mean"), _val(r)) for r in records]
+    assert again[0] == records[0]
     assert _sha(run_dir) == _sha(ref_dir)

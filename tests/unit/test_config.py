@@ -473,8 +473,13 @@ def test_eval_needs_val_path_and_sampling_for_several_samples(tmp_path):
     job = job_from_dict({"eval": {"interval_steps": 5}})
     with pytest.raises(ConfigError, match=r"eval.interval_steps=5: evaluation needs held-out prompts"):
         validate(job)
+    job = job_from_dict({"eval": {"before_train": True}})
+    with pytest.raises(ConfigError, match=r"eval.before_train=True: evaluation needs held-out prompts: set "
+                                          r"data.val_path, or eval.before_train: false"):
+        validate(job)
     val = tmp_path / "val.jsonl"
     val.write_text('{"prompt": "a", "answer": "aaaa"}\n')
+    validate(job_from_dict({"data": {"val_path": str(val)}, "eval": {"before_train": True}}))  # no interval
     job = job_from_dict({"data": {"val_path": str(val)}, "eval": {"interval_steps": 5, "num_samples": 4}})
     with pytest.raises(ConfigError, match=r"eval.num_samples=4: greedy samples"):
         validate(job)

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from hpcrl.config.schema import JobConfig
-from hpcrl.controller.evaluation import (Evaluator, eval_sampling_seed, is_eval_step, pass_at_k,
-                                         read_val_examples, val_metrics)
+from hpcrl.controller.evaluation import (BEFORE_TRAINING, Evaluator, data_source, eval_sampling_seed,
+                                         is_eval_step, pass_at_k, read_val_examples, val_metrics)
 from hpcrl.controller.groups import Rollout
 from hpcrl.controller.session import sampling_seed
 from hpcrl.rewards.pool import Scores
-from hpcrl.tasks import ExampleFile, OverlongPrompt, PromptFormat
+from hpcrl.tasks import Example, ExampleFile, OverlongPrompt, PromptFormat
 
 
 def test_pass_at_k_unbiased_estimator_by_hand():
@@ -33,10 +33,32 @@ def test_val_metrics_group_adjacent_samples_per_prompt():
                  "val/reward_errors": 1, "val/response_len": pytest.approx(3.0)}
 
 
+def test_val_metrics_per_data_source_when_the_rows_name_several():
+    # 4 prompts x 2 samples; sources gsm8k, math, gsm8k, unknown (a row without data_source)
+    rewards = np.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.5], dtype=np.float32)
+    m = val_metrics(rewards, [1] * 8, num_samples=2, num_errors=0, sources=["gsm8k", "math", "gsm8k", "unknown"])
+    assert m["val/gsm8k/reward_mean"] == pytest.approx(3 / 4) and m["val/gsm8k/pass@2"] == 1.0
+    assert m["val/math/reward_mean"] == 0.0 and m["val/math/pass@2"] == 0.0
+    assert m["val/unknown/reward_mean"] == 0.5 and m["val/unknown/pass@2"] == 0.0  # 0.5 is not correct
+    assert m["val/reward_mean"] == pytest.approx(4 / 8) and m["val/pass@2"] == pytest.approx(2 / 4)
+    # one source: only the pooled metrics (each source's would repeat them)
+    assert val_metrics(rewards, [1] * 8, 2, 0, ["gsm8k"] * 4) == val_metrics(rewards, [1] * 8, 2, 0)
+
+
+def test_data_source_of_a_row():
+    assert data_source(Example("p", "a", {"data_source": "openai/gsm8k"})) == "openai/gsm8k"
+    assert data_source(Example("p", "a", {"data_source": 3})) == "3"
+    assert data_source(Example("p", "a", {"split": "val"})) == "unknown"
+
+
 def test_eval_steps_every_interval_and_after_the_last():
     assert [s for s in range(6) if is_eval_step(s, 2, 6)] == [1, 3, 5]
     assert [s for s in range(8) if is_eval_step(s, 3, 8)] == [2, 5, 7]
     assert not any(is_eval_step(s, 0, 8) for s in range(8))
+    # before training (step -1) only with eval.before_train, whatever the interval
+    assert not is_eval_step(BEFORE_TRAINING, 3, 8) and not is_eval_step(BEFORE_TRAINING, 1, 8)
+    assert is_eval_step(BEFORE_TRAINING, 0, 8, before_train=True)
+    assert [s for s in range(-1, 8) if is_eval_step(s, 3, 8, before_train=True)] == [-1, 2, 5, 7]
 
 
 def test_eval_seeds_are_their_own_namespace_and_fixed_across_evaluations():
@@ -112,6 +134,9 @@ def test_evaluator_requests_and_metrics(tmp_path):
     start, end = ev.generation_span  # the engines' busy time: the slowest engine's latency
     assert end - start == 0.5
     assert not Evaluator(job, [], rollouts, [3], score).due(3)
+    assert not ev.due(BEFORE_TRAINING)
+    job.eval.before_train = True
+    assert ev.due(BEFORE_TRAINING) and not Evaluator(job, [], rollouts, [3], score).due(BEFORE_TRAINING)
 
 
 def test_evaluation_names_its_reward_errors(tmp_path, capsys):

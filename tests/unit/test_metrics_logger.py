@@ -85,3 +85,20 @@ def test_a_rerun_from_step_0_hides_an_earlier_attempts_steps(tmp_path):
     """An attempt that saved no checkpoint (its metrics.jsonl is set aside), then a rerun from step 0:
     TensorBoard showed both attempts' steps 0 and 1."""
     assert _two_attempts(tmp_path, 2, 0, 3) == [(0, 10.0), (1, 11.0), (2, 12.0)]
+
+
+def test_the_before_training_record_is_step_minus_1_and_a_rerun_replaces_it(tmp_path):
+    """eval.before_train's record (step -1): TensorBoard shows it before step 0; a rerun from step 0
+    (the attempt saved no checkpoint) evaluates again and shows its value once; a resume keeps it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for attempt, start_step in ((1, 0), (2, 0), (3, 2)):
+        logger = MetricsLogger(run, num_steps=3, start_step=start_step, progress=False)
+        if start_step == 0:
+            logger.log(-1, {"val/reward_mean": 0.25 * attempt})
+        for step in range(start_step, 3):
+            logger.log(step, {"reward/mean": 10.0 * attempt + step})
+        logger.close()
+    scalars = _scalars(run / "tensorboard")
+    assert scalars["val/reward_mean"] == [(-1, 0.5)]
+    assert scalars["reward/mean"] == [(0, 20.0), (1, 21.0), (2, 32.0)]

@@ -64,6 +64,7 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("data.val_path", lambda v: v is None or v != "", "a .jsonl/.parquet file, or null"),
     ("reward.num_workers", lambda v: v >= 1, ">= 1 (reward worker processes)"),
     ("reward.timeout_s", *_TIMEOUT),
+    ("reward.max_failed_steps", lambda v: v >= 0, ">= 0 (0: never stop on failing rewards)"),
     ("eval.interval_steps", lambda v: v >= 0, ">= 0 (0 disables evaluation)"),
     ("eval.num_samples", lambda v: v >= 1, ">= 1"),
     ("eval.temperature", lambda v: v == 0 or v >= SGLANG_GREEDY_BELOW,

@@ -13,6 +13,7 @@ from hpcrl.controller.checkpointing import ResumeError
 from hpcrl.controller.comm import RankFailure, World
 from hpcrl.controller.preemption import EXIT_REQUEUE, Preempted
 from hpcrl.controller.sync_check import WeightSyncError
+from hpcrl.rewards.pool import RewardFailing
 from hpcrl.rollout.shard_requests import ShardPushError
 from hpcrl.tasks.files import DataError
 
@@ -90,6 +91,10 @@ def controller_main(job: JobConfig, run_dir: Path, world: World) -> int:
         _abort(world, EXIT_FAILURE)
     except DataError as exc:  # a row validation did not sample: bad input, not a fault
         _report(run_dir, f"hpcrl run stopped on bad data: {exc}\n{_kept(session)}; fix the file, then "
+                         f"`hpcrl run JOB --run-dir {run_dir}` resumes")
+        _abort(world, EXIT_BAD_INPUT)
+    except RewardFailing as exc:  # the reward is broken: bad input, not a fault
+        _report(run_dir, f"hpcrl run stopped: {exc}\n{_kept(session)}; once the reward is fixed, "
                          f"`hpcrl run JOB --run-dir {run_dir}` resumes")
         _abort(world, EXIT_BAD_INPUT)
     except AlgorithmError as exc:  # the algorithm's code called the API wrongly: bad input, not a fault

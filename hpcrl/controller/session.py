@@ -22,7 +22,7 @@ from hpcrl.controller.groups import GenerateRequest, PolicyGroup, Rollout, Rollo
 from hpcrl.controller.metrics import MetricsLogger
 from hpcrl.controller.phase_file import PhaseFile
 from hpcrl.controller.pipeline import Flight, GenerationPipeline
-from hpcrl.rewards.pool import Scores, reward_scorer
+from hpcrl.rewards.pool import FailedSteps, Scores, reward_scorer
 from hpcrl.tasks import build_sampler, load_tokenizer, open_examples, prompt_format
 
 
@@ -55,6 +55,7 @@ class Session:
         print(f"hpcrl: prompts from {job.data.path or 'data.task=' + str(job.data.task)}, tokenized by "
               f"{self.tokenizer.name} (stop ids {self.tokenizer.stop_token_ids})", flush=True)
         self.reward_pool = reward_scorer(job.reward.fn, job.reward.num_workers, job.reward.timeout_s)
+        self.failed_steps = FailedSteps(job.reward.fn, job.reward.max_failed_steps)
         self.checkpointer = Checkpointer(job, run_dir, self.policy, resume_mode_from_env())
         self.evaluator = self._evaluator()
         self.metrics: MetricsLogger | None = None
@@ -170,6 +171,7 @@ class Session:
         step's first error is printed, naming the reward."""
         scores = self._score(rollout)
         scores.report(f"step {step}", self.job.reward.fn)
+        self.failed_steps.add(step, scores)  # reward.max_failed_steps: RewardFailing before the update
         return scores.rewards, scores.num_errors
 
     def _score(self, rollout: Rollout) -> Scores:

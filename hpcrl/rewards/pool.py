@@ -67,6 +67,11 @@ class RewardPoolError(RuntimeError):
     """The pool cannot score at all: the reward does not load in a worker, or workers do not start."""
 
 
+class RewardFailing(RuntimeError):
+    """The reward failed on every completion of `reward.max_failed_steps` steps in a row: the run
+    stops (exit 2), since such steps train nothing (a bug in the reward, a verifier that is down)."""
+
+
 @dataclass(frozen=True)
 class Scores:
     """Rewards in item order (float32) and the items that scored 0 on an error: index -> message."""
@@ -81,9 +86,41 @@ class Scores:
     def report(self, where: str, fn: str, what: str = "completions") -> None:
         """Print the first error, if any, naming the reward and how many of the items failed."""
         if self.errors:
-            index, message = next(iter(self.errors.items()))
+            index, message = self.first_error()
             print(f"hpcrl: {where}: reward.fn={fn!r} failed on {self.num_errors} of {len(self.rewards)} "
                   f"{what} (scored 0); first, completion {index}: {message}", flush=True)
+
+    def first_error(self) -> tuple[int, str]:
+        return next(iter(self.errors.items()))
+
+    @property
+    def all_failed(self) -> bool:
+        return self.rewards.size > 0 and self.num_errors == self.rewards.size
+
+
+class FailedSteps:
+    """Counts the steps in a row whose every completion's reward failed (a step of several scorings,
+    dapo's rounds, counts once; a scoring with one success ends the row) and raises RewardFailing
+    when it reaches `limit` (0: never)."""
+
+    def __init__(self, fn: str, limit: int) -> None:
+        self.fn, self.limit = fn, limit
+        self.steps: list[int] = []
+
+    def add(self, step: int, scores: Scores) -> None:
+        if not scores.all_failed:
+            self.steps = []
+            return
+        if not self.steps or self.steps[-1] != step:
+            self.steps.append(step)
+        if self.limit and len(self.steps) >= self.limit:
+            index, message = scores.first_error()
+            which = f"step {step}" if len(self.steps) == 1 else \
+                f"{len(self.steps)} steps in a row (steps {self.steps[0]} to {step})"
+            raise RewardFailing(
+                f"reward.fn={self.fn!r} failed on every completion of {which}, which train nothing; step "
+                f"{step}'s first error, completion {index}: {message}. Fix the reward (or set "
+                "reward.max_failed_steps: 0 to go on)")
 
 
 @dataclass

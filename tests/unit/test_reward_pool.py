@@ -225,3 +225,34 @@ def test_inline_builtins_score_as_the_pool_does_without_workers():
         assert got.errors[8].startswith("TypeError") or got.errors[8].startswith("AttributeError")
     with reward_scorer("math", 1, TIMEOUT_S) as math_pool:  # math-verify can hang: workers
         assert isinstance(math_pool, RewardPool)
+
+
+def _scores(n_ok: int, n_failed: int):
+    from hpcrl.rewards.pool import Scores
+
+    return Scores(np.zeros(n_ok + n_failed, dtype=np.float32),
+                  {n_ok + i: f"KeyError: 'ground_truth' ({i})" for i in range(n_failed)})
+
+
+def test_failed_steps_stop_after_max_failed_steps_in_a_row():
+    """reward.max_failed_steps: steps whose every completion failed train nothing; the run stopped
+    only at num_steps, having trained nothing for all of them."""
+    from hpcrl.rewards.pool import FailedSteps, RewardFailing
+
+    steps = FailedSteps("my_reward:score", 3)
+    steps.add(0, _scores(0, 4))
+    steps.add(1, _scores(1, 3))  # one success ends the row
+    steps.add(2, _scores(0, 4))
+    steps.add(2, _scores(0, 4))  # a second scoring of a step (dapo's rounds) counts once
+    steps.add(3, _scores(0, 4))
+    with pytest.raises(RewardFailing, match=r"reward.fn='my_reward:score' failed on every completion of 3 steps "
+                                            r"in a row \(steps 2 to 4\), which train nothing; step 4's first "
+                                            r"error, completion 0: KeyError: 'ground_truth' \(0\)\. Fix the "
+                                            r"reward \(or set reward.max_failed_steps: 0 to go on\)"):
+        steps.add(4, _scores(0, 4))
+    never = FailedSteps("my_reward:score", 0)
+    for step in range(10):
+        never.add(step, _scores(0, 4))
+    FailedSteps("x", 1).add(0, _scores(0, 0))  # nothing scored is no failure
+    with pytest.raises(RewardFailing, match="failed on every completion of step 0, which train nothing"):
+        FailedSteps("x", 1).add(0, _scores(0, 1))

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", action="append", default=[], metavar="A.B=V1,V2",
                    help="submit one job per value (repeatable: every combination), each in "
                         "RUN_DIR/<key>=<value>; all are checked before any is submitted")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check everything submit checks and ask Slurm when and where the job would start "
+                        "(sbatch --test-only); submits nothing and writes no run dir")
     for name, what in (("status", "Slurm state, attempt, time left, step and reward of a submitted run"),
                        ("logs", "the step log of a submitted run's current attempt"),
                        ("cancel", "cancel a submitted run's Slurm job")):
@@ -142,16 +145,34 @@ def _submit(args: argparse.Namespace) -> int:
     job = load_job(args.job, args.overrides)
     run_dir = resolve_run_dir(job, args.run_dir)
     plan = plan_slurm(job, run_dir, _resume_mode(args))
+    if args.dry_run:
+        _print_dry_run(job.name, plan)
+        return 0
     _, record = start_slurm(job, plan)  # through launch.slurm_executor.HetJobExecutor (submitit)
     _print_submitted(job.name, record, run_dir)
     return 0
 
 
+def _layout(record: dict) -> str:
+    return f"{record['world_size']} ranks; " + " | ".join(f"component {i}: {_nodes(c['nodes'])}, {c['ranks']}"
+                                                          for i, c in enumerate(record["components"]))
+
+
+def _print_dry_run(name: str, plan: object) -> None:
+    """`submit --dry-run`: the plan's warnings, layout and Slurm's verdict (sbatch --test-only)."""
+    from launch.slurm_submit import layout, test_submission
+
+    for warning in plan.warnings:
+        print(f"hpcrl submit: warning: {warning}", file=sys.stderr)
+    with _slurm_errors():
+        verdict = test_submission(plan)
+    print(f"dry run: {name} ({_layout(layout(plan))}) to partition {plan.spec.partition}\n"
+          f"  sbatch --test-only: {verdict}\n"
+          f"  run dir: {plan.run_dir} (nothing submitted or written; `hpcrl render` prints the script)", flush=True)
+
+
 def _print_submitted(name: str, record: dict, run_dir: object, hints: bool = True) -> None:
-    layout = " | ".join(f"component {i}: {_nodes(c['nodes'])}, {c['ranks']}"
-                        for i, c in enumerate(record["components"]))
-    print(f"submitted job {record['job_id']} ({name}: {record['world_size']} ranks; {layout}) "
-          f"to partition {record['partition']}\n"
+    print(f"submitted job {record['job_id']} ({name}: {_layout(record)}) to partition {record['partition']}\n"
           f"run dir: {run_dir}", flush=True)
     if hints:
         print(f"  hpcrl status {run_dir}\n"
@@ -173,6 +194,10 @@ def _submit_sweep(args: argparse.Namespace) -> int:
     sweep_dir = resolve_run_dir(first, args.run_dir)
     batch = [Submission(args.job, [*args.overrides, *point], sweep_dir / sweep_dir_name(point),
                         _resume_mode(args)) for point in points]
+    if args.dry_run:
+        for point, plan in zip(points, Executor(kind="slurm").plan_batch(batch), strict=True):
+            _print_dry_run(f"{first.name} {' '.join(point)}", plan)
+        return 0
     jobs = Executor(kind="slurm").submit_batch(batch)
     for point, job in zip(points, jobs):
         record = json.loads((job.run_dir / "slurm.json").read_text())

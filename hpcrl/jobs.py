@@ -255,6 +255,29 @@ class Executor:
     def submit_batch(self, submissions: Sequence[Submission]) -> list[Any]:
         """Load and validate every submission first (nothing starts if one is bad; run dirs must
         differ), then start each in order; returns their jobs in the same order."""
+        loaded, stand_ins = self._load_batch(submissions)
+        if self.kind == "local":
+            for job, run_dir, s in loaded:
+                check_resume(job, run_dir, s.resume)
+                check_export_to(job, run_dir, _export_dir(s))
+            return [run_local_background(job, run_dir, s.resume, _export_dir(s))
+                    for job, run_dir, s in loaded]
+        plans = [plan_slurm(job, run_dir, s.resume, _export_dir(s)) for job, run_dir, s in loaded]
+        return [start_slurm(job, plan, s.after, stand_in=stand_in)[0]
+                for (job, _, s), plan, stand_in in zip(loaded, plans, stand_ins)]
+
+    def plan_batch(self, submissions: Sequence[Submission]) -> list[Any]:
+        """Every check of `submit_batch` on Slurm, nothing submitted or written: each submission's
+        checked `SubmitPlan` (`hpcrl submit --sweep ... --dry-run`)."""
+        if self.kind != "slurm":
+            raise ConfigError("kind", self.kind, "a dry run plans Slurm jobs: use Executor(kind='slurm')")
+        loaded, _ = self._load_batch(submissions)
+        return [plan_slurm(job, run_dir, s.resume, _export_dir(s)) for job, run_dir, s in loaded]
+
+    def _load_batch(self, submissions: Sequence[Submission]) -> tuple[list[tuple[JobConfig, Path, Submission]],
+                                                                      list[JobConfig | None]]:
+        """Every submission loaded and validated, with its run dir and stand-in (load_after); the
+        checks across the batch (own run dirs and checkpoint dirs, no dependencies locally)."""
         loaded, stand_ins = [], []
         for s in submissions:
             job, stand_in = load_after(s.job, s.overrides, s.after if self.kind == "slurm" else ())
@@ -271,15 +294,7 @@ class Executor:
                               "checkpoint.dir null (RUN_DIR/checkpoints) or give each job its own")
         if self.kind == "local" and any(s.after for _, _, s in loaded):
             raise ConfigError("after", "local", "dependencies need Slurm; run local jobs one after another")
-        if self.kind == "local":
-            for job, run_dir, s in loaded:
-                check_resume(job, run_dir, s.resume)
-                check_export_to(job, run_dir, _export_dir(s))
-            return [run_local_background(job, run_dir, s.resume, _export_dir(s))
-                    for job, run_dir, s in loaded]
-        plans = [plan_slurm(job, run_dir, s.resume, _export_dir(s)) for job, run_dir, s in loaded]
-        return [start_slurm(job, plan, s.after, stand_in=stand_in)[0]
-                for (job, _, s), plan, stand_in in zip(loaded, plans, stand_ins)]
+        return loaded, stand_ins
 
 
 def _export_dir(s: Submission) -> Path | None:

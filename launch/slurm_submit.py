@@ -3,6 +3,7 @@
     plan = plan_submission(job, run_dir)   # SlurmJobSpec + rendered script; checks the cluster
     prepare_run_dir(job, run_dir)          # (hpcrl.runner) resolved config, logs/
     record = submit(plan)                  # RUN_DIR/job.sbatch, sbatch --parsable, RUN_DIR/slurm.json
+    test_submission(plan)                  # or (hpcrl submit --dry-run): sbatch --test-only, no job
 
 The MPI world is the one `hpcrl run` starts (rank 0 controller, then the trainer ranks, then one
 rank per rollout engine), started by one srun step. With `resources.rollout_nodes > 0` the job is
@@ -23,6 +24,7 @@ import math
 import os
 import shlex
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,9 +34,9 @@ from typing import Any
 
 from launch.checkpoint_step import checkpoint_dir, checkpoint_step_command
 from launch.export_step import export_command
-from launch.slurm_executor import HetJob, HetJobExecutor
+from launch.slurm_executor import SBATCH_TIMEOUT_S, HetJob, HetJobExecutor
 from launch.slurm_query import (SUBMISSION_FILE, PartitionInfo, SlurmError, cluster_partitions, job_state,
-                                require_tool)
+                                require_tool, slurm_cmd)
 from launch.slurm_spec import (SlurmComponent, SlurmJobSpec, format_time_limit, option_name, parse_time_limit,
                                render)
 
@@ -311,6 +313,31 @@ def _world_size(spec: SlurmJobSpec) -> int:
     return total
 
 
+def layout(plan: SubmitPlan) -> dict[str, Any]:
+    """The plan's world size and components (nodes, tasks per node, which ranks), as RUN_DIR/slurm.json
+    records them."""
+    return {"world_size": _world_size(plan.spec),
+            "components": [{"nodes": c.nodes, "ntasks_per_node": c.ntasks_per_node, "ranks": role}
+                           for c, role in zip(plan.spec.components, plan.roles, strict=True)]}
+
+
+def test_submission(plan: SubmitPlan) -> str:
+    """Slurm's own verdict on the rendered script, `sbatch --test-only` (when and where the job would
+    start; nothing is submitted): its line, or SlurmError with Slurm's reason when it would refuse it."""
+    with tempfile.NamedTemporaryFile("w", prefix="hpcrl-dry-run-", suffix=".sbatch") as script:
+        script.write(plan.script)
+        script.flush()
+        proc = slurm_cmd(["sbatch", "--test-only", script.name], timeout_s=SBATCH_TIMEOUT_S, check=False)
+    said = [line.strip().removeprefix("sbatch: ") for line in (proc.stderr + proc.stdout).splitlines()
+            if line.strip()]
+    if proc.returncode != 0:
+        why = said[-1] if said else f"exit code {proc.returncode}"
+        raise SlurmError("sbatch --test-only", "the job script (hpcrl render prints it)",
+                         f"Slurm would refuse the job: {why}; change the resources.* or slurm.* settings "
+                         "that ask for it")
+    return said[-1] if said else "accepted"
+
+
 def submit_run(plan: SubmitPlan, after: Sequence[Any] = ()) -> tuple[HetJob, dict]:
     """Submit `plan` through `HetJobExecutor` (job folder RUN_DIR/logs) once every job in `after`
     (HetJobs or job ids) has completed (afterok); write RUN_DIR/job.sbatch (the script, as `hpcrl
@@ -338,9 +365,7 @@ def submit_run(plan: SubmitPlan, after: Sequence[Any] = ()) -> tuple[HetJob, dic
         "log_dir": plan.spec.log_dir,
         "partition": plan.spec.partition,
         "template": plan.spec.template_name,
-        "world_size": _world_size(plan.spec),
-        "components": [{"nodes": c.nodes, "ntasks_per_node": c.ntasks_per_node, "ranks": role}
-                       for c, role in zip(plan.spec.components, plan.roles)],
+        **layout(plan),
         "dependency": [j if isinstance(j, str) else j.job_id for j in after],
         "export_dir": None if plan.export_dir is None else str(plan.export_dir),
         "previous_job_ids": previous,

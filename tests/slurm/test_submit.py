@@ -295,6 +295,29 @@ def test_bad_inputs_fail_before_submission(case, job_dir: Path, tmp_path: Path, 
     assert not (run_dir / "slurm.json").exists() and not (run_dir / "job.sbatch").exists()
 
 
+@pytest.mark.timeout(180)
+def test_dry_run_asks_slurm_and_submits_nothing(job_dir: Path, capsys) -> None:
+    """`submit --dry-run` (also over a sweep): every check of submit, then Slurm's own verdict on the
+    script (sbatch --test-only); no job, no run dir. A constraint no node has passes hpcrl's checks
+    and is refused by Slurm: exit 2 with Slurm's reason."""
+    name = f"hpcrl-dry-run-{uuid.uuid4().hex[:8]}"
+    run_dir = job_dir / "run"
+    argv = ["submit", str(EXAMPLE), "--set", f"name={name}", "--run-dir", str(run_dir), "--dry-run"]
+    assert main([*argv, "--set", "resources.rollout_nodes=1", "--sweep", "algorithm.lr=1e-3,2e-3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(f"dry run: {name} algorithm.lr=") == 2, out
+    assert "(3 ranks; component 0: 1 node, controller + 1 trainer rank | component 1: 1 node, 1 rollout rank) " \
+           "to partition debug" in out, out
+    assert len(re.findall(r"^  sbatch --test-only: Job \d+ to start at ", out, re.MULTILINE)) == 2, out
+    assert main([*argv, "--set", 'slurm.extra_sbatch_options=["--constraint=h100"]']) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and captured.out == "", captured
+    assert lines[0].startswith("hpcrl submit: error: sbatch --test-only='the job script (hpcrl render prints "
+                               "it)': Slurm would refuse the job: ") and "Invalid feature specification" in lines[0]
+    assert jobs_named(name) == [] and not run_dir.exists()
+
+
 @pytest.mark.timeout(240)
 def test_pipeline_second_job_starts_from_the_first_job_s_export(slurm, job_dir: Path) -> None:
     # about 15 s: two small single-component jobs, the second waits (afterok) on the first's export

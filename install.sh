@@ -4,19 +4,21 @@
 #   bash install.sh          # runtime, CPU build of torch (laptops, CI, CPU nodes); on Linux, where pip's
 #                            # index offers only PyPI's CUDA wheel, from PyTorch's CPU index (or
 #                            # HPCRL_TORCH_INDEX=<a CPU wheel index of torch>)
-#   bash install.sh --test   # runtime + test tools
+#   bash install.sh --test   # runtime + test tools (wandb included: the W&B logger's tests)
+#   bash install.sh --wandb  # runtime + wandb (logging.wandb_project)
 #   bash install.sh --cuda   # the trainer's environment on GPU nodes: the CUDA build of torch==2.13.0
 #                            # (PyPI's Linux wheel, or HPCRL_TORCH_INDEX=<a CUDA wheel index of torch>)
-# Flags combine (--cuda --test). Idempotent: a second run only checks that everything is installed.
+# Flags combine (--cuda --test --wandb). Idempotent: a second run only checks that everything is installed.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${HPCRL_VENV:-.venv}"
 extras="" cuda=0
 for arg in "$@"; do
   case "$arg" in
-    --test) extras="[test]" ;;
+    --test) extras="${extras:+$extras,}test" ;;
+    --wandb) extras="${extras:+$extras,}wandb" ;;
     --cuda) cuda=1 ;;
-    *) echo "install.sh: unknown option '$arg'; use --test and/or --cuda" >&2; exit 2 ;;
+    *) echo "install.sh: unknown option '$arg'; use --test, --wandb and/or --cuda" >&2; exit 2 ;;
   esac
 done
 if [[ ! -x "$VENV/bin/python" ]]; then
@@ -37,7 +39,7 @@ else
   fi
   "$VENV/bin/pip" install -q "torch==2.13.0" ${index:+--index-url "$index"}
 fi
-"$VENV/bin/pip" install -q -e ".$extras"
+"$VENV/bin/pip" install -q -e ".${extras:+[$extras]}"
 HPCRL_WANT_CUDA=$cuda "$VENV/bin/python" - <<'PY'
 import os
 import torch

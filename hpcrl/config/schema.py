@@ -426,6 +426,12 @@ class LoggingConfig:
     """Write TensorBoard event files into the run directory."""
     progress: bool = True
     """Progress bar on stderr (step, reward, step time)."""
+    wandb_project: str | None = None
+    """Weights & Biases project that gets every metrics record (needs the wandb package: `bash
+    install.sh --wandb`); null: no W&B. wandb reads WANDB_MODE (offline on nodes without internet,
+    `wandb sync` later), WANDB_ENTITY and WANDB_API_KEY itself."""
+    wandb_name: str | None = None
+    """Name of the W&B run; null: the run dir's name."""
 
 
 @dataclass(kw_only=True)

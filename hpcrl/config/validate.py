@@ -154,6 +154,8 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
      "sync into rounds by the million)"),
     ("logging.run_dir", lambda v: v is None or v != "" and not Path(v).is_file(),
      "a directory path (not an existing file), or null for runs/<name>-<time>"),
+    ("logging.wandb_project", lambda v: v is None or v.strip() != "", "a W&B project name, or null for no W&B"),
+    ("logging.wandb_name", lambda v: v is None or v.strip() != "", "a W&B run name, or null for the run dir's name"),
 ]
 
 _CHOICES: list[tuple[str, tuple[str, ...]]] = [
@@ -437,6 +439,16 @@ def _check_engine_dtype(job: JobConfig) -> None:
                       "0.02 (a wrong weight moves every token: benchmarks/RESULTS.md, bf16_sync_check)")
 
 
+def _check_wandb(job: JobConfig) -> None:
+    """logging.wandb_project needs the wandb package where the controller runs (this environment)."""
+    import importlib.util
+
+    if job.logging.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb_project", job.logging.wandb_project,
+                          "W&B logging needs the wandb package in hpcrl's environment: `bash install.sh "
+                          "--wandb` (or pip install wandb), or logging.wandb_project: null")
+
+
 def _check_eval(job: JobConfig) -> None:
     """Evaluation (at intervals or before training) needs held-out prompts, and several samples per
     prompt need sampling."""
@@ -694,6 +706,7 @@ def validate(job: JobConfig, purpose: str = "run") -> None:
     _check_parallel(job, dims)
     _check_context(job, dims, prompt_len)
     _check_eval(job)
+    _check_wandb(job)
     _check_engine_dtype(job)
     _check_algorithm(job)
     check_slurm(job)

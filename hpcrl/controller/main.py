@@ -13,6 +13,7 @@ from hpcrl.controller.checkpointing import ResumeError
 from hpcrl.controller.comm import RankFailure, World
 from hpcrl.controller.preemption import EXIT_REQUEUE, Preempted
 from hpcrl.controller.sync_check import WeightSyncError
+from hpcrl.controller.wandb_log import WandbError
 from hpcrl.rewards.pool import RewardFailing
 from hpcrl.rollout.shard_requests import ShardPushError
 from hpcrl.tasks.files import DataError
@@ -86,7 +87,7 @@ def controller_main(job: JobConfig, run_dir: Path, world: World) -> int:
             _abort(world, EXIT_REQUEUE)
         _report(run_dir, f"hpcrl run failed: {exc}")
         _abort(world, EXIT_FAILURE)
-    except (WeightSyncError, ShardPushError, ResumeError) as exc:
+    except (WeightSyncError, ShardPushError, ResumeError, WandbError) as exc:
         _report(run_dir, f"hpcrl run failed: {exc}")
         _abort(world, EXIT_FAILURE)
     except DataError as exc:  # a row validation did not sample: bad input, not a fault

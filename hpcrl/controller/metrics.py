@@ -1,4 +1,5 @@
-"""Per-step metrics: RUN_DIR/metrics.jsonl, TensorBoard event files and a progress bar.
+"""Per-step metrics: RUN_DIR/metrics.jsonl, TensorBoard event files, W&B (logging.wandb_project,
+hpcrl/controller/wandb_log.py) and a progress bar.
 
 One JSON object per step, flushed at once (a crash loses nothing already logged). Keys use the
 `group/name` convention: `reward/mean`, `reward/std`, `reward/errors` (completions whose reward
@@ -7,8 +8,9 @@ step's prompts, `data.overlong_prompts: drop`), `dynamic_sampling/*` (dapo), `ro
 `train/*`, `sync/*`, `timing/*_s` (`timing/save_s`: the checkpoint save after the previous step);
 at evaluation steps also `val/*` (per data source too) and `timing/eval_s`
 (hpcrl/controller/evaluation.py; `eval.before_train`'s record is step -1). TensorBoard gets every
-numeric key as a scalar at its step, all of a step's scalars in one event (`tensorboard_summary`: one `add_scalar` per key cost ~0.5-1 ms
-per step on the controller's critical path, one event ~0.06 ms; benchmarks/small_kernels.py).
+numeric key as a scalar at its step, all of a step's scalars in one event (`tensorboard_summary`:
+one `add_scalar` per key cost ~0.5-1 ms per step on the controller's critical path, one event
+~0.06 ms; benchmarks/small_kernels.py).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ class MetricsLogger:
     """Writes each step's metrics to jsonl and TensorBoard and advances the progress bar."""
 
     def __init__(self, run_dir: Path, num_steps: int, start_step: int = 0, tensorboard: bool = True,
-                 progress: bool = True) -> None:
+                 progress: bool = True, wandb: Any = None) -> None:
         self.path = run_dir / "metrics.jsonl"
+        self._wandb = wandb  # a WandbLog (logging.wandb_project, hpcrl/controller/wandb_log.py) or None
         self._file = self.path.open("a")
         self._tb = None
         if tensorboard:
@@ -50,6 +53,8 @@ class MetricsLogger:
         self._file.flush()
         if self._tb is not None:
             self._tb.add_summary(tensorboard_summary(metrics), step)
+        if self._wandb is not None:
+            self._wandb.log(step, metrics)
         if self._bar is not None:
             postfix = {"reward": f"{metrics['reward/mean']:.3f}"} if "reward/mean" in metrics else \
                 {"nll": f"{metrics['train/nll']:.3f}"} if "train/nll" in metrics else {}  # sft scores nothing
@@ -67,6 +72,8 @@ class MetricsLogger:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
         self._file.close()
 
 

@@ -100,9 +100,25 @@ class Session:
         self.phase(-1, "initial sync")
         self.policy.push_weights(version - 1)
         self.pushes = []
+        log, start = self.job.logging, self.checkpointer.resume_step()
+        self.metrics = MetricsLogger(self.run_dir, self.job.algorithm.num_steps, start, tensorboard=log.tensorboard,
+                                     progress=log.progress, wandb=self._wandb(start))
+
+    def _wandb(self, start: int):  # -> WandbLog | None
+        """The run dir's W&B run (logging.wandb_project), given the restored metrics history."""
         log = self.job.logging
-        self.metrics = MetricsLogger(self.run_dir, self.job.algorithm.num_steps, self.checkpointer.resume_step(),
-                                     tensorboard=log.tensorboard, progress=log.progress)
+        if log.wandb_project is None:
+            return None
+        from hpcrl.config import to_dict
+        from hpcrl.controller.metrics import read_metrics
+        from hpcrl.controller.wandb_log import WandbLog
+
+        history = read_metrics(self.run_dir) if (self.run_dir / "metrics.jsonl").is_file() else []
+        wandb = WandbLog(log.wandb_project, log.wandb_name, self.run_dir, to_dict(self.job), start if start else -1,
+                         history)
+        print(f"hpcrl: W&B run {wandb.run_id} of project {log.wandb_project} "
+              f"({'continued' if wandb.continued else 'new'})", flush=True)
+        return wandb
 
     def generate(self, step: int) -> tuple[Rollout, Flight, int]:
         """Completions of the next block of prompts (the checkpointed prompt cursor: block `step` when

@@ -6,6 +6,7 @@ import json
 
 import pytest
 from e2e_util import EXAMPLE, hpcrl
+from wandb_records import history, offline_runs, run_id
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -22,6 +23,10 @@ def _sha(run_dir):
     return json.loads((run_dir / "final.json").read_text())["policy_sha256"]
 
 
+def _charted(rows):
+    return [(r["step"], r.get("reward/mean"), r.get("val/reward_mean"), r.get("val/first/pass@2")) for r in rows]
+
+
 def test_evaluation_logs_val_metrics_and_leaves_training_unchanged(tmp_path, reference_run):
     ref_dir, args = reference_run  # 8 steps, checkpoints after steps 2, 5, 7
     val = tmp_path / "val.jsonl"  # held-out copy-task prompts: a letter, answered by four of it
@@ -29,8 +34,12 @@ def test_evaluation_logs_val_metrics_and_leaves_training_unchanged(tmp_path, ref
                            for source, letters in (("first", "abcd"), ("second", "efgh")) for c in letters))
     run_dir = tmp_path / "eval"
     eval_args = [*args, "--set", f"data.val_path={val}", "--set", "eval.interval_steps=3",
-                 "--set", "eval.num_samples=2", "--set", "eval.temperature=1.0", "--set", "eval.before_train=true"]
-    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *eval_args, timeout_s=500)
+                 "--set", "eval.num_samples=2", "--set", "eval.temperature=1.0", "--set", "eval.before_train=true",
+                 "--set", "logging.wandb_project=hpcrl-e2e"]  # W&B offline: the records read back from its files
+    wandb_env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", **{
+        key: str(tmp_path / "wandb_home" / sub) for key, sub in
+        (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data"))}}
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *eval_args, timeout_s=500, env_extra=wandb_env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "evaluation before training and every 3 steps on 8 prompts" in out.stdout
     records, reference = _records(run_dir), _records(ref_dir)
@@ -54,6 +63,9 @@ def test_evaluation_logs_val_metrics_and_leaves_training_unchanged(tmp_path, ref
     assert all(r["reward/errors"] == 0 for r in trained)
     # a save's seconds are in the next step's record (checkpoints after steps 2 and 5)
     assert [r["step"] for r in trained if "timing/save_s" in r] == [3, 6]
+    # W&B got every record at its step
+    [first_wandb] = offline_runs(run_dir)
+    assert _charted(history(first_wandb)) == _charted(records)
 
     # training is exactly the run without evaluation
     assert [r["reward/mean"] for r in trained] == [r["reward/mean"] for r in reference]
@@ -67,10 +79,15 @@ def test_evaluation_logs_val_metrics_and_leaves_training_unchanged(tmp_path, ref
     # resuming after step 2 evaluates again at 5 and 7 with the same numbers, not before training
     # (that record comes from the checkpoint's metrics history, with its time)
     resumed, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *eval_args, "--resume-from", "2",
-                       timeout_s=500)
+                       timeout_s=500, env_extra=wandb_env)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     again = _records(run_dir)
     assert [(r["step"], r.get("reward/mean"), _val(r)) for r in again] == \
         [(r["step"], r.get("reward/mean"), _val(r)) for r in records]
     assert again[0] == records[0]
+    # W&B had steps 3-7 already: a new W&B run got the restored history (-1 to 2), then steps 3-7
+    assert "(new)" in resumed.stdout and len(offline_runs(run_dir)) == 2
+    second_wandb = offline_runs(run_dir)[-1]
+    assert run_id(second_wandb) != run_id(first_wandb)
+    assert _charted(history(second_wandb)) == _charted(records)
     assert _sha(run_dir) == _sha(ref_dir)

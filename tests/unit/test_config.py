@@ -502,3 +502,19 @@ def test_async_run_corrects_with_tis_and_takes_its_cap():
     with pytest.raises(ConfigError, match="tis_cap"):
         validate(sync)
     assert rollout_correction(sync) == "none"
+
+
+def test_wandb_logging_needs_the_wandb_package(monkeypatch):
+    import importlib.util
+
+    from hpcrl.config.validate import validate
+
+    with pytest.raises(ConfigError, match=r"logging.wandb_project='': must be a W&B project name, or null for no W&B"):
+        validate(job_from_dict({"logging": {"wandb_project": ""}}))
+    job = job_from_dict({"logging": {"wandb_project": "my-project"}})
+    validate(job)  # the test extras install wandb
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"logging.wandb_project='my-project': W&B logging needs the wandb package "
+                                          r"in hpcrl's environment: `bash install.sh --wandb`"):
+        validate(job)

@@ -21,5 +21,5 @@ def test_no_dependency_or_extra_brings_sglang_or_transformer_engine():
 def test_unknown_option_is_refused_before_anything_is_installed(tmp_path):
     out = subprocess.run(["bash", str(ROOT / "install.sh"), "--gpu"], capture_output=True, text=True,
                          timeout=60, env={"HPCRL_VENV": str(tmp_path / "venv"), "PATH": "/usr/bin:/bin"})
-    assert out.returncode == 2 and "unknown option '--gpu'; use --test and/or --cuda" in out.stderr
+    assert out.returncode == 2 and "unknown option '--gpu'; use --test, --wandb and/or --cuda" in out.stderr
     assert not (tmp_path / "venv").exists()

@@ -131,7 +131,7 @@ RUN_DIR_ENTRIES = frozenset({
     "config.json", "config.yaml", "model_config.json", "metrics.jsonl", "final.json", "logs", "checkpoints",
     "tensorboard", "engine_keys.yaml", "engine_model", "engine_python", "slurm.json", "job.sbatch",
     "local_job.json", "submitted_job.yaml", ".phase.json", ".ranks.json", ".failure.txt", ".export.json",
-    ".hpcrl_world_formed", ".write-test", ".hpcrl_lock", "wandb", ".wandb.json", ".wandb.json.tmp"})
+    ".hpcrl_world_formed", ".write-test", ".hpcrl_lock", "wandb", ".wandb.json", ".wandb.json.tmp", "rollouts"})
 """What a run writes into its run dir (hpcrl/runner.py, hpcrl/jobs.py, launch/)."""
 
 

@@ -426,6 +426,9 @@ class LoggingConfig:
     """Write TensorBoard event files into the run directory."""
     progress: bool = True
     """Progress bar on stderr (step, reward, step time)."""
+    rollout_samples: int = 0
+    """Completions of each step (and of each evaluation) written as text with their rewards to
+    RUN_DIR/rollouts/ (hpcrl/controller/samples.py): the first N; -1: all; 0: none."""
     wandb_project: str | None = None
     """Weights & Biases project that gets every metrics record (needs the wandb package: `bash
     install.sh --wandb`); null: no W&B. wandb reads WANDB_MODE (offline on nodes without internet,

@@ -121,6 +121,8 @@ class Evaluator:
         self.job, self.examples, self.rollouts, self.score = job, examples, rollouts, score
         self.generation_span: tuple[float, float] | None = None
         """(start, end) perf_counter of the last evaluation's generation on the engines."""
+        self.last: tuple[Rollout, Scores] | None = None
+        """The last evaluation's completions and their scores (logging.rollout_samples)."""
         self.stop_token_ids = list(stop_token_ids)
 
     def due(self, step: int) -> bool:
@@ -145,6 +147,7 @@ class Evaluator:
         rollout = self.rollouts.collect(started)
         self.generation_span = (t_generate, t_generate + started.latency_s)  # the engines' busy time
         scores = self.score(rollout)
+        self.last = rollout, scores
         when = "before training" if step == BEFORE_TRAINING else f"step {step}"
         scores.report(f"{when}: evaluation", self.job.reward.fn, "held-out completions")
         return val_metrics(scores.rewards, [len(ids) for ids in rollout.response_ids], ev.num_samples,

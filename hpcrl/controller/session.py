@@ -22,6 +22,7 @@ from hpcrl.controller.groups import GenerateRequest, PolicyGroup, Rollout, Rollo
 from hpcrl.controller.metrics import MetricsLogger
 from hpcrl.controller.phase_file import PhaseFile
 from hpcrl.controller.pipeline import Flight, GenerationPipeline
+from hpcrl.controller.samples import SampleLog
 from hpcrl.rewards.pool import FailedSteps, Scores, reward_scorer
 from hpcrl.tasks import build_sampler, load_tokenizer, open_examples, prompt_format
 
@@ -56,6 +57,7 @@ class Session:
               f"{self.tokenizer.name} (stop ids {self.tokenizer.stop_token_ids})", flush=True)
         self.reward_pool = reward_scorer(job.reward.fn, job.reward.num_workers, job.reward.timeout_s)
         self.failed_steps = FailedSteps(job.reward.fn, job.reward.max_failed_steps)
+        self.samples = SampleLog(run_dir, job.logging.rollout_samples, self.tokenizer.decode)
         self.checkpointer = Checkpointer(job, run_dir, self.policy, resume_mode_from_env())
         self.evaluator = self._evaluator()
         self.metrics: MetricsLogger | None = None
@@ -187,6 +189,7 @@ class Session:
         step's first error is printed, naming the reward."""
         scores = self._score(rollout)
         scores.report(f"step {step}", self.job.reward.fn)
+        self.samples.write(step, rollout, scores)  # logging.rollout_samples
         self.failed_steps.add(step, scores)  # reward.max_failed_steps: RewardFailing before the update
         return scores.rewards, scores.num_errors
 
@@ -224,6 +227,7 @@ class Session:
         t0 = time.perf_counter()
         self.policy.collect_push()  # an asynchronous run's push: its wait counts in timing/eval_s
         metrics = self.evaluator.maybe_evaluate(step)
+        self.samples.write(step, *self.evaluator.last, evaluation=True)  # logging.rollout_samples
         metrics["timing/eval_s"] = round(time.perf_counter() - t0, 6)
         self.pipeline.busy.append(self.evaluator.generation_span)  # timing/engine_idle_s
         self.checkpointer.eval_state = {"last_step": step, "metrics": metrics}

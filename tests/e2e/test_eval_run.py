@@ -35,7 +35,8 @@ def test_evaluation_logs_val_metrics_and_leaves_training_unchanged(tmp_path, ref
     run_dir = tmp_path / "eval"
     eval_args = [*args, "--set", f"data.val_path={val}", "--set", "eval.interval_steps=3",
                  "--set", "eval.num_samples=2", "--set", "eval.temperature=1.0", "--set", "eval.before_train=true",
-                 "--set", "logging.wandb_project=hpcrl-e2e"]  # W&B offline: the records read back from its files
+                 "--set", "logging.wandb_project=hpcrl-e2e",  # W&B offline: the records read back from its files
+                 "--set", "logging.rollout_samples=3"]
     wandb_env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", **{
         key: str(tmp_path / "wandb_home" / sub) for key, sub in
         (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data"))}}
@@ -63,6 +64,19 @@ def test_evaluation_logs_val_metrics_and_leaves_training_unchanged(tmp_path, ref
     assert all(r["reward/errors"] == 0 for r in trained)
     # a save's seconds are in the next step's record (checkpoints after steps 2 and 5)
     assert [r["step"] for r in trained if "timing/save_s" in r] == [3, 6]
+    # the first 3 completions of each step and evaluation as text, with their rewards
+    samples = run_dir / "rollouts"
+    assert sorted(p.name for p in samples.iterdir()) == sorted(
+        [f"step_{s:06d}.jsonl" for s in range(8)] + [f"val_step_{s:06d}.jsonl" for s in (2, 5, 7)]
+        + ["val_before_train.jsonl"])
+    for path in samples.iterdir():
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [r["index"] for r in lines] == [0, 1, 2]
+        for r in lines:  # copy-task prompts: a letter, answered by four of it
+            assert r["answer"] == r["prompt"] * 4 and r["reward_error"] is None and 0 <= r["reward"] <= 1
+            assert r["response_tokens"] >= 1 and r["finish_reason"] in ("stop", "length")
+        assert {r["data_source"] for r in lines} == ({"first"} if path.name.startswith("val") else {None})
+    step_files = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in samples.glob("step_*.jsonl")}
     # W&B got every record at its step
     [first_wandb] = offline_runs(run_dir)
     assert _charted(history(first_wandb)) == _charted(records)
@@ -85,6 +99,10 @@ def test_evaluation_logs_val_metrics_and_leaves_training_unchanged(tmp_path, ref
     assert [(r["step"], r.get("reward/mean"), _val(r)) for r in again] == \
         [(r["step"], r.get("reward/mean"), _val(r)) for r in records]
     assert again[0] == records[0]
+    rewritten = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in samples.glob("step_*.jsonl")}
+    assert {n: f[0] for n, f in rewritten.items()} == {n: f[0] for n, f in step_files.items()}  # the same text,
+    assert sorted(n for n in rewritten if rewritten[n][1] != step_files[n][1]) == \
+        [f"step_{s:06d}.jsonl" for s in range(3, 8)]  # written again for the steps run again
     # W&B had steps 3-7 already: a new W&B run got the restored history (-1 to 2), then steps 3-7
     assert "(new)" in resumed.stdout and len(offline_runs(run_dir)) == 2
     second_wandb = offline_runs(run_dir)[-1]

@@ -20,6 +20,7 @@ from hpcrl.tasks.files import DataError
 
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2  # as `hpcrl validate` on bad input
+ABORT_WANDB_WAIT_S = 30.0  # how long a stopping run waits for W&B to write (and upload) what it has
 
 
 def _report(run_dir: Path, message: str) -> None:
@@ -45,9 +46,16 @@ def _in_step(session) -> str:
         f"in step {session.checkpointer.completed_step + 1}"
 
 
-def _abort(world: World, code: int) -> NoReturn:
+def _abort(world: World, code: int, session=None) -> NoReturn:
     """Stop every rank. MPI_Abort can return before the process manager kills this process: then
-    exit at once (MPI_Finalize after an abort fails on unread messages and prints a traceback)."""
+    exit at once (MPI_Finalize after an abort fails on unread messages and prints a traceback).
+    The metrics logs are closed first: W&B's service writes the run's records behind the controller,
+    and the abort kills it with the ranks (an aborted run's W&B run had none of its steps)."""
+    if session is not None and session.metrics is not None:
+        try:
+            session.metrics.close(wandb_wait_s=ABORT_WANDB_WAIT_S)
+        except Exception as exc:  # the abort goes on: its report is written
+            print(f"hpcrl: closing the metrics logs failed: {exc!r}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     world.comm.Abort(code)
@@ -84,31 +92,31 @@ def controller_main(job: JobConfig, run_dir: Path, world: World) -> int:
             except RankFailure:
                 pass
             _report(run_dir, f"hpcrl run preempted and a rank failed meanwhile: {exc}")
-            _abort(world, EXIT_REQUEUE)
+            _abort(world, EXIT_REQUEUE, session)
         _report(run_dir, f"hpcrl run failed: {exc}")
-        _abort(world, EXIT_FAILURE)
+        _abort(world, EXIT_FAILURE, session)
     except (WeightSyncError, ShardPushError, ResumeError, WandbError) as exc:
         _report(run_dir, f"hpcrl run failed: {exc}")
-        _abort(world, EXIT_FAILURE)
+        _abort(world, EXIT_FAILURE, session)
     except DataError as exc:  # a row validation did not sample: bad input, not a fault
         _report(run_dir, f"hpcrl run stopped on bad data: {exc}\n{_kept(session)}; fix the file, then "
                          f"`hpcrl run JOB --run-dir {run_dir}` resumes")
-        _abort(world, EXIT_BAD_INPUT)
+        _abort(world, EXIT_BAD_INPUT, session)
     except RewardFailing as exc:  # the reward is broken: bad input, not a fault
         _report(run_dir, f"hpcrl run stopped: {exc}\n{_kept(session)}; once the reward is fixed, "
                          f"`hpcrl run JOB --run-dir {run_dir}` resumes")
-        _abort(world, EXIT_BAD_INPUT)
+        _abort(world, EXIT_BAD_INPUT, session)
     except AlgorithmError as exc:  # the algorithm's code called the API wrongly: bad input, not a fault
         _report(run_dir, f"hpcrl run stopped: algorithm.name={job.algorithm.name!r}, {_in_step(session)}: {exc}"
                          f"\n{_kept(session)}; fix the algorithm, then `hpcrl run JOB --run-dir {run_dir}` resumes")
-        _abort(world, EXIT_BAD_INPUT)
+        _abort(world, EXIT_BAD_INPUT, session)
     except BaseException as exc:  # the controller itself failed: say where, then stop every rank
         import traceback
 
         traceback.print_exc()
         _report(run_dir, f"hpcrl run failed on the controller (rank 0), {_in_step(session)} of algorithm.name="
                          f"{job.algorithm.name!r}: {exc!r}")
-        _abort(world, EXIT_FAILURE)
+        _abort(world, EXIT_FAILURE, session)
     print(f"policy sha256: {digest}", flush=True)
     print(f"run dir: {run_dir}", flush=True)
     return 0

@@ -67,13 +67,14 @@ class MetricsLogger:
             self._bar.set_postfix(postfix, refresh=False)
             self._bar.update(1 if step >= 0 else 0)
 
-    def close(self) -> None:
+    def close(self, wandb_wait_s: float | None = None) -> None:
+        """Close every log; W&B's within `wandb_wait_s` when given (a run being aborted)."""
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
-            self._wandb.close()
+            self._wandb.close(wandb_wait_s)
         self._file.close()
 
 

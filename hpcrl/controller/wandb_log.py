@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -75,5 +76,12 @@ class WandbLog:
         self.last_step = step
         self._save()
 
-    def close(self) -> None:
-        self._run.finish()
+    def close(self, wait_s: float | None = None) -> None:
+        """Finish the W&B run (its service writes and uploads what is left); with `wait_s`, wait at
+        most that long (a run being aborted: an upload that hangs must not hold the abort)."""
+        if wait_s is None:
+            self._run.finish()
+            return
+        finishing = threading.Thread(target=self._run.finish, daemon=True)
+        finishing.start()
+        finishing.join(wait_s)

@@ -1,10 +1,12 @@
 """A reward that fails on every completion (reward.max_failed_steps): the run stops with exit 2
-naming the reward and its error, before the failing step's update, and keeps its checkpoint."""
+naming the reward and its error, before the failing step's update, and keeps its checkpoint; W&B
+(offline) has the steps logged before the stop (the abort killed its service before it wrote them)."""
 
 import json
 
 import pytest
 from e2e_util import EXAMPLE, hpcrl
+from wandb_records import history, offline_runs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -18,9 +20,13 @@ def test_a_reward_failing_on_every_completion_stops_the_run(tmp_path):
     (tmp_path / "broken_reward.py").write_text(REWARD)
     run_dir = tmp_path / "run"
     args = ["--set", "reward.fn=broken_reward:score", "--set", "reward.max_failed_steps=2",
-            "--set", "algorithm.num_steps=4", "--set", "checkpoint.interval_steps=1", "--set", "logging.progress=false"]
+            "--set", "algorithm.num_steps=4", "--set", "checkpoint.interval_steps=1", "--set", "logging.progress=false",
+            "--set", "logging.wandb_project=hpcrl-e2e"]
+    wandb_env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", **{
+        key: str(tmp_path / "wandb_home" / sub) for key, sub in
+        (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data"))}}
     out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *args, timeout_s=280,
-                   env_extra={"PYTHONPATH": str(tmp_path)})
+                   env_extra={"PYTHONPATH": str(tmp_path), **wandb_env})
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     assert ("hpcrl run stopped: reward.fn='broken_reward:score' failed on every completion of 2 steps in a row "
             "(steps 0 to 1), which train nothing; step 1's first error, completion 0: KeyError: 'reward_model'") \
@@ -30,3 +36,5 @@ def test_a_reward_failing_on_every_completion_stops_the_run(tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0] and records[0]["reward/errors"] == 16 * 8  # prompts x group_size
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000000"]
+    [wandb_run] = offline_runs(run_dir)
+    assert [r["step"] for r in history(wandb_run)] == [0]

@@ -42,7 +42,7 @@ import yaml
 
 from hpcrl.config import ConfigError, JobConfig, apply_overrides, job_from_dict, load_job, to_dict, validate
 from hpcrl.config.load import load_yaml
-from hpcrl.runner import check_resume, prepare_run_dir, resolve_run_dir
+from hpcrl.runner import check_resume, check_run_dir_writable, prepare_run_dir, resolve_run_dir
 from launch.checkpoint_step import checkpoint_dir
 
 KINDS = ("slurm", "local")
@@ -170,6 +170,7 @@ def plan_slurm(job: JobConfig, run_dir: Path, resume: str = "auto", export_to: P
     except SlurmError as exc:
         raise _slurm_error(exc) from None
     check_resume(job, run_dir, resume)
+    check_run_dir_writable(job, run_dir)  # what prepare_run_dir would refuse (submit --dry-run stops here)
     return plan
 
 

@@ -83,13 +83,38 @@ def lock_run_dir(job: JobConfig, run_dir: Path) -> int:
     return fd
 
 
+def _check_writable(path: Path, key: str, value: str, fix: str) -> None:
+    """What `_make_writable` checks, creating nothing (`hpcrl submit --dry-run`): the nearest existing
+    of `path` and its parents is a directory this process may write."""
+    found = path
+    while not found.exists() and not found.is_symlink() and found != found.parent:
+        found = found.parent
+    why = ("File exists" if found == path else "Not a directory") if not found.is_dir() else \
+        None if os.access(found, os.W_OK | os.X_OK) else "Permission denied"
+    if why is not None:
+        raise ConfigError(key, value, f"cannot create or write it ({why}); {fix}")
+
+
+def _run_dir_paths(job: JobConfig, run_dir: Path) -> list[tuple[Path, str, str, str]]:
+    """(path, key, value, fix) of every directory a run writes into."""
+    paths = [(path, run_dir_key(job, run_dir), str(run_dir), "choose a writable directory")
+             for path in (run_dir, run_dir / "logs")]
+    if job.checkpoint.dir:  # else RUN_DIR/checkpoints: writable with the run dir
+        paths.append((Path(job.checkpoint.dir), "checkpoint.dir", job.checkpoint.dir,
+                      "the run would train, then lose every checkpoint: choose a writable directory"))
+    return paths
+
+
+def check_run_dir_writable(job: JobConfig, run_dir: Path) -> None:
+    """ConfigError where `prepare_run_dir` would fail to create or write a directory; creates nothing."""
+    for args in _run_dir_paths(job, run_dir):
+        _check_writable(*args)
+
+
 def prepare_run_dir(job: JobConfig, run_dir: Path) -> None:
     """Create the run dir and write the resolved job and model configs into it."""
-    for path in (run_dir, run_dir / "logs"):
-        _make_writable(path, run_dir_key(job, run_dir), str(run_dir), "choose a writable directory")
-    if job.checkpoint.dir:  # else RUN_DIR/checkpoints: writable with the run dir
-        _make_writable(Path(job.checkpoint.dir), "checkpoint.dir", job.checkpoint.dir,
-                       "the run would train, then lose every checkpoint: choose a writable directory")
+    for args in _run_dir_paths(job, run_dir):
+        _make_writable(*args)
     resolved = to_dict(job)
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
     (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))

@@ -63,6 +63,19 @@ def history(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def exit_code(path: Path) -> int | None:
+    """The exit code the run's `finish` recorded, or None without an exit record."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    codes = []
+    for raw in _records(path):
+        record = pb.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "exit":
+            codes.append(record.exit.exit_code)
+    return codes[-1] if codes else None
+
+
 def run_id(path: Path) -> str:
     """The W&B run id of an offline run file (run-<id>.wandb)."""
     return path.stem.removeprefix("run-")

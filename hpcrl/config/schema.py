@@ -339,8 +339,8 @@ class RewardConfig:
     """Deadline of one completion's score; a reward that raises or runs past it scores 0 and is
     counted in reward/errors."""
     max_failed_steps: int = 3
-    """Stop the run (exit 2, the latest checkpoint kept) when the reward failed on every completion
-    of this many steps in a row: it trains nothing then; 0 never stops."""
+    """Stop the run (exit 2, the last completed step saved) when the reward failed on every
+    completion of this many steps in a row (all scored 0: the policy learns nothing); 0 never stops."""
 
 
 @dataclass(kw_only=True)

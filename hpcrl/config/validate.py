@@ -155,7 +155,8 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("logging.run_dir", lambda v: v is None or v != "" and not Path(v).is_file(),
      "a directory path (not an existing file), or null for runs/<name>-<time>"),
     ("logging.rollout_samples", lambda v: v >= -1, ">= -1 (the first N completions of each step; -1: all; 0: none)"),
-    ("logging.wandb_project", lambda v: v is None or v.strip() != "", "a W&B project name, or null for no W&B"),
+    ("logging.wandb_project", lambda v: v is None or v.strip() != "" and len(v) <= 128 and not set(v) & set("/\\#?%:"),
+     "a W&B project name (at most 128 characters, none of / \\ # ? % :), or null for no W&B"),
     ("logging.wandb_name", lambda v: v is None or v.strip() != "", "a W&B run name, or null for the run dir's name"),
 ]
 

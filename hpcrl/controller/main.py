@@ -40,6 +40,17 @@ def _kept(session) -> str:
         "no checkpoint was saved yet"
 
 
+def _save_before_stop(session) -> None:
+    """Save the last completed step, as a preemption does (checkpoint.interval_steps 0 saves only at
+    the end: a long run stopped by bad input lost every step); what fails here leaves the latest
+    checkpoint as it was."""
+    ckpt = session.checkpointer
+    try:
+        ckpt.save_after_abandon(Preempted(ckpt.completed_step, "stopped"))
+    except Exception as exc:  # the stop's own report follows
+        print(f"hpcrl: saving step {ckpt.completed_step} before stopping failed: {exc}", file=sys.stderr)
+
+
 def _in_step(session) -> str:
     """Where the controller was: the step in progress, or start-up."""
     return "at start-up" if session is None or session.metrics is None else \
@@ -53,7 +64,7 @@ def _abort(world: World, code: int, session=None) -> NoReturn:
     and the abort kills it with the ranks (an aborted run's W&B run had none of its steps)."""
     if session is not None and session.metrics is not None:
         try:
-            session.metrics.close(wandb_wait_s=ABORT_WANDB_WAIT_S)
+            session.metrics.close(wandb_wait_s=ABORT_WANDB_WAIT_S, exit_code=code)
         except Exception as exc:  # the abort goes on: its report is written
             print(f"hpcrl: closing the metrics logs failed: {exc!r}", file=sys.stderr)
     sys.stdout.flush()
@@ -75,7 +86,7 @@ def controller_main(job: JobConfig, run_dir: Path, world: World) -> int:
     except Preempted as exc:
         assert session is not None
         session.checkpointer.save_after_abandon(exc)
-        session.stop_workers()
+        session.stop_workers(exit_code=EXIT_REQUEUE)
         saved = session.checkpointer.saved_step
         print(f"\nhpcrl: preempted ({exc.reason}); checkpoint of step {saved} saved in "
               f"{session.checkpointer.dir}; exiting with {EXIT_REQUEUE} (requeue me). `hpcrl run JOB "
@@ -103,6 +114,7 @@ def controller_main(job: JobConfig, run_dir: Path, world: World) -> int:
                          f"`hpcrl run JOB --run-dir {run_dir}` resumes")
         _abort(world, EXIT_BAD_INPUT, session)
     except RewardFailing as exc:  # the reward is broken: bad input, not a fault
+        _save_before_stop(session)
         _report(run_dir, f"hpcrl run stopped: {exc}\n{_kept(session)}; once the reward is fixed, "
                          f"`hpcrl run JOB --run-dir {run_dir}` resumes")
         _abort(world, EXIT_BAD_INPUT, session)

@@ -67,14 +67,15 @@ class MetricsLogger:
             self._bar.set_postfix(postfix, refresh=False)
             self._bar.update(1 if step >= 0 else 0)
 
-    def close(self, wandb_wait_s: float | None = None) -> None:
-        """Close every log; W&B's within `wandb_wait_s` when given (a run being aborted)."""
+    def close(self, wandb_wait_s: float | None = None, exit_code: int = 0) -> None:
+        """Close every log; W&B's with the run's exit code, within `wandb_wait_s` when given (a run
+        being aborted)."""
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
-            self._wandb.close(wandb_wait_s)
+            self._wandb.close(wandb_wait_s, exit_code)
         self._file.close()
 
 

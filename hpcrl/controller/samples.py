@@ -7,9 +7,11 @@ object per line in RUN_DIR/rollouts/:
     val_step_000007.jsonl       the evaluation after step 7's update
     val_before_train.jsonl      eval.before_train's
 
-Each line: step, index (the completion's place in its rollout), prompt, response (decoded text),
-answer, reward, reward_error (the reward's error, or null), finish_reason, response_tokens and
-data_source (verl's column, or null). A step run again after a resume writes its file again.
+Each line: step, round (0, 1, ... for a step's generation rounds: dapo's), index (the completion's
+place in its round's rollout), prompt, response (decoded text), answer, reward, reward_error (the
+reward's error, or null), finish_reason, response_tokens and data_source (verl's column; "unknown"
+without one, as the val metrics name it). sft scores no completions: its evaluations only. A step
+run again after a resume writes its file again.
 Writing reads nothing back and draws no random number: training is the same with it.
 """
 
@@ -19,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hpcrl.controller.evaluation import data_source
 from hpcrl.controller.groups import Rollout
 from hpcrl.rewards.pool import Scores
 
@@ -37,21 +40,22 @@ class SampleLog:
     def __init__(self, run_dir: Path, count: int, decode: Any) -> None:
         self.dir, self.count, self.decode = Path(run_dir) / DIR_NAME, count, decode
         self._open_step: int | None = None  # the training step whose file this run has begun
+        self._round = 0  # of that step
 
     def write(self, step: int, rollout: Rollout, scores: Scores, evaluation: bool = False) -> None:
         if self.count == 0:
             return
         again = not evaluation and self._open_step == step  # a later generation round of the step
         if not evaluation:
-            self._open_step = step
+            self._open_step, self._round = step, self._round + 1 if again else 0
         rows = range(len(rollout.response_ids) if self.count < 0 else min(self.count, len(rollout.response_ids)))
         self.dir.mkdir(exist_ok=True)
         with (self.dir / sample_file_name(step, evaluation)).open("a" if again else "w") as out:
             for i in rows:
                 example = rollout.examples[i]
-                source = example.extra.get("data_source")
                 out.write(json.dumps({
-                    "step": step, "index": i, "prompt": example.prompt,
-                    "response": self.decode(rollout.response_ids[i]), "answer": example.answer, "reward": float(scores.rewards[i]), "reward_error": scores.errors.get(i),
+                    "step": step, "round": 0 if evaluation else self._round, "index": i, "prompt": example.prompt,
+                    "response": self.decode(rollout.response_ids[i]), "answer": example.answer,
+                    "reward": float(scores.rewards[i]), "reward_error": scores.errors.get(i),
                     "finish_reason": rollout.finish_reasons[i], "response_tokens": len(rollout.response_ids[i]),
-                    "data_source": None if source is None else str(source)}) + "\n")
+                    "data_source": data_source(example)}) + "\n")

@@ -244,11 +244,11 @@ class Session:
         self.stop_workers()
         return final["policy_sha256"]
 
-    def stop_workers(self) -> None:
-        """Close the metrics, stop the reward workers and let every worker exit cleanly (engines
-        stopped)."""
+    def stop_workers(self, exit_code: int = 0) -> None:
+        """Close the metrics (W&B's run ends with `exit_code`), stop the reward workers and let every
+        worker exit cleanly (engines stopped)."""
         if self.metrics is not None:
-            self.metrics.close()
+            self.metrics.close(exit_code=exit_code)
             self.metrics = None
         self.phase_file.close()
         self.reward_pool.close()

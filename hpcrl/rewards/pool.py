@@ -69,7 +69,8 @@ class RewardPoolError(RuntimeError):
 
 class RewardFailing(RuntimeError):
     """The reward failed on every completion of `reward.max_failed_steps` steps in a row: the run
-    stops (exit 2), since such steps train nothing (a bug in the reward, a verifier that is down)."""
+    stops (exit 2), since the policy learns nothing from such steps (a bug in the reward, a verifier
+    that is down)."""
 
 
 @dataclass(frozen=True)
@@ -100,17 +101,20 @@ class Scores:
 
 class FailedSteps:
     """Counts the steps in a row whose every completion's reward failed (a step of several scorings,
-    dapo's rounds, counts once; a scoring with one success ends the row) and raises RewardFailing
+    dapo's rounds, fails when all of them did; one success ends the row) and raises RewardFailing
     when it reaches `limit` (0: never)."""
 
     def __init__(self, fn: str, limit: int) -> None:
         self.fn, self.limit = fn, limit
         self.steps: list[int] = []
+        self._scored_step: int | None = None  # the last step with a reward that did not fail
 
     def add(self, step: int, scores: Scores) -> None:
         if not scores.all_failed:
-            self.steps = []
+            self.steps, self._scored_step = [], step
             return
+        if step == self._scored_step:
+            return  # an earlier round of this step was scored
         if not self.steps or self.steps[-1] != step:
             self.steps.append(step)
         if self.limit and len(self.steps) >= self.limit:
@@ -118,9 +122,9 @@ class FailedSteps:
             which = f"step {step}" if len(self.steps) == 1 else \
                 f"{len(self.steps)} steps in a row (steps {self.steps[0]} to {step})"
             raise RewardFailing(
-                f"reward.fn={self.fn!r} failed on every completion of {which}, which train nothing; step "
-                f"{step}'s first error, completion {index}: {message}. Fix the reward (or set "
-                "reward.max_failed_steps: 0 to go on)")
+                f"reward.fn={self.fn!r} failed on every completion of {which} (all scored 0: the policy "
+                f"learns nothing from them); step {step}'s first error, completion {index}: {message}. Fix "
+                "the reward (or set reward.max_failed_steps: 0 to go on)")
 
 
 @dataclass

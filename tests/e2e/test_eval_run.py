@@ -71,11 +71,11 @@ def test_evaluation_logs_val_metrics_and_leaves_training_unchanged(tmp_path, ref
         + ["val_before_train.jsonl"])
     for path in samples.iterdir():
         lines = [json.loads(line) for line in path.read_text().splitlines()]
-        assert [r["index"] for r in lines] == [0, 1, 2]
+        assert [(r["round"], r["index"]) for r in lines] == [(0, 0), (0, 1), (0, 2)]
         for r in lines:  # copy-task prompts: a letter, answered by four of it
             assert r["answer"] == r["prompt"] * 4 and r["reward_error"] is None and 0 <= r["reward"] <= 1
             assert r["response_tokens"] >= 1 and r["finish_reason"] in ("stop", "length")
-        assert {r["data_source"] for r in lines} == ({"first"} if path.name.startswith("val") else {None})
+        assert {r["data_source"] for r in lines} == ({"first"} if path.name.startswith("val") else {"unknown"})
     step_files = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in samples.glob("step_*.jsonl")}
     # W&B got every record at its step
     [first_wandb] = offline_runs(run_dir)

@@ -316,6 +316,14 @@ def test_dry_run_asks_slurm_and_submits_nothing(job_dir: Path, capsys) -> None:
     assert lines[0].startswith("hpcrl submit: error: sbatch --test-only='the job script (hpcrl render prints "
                                "it)': Slurm would refuse the job: ") and "Invalid feature specification" in lines[0]
     assert jobs_named(name) == [] and not run_dir.exists()
+    # what the real submit refuses when it creates the run dir, the dry run refuses too (nothing created)
+    (job_dir / "file").write_text("a file, not a directory")
+    for args, refused in ((["--run-dir", str(job_dir / "file")], f"--run-dir='{job_dir / 'file'}'"),
+                          (["--set", f"checkpoint.dir={job_dir / 'file' / 'ck'}"], "checkpoint.dir=")):
+        assert main([*argv, *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"hpcrl submit: error: {refused}") and "cannot create or write it" in err, err
+    assert not run_dir.exists()
 
 
 @pytest.mark.timeout(240)

@@ -509,8 +509,10 @@ def test_wandb_logging_needs_the_wandb_package(monkeypatch):
 
     from hpcrl.config.validate import validate
 
-    with pytest.raises(ConfigError, match=r"logging.wandb_project='': must be a W&B project name, or null for no W&B"):
-        validate(job_from_dict({"logging": {"wandb_project": ""}}))
+    for bad in ("", "team/project", "a:b", "x" * 129):  # wandb.init refuses them after the start-up
+        with pytest.raises(ConfigError, match=r"logging.wandb_project=.*: must be a W&B project name \(at most 128 "
+                                              r"characters, none of / \\ # \? % :\), or null for no W&B"):
+            validate(job_from_dict({"logging": {"wandb_project": bad}}))
     job = job_from_dict({"logging": {"wandb_project": "my-project"}})
     validate(job)  # the test extras install wandb
     find_spec = importlib.util.find_spec

@@ -235,8 +235,8 @@ def _scores(n_ok: int, n_failed: int):
 
 
 def test_failed_steps_stop_after_max_failed_steps_in_a_row():
-    """reward.max_failed_steps: steps whose every completion failed train nothing; the run stopped
-    only at num_steps, having trained nothing for all of them."""
+    """reward.max_failed_steps: the policy learns nothing from steps whose every completion failed;
+    the run stopped only at num_steps, having learnt nothing in all of them."""
     from hpcrl.rewards.pool import FailedSteps, RewardFailing
 
     steps = FailedSteps("my_reward:score", 3)
@@ -246,7 +246,8 @@ def test_failed_steps_stop_after_max_failed_steps_in_a_row():
     steps.add(2, _scores(0, 4))  # a second scoring of a step (dapo's rounds) counts once
     steps.add(3, _scores(0, 4))
     with pytest.raises(RewardFailing, match=r"reward.fn='my_reward:score' failed on every completion of 3 steps "
-                                            r"in a row \(steps 2 to 4\), which train nothing; step 4's first "
+                                            r"in a row \(steps 2 to 4\) \(all scored 0: the policy learns nothing "
+                                            r"from them\); step 4's first "
                                             r"error, completion 0: KeyError: 'ground_truth' \(0\)\. Fix the "
                                             r"reward \(or set reward.max_failed_steps: 0 to go on\)"):
         steps.add(4, _scores(0, 4))
@@ -254,5 +255,10 @@ def test_failed_steps_stop_after_max_failed_steps_in_a_row():
     for step in range(10):
         never.add(step, _scores(0, 4))
     FailedSteps("x", 1).add(0, _scores(0, 0))  # nothing scored is no failure
-    with pytest.raises(RewardFailing, match="failed on every completion of step 0, which train nothing"):
+    with pytest.raises(RewardFailing, match=r"failed on every completion of step 0 \(all scored 0"):
         FailedSteps("x", 1).add(0, _scores(0, 1))
+    rounds = FailedSteps("x", 1)  # dapo: a step fails when every round did
+    rounds.add(0, _scores(1, 3))
+    rounds.add(0, _scores(0, 4))
+    with pytest.raises(RewardFailing, match="of step 1 "):
+        rounds.add(1, _scores(0, 4))

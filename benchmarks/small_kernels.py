@@ -2,7 +2,8 @@
 softmax_cpu against torch's softmax (compat patch 14), the reward pool's one-chunk call against its
 spread over every worker, a step's TensorBoard scalars as one event against one per key, and the
 reference engine's per-batch costs: its answers encoded and decoded by orjson against json, and
-its requests' uniforms from one reseeded generator against a new generator per request.
+its requests' uniforms from one reseeded generator against a new generator per request; and a
+step's record logged to W&B (offline) against the same record as one TensorBoard event.
 
     .venv/bin/python benchmarks/small_kernels.py [--reps 200] [--results benchmarks/RESULTS.md]
 
@@ -124,6 +125,43 @@ def _tensorboard_rows(steps: int) -> list[str]:
     return [f"| 22 scalars, after a 30 ms idle | {base:.3f} | {new:.3f} | {base / new:.1f}x |"]
 
 
+def _wandb_rows(steps: int) -> list[str]:
+    """A step's record logged to W&B (logging.wandb_project; offline, its service writing the run
+    file) against the same record as one TensorBoard event, alternating per step after a 30 ms idle:
+    what W&B adds to the controller's critical path."""
+    import importlib.util
+    import tempfile
+
+    from torch.utils.tensorboard.writer import FileWriter
+
+    from hpcrl.controller.metrics import tensorboard_summary
+
+    if importlib.util.find_spec("wandb") is None:
+        return ["| (wandb is not installed: `bash install.sh --wandb`) | | | |"]
+    from hpcrl.controller.wandb_log import WandbLog
+
+    metrics = {f"group/metric{i}": 0.5 + i for i in range(22)}
+    times: dict[str, list[float]] = {"TensorBoard event": [], "W&B row": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for key in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+            os.environ[key] = f"{tmp}/{key.lower()}"
+        os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
+        tb, wb = FileWriter(f"{tmp}/tb"), WandbLog("bench", None, Path(tmp), {}, -1, [])
+        for step in range(2 * steps):
+            name = "W&B row" if step % 2 else "TensorBoard event"
+            time.sleep(0.03)
+            t0 = time.perf_counter()
+            if step % 2:
+                wb.log(step, metrics)
+            else:
+                tb.add_summary(tensorboard_summary(metrics), step)
+            times[name].append(time.perf_counter() - t0)
+        tb.close()
+        wb.close()
+    base, new = (statistics.median(times[k]) * 1e3 for k in ("TensorBoard event", "W&B row"))
+    return [f"| 22 metrics, after a 30 ms idle | {base:.3f} | {new:.3f} | {new / base:.1f}x |"]
+
+
 def _engine_rows(calls: int) -> list[str]:
     import json
 
@@ -184,6 +222,7 @@ def main() -> int:
     softmax = _softmax_rows(args.reps)
     pool = _pool_rows(max(args.reps // 4, 10))
     tensorboard = _tensorboard_rows(max(args.reps // 2, 10))
+    wandb = _wandb_rows(max(args.reps // 2, 10))
     engine = _engine_rows(args.reps)
     text = "\n".join([
         run_heading(f".venv/bin/python benchmarks/small_kernels.py --reps {args.reps}"), "",
@@ -197,6 +236,9 @@ def main() -> int:
         "token_match uses now) |", "|---|---|---|---|---|", *pool, "",
         "A step's TensorBoard scalars (median ms per step):", "",
         "| write | add_scalar per key | one event | speed-up |", "|---|---|---|---|", *tensorboard, "",
+        "A step's record to W&B (offline; WandbLog.log: the row and RUN_DIR/.wandb.json) against the same "
+        "as one TensorBoard event (median ms per step):", "",
+        "| write | TensorBoard event | W&B row | W&B / TensorBoard |", "|---|---|---|---|", *wandb, "",
         "Reference engine, per generate call of the tiny step (median ms; before: json / a new generator "
         "per request, now: orjson / one reseeded generator):", "",
         "| cost | before | now | speed-up | same result |", "|---|---|---|---|---|", *engine, ""])

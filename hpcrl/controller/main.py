@@ -20,7 +20,9 @@ from hpcrl.tasks.files import DataError
 
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2  # as `hpcrl validate` on bad input
-ABORT_WANDB_WAIT_S = 30.0  # how long a stopping run waits for W&B to write (and upload) what it has
+ABORT_WANDB_WAIT_S = 30.0
+"""How long a run that stops early (an error, a preemption: Slurm's kill follows its grace time)
+waits for W&B to write and upload what it has."""
 
 
 def _report(run_dir: Path, message: str) -> None:
@@ -86,7 +88,7 @@ def controller_main(job: JobConfig, run_dir: Path, world: World) -> int:
     except Preempted as exc:
         assert session is not None
         session.checkpointer.save_after_abandon(exc)
-        session.stop_workers(exit_code=EXIT_REQUEUE)
+        session.stop_workers(exit_code=EXIT_REQUEUE, wandb_wait_s=ABORT_WANDB_WAIT_S)  # within the grace time
         saved = session.checkpointer.saved_step
         print(f"\nhpcrl: preempted ({exc.reason}); checkpoint of step {saved} saved in "
               f"{session.checkpointer.dir}; exiting with {EXIT_REQUEUE} (requeue me). `hpcrl run JOB "

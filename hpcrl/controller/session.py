@@ -244,11 +244,11 @@ class Session:
         self.stop_workers()
         return final["policy_sha256"]
 
-    def stop_workers(self, exit_code: int = 0) -> None:
-        """Close the metrics (W&B's run ends with `exit_code`), stop the reward workers and let every
-        worker exit cleanly (engines stopped)."""
+    def stop_workers(self, exit_code: int = 0, wandb_wait_s: float | None = None) -> None:
+        """Close the metrics (W&B's run ends with `exit_code`, within `wandb_wait_s` when given), stop
+        the reward workers and let every worker exit cleanly (engines stopped)."""
         if self.metrics is not None:
-            self.metrics.close(exit_code=exit_code)
+            self.metrics.close(wandb_wait_s, exit_code)
             self.metrics = None
         self.phase_file.close()
         self.reward_pool.close()

@@ -108,3 +108,17 @@ def test_a_controller_environment_without_wandb_is_named(offline, monkeypatch):
                               r"environment \(ModuleNotFoundError: No module named 'wandb'\); install it there"):
         patched.setattr(builtins, "__import__", no_wandb)
         WandbLog("hpcrl-test", None, offline, {}, -1, [])
+
+
+def test_a_bounded_close_does_not_wait_for_a_hanging_upload(offline):
+    """A run stopping early (an error, a preemption within Slurm's grace time) waits for W&B at most
+    wait_s: an upload that hangs must not hold it until the kill."""
+    import time
+
+    log = WandbLog("hpcrl-test", None, offline, {}, -1, [])
+    finish = log._run.finish
+    log._run.finish = lambda exit_code=0: time.sleep(5)  # an upload that hangs
+    t0 = time.monotonic()
+    log.close(wait_s=0.5, exit_code=3)
+    assert time.monotonic() - t0 < 3.0  # 0.5 s, with room for a loaded machine (the hang is 5 s)
+    finish(exit_code=3)

@@ -7,6 +7,9 @@ HPCRL_FAULT="<rank>:<op>:<exit|crash|hang>" makes MPI rank <rank> exit(0), raise
 receives the controller's command <op>. Generation requests go from the controller straight to the
 engines (no command to the rollout rank), so for op `generate` a rollout rank hands the action to
 the engine server it launches (HPCRL_ENGINE_FAULT=<action>), which injects it on /generate.
+"<rank>:generate:<action>:<weight version>" injects it only on the generations (not the scoring
+requests) the engine serves at that weight version: step s samples with version "s-1" (the push
+after step s-1; the initial push is "-1"), so "2:generate:hang:3" hangs step 4's generation.
 """
 
 from __future__ import annotations
@@ -22,10 +25,24 @@ def planned(rank: int, op: str) -> str | None:
     spec = os.environ.get("HPCRL_FAULT", "")
     if not spec:
         return None
-    f_rank, f_op, action = spec.split(":")
-    if action not in ACTIONS:
-        raise ValueError(f"HPCRL_FAULT={spec!r}: the action must be one of {ACTIONS}")
-    return action if int(f_rank) == rank and f_op == op else None
+    f_rank, f_op, action, *version = spec.split(":")
+    if action not in ACTIONS or (version and f_op != "generate") or len(version) > 1:
+        raise ValueError(f"HPCRL_FAULT={spec!r}: the action must be one of {ACTIONS}, with a weight version "
+                         "for op generate only")
+    if int(f_rank) != rank or f_op != op:
+        return None
+    return ":".join([action, *version])
+
+
+def engine_fault_due(fault: str | None, weight_version: str, request: dict) -> str | None:
+    """The action of HPCRL_ENGINE_FAULT ("<action>[:<weight version>]") due on this /generate
+    `request` at the engine's `weight_version`, or None."""
+    if not fault:
+        return None
+    action, _, version = fault.partition(":")
+    if version and (version != weight_version or "logprob_start_len" in request):
+        return None
+    return action
 
 
 def inject(action: str | None, op: str) -> None:

@@ -1,6 +1,7 @@
 """The controller's checkpoint policy: when to save, what to resume from, how to react to
 preemption. The loop only calls `maybe_save(step)` after each step; `Session.phase` calls
-`check_abandon` at phase boundaries.
+`check_abandon` at phase boundaries, and the long waits inside a phase (an engine's generation, the
+reward workers) call `poll` between their polls.
 
 Saving is collective on the trainer ranks (hpcrl/trainer/checkpoint_io.py writes HDF5 shards under
 HF names; the store in checkpoints/ commits atomically). The controller adds the metadata that
@@ -58,6 +59,8 @@ class Checkpointer:
         self._unlogged_save_s: float | None = None
         self.on_phase: Callable[[int, str], None] = lambda step, phase: None
         """Records a phase the checkpointer starts (the session's phase file)."""
+        self._phase: tuple[int, str] = (-1, "startup")  # the step and phase in progress (check_abandon)
+        self._in_flight_abandoned = False  # poll abandoned a step while requests were in flight
         self.saved_step: int | None = None
         self.completed_step = -1
         """Last step whose update and weight sync completed."""
@@ -216,9 +219,26 @@ class Checkpointer:
     def check_abandon(self, step: int, phase: str) -> None:
         """At a phase boundary: after a preemption signal, abandon the step (before its update)
         when finishing it and saving would not fit in the grace budget."""
-        if (phase in ABANDONABLE_PHASES and self.policy.changed_step != step and self.watch.requested
-                and self._time_is_short()):
+        self._phase = (step, phase)
+        if self._abandonable(step, phase):
             raise Preempted(step - 1, f"signal {self.watch.signal_name}; step {step} abandoned")
+
+    def _abandonable(self, step: int, phase: str) -> bool:
+        return (phase in ABANDONABLE_PHASES and self.policy.changed_step != step and self.watch.requested
+                and self._time_is_short())
+
+    def poll(self) -> None:
+        """Between the polls of a long wait inside a phase (the engines' generation, the reward
+        workers): abandon the step as `check_abandon` would at the phase's end, without waiting for
+        it. A generation of minutes outlasts Slurm's grace time: the job was killed unsaved (and, at
+        a time limit, not requeued). Not while a weight push is queued (asynchronous runs): the
+        trainer ranks are sending it, and the engines take it only once their requests are done, so
+        a save could not start before them anyway. The requests still in flight are dropped from
+        the save (`save_after_abandon`): a resume samples their prompt blocks again."""
+        step, phase = self._phase
+        if self.policy.queued_push is None and self._abandonable(step, phase):
+            self._in_flight_abandoned = True
+            raise Preempted(step - 1, f"signal {self.watch.signal_name}; step {step} abandoned in phase '{phase}'")
 
     def save_after_abandon(self, exc: Preempted) -> None:
         """Make sure the state of `exc.last_completed_step` is saved (the loop did not get to it), if
@@ -229,6 +249,11 @@ class Checkpointer:
             print(f"hpcrl: step {changed}'s update was sent before the run stopped: the trainers no longer "
                   f"hold step {exc.last_completed_step}'s state, so nothing is saved", file=sys.stderr, flush=True)
             return
+        if self._in_flight_abandoned and self.pipeline is not None:
+            dropped = self.pipeline.drop_in_flight(self.prompt_cursor)
+            if dropped:
+                print(f"hpcrl: {dropped} prompt block(s) in generation when the step was abandoned are not "
+                      "saved; a resume samples them again", file=sys.stderr, flush=True)
         if exc.last_completed_step >= 0 and self.saved_step != exc.last_completed_step:
             self.save(exc.last_completed_step)
 

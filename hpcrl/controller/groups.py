@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
@@ -18,9 +19,11 @@ import numpy as np
 
 from hpcrl.controller.comm import PendingCall, RankFailure, RoleGroup, World
 from hpcrl.controller.routes import RouteFormat
-from hpcrl.rollout.client import EngineClient, EngineError, PendingResponse, routed_experts_fields
+from hpcrl.rollout.client import EngineClient, EngineError, PendingResponse, routed_experts_fields, wait_answers
 from hpcrl.rollout.shard_requests import ShardRequests
 from hpcrl.tasks import Example
+
+POLL_S = 0.25  # how often a generation's wait runs RolloutGroup.poll
 
 
 @dataclass
@@ -299,6 +302,9 @@ class RolloutGroup:
         self.routes = routes  # ask the engines for their MoE routes (rollout.routing_replay)
         self.engines: list[EngineClient] = []
         self._heartbeat: PendingCall | None = None
+        self.poll: Callable[[], None] = lambda: None
+        """Runs between the polls of a generation's wait: the checkpointer's preemption poll, which
+        may end the wait by raising Preempted."""
 
     def async_init(self, startup_timeout_s: float) -> _Handle:
         def connect(replies: dict[int, object]) -> list[str]:
@@ -357,6 +363,7 @@ class RolloutGroup:
         return PendingRollout(step, request, pending)
 
     def collect(self, started: PendingRollout) -> Rollout:
+        self._await(started)
         outs = []
         for rank, answer in started.answers:
             with self._engine_of(rank, started.step):
@@ -372,6 +379,17 @@ class RolloutGroup:
                        [[lp[0] for lp in o["meta_info"]["output_token_logprobs"]] for o in outs],
                        [o["meta_info"]["finish_reason"]["type"] for o in outs], routes,
                        [policy_version(o["meta_info"].get("weight_version")) for o in outs])
+
+    def _await(self, started: PendingRollout) -> None:
+        """Wait for every engine's answer until the phase deadline, running `poll` between polls (a
+        request past the deadline is then reported as hung by its `result()`)."""
+        deadline = time.monotonic() + self.timeout_s
+        waiting = [answer for _, answer in started.answers]
+        while waiting and time.monotonic() < deadline:
+            self.poll()
+            waiting = wait_answers(waiting, min(POLL_S, deadline - time.monotonic()))
+        for answer in waiting:
+            answer.expire()
 
     @contextmanager
     def _engine_of(self, rank: int, step: int, phase: str = "generate") -> Iterator[None]:

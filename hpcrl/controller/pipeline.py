@@ -244,6 +244,31 @@ class GenerationPipeline:
                           if segment.finish_reasons[j] == "length" and len(segment.response_ids[j]) == flight.asked[j]
                           and self._left(flight, row) > 0]
 
+    def drop_in_flight(self, cursor) -> int:
+        """After a step abandoned while the engines generated (Checkpointer.poll): forget the first
+        segments still unanswered when they are the last prompt blocks drawn, and move the prompt
+        cursor (a PromptCursor) back to the first of them, so the save does not wait for them and a
+        resume samples those blocks again, as the run would have. Answers that arrived are collected
+        first; a continued segment (partial rollouts) or a block drawn out of order is kept (the save
+        waits for it). Returns how many flights were dropped."""
+        flights = [*self._taken, *self._ahead]
+        for flight in flights:
+            if flight.pending is not None and all(a.ready() for _, a in flight.pending.answers):
+                self._collect(flight)
+        tail: list[Flight] = []
+        for flight in reversed(flights):
+            if flight.pending is None or flight.rows is not None:
+                break
+            tail.insert(0, flight)
+        blocks = [f.block for f in tail]
+        if not tail or blocks != list(range(cursor.next_block - len(tail), cursor.next_block)):
+            return 0
+        gone = {id(f) for f in tail}  # by identity: Flight's generated __eq__ compares rollouts
+        self._taken = [f for f in self._taken if id(f) not in gone]
+        self._ahead = deque(f for f in self._ahead if id(f) not in gone)
+        cursor.next_block = blocks[0]
+        return len(tail)
+
     # -- checkpoint state ---------------------------------------------------------------------------
 
     def to_bytes(self) -> bytes | None:

@@ -63,6 +63,7 @@ class Session:
         self.metrics: MetricsLogger | None = None
         self.phase_file = PhaseFile(run_dir / ".phase.json")
         self.checkpointer.on_phase = self.phase_file.write  # not phase(): a save abandons nothing
+        self.rollouts.poll = self.checkpointer.poll  # a preemption abandons a step within its generation
         self._prepared: dict[int, GenerateRequest] = {}  # the next block's requests, built ahead
         self.pipeline = self.checkpointer.pipeline = GenerationPipeline(
             self.rollouts, self._request_of, self.checkpointer.prompt_cursor.take, job.rollout.max_staleness,
@@ -196,7 +197,7 @@ class Session:
     def _score(self, rollout: Rollout) -> Scores:
         texts = [self.tokenizer.decode(ids) for ids in rollout.response_ids]
         return self.reward_pool.score([(ex.prompt, text, ex.answer, ex.extra)
-                                       for ex, text in zip(rollout.examples, texts)])
+                                       for ex, text in zip(rollout.examples, texts)], self.checkpointer.poll)
 
     def _evaluator(self) -> Evaluator:
         """Evaluation on data.val_path (hpcrl/controller/evaluation.py); without it, never due."""

@@ -35,7 +35,7 @@ import multiprocessing as mp
 import os
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -55,6 +55,9 @@ SPREAD_MIN_S = 2e-3
 """A call whose items the workers' measured cost puts under this much scoring in all goes to one
 worker as one chunk: waking and answering a second worker costs ~0.5 ms more on 2 busy cores
 (benchmarks/RESULTS.md, small_kernels), more than it can save there."""
+
+POLL_S = 0.25
+"""How often `score`'s wait runs its `poll` (the controller's preemption poll) at least."""
 
 
 INLINE_REWARDS = frozenset({"exact_match", "token_match"})
@@ -159,8 +162,10 @@ class RewardPool:
         child.close()
         return _Slot(proc, parent, progress, time.monotonic())
 
-    def score(self, items: Sequence[RewardItem]) -> Scores:
-        """Score every item (see the module docstring for the guarantees)."""
+    def score(self, items: Sequence[RewardItem], poll: Callable[[], None] | None = None) -> Scores:
+        """Score every item (see the module docstring for the guarantees). `poll` runs at least every
+        POLL_S seconds while workers score (the controller's preemption poll); what it raises ends
+        the call, the workers' chunks then lost with them at `close`."""
         n = len(items)
         rewards = np.zeros(n, dtype=np.float64)
         errors: dict[int, str] = {}
@@ -176,7 +181,9 @@ class RewardPool:
                     except OSError:
                         self._lose(i, todo, orphaned, errors, "its worker process died")
             busy = [s.conn for s in self._slots if s.chunk or not s.ready]
-            for conn in wait(busy, timeout=self._wait_s()):
+            if poll is not None:
+                poll()
+            for conn in wait(busy, timeout=self._wait_s() if poll is None else min(self._wait_s(), POLL_S)):
                 i = next(k for k, s in enumerate(self._slots) if s.conn is conn)
                 try:
                     msg = conn.recv()
@@ -294,7 +301,7 @@ class InlineRewards:
         assert spec in INLINE_REWARDS, spec
         self.spec, self._fn = spec, BUILTIN_REWARDS[spec]
 
-    def score(self, items: Sequence[RewardItem]) -> Scores:
+    def score(self, items: Sequence[RewardItem], poll: Callable[[], None] | None = None) -> Scores:
         scored = [score_item(self._fn, *item) for item in items]
         return Scores(np.array([s for s, _ in scored], dtype=np.float32),
                       {i: e for i, (_, e) in enumerate(scored) if e is not None})

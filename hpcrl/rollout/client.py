@@ -471,6 +471,11 @@ class PendingResponse:
         sock = self.conn.sock
         return sock is None or bool(select.select([sock], [], [], 0)[0])
 
+    def expire(self) -> None:
+        """The caller's deadline passed: `result()` reports this request as timed out at once."""
+        if self.conn.sock is not None:
+            self.conn.sock.settimeout(1e-3)
+
     def result(self):
         """Read and decode the answer (the connection's timeout applies); EngineError on failure."""
         try:
@@ -485,6 +490,14 @@ class PendingResponse:
             else:
                 self.client._local.awaiting = False
         return self.client._answer(self.route, status, data, ctype)
+
+
+def wait_answers(answers: list[PendingResponse], timeout_s: float) -> list[PendingResponse]:
+    """Wait at most `timeout_s` for any of `answers` to arrive; return those still unanswered."""
+    socks = [a.conn.sock for a in answers if a.conn.sock is not None]
+    if len(socks) == len(answers):
+        select.select(socks, [], [], timeout_s)
+    return [a for a in answers if not a.ready()]
 
 
 def _decode(data: bytes, content_type: str):

@@ -201,7 +201,7 @@ class ReferenceServer:
 
     def generate(self, req: dict):
         start = time.perf_counter()
-        faults.inject(self.fault, "generate")
+        faults.inject(faults.engine_fault_due(self.fault, self.weight_version, req), "generate")
         for key, value in req.items():
             if key in _UNSERVED_GENERATE_FIELDS and value not in (None, False, 0, "", [], {}):
                 raise _Fail(f"/generate field {key!r} is not supported by the reference engine")

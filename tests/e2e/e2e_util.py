@@ -34,11 +34,12 @@ def leftover_processes(marker: str) -> list[str]:
     return found
 
 
-def start_run(run_dir: Path, *args: str, example: Path = EXAMPLE) -> subprocess.Popen:
+def start_run(run_dir: Path, *args: str, example: Path = EXAMPLE, env_extra: dict | None = None) -> subprocess.Popen:
     """`hpcrl run example --run-dir run_dir ARGS` in the background (its own session; stdout and
     stderr together, text)."""
     env = dict(os.environ)
     env.pop("HPCRL_FAULT", None)
+    env.update(env_extra or {})
     return subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "run", str(example), "--run-dir", str(run_dir),
                              *args],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -80,6 +80,31 @@ def test_signal_saves_exits_for_requeue_and_resume_is_bit_identical(tmp_path, re
     assert not leftover_processes(str(run_dir))
 
 
+def test_a_signal_during_a_generation_that_outlasts_the_grace_abandons_it(tmp_path, uninterrupted):
+    """Step 4's generation does not end (its engine hangs: a generation of minutes outlasts Slurm's
+    grace time as well). The signal abandons the step within the grace budget instead of waiting out
+    resources.timeout_s (900 s here, past this test's timeouts); step 3, no checkpoint step, is saved;
+    the resume samples block 4 again and ends with the uninterrupted run's result."""
+    run_dir = tmp_path / "run"
+    proc = start_run(run_dir, *ARGS, "--set", "checkpoint.grace_s=15", "--set", "resources.timeout_s=900",
+                     env_extra={"HPCRL_FAULT": "2:generate:hang:3"})  # step 4 samples with weight version 3
+    _wait_for_step(proc, run_dir, 4)
+    deadline = time.monotonic() + 120
+    while json.loads((run_dir / ".phase.json").read_text()) != {"step": 4, "phase": "generate"}:
+        assert time.monotonic() < deadline and proc.poll() is None, "step 4's generation did not start"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGUSR1)
+    out = proc.communicate(timeout=240)[0]
+    assert proc.returncode == EXIT_REQUEUE, out[-3000:]
+    assert "step 4 abandoned in phase 'generate'" in out and "checkpoint of step 3 saved" in out, out[-3000:]
+    assert "1 prompt block(s) in generation when the step was abandoned are not saved" in out, out[-3000:]
+    assert not leftover_processes(str(run_dir))
+    resumed, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, timeout_s=400)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "resumed from checkpoint step 3" in resumed.stdout
+    assert _result(run_dir) == uninterrupted
+
+
 def test_kill_9_between_checkpoints_then_resume_is_bit_identical(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
     proc = _start(run_dir)

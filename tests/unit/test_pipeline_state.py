@@ -5,7 +5,8 @@ dtype, versions, finish reasons), in order; and the state is what no completed s
 import numpy as np
 import pytest
 
-from hpcrl.controller.groups import GenerateRequest, Rollout
+from hpcrl.controller.checkpointing import PromptCursor
+from hpcrl.controller.groups import GenerateRequest, PendingRollout, Rollout
 from hpcrl.controller.pipeline import BufferMismatch, Flight, GenerationPipeline
 from hpcrl.tasks import Example
 
@@ -77,3 +78,61 @@ def test_a_job_that_draws_other_prompts_for_a_saved_block_is_refused():
                                num_steps=10)
         with pytest.raises(BufferMismatch, match=match):
             q.restore(data)
+
+
+class _Answer:
+    """An engine's answer as the pipeline sees it (PendingResponse.ready)."""
+
+    def __init__(self, arrived: bool) -> None:
+        self.arrived = arrived
+
+    def ready(self) -> bool:
+        return self.arrived
+
+
+class _Engines:
+    """RolloutGroup.collect for answers that arrived: block b's rollout, sampled by version 1."""
+
+    def collect(self, pending: PendingRollout) -> Rollout:
+        return _rollout(pending.step, 1, False)
+
+
+def _in_flight(block: int, arrived: bool = False, rows: list[int] | None = None) -> Flight:
+    pending = PendingRollout(block, GenerateRequest(_examples(block, 2), [[block, 0], [block, 1]], []),
+                             [(9, _Answer(arrived))])
+    return Flight(block, 1, pending=pending, segment_version=1, rows=rows)
+
+
+def test_a_step_abandoned_in_generation_drops_its_unanswered_blocks_and_rewinds_the_cursor():
+    """Checkpointer.poll abandoned step 4 while block 4 (taken) and 5 (sampled ahead) were in flight:
+    the save keeps block 3 (answered before) and no unanswered one, and the cursor goes back to 4, so
+    the resume samples blocks 4 and 5 again, as the uninterrupted run did. Answers that arrived are
+    collected, not dropped."""
+    p = _pipeline()
+    p.rollouts = _Engines()
+    cursor = PromptCursor()
+    cursor.next_block = 7
+    p._taken.append(Flight(3, 1, rollout=_rollout(3, 1, False)))
+    p._ahead.extend([_in_flight(4), _in_flight(5), _in_flight(6, arrived=True)])
+    # the answered block 6 ends the unanswered tail: nothing can be dropped without skipping it
+    assert p.drop_in_flight(cursor) == 0 and cursor.next_block == 7
+    assert [f.block for f in [*p._taken, *p._ahead] if f.pending is None] == [3, 6]
+    p._ahead.pop()
+    cursor.next_block = 6
+    assert p.drop_in_flight(cursor) == 2
+    assert cursor.next_block == 4
+    q = _pipeline()
+    q.restore(p.to_bytes())  # to_bytes would have waited for the dropped ones
+    assert [f.block for f in q._ahead] == [3]
+
+
+def test_blocks_in_flight_that_a_resume_could_not_sample_again_are_kept():
+    """A continued segment (partial rollouts: its first tokens are the state) and blocks that are not
+    the last ones drawn (the cursor cannot skip back over them) stay for the save to wait for."""
+    for flight, cursor_at in [(_in_flight(4, rows=[1]), 5), (_in_flight(2), 5)]:
+        p = _pipeline()
+        p._ahead.append(flight)
+        cursor = PromptCursor()
+        cursor.next_block = cursor_at
+        assert p.drop_in_flight(cursor) == 0
+        assert cursor.next_block == cursor_at and list(p._ahead) == [flight]

@@ -70,6 +70,9 @@ class Checkpointer:
         """The prompt sampler's position (blocks of num_prompts_per_step prompts drawn so far)."""
         self.pipeline: GenerationPipeline | None = None
         """The rollouts sampled and not trained on by a completed step (set by the session)."""
+        self.failed_reward_steps: list[int] = []
+        """The steps in a row whose reward failed on every completion (FailedSteps.steps, the same
+        list object: set by the session): a resume continues the row (reward.max_failed_steps)."""
         self.algorithm_state: dict = {}
         """The algorithm's own state across steps (RL.state), e.g. ppo's adaptive KL coefficient."""
         self._algorithm_state_done: dict = {}  # as of the last completed step: what a save records
@@ -131,6 +134,7 @@ class Checkpointer:
                                       "changed since it was saved; resume with the settings it was saved with, "
                                       "or start a new run (another --run-dir)") from None
         self.algorithm_state.update(meta.get("algorithm_state", {}))
+        self.failed_reward_steps[:] = meta.get("reward", {}).get("failed_steps", [])
         self._algorithm_state_done = copy.deepcopy(self.algorithm_state)
         if self.resume_mode not in ("auto", "none"):
             discard_newer(self.dir, step)  # once the step loaded: a failed load keeps them
@@ -155,6 +159,7 @@ class Checkpointer:
                 "counters": {"steps_done": step + 1},
                 "eval": self.eval_state,
                 "algorithm_state": self._algorithm_state_done,
+                "reward": {"failed_steps": [s for s in self.failed_reward_steps if s <= step]},
                 "model_config": self._model_config,
                 "metrics_history": [r for r in read_metrics(self.run_dir) if r["step"] <= step]
                 if (self.run_dir / "metrics.jsonl").exists() else []}

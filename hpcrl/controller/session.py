@@ -59,6 +59,7 @@ class Session:
         self.failed_steps = FailedSteps(job.reward.fn, job.reward.max_failed_steps)
         self.samples = SampleLog(run_dir, job.logging.rollout_samples, self.tokenizer.decode)
         self.checkpointer = Checkpointer(job, run_dir, self.policy, resume_mode_from_env())
+        self.checkpointer.failed_reward_steps = self.failed_steps.steps  # a resume continues the row
         self.evaluator = self._evaluator()
         self.metrics: MetricsLogger | None = None
         self.phase_file = PhaseFile(run_dir / ".phase.json")

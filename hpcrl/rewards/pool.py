@@ -114,7 +114,8 @@ class FailedSteps:
 
     def add(self, step: int, scores: Scores) -> None:
         if not scores.all_failed:
-            self.steps, self._scored_step = [], step
+            self.steps.clear()  # in place: the checkpointer saves this list
+            self._scored_step = step
             return
         if step == self._scored_step:
             return  # an earlier round of this step was scored

@@ -1,7 +1,8 @@
 """A reward that fails on every completion (reward.max_failed_steps): the run stops with exit 2
 naming the reward and its error, before the failing step's update, and saves the last completed
 step (checkpoint.interval_steps 0 saved only at the end); W&B (offline) has the steps logged before
-the stop (the abort killed its service before it wrote them) and the run's exit code."""
+the stop (the abort killed its service before it wrote them) and the run's exit code. A resume
+continues the row of failed steps the checkpoint holds."""
 
 import json
 
@@ -40,3 +41,9 @@ def test_a_reward_failing_on_every_completion_stops_the_run(tmp_path):
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000000"]
     [wandb_run] = offline_runs(run_dir)
     assert [r["step"] for r in history(wandb_run)] == [0] and exit_code(wandb_run) == 2
+    # Resumed with the reward still broken: the checkpoint's row (step 0) continues, so step 1 stops
+    # the run again (a row restarted on resume trained on through two more failing steps).
+    out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *args, timeout_s=280,
+                   env_extra={"PYTHONPATH": str(tmp_path), **wandb_env})
+    assert out.returncode == 2 and "resumed from checkpoint step 0" in out.stdout, out.stderr[-3000:]
+    assert "failed on every completion of 2 steps in a row (steps 0 to 1)" in out.stderr, out.stderr[-3000:]

@@ -10,6 +10,7 @@ Fault injection for tests: HPCRL_FAULT="<rank>:<op>:<exit|crash|hang>" (hpcrl/fa
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -54,11 +55,12 @@ def join_world_within(num_trainer: int, deadline_s: float):
 
 
 def serve(world, handlers: dict[str, Callable[[Any], Any]], idle_timeout_s: float,
-          cores: tuple[int, ...] | None = None) -> None:
+          cores: tuple[int, ...] | None = None, trace=None) -> None:
     """Answer commands until 'shutdown'. A handler error is reported to the controller, which
     aborts the world; this rank then waits to be killed (the error is the controller's to tell).
     `cores` (resources.cpu_bind): this rank binds to them once 'init' has run, so that start-up
-    (model build, engine launch) keeps every core."""
+    (model build, engine launch) keeps every core. `trace` (hpcrl.profiling.StepTrace,
+    logging.profile_steps) sees each command's step before it runs, and ends before 'shutdown'."""
     from hpcrl import faults
     from hpcrl.controller.comm import WorkerChannel
 
@@ -66,8 +68,11 @@ def serve(world, handlers: dict[str, Callable[[Any], Any]], idle_timeout_s: floa
     while True:
         cmd = chan.next_command(idle_timeout_s)
         try:
+            if trace is not None:
+                trace.close() if cmd.op == "shutdown" else trace.at(cmd.step)
             faults.inject(faults.planned(world.rank, cmd.op), cmd.op)
-            result = handlers[cmd.op](cmd)
+            with trace.span(cmd.op) if trace is not None else contextlib.nullcontext():
+                result = handlers[cmd.op](cmd)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the controller
             from checkpoints.errors import CheckpointError
 
@@ -125,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     elif world.role == "trainer":
         from hpcrl.trainer.worker import trainer_handlers
 
-        serve(world, trainer_handlers(job, run_dir, world), idle_timeout_s, cores)
+        from hpcrl.profiling import StepTrace
+
+        trace = StepTrace(job.logging.profile_steps, run_dir, world.rank, job.resources.device == "cuda") \
+            if job.logging.profile_steps else None
+        serve(world, trainer_handlers(job, run_dir, world), idle_timeout_s, cores, trace)
         code = 0
     else:
         from hpcrl.rollout.worker import rollout_handlers

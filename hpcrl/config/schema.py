@@ -435,6 +435,9 @@ class LoggingConfig:
     `wandb sync` later), WANDB_ENTITY and WANDB_API_KEY itself."""
     wandb_name: str | None = None
     """Name of the W&B run; null: the run dir's name."""
+    profile_steps: list[int] = field(default_factory=list)
+    """RL steps whose torch.profiler traces (every trainer rank, every engine) go to
+    RUN_DIR/profile/step_NNNNNN/ (hpcrl/profiling.py); [] profiles none."""
 
 
 @dataclass(kw_only=True)

@@ -451,6 +451,17 @@ def _check_wandb(job: JobConfig) -> None:
                           "--wandb` (or pip install wandb), or logging.wandb_project: null")
 
 
+def _check_profile_steps(job: JobConfig) -> None:
+    """logging.profile_steps: steps the run has, each once."""
+    steps, n = job.logging.profile_steps, job.algorithm.num_steps
+    for i, step in enumerate(steps):
+        if not 0 <= step < n:
+            raise ConfigError(f"logging.profile_steps[{i}]", step, f"a step of the run, in [0, algorithm.num_steps="
+                                                                   f"{n}): the first step is 0")
+        if step in steps[:i]:
+            raise ConfigError(f"logging.profile_steps[{i}]", step, "each step once: remove the repeat")
+
+
 def _check_eval(job: JobConfig) -> None:
     """Evaluation (at intervals or before training) needs held-out prompts, and several samples per
     prompt need sampling."""
@@ -709,6 +720,7 @@ def validate(job: JobConfig, purpose: str = "run") -> None:
     _check_context(job, dims, prompt_len)
     _check_eval(job)
     _check_wandb(job)
+    _check_profile_steps(job)
     _check_engine_dtype(job)
     _check_algorithm(job)
     check_slurm(job)

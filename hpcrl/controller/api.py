@@ -108,10 +108,12 @@ class RL:
         self._generated = [0, 0]  # tokens, completions
         self._rewards: list[float] = []
         self._score_errors = 0
+        self._s.profile_engines(step, start=True)  # logging.profile_steps
 
     def end_step(self) -> dict[str, Any]:
         """The step's metrics record (timing/* included), for the metrics logger."""
         self._check_logprobs()  # updates of a step that did not call sync_weights
+        self._s.profile_engines(self.step, start=False)
         if self.step == self.algo.num_steps - 1:
             with _Timed(self._timing, "sync"):
                 self._s.policy.collect_push()  # the last step's, left queued (sync_weights)

@@ -409,6 +409,26 @@ class RolloutGroup:
             raise RankFailure(f"the engine of {who} failed in phase '{phase}' of step {step}: {exc} "
                               f"(see {log})") from None
 
+    def start_profile(self, out_dir: str, profile_id: str, cuda: bool) -> list[str]:
+        """SGLang's /start_profile on every engine, engine i's trace into `out_dir`/engine<i>/ (stack
+        and shapes off: traces of a few MB per step); the failures, one line per engine."""
+        body = {"profile_id": profile_id, "activities": ["CPU", "GPU"] if cuda else ["CPU"], "with_stack": False,
+                "record_shapes": False}
+        return self._each_engine("/start_profile", lambda i: {**body, "output_dir": f"{out_dir}/engine{i}"})
+
+    def stop_profile(self) -> list[str]:
+        """SGLang's /stop_profile on every engine (each writes its trace); the failures."""
+        return self._each_engine("/stop_profile", lambda i: None)
+
+    def _each_engine(self, route: str, body_of: Callable[[int], dict | None]) -> list[str]:
+        failed = []
+        for i, engine in enumerate(self.engines):
+            try:
+                engine.request("POST", route, body_of(i))
+            except EngineError as exc:
+                failed.append(f"engine {i}: {exc}")
+        return failed
+
     def _beat(self, step: int) -> None:
         """Collect the previous step's heartbeat answers and post this step's."""
         self._collect_heartbeat()

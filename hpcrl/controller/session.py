@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -23,6 +24,7 @@ from hpcrl.controller.metrics import MetricsLogger
 from hpcrl.controller.phase_file import PhaseFile
 from hpcrl.controller.pipeline import Flight, GenerationPipeline
 from hpcrl.controller.samples import SampleLog
+from hpcrl.profiling import step_dir
 from hpcrl.rewards.pool import FailedSteps, Scores, reward_scorer
 from hpcrl.tasks import build_sampler, load_tokenizer, open_examples, prompt_format
 
@@ -149,6 +151,22 @@ class Session:
         self.pipeline.version = step + 1
         self.pipeline.fill(step + 1)
         self.pushes.append(sync)
+
+    def profile_engines(self, step: int, start: bool) -> None:
+        """logging.profile_steps: start (or stop and write) the engines' traces of `step`, through
+        SGLang's /start_profile and /stop_profile (hpcrl/profiling.py). A profile that fails is a
+        warning: the run goes on."""
+        if step not in self.job.logging.profile_steps:
+            return
+        out = step_dir(self.run_dir, step)
+        failed = (self.rollouts.start_profile(str(out), f"step{step}", self.job.resources.device == "cuda")
+                  if start else self.rollouts.stop_profile())
+        for line in failed:
+            print(f"hpcrl: warning: profiling step {step} failed on {line}; the run goes on", file=sys.stderr,
+                  flush=True)
+        if not start:
+            print(f"hpcrl: step {step} profiled: {out} (the trainer ranks' traces follow with their next "
+                  "command)", flush=True)
 
     def _request_of(self, block: int) -> GenerateRequest:
         return self._prepared.pop(block, None) or self._request(block)

@@ -45,7 +45,7 @@ ADMIN_ROUTES = frozenset({
     "/end_weight_update", "/update_weights_from_distributed", "/update_weights_from_tensor",
     "/update_weights_from_disk", "/update_weight_version", "/get_weights_by_name",
     "/release_memory_occupation", "/resume_memory_occupation", "/pause_generation",
-    "/continue_generation", "/abort_request", "/set_internal_state",
+    "/continue_generation", "/abort_request", "/set_internal_state", "/start_profile", "/stop_profile",
     "/hpcrl/update_weights_reshard",  # hpcrl's extension: a weight update, so admin like SGLang's
 })
 """Routes SGLang 0.5.23 marks ADMIN_OPTIONAL (those hpcrl's engines serve or may call)."""

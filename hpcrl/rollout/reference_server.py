@@ -10,7 +10,8 @@ without it from random weights drawn from --seed (SGLang's --load-format dummy).
 
 Routes (bodies and answers as SGLang's): POST /generate; GET /health, /health_generate, /model_info,
 /get_model_info, /server_info, /get_server_info, /get_weight_version; GET|POST /flush_cache,
-/get_weights_by_name, /release_memory_occupation, /resume_memory_occupation; POST
+/get_weights_by_name, /release_memory_occupation, /resume_memory_occupation, /start_profile,
+/stop_profile (hpcrl/rollout/engine_profile.py); POST
 /init_weights_update_group, /destroy_weights_update_group, /begin_weight_update,
 /update_weights_from_distributed, /end_weight_update, /update_weight_version, /pause_generation,
 /continue_generation; and hpcrl's extension POST /hpcrl/update_weights_reshard (shard-to-shard sync,
@@ -89,6 +90,7 @@ import torch.distributed as dist
 from hpcrl import faults
 from hpcrl.rollout.engine import ReferenceModel
 from hpcrl.rollout.engine_auth import decide_request_auth, route_level
+from hpcrl.rollout.engine_profile import EngineProfile, ProfileRefused
 from hpcrl.rollout.engine_score import input_token_logprobs
 from hpcrl.rollout.reshard_route import ROUTE, PlanRequest, spec_at_dtype, spec_fingerprint
 from hpcrl.rollout.weight_sender import init_custom_process_group, parse_dtype, unflatten_bucket
@@ -151,6 +153,7 @@ class ReferenceServer:
         self.reshard_staging = None
         self.reshard_spec = None  # (MoESpec, its fingerprint) of this engine's model, made once
         self.fault = os.environ.get("HPCRL_ENGINE_FAULT")  # tests only (hpcrl/faults.py)
+        self.profile = EngineProfile(cuda=engine.device.type == "cuda")  # guarded by model_lock
         self.unpaused = threading.Event()
         self.unpaused.set()
         self.shutting_down = False
@@ -160,7 +163,8 @@ class ReferenceServer:
         self.abort_epoch = 0  # bumped by /pause_generation in abort mode (guarded by `batching`)
         post = {"generate": self.generate, "pause_generation": self.pause_generation,
                 "continue_generation": self.continue_generation, "flush_cache": self.flush_cache,
-                "get_weights_by_name": self.get_weights_by_name}
+                "get_weights_by_name": self.get_weights_by_name, "start_profile": self.start_profile,
+                "stop_profile": self.stop_profile}
         weight = {"init_weights_update_group": self.init_weights_update_group,
                   "destroy_weights_update_group": self.destroy_weights_update_group,
                   "begin_weight_update": self.begin_weight_update,
@@ -175,7 +179,8 @@ class ReferenceServer:
                "get_server_info": self.server_info, "get_weight_version": self.get_weight_version,
                "flush_cache": self.flush_cache, "get_weights_by_name": self.get_weights_by_name,
                "release_memory_occupation": self.release_memory_occupation,
-               "resume_memory_occupation": self.resume_memory_occupation}
+               "resume_memory_occupation": self.resume_memory_occupation,
+               "start_profile": self.start_profile, "stop_profile": self.stop_profile}
         self.routes = {("POST", f"/{k}"): v for k, v in (post | weight).items()}
         self.routes |= {("GET", f"/{k}"): v for k, v in get.items()}
         self.routes[("PUT", "/generate")] = self.generate
@@ -366,7 +371,8 @@ class ReferenceServer:
                     if job.epoch < self.abort_epoch:
                         job.aborted = "Abort in waiting queue"
                 if job.aborted is None:
-                    self._run_batch(job)
+                    with self.profile.traced():  # /start_profile
+                        self._run_batch(job)
         finally:
             with self.batching:
                 if job.aborted is None and job.epoch < self.abort_epoch:
@@ -451,6 +457,23 @@ class ReferenceServer:
             with self.model_lock:
                 pass  # a batch that was running has ended; its requests answer as aborted
         return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def start_profile(self, req: dict) -> str:
+        """SGLang's /start_profile (hpcrl/rollout/engine_profile.py): this engine's forward batches
+        from now until /stop_profile."""
+        with self.model_lock:
+            return self._profile_call(self.profile.start, req)
+
+    def stop_profile(self, req: dict) -> str:
+        with self.model_lock:  # after the batch that runs now: its trace is whole
+            return self._profile_call(lambda _: self.profile.stop(), req)
+
+    @staticmethod
+    def _profile_call(call, req: dict) -> str:
+        try:
+            return call(req)
+        except ProfileRefused as exc:
+            raise _Fail(str(exc), exc.status) from None
 
     def continue_generation(self, req: dict) -> dict:
         self.unpaused.set()

@@ -1,7 +1,9 @@
 """Evaluation end to end (`data.val_path`, `eval.*`): val/ metrics at the evaluation steps and before
 training (per data source too), the training trajectory unchanged by it, its state in the checkpoints,
-and a resume that reproduces it."""
+and a resume that reproduces it. The run also profiles step 1 (logging.profile_steps), which must not
+change training either."""
 
+import gzip
 import json
 
 import pytest
@@ -23,6 +25,10 @@ def _sha(run_dir):
     return json.loads((run_dir / "final.json").read_text())["policy_sha256"]
 
 
+def _trace_ops(path) -> set[str]:
+    return {e["name"] for e in json.load(gzip.open(path))["traceEvents"] if e.get("ph") == "X"}
+
+
 def _charted(rows):
     return [(r["step"], r.get("reward/mean"), r.get("val/reward_mean"), r.get("val/first/pass@2")) for r in rows]
 
@@ -36,7 +42,7 @@ def test_evaluation_logs_val_metrics_and_leaves_training_unchanged(tmp_path, ref
     eval_args = [*args, "--set", f"data.val_path={val}", "--set", "eval.interval_steps=3",
                  "--set", "eval.num_samples=2", "--set", "eval.temperature=1.0", "--set", "eval.before_train=true",
                  "--set", "logging.wandb_project=hpcrl-e2e",  # W&B offline: the records read back from its files
-                 "--set", "logging.rollout_samples=3"]
+                 "--set", "logging.rollout_samples=3", "--set", "logging.profile_steps=[1]"]
     wandb_env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", **{
         key: str(tmp_path / "wandb_home" / sub) for key, sub in
         (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data"))}}
@@ -77,6 +83,13 @@ def test_evaluation_logs_val_metrics_and_leaves_training_unchanged(tmp_path, ref
             assert r["response_tokens"] >= 1 and r["finish_reason"] in ("stop", "length")
         assert {r["data_source"] for r in lines} == ({"first"} if path.name.startswith("val") else {"unknown"})
     step_files = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in samples.glob("step_*.jsonl")}
+    # step 1's traces: the trainer rank's commands (named spans) and the engine's forward batches
+    profiled = run_dir / "profile" / "step_000001"
+    assert sorted(p.name for p in (run_dir / "profile").iterdir()) == ["step_000001"]
+    trainer_ops = _trace_ops(profiled / "trainer_rank1.trace.json.gz")
+    assert {"hpcrl.train", "hpcrl.sync", "aten::mm"} <= trainer_ops, sorted(trainer_ops)[:20]
+    assert {"aten::topk", "aten::softmax"} <= _trace_ops(profiled / "engine0" / "step1-TP-0.trace.json.gz")
+    assert f"hpcrl: step 1 profiled: {profiled}" in out.stdout
     # W&B got every record at its step
     [first_wandb] = offline_runs(run_dir)
     assert _charted(history(first_wandb)) == _charted(records)

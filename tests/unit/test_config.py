@@ -438,7 +438,7 @@ def test_schema_field_types_are_supported_by_the_loader():
             continue
         for f in dataclasses.fields(tp):
             hint = typing.get_type_hints(tp)[f.name]
-            assert hint in (int, float, bool, str, str | None, float | None, list[str], dict[str, Any]), \
+            assert hint in (int, float, bool, str, str | None, float | None, list[str], list[int], dict[str, Any]), \
                 f"{section.name}.{f.name}: {hint}"
 
 
@@ -520,3 +520,14 @@ def test_wandb_logging_needs_the_wandb_package(monkeypatch):
     with pytest.raises(ConfigError, match=r"logging.wandb_project='my-project': W&B logging needs the wandb package "
                                           r"in hpcrl's environment: `bash install.sh --wandb`"):
         validate(job)
+
+
+def test_profile_steps_are_steps_of_the_run_each_once():
+    validate(job_from_dict({"algorithm": {"num_steps": 4}, "logging": {"profile_steps": [0, 3]}}))
+    for steps, where, why in [([4], 0, r"a step of the run, in \[0, algorithm.num_steps=4\): the first step is 0"),
+                              ([1, -1], 1, r"a step of the run"),
+                              ([2, 2], 1, r"each step once: remove the repeat")]:
+        with pytest.raises(ConfigError, match=rf"logging.profile_steps\[{where}\]=.*: {why}"):
+            validate(job_from_dict({"algorithm": {"num_steps": 4}, "logging": {"profile_steps": steps}}))
+    with pytest.raises(ConfigError, match=r"logging.profile_steps\[0\]='1': expected an integer"):
+        job_from_dict({"logging": {"profile_steps": ["1"]}})

@@ -382,3 +382,42 @@ def _assert_same_answers(a: list[dict], b: list[dict]) -> None:
     for x, y in zip(a, b):
         assert x["output_ids"] == y["output_ids"]
         assert _logprobs(x) == _logprobs(y)
+
+
+def _trace_ops(path) -> list[str]:
+    import gzip
+
+    return [e["name"] for e in json.load(gzip.open(path))["traceEvents"] if e.get("ph") == "X"]
+
+
+def test_profile_routes_trace_the_batches_between_start_and_stop_as_sglang_names_them(server, tmp_path):
+    """SGLang's /start_profile and /stop_profile (hpcrl/rollout/engine_profile.py): the forward batches
+    in between, in <output_dir>/<profile_id>-TP-0.trace.json.gz; SGLang's refusals of a second start
+    and of a stop without a start (its RuntimeError: HTTP 500); what the engine cannot do is refused."""
+    _, client, _ = server
+    client.generate(PROMPTS[:1], [GREEDY], return_logprob=True)  # before the profile: not in it
+    assert client.request("POST", "/start_profile", {"output_dir": str(tmp_path), "profile_id": "p1",
+                                                      "activities": ["CPU"]}) == "Start profiling.\n"
+    with pytest.raises(EngineError, match=r"Profiling is already in progress\. Call /stop_profile first\.") as exc:
+        client.request("POST", "/start_profile", {"output_dir": str(tmp_path)})
+    assert exc.value.status == 500
+    client.generate(PROMPTS, [GREEDY] * 3, return_logprob=True)
+    client.generate(PROMPTS[:1], [GREEDY], return_logprob=True)  # a second batch joins the same trace
+    assert client.request("GET", "/stop_profile") == "Stop profiling. This will take some time.\n"
+    [trace] = list(tmp_path.iterdir())
+    assert trace.name == "p1-TP-0.trace.json.gz"
+    ops = _trace_ops(trace)
+    assert {"aten::topk", "aten::softmax"} <= set(ops)  # the MoE router's, in every forward
+    # the same first batch alone traces about half as many forwards (12 decode steps each)
+    client.request("POST", "/start_profile", {"output_dir": str(tmp_path / "one"), "profile_id": "p2"})
+    client.generate(PROMPTS, [GREEDY] * 3, return_logprob=True)
+    client.request("POST", "/stop_profile")
+    assert ops.count("aten::topk") > _trace_ops(tmp_path / "one" / "p2-TP-0.trace.json.gz").count("aten::topk")
+    with pytest.raises(EngineError, match=r"Profiling is not in progress\. Call /start_profile first\.") as exc:
+        client.request("POST", "/stop_profile")
+    assert exc.value.status == 500
+    for body, what in [({"num_steps": 3}, "field 'num_steps' is not supported"),
+                       ({"activities": ["CPU", "MEM"]}, r"activities \['MEM'\] are not supported")]:
+        with pytest.raises(EngineError, match=what) as exc:
+            client.request("POST", "/start_profile", body)
+        assert exc.value.status == 400

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from hpcrl.config import load_job, to_dict
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import JobConfig
 from hpcrl.models.presets import load_hf_config
-from launch.checkpoint_step import checkpoint_dir
+from launch.checkpoint_step import RUN_ID_FILE, checkpoint_dir, run_id
 from launch.result import EXIT_INTERRUPTED
 from launch.result import REQUEUE_EXIT_CODE as EXIT_REQUEUE  # the controller's "requeue me"
 
@@ -122,6 +123,8 @@ def prepare_run_dir(job: JobConfig, run_dir: Path) -> None:
     (run_dir / "model_config.json").write_text(json.dumps(hf, indent=2))
     for stale in ("final.json", ".phase.json", ".ranks.json", ".failure.txt"):  # kept: metrics, checkpoints
         (run_dir / stale).unlink(missing_ok=True)
+    if run_id(run_dir) is None:
+        (run_dir / RUN_ID_FILE).write_text(uuid.uuid4().hex + "\n")
 
 
 def check_resume(job: JobConfig, run_dir: Path, resume: str) -> None:
@@ -142,6 +145,8 @@ def check_resume(job: JobConfig, run_dir: Path, resume: str) -> None:
     if existing and resume != "none":
         step = existing[-1] if resume == "auto" else int(resume)
         _check_same_run(job, run_dir, ckpt_dir, step)
+        if resume == "auto":
+            _check_own_checkpoint(job, run_dir, ckpt_dir, step, existing)
         if step >= job.algorithm.num_steps:
             flag = "" if resume == "auto" else f"--resume-from {step}: "
             raise ConfigError("algorithm.num_steps", job.algorithm.num_steps,
@@ -156,7 +161,8 @@ RUN_DIR_ENTRIES = frozenset({
     "config.json", "config.yaml", "model_config.json", "metrics.jsonl", "final.json", "logs", "checkpoints",
     "tensorboard", "engine_keys.yaml", "engine_model", "engine_python", "slurm.json", "job.sbatch",
     "local_job.json", "submitted_job.yaml", ".phase.json", ".ranks.json", ".failure.txt", ".export.json",
-    ".hpcrl_world_formed", ".write-test", ".hpcrl_lock", "wandb", ".wandb.json", ".wandb.json.tmp", "rollouts"})
+    ".hpcrl_world_formed", ".write-test", ".hpcrl_lock", "wandb", ".wandb.json", ".wandb.json.tmp", "rollouts",
+    "profile", ".run_id"})
 """What a run writes into its run dir (hpcrl/runner.py, hpcrl/jobs.py, launch/)."""
 
 
@@ -184,6 +190,26 @@ def check_run_dir(run_dir: Path, key: str = "--run-dir") -> None:
         raise ConfigError(key, str(run_dir), f"holds {shown} but no hpcrl run (config.json with a "
                           "checkpoint section); a run writes config.json, logs/ and checkpoints/ there: give a "
                           "new or empty directory, or the run dir of the run to resume")
+
+
+def _check_own_checkpoint(job: JobConfig, run_dir: Path, ckpt_dir: Path, step: int, existing: list[int]) -> None:
+    """An automatic resume takes only this run's checkpoints: in a checkpoint.dir shared by runs, a
+    new run (or another run dir) resumed the latest run's state and history without a word. A
+    checkpoint written before checkpoints recorded their run is not judged."""
+    from checkpoints import read_metadata
+
+    try:
+        meta = read_metadata(ckpt_dir, step)
+    except Exception:  # noqa: BLE001 - an older or damaged checkpoint: the controller judges it
+        return
+    writer = meta.get("run_id")
+    if writer is None or writer == run_id(run_dir):
+        return
+    raise ConfigError("checkpoint.dir", job.checkpoint.dir or str(ckpt_dir),
+                      f"its latest checkpoint, step {step}, is another run's (run dir {meta.get('run_dir', '?')}), "
+                      f"and this run dir {run_dir} would resume it as its own: resume that run (`--run-dir "
+                      f"{meta.get('run_dir', 'DIR')}`), start from its checkpoint on purpose (`--resume-from {step}`; "
+                      f"steps {existing}), or give this run a checkpoint.dir of its own")
 
 
 def _check_same_run(job: JobConfig, run_dir: Path, ckpt_dir: Path, step: int) -> None:

@@ -22,6 +22,20 @@ def checkpoint_dir(job: Any, run_dir: Path) -> Path:
     return Path(job.checkpoint.dir) if job.checkpoint.dir else run_dir / "checkpoints"
 
 
+RUN_ID_FILE = ".run_id"
+"""The run's identity, made with its run dir (hpcrl/runner.py prepare_run_dir) and recorded in each of
+its checkpoints: whichever path a node mounts the run dir under, another run's checkpoint in a shared
+checkpoint.dir is told apart (hpcrl/runner.py check_resume)."""
+
+
+def run_id(run_dir: Path) -> str | None:
+    """The run dir's identity, or None before its first run (or for run dirs older than it)."""
+    try:
+        return (Path(run_dir) / RUN_ID_FILE).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
 def checkpoint_step_command(python: str, ckpt_dir: str) -> str:
     """The command line the batch script runs (`SlurmJobSpec.checkpoint_step_command`). `-P`: the
     job runs in the run dir, whose `checkpoints/` folder would shadow the `checkpoints` package."""

@@ -34,7 +34,7 @@ from hpcrl.controller.groups import PolicyGroup
 from hpcrl.controller.metrics import read_metrics, set_aside_metrics
 from hpcrl.controller.pipeline import BUFFER_BLOB, BufferMismatch, GenerationPipeline
 from hpcrl.controller.preemption import Preempted, PreemptionWatch
-from launch.checkpoint_step import checkpoint_dir
+from launch.checkpoint_step import checkpoint_dir, run_id
 
 # Phases before which a step may be abandoned, as long as no update of it was sent yet (ppo updates
 # its critic before its policy): the trainers then hold the state of the previous step.
@@ -155,6 +155,7 @@ class Checkpointer:
                 "rollout": {"backend": job.rollout.backend, "num_engines": job.rollout.num_engines,
                             "tp_per_engine": job.rollout.tp_per_engine},
                 "weight_version": str(step),
+                "run_id": run_id(self.run_dir), "run_dir": str(self.run_dir),
                 "sampler": {"seed": job.data.seed, "next_step": step + 1, "cursor": self.prompt_cursor.next_block},
                 "counters": {"steps_done": step + 1},
                 "eval": self.eval_state,

@@ -1,7 +1,7 @@
 """hpcrl run's checks of a resume before anything starts (hpcrl/runner.py check_resume), on
 checkpoints written here with the store's writer: a checkpoint of another model in a shared
-checkpoint.dir (the model each checkpoint records), a checkpoint past algorithm.num_steps, and a batch
-of jobs sharing one checkpoint dir."""
+checkpoint.dir (the model each checkpoint records) or of another run, a checkpoint past
+algorithm.num_steps, and a batch of jobs sharing one checkpoint dir."""
 
 from __future__ import annotations
 
@@ -14,21 +14,50 @@ from checkpoints import CheckpointWriter
 from hpcrl.config import ConfigError, load_job, to_dict
 from hpcrl.jobs import Executor, Submission
 from hpcrl.models.presets import load_hf_config
-from hpcrl.runner import check_resume
+from hpcrl.runner import check_resume, prepare_run_dir
+from launch.checkpoint_step import run_id
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe_grpo.yaml"
 
 
-def shared_checkpoint(ckpt_dir: Path, step: int, preset: str, record_model: bool = True) -> None:
+def shared_checkpoint(ckpt_dir: Path, step: int, preset: str, record_model: bool = True,
+                      writer: Path | None = None) -> None:
     """A committed checkpoint of `step` as a run of `preset` writes its metadata (the policy's tensors
-    do not matter to these checks)."""
+    do not matter to these checks), by run dir `writer` (None: before checkpoints recorded their run)."""
     job = load_job(EXAMPLE, [f"model.preset={preset}"])
     w = CheckpointWriter(ckpt_dir, step, attempt_id="a")
     w.write("policy/lm_head.weight", torch.zeros(2, 2))
     meta = {"step": step, "config": to_dict(job)}
     if record_model:
         meta["model_config"] = load_hf_config(preset, None)
+    if writer is not None:
+        meta |= {"run_id": run_id(writer), "run_dir": str(writer)}
     w.commit(meta)
+
+
+def test_an_automatic_resume_takes_only_its_own_runs_checkpoints(tmp_path: Path) -> None:
+    """A checkpoint.dir shared by runs (one scratch dir for every job): a new run dir resumed the
+    latest run's state and metrics history as its own without a word. Its own run resumes; another
+    run dir is refused, naming the run and both ways on; --resume-from takes it on purpose."""
+    shared = tmp_path / "shared"
+    job = load_job(EXAMPLE, [f"checkpoint.dir={shared}"])
+    first = tmp_path / "first"
+    prepare_run_dir(job, first)
+    shared_checkpoint(shared, 2, "tiny-qwen3-moe", writer=first)
+    check_resume(job, first, "auto")  # its own: a requeue, a rerun
+    prepare_run_dir(job, first)
+    check_resume(job, first, "auto")  # the run dir keeps its identity
+    for other in (tmp_path / "new", tmp_path / "second"):  # a new run dir, and another run's
+        if other.name == "second":
+            prepare_run_dir(job, other)
+        with pytest.raises(ConfigError) as err:
+            check_resume(job, other, "auto")
+        assert err.value.path == "checkpoint.dir" and \
+            f"its latest checkpoint, step 2, is another run's (run dir {first})" in str(err.value) and \
+            f"`--run-dir {first}`" in str(err.value) and "`--resume-from 2`" in str(err.value), str(err.value)
+        check_resume(job, other, "2")
+
+
 
 
 def test_a_shared_checkpoint_dir_of_another_model_is_refused(tmp_path: Path) -> None:

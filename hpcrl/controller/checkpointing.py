@@ -41,6 +41,11 @@ from launch.checkpoint_step import checkpoint_dir, run_id
 ABANDONABLE_PHASES = ("generate", "reward", "logprobs", "train_critic", "train")
 
 
+class EvalAbandoned(Preempted):
+    """A preemption cut the evaluation after `last_completed_step` short (Checkpointer.poll); the
+    session logs the step without it and saves it with the evaluation pending."""
+
+
 class ResumeError(RuntimeError):
     """The requested resume is impossible (no such checkpoint, or checkpoints would be overwritten)."""
 
@@ -65,7 +70,8 @@ class Checkpointer:
         self.completed_step = -1
         """Last step whose update and weight sync completed."""
         self.eval_state: dict = {}
-        """{"last_step", "metrics"} of the last evaluation (hpcrl/controller/evaluation.py), or {}."""
+        """{"last_step", "metrics"} of the last evaluation (hpcrl/controller/evaluation.py), or {};
+        "pending": the step whose evaluation a preemption cut short (the resume runs it first)."""
         self.prompt_cursor = PromptCursor()
         """The prompt sampler's position (blocks of num_prompts_per_step prompts drawn so far)."""
         self.pipeline: GenerationPipeline | None = None
@@ -169,6 +175,11 @@ class Checkpointer:
         self.on_phase(step, "save")  # a rank that dies saving is named in it
         t0 = time.monotonic()
         self.policy.collect_push()  # a push left queued: its pipeline fill is part of the state
+        if self._in_flight_abandoned and self.pipeline is not None:  # poll: the run stops after this save
+            dropped = self.pipeline.drop_in_flight(self.prompt_cursor)
+            if dropped:
+                print(f"hpcrl: {dropped} prompt block(s) in generation when the run stopped are not saved; a "
+                      "resume samples them again", file=sys.stderr, flush=True)
         buffer = self.pipeline.to_bytes() if self.pipeline is not None else None
         self.policy.save_checkpoint(str(self.dir), step, self.attempt_id, self.job.checkpoint.keep,
                                     self._metadata(step), {BUFFER_BLOB: buffer} if buffer else None)
@@ -201,7 +212,7 @@ class Checkpointer:
         stop = self.watch.requested or self._time_is_short()
         if last or stop or (interval and (step + 1) % interval == 0):
             self.save(step)
-        if stop and not last:
+        if stop and (not last or self.eval_state.get("pending") is not None):  # the resume evaluates
             why = (f"signal {self.watch.signal_name}" if self.watch.requested else "job time limit near")
             raise Preempted(step, why)
 
@@ -240,9 +251,19 @@ class Checkpointer:
         a time limit, not requeued). Not while a weight push is queued (asynchronous runs): the
         trainer ranks are sending it, and the engines take it only once their requests are done, so
         a save could not start before them anyway. The requests still in flight are dropped from
-        the save (`save_after_abandon`): a resume samples their prompt blocks again."""
+        the save (`save`): a resume samples their prompt blocks again.
+
+        An evaluation (after its step's update and push: the step is done) is abandoned the same way
+        (EvalAbandoned): the step is saved with its evaluation pending, which the resume runs first
+        on the same policy. Before training there is nothing to save: the rerun evaluates again."""
         step, phase = self._phase
-        if self.policy.queued_push is None and self._abandonable(step, phase):
+        if self.policy.queued_push is not None:
+            return
+        if phase == "eval" and self.watch.requested and self._time_is_short():
+            self._in_flight_abandoned = True
+            why = f"signal {self.watch.signal_name}; the evaluation after step {step} abandoned"
+            raise EvalAbandoned(step, why) if step >= 0 else Preempted(-1, why)
+        if self._abandonable(step, phase):
             self._in_flight_abandoned = True
             raise Preempted(step - 1, f"signal {self.watch.signal_name}; step {step} abandoned in phase '{phase}'")
 
@@ -255,11 +276,6 @@ class Checkpointer:
             print(f"hpcrl: step {changed}'s update was sent before the run stopped: the trainers no longer "
                   f"hold step {exc.last_completed_step}'s state, so nothing is saved", file=sys.stderr, flush=True)
             return
-        if self._in_flight_abandoned and self.pipeline is not None:
-            dropped = self.pipeline.drop_in_flight(self.prompt_cursor)
-            if dropped:
-                print(f"hpcrl: {dropped} prompt block(s) in generation when the step was abandoned are not "
-                      "saved; a resume samples them again", file=sys.stderr, flush=True)
         if exc.last_completed_step >= 0 and self.saved_step != exc.last_completed_step:
             self.save(exc.last_completed_step)
 

@@ -65,7 +65,7 @@ class MetricsLogger:
             if self._val:
                 postfix["val"] = self._val
             self._bar.set_postfix(postfix, refresh=False)
-            self._bar.update(1 if step >= 0 else 0)
+            self._bar.update(1 if "timing/step_s" in metrics else 0)  # an evaluation's own record: no step
 
     def close(self, wandb_wait_s: float | None = None, exit_code: int = 0) -> None:
         """Close every log; W&B's with the run's exit code, within `wandb_wait_s` when given (a run

@@ -16,12 +16,13 @@ import numpy as np
 
 from hpcrl.config.schema import JobConfig, critic_enabled, engine_routes
 from hpcrl.config.validate import prompt_limit
-from hpcrl.controller.checkpointing import Checkpointer, resume_mode_from_env
+from hpcrl.controller.checkpointing import Checkpointer, EvalAbandoned, resume_mode_from_env
 from hpcrl.controller.comm import World
 from hpcrl.controller.evaluation import BEFORE_TRAINING, Evaluator, read_val_examples
 from hpcrl.controller.groups import GenerateRequest, PolicyGroup, Rollout, RolloutGroup
 from hpcrl.controller.metrics import MetricsLogger
 from hpcrl.controller.phase_file import PhaseFile
+from hpcrl.controller.preemption import Preempted
 from hpcrl.controller.pipeline import Flight, GenerationPipeline
 from hpcrl.controller.samples import SampleLog
 from hpcrl.profiling import step_dir
@@ -234,10 +235,19 @@ class Session:
         return Evaluator(job, examples, self.rollouts, self.tokenizer.stop_token_ids, self._score)
 
     def evaluate_before_training(self) -> None:
-        """eval.before_train: the initial policy's evaluation, its own record at step -1 (once: a
-        resumed run has it in its metrics history)."""
+        """The evaluations owed before this attempt's first step, each its own record: eval.before_train's
+        of the initial policy at step -1 (once: a resumed run has it in its metrics history), and the
+        one a preemption cut short after the checkpoint's step, of the policy it saved (the engines
+        hold it after the initial push, as they did then)."""
         if self.checkpointer.resume_step() == 0 and self.evaluator.due(BEFORE_TRAINING):
             self.metrics.log(BEFORE_TRAINING, self.evaluate(BEFORE_TRAINING))
+        pending = self.checkpointer.eval_state.get("pending")
+        if pending is not None:
+            metrics = self.evaluate(pending)
+            if self.checkpointer.eval_state.get("pending") is not None:  # preempted again
+                raise Preempted(pending, f"signal {self.checkpointer.watch.signal_name}; the evaluation after "
+                                         f"step {pending} abandoned again")
+            self.metrics.log(pending, metrics)
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """Validation metrics after `step`'s weight sync, or {} when `step` is no evaluation step."""
@@ -246,7 +256,13 @@ class Session:
         self.phase(step, "eval")
         t0 = time.perf_counter()
         self.policy.collect_push()  # an asynchronous run's push: its wait counts in timing/eval_s
-        metrics = self.evaluator.maybe_evaluate(step)
+        try:
+            metrics = self.evaluator.maybe_evaluate(step)
+        except EvalAbandoned as exc:  # the step is done: logged without it, saved with it pending
+            print(f"hpcrl: preempted ({exc.reason}); step {step} is saved with its evaluation pending, which the "
+                  "resume runs first", file=sys.stderr, flush=True)
+            self.checkpointer.eval_state = {**self.checkpointer.eval_state, "pending": step}
+            return {}
         self.samples.write(step, *self.evaluator.last, evaluation=True)  # logging.rollout_samples
         metrics["timing/eval_s"] = round(time.perf_counter() - t0, 6)
         self.pipeline.busy.append(self.evaluator.generation_span)  # timing/engine_idle_s

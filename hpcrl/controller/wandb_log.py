@@ -92,7 +92,8 @@ class WandbLog:
         os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        if self.last_step is not None and step <= self.last_step:
+        evaluation_only = "timing/step_s" not in metrics  # a resume's pending evaluation: a row of its own
+        if self.last_step is not None and (step < self.last_step or step == self.last_step and not evaluation_only):
             return  # logged before this attempt (a continued W&B run has the history up to it)
         self._run.log({**{k: v for k, v in numeric(metrics).items() if k not in RECORD_KEYS}, "step": step})
         self.last_step = step

@@ -5,10 +5,14 @@ change training either."""
 
 import gzip
 import json
+import signal
+import time
 
 import pytest
-from e2e_util import EXAMPLE, hpcrl
+from e2e_util import EXAMPLE, hpcrl, start_run
 from wandb_records import history, offline_runs, run_id
+
+from launch.result import REQUEUE_EXIT_CODE as EXIT_REQUEUE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -122,3 +126,33 @@ def test_evaluation_logs_val_metrics_and_leaves_training_unchanged(tmp_path, ref
     assert run_id(second_wandb) != run_id(first_wandb)
     assert _charted(history(second_wandb)) == _charted(records)
     assert _sha(run_dir) == _sha(ref_dir)
+
+    # A preemption in the evaluation after step 2 (its engine hangs there, as a long evaluation outlasts
+    # the grace time): step 2 is logged without it and saved with it pending, and the resume runs it
+    # first, on the same policy, as a record of its own: the same numbers, and training unchanged.
+    cut = tmp_path / "cut"
+    proc = start_run(cut, *eval_args, "--set", "checkpoint.grace_s=15", "--set", "resources.timeout_s=900",
+                     env_extra={"HPCRL_FAULT": "2:generate:hang:2", **wandb_env})  # the push after step 2: "2"
+    deadline = time.monotonic() + 300
+    while not (cut / ".phase.json").is_file() or \
+            json.loads((cut / ".phase.json").read_text()) != {"step": 2, "phase": "eval"}:
+        assert time.monotonic() < deadline and proc.poll() is None, "the evaluation after step 2 did not start"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGUSR1)
+    out = proc.communicate(timeout=240)[0]
+    assert proc.returncode == EXIT_REQUEUE, out[-3000:]
+    assert "the evaluation after step 2 abandoned" in out and "step 2 is saved with its evaluation pending" in out
+    assert [r["step"] for r in _records(cut)] == [-1, 0, 1, 2] and not _val(_records(cut)[-1])
+    resumed, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(cut), *eval_args, timeout_s=500, env_extra=wandb_env)
+    assert resumed.returncode == 0 and "resumed from checkpoint step 2" in resumed.stdout, resumed.stderr[-3000:]
+    got = _records(cut)
+    assert [r["step"] for r in got] == [-1, 0, 1, 2, 2, 3, 4, 5, 6, 7]
+    assert set(got[4]) == {"step", "time", "timing/eval_s", *_val(records[3])}  # the evaluation's own record
+    merged: dict[int, dict] = {}
+    for r in got:
+        merged.setdefault(r["step"], {}).update(r)
+    assert [(r["step"], r.get("reward/mean"), _val(r)) for r in merged.values()] == \
+        [(r["step"], r.get("reward/mean"), _val(r)) for r in records]
+    assert _sha(cut) == _sha(ref_dir)
+    rows = history(offline_runs(cut)[-1])  # W&B: the pending evaluation's row at step 2 too
+    assert [_val(r) for r in rows if r["step"] == 2 and _val(r)] == [_val(records[3])]

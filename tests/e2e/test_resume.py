@@ -97,7 +97,7 @@ def test_a_signal_during_a_generation_that_outlasts_the_grace_abandons_it(tmp_pa
     out = proc.communicate(timeout=240)[0]
     assert proc.returncode == EXIT_REQUEUE, out[-3000:]
     assert "step 4 abandoned in phase 'generate'" in out and "checkpoint of step 3 saved" in out, out[-3000:]
-    assert "1 prompt block(s) in generation when the step was abandoned are not saved" in out, out[-3000:]
+    assert "1 prompt block(s) in generation when the run stopped are not saved" in out, out[-3000:]
     assert not leftover_processes(str(run_dir))
     resumed, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, timeout_s=400)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,8 +50,15 @@ class EngineProfile:
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
         self._on: dict | None = None  # the profile in progress: its settings and the events so far
+        self._lock = threading.Lock()  # start and stop come on request threads
 
     def start(self, req: dict) -> str:
+        """Trace the batches that start from now (a batch running now is not: SGLang's trace, too,
+        begins at its next forward step)."""
+        with self._lock:
+            return self._start(req)
+
+    def _start(self, req: dict) -> str:
         for key in UNSERVED_FIELDS:
             if req.get(key) not in (None, False, [], 0):
                 raise ProfileRefused(f"/start_profile field {key!r} is not supported by the reference engine; "
@@ -89,7 +97,9 @@ class EngineProfile:
             on["trace"]["traceEvents"] += trace["traceEvents"]
 
     def stop(self) -> str:
-        on, self._on = self._on, None
+        """Write the trace (the caller holds the model lock: a batch running now is in it, whole)."""
+        with self._lock:
+            on, self._on = self._on, None
         if on is None:
             raise ProfileRefused("Profiling is not in progress. Call /start_profile first.", 500)
         name = (f"{on['prefix']}-" if on["prefix"] else "") + f"{on['id']}-TP-0{TRACE_SUFFIX}"

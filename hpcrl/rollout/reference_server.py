@@ -153,7 +153,7 @@ class ReferenceServer:
         self.reshard_staging = None
         self.reshard_spec = None  # (MoESpec, its fingerprint) of this engine's model, made once
         self.fault = os.environ.get("HPCRL_ENGINE_FAULT")  # tests only (hpcrl/faults.py)
-        self.profile = EngineProfile(cuda=engine.device.type == "cuda")  # guarded by model_lock
+        self.profile = EngineProfile(cuda=engine.device.type == "cuda")  # /start_profile, /stop_profile
         self.unpaused = threading.Event()
         self.unpaused.set()
         self.shutting_down = False
@@ -461,8 +461,7 @@ class ReferenceServer:
     def start_profile(self, req: dict) -> str:
         """SGLang's /start_profile (hpcrl/rollout/engine_profile.py): this engine's forward batches
         from now until /stop_profile."""
-        with self.model_lock:
-            return self._profile_call(self.profile.start, req)
+        return self._profile_call(self.profile.start, req)
 
     def stop_profile(self, req: dict) -> str:
         with self.model_lock:  # after the batch that runs now: its trace is whole

@@ -143,7 +143,8 @@ def test_the_sft_loss_is_the_nll_at_temperature_one():
             return SimpleNamespace(metrics={}, logprobs_BT=None)
 
     job = job_from_dict({"rollout": {"temperature": 0.7}})
-    rl = RL(SimpleNamespace(job=job, policy=Policy(), phase=lambda step, name: None, profile_engines=lambda step, start: None))
+    rl = RL(SimpleNamespace(job=job, policy=Policy(), phase=lambda step, name: None,
+                            profile_engines=lambda step, start: None))
     rl.begin_step(0)
     demonstrations = Rollout([None], [[4]], [[5, 6]], [], ["stop"])
     rl.update_policy(demonstrations, np.zeros(1, dtype=np.float32), loss="sft")
@@ -168,7 +169,8 @@ def _api_rl(job_dict: dict | None = None):
             self.sent.append(advantages.shape)
             return SimpleNamespace(metrics={"loss": 0.5}, logprobs_BT=np.zeros((len(rollout.response_ids), 2)))
 
-    session = SimpleNamespace(job=job_from_dict(job_dict or {}), policy=Policy(), phase=lambda step, name: None, profile_engines=lambda step, start: None,
+    session = SimpleNamespace(job=job_from_dict(job_dict or {}), policy=Policy(), phase=lambda step, name: None,
+                              profile_engines=lambda step, start: None,
                               pipeline=SimpleNamespace(collect_started=lambda: None))
     rl = RL(session)
     rl.begin_step(0)

@@ -196,20 +196,35 @@ def _check_own_checkpoint(job: JobConfig, run_dir: Path, ckpt_dir: Path, step: i
     """An automatic resume takes only this run's checkpoints: in a checkpoint.dir shared by runs, a
     new run (or another run dir) resumed the latest run's state and history without a word. A
     checkpoint written before checkpoints recorded their run is not judged."""
+    writer = _writer(ckpt_dir, step)
+    mine = run_id(run_dir)
+    if writer is None or writer[0] == mine:
+        return
+    own = [s for s in existing if s < step and (_writer(ckpt_dir, s) or ("",))[0] == mine] if mine else []
+    other = writer[1]
+    if own:
+        raise ConfigError("checkpoint.dir", job.checkpoint.dir or str(ckpt_dir),
+                          f"holds checkpoints of two runs: steps {own} are this run's, and the latest, step {step}, "
+                          f"is another run's (run dir {other}); runs that share a checkpoint.dir overwrite each other's "
+                          f"steps and prune each other's checkpoints (checkpoint.keep). Give each run a checkpoint.dir "
+                          f"of its own: move that run's checkpoints away and resume, or `--resume-from {own[-1]}` "
+                          f"resumes this run's (and deletes the newer steps, that run's too)")
+    raise ConfigError("checkpoint.dir", job.checkpoint.dir or str(ckpt_dir),
+                      f"its latest checkpoint, step {step}, is another run's (run dir {other}), and this run dir "
+                      f"{run_dir} would resume it as its own: resume that run (`--run-dir {other}`), start from its "
+                      f"checkpoint on purpose (`--resume-from {step}`; steps {existing}), or give this run a "
+                      "checkpoint.dir of its own")
+
+
+def _writer(ckpt_dir: Path, step: int) -> tuple[str, str] | None:
+    """(run id, run dir) of the run that wrote checkpoint `step`, or None where it does not say."""
     from checkpoints import read_metadata
 
     try:
         meta = read_metadata(ckpt_dir, step)
     except Exception:  # noqa: BLE001 - an older or damaged checkpoint: the controller judges it
-        return
-    writer = meta.get("run_id")
-    if writer is None or writer == run_id(run_dir):
-        return
-    raise ConfigError("checkpoint.dir", job.checkpoint.dir or str(ckpt_dir),
-                      f"its latest checkpoint, step {step}, is another run's (run dir {meta.get('run_dir', '?')}), "
-                      f"and this run dir {run_dir} would resume it as its own: resume that run (`--run-dir "
-                      f"{meta.get('run_dir', 'DIR')}`), start from its checkpoint on purpose (`--resume-from {step}`; "
-                      f"steps {existing}), or give this run a checkpoint.dir of its own")
+        return None
+    return (meta["run_id"], str(meta.get("run_dir", "?"))) if meta.get("run_id") else None
 
 
 def _check_same_run(job: JobConfig, run_dir: Path, ckpt_dir: Path, step: int) -> None:

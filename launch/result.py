@@ -60,15 +60,18 @@ def read_json(path: Path) -> Any:
 
 
 def last_metrics(run_dir: Path) -> dict[str, Any] | None:
-    """The last complete row of RUN_DIR/metrics.jsonl (a line being written is skipped), or None."""
+    """The last step's row of RUN_DIR/metrics.jsonl (a line being written is skipped), or None. A
+    step's evaluation cut short by a preemption is a row of its own, after it (docs/evaluation.md):
+    the rows of one step are merged."""
     last = None
     path = run_dir / "metrics.jsonl"
     if path.is_file():
         for line in path.read_text().splitlines():
             try:
-                last = json.loads(line)
+                row = json.loads(line)
             except ValueError:
                 continue  # a line cut short
+            last = {**last, **row} if last is not None and row.get("step") == last.get("step") else row
     return last
 
 

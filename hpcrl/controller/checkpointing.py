@@ -65,7 +65,7 @@ class Checkpointer:
         self.on_phase: Callable[[int, str], None] = lambda step, phase: None
         """Records a phase the checkpointer starts (the session's phase file)."""
         self._phase: tuple[int, str] = (-1, "startup")  # the step and phase in progress (check_abandon)
-        self._in_flight_abandoned = False  # poll abandoned a step while requests were in flight
+        self._in_flight_abandoned = False  # poll has abandoned a step (or an evaluation): it fires once
         self.saved_step: int | None = None
         self.completed_step = -1
         """Last step whose update and weight sync completed."""
@@ -82,6 +82,7 @@ class Checkpointer:
         self.algorithm_state: dict = {}
         """The algorithm's own state across steps (RL.state), e.g. ppo's adaptive KL coefficient."""
         self._algorithm_state_done: dict = {}  # as of the last completed step: what a save records
+        self._failed_reward_steps_done: list[int] = []  # the same of failed_reward_steps
         model_config = run_dir / "model_config.json"
         self._model_config = json.loads(model_config.read_text()) if model_config.is_file() else None
         """The policy's HF config, recorded in each checkpoint: a resume from a shared checkpoint.dir
@@ -141,6 +142,7 @@ class Checkpointer:
                                       "or start a new run (another --run-dir)") from None
         self.algorithm_state.update(meta.get("algorithm_state", {}))
         self.failed_reward_steps[:] = meta.get("reward", {}).get("failed_steps", [])
+        self._failed_reward_steps_done = list(self.failed_reward_steps)
         self._algorithm_state_done = copy.deepcopy(self.algorithm_state)
         if self.resume_mode not in ("auto", "none"):
             discard_newer(self.dir, step)  # once the step loaded: a failed load keeps them
@@ -166,16 +168,21 @@ class Checkpointer:
                 "counters": {"steps_done": step + 1},
                 "eval": self.eval_state,
                 "algorithm_state": self._algorithm_state_done,
-                "reward": {"failed_steps": [s for s in self.failed_reward_steps if s <= step]},
+                "reward": {"failed_steps": self._failed_reward_steps_done},
                 "model_config": self._model_config,
                 "metrics_history": [r for r in read_metrics(self.run_dir) if r["step"] <= step]
                 if (self.run_dir / "metrics.jsonl").exists() else []}
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, stopping: bool = False) -> None:
+        """Save the state after `step`. `stopping` (the run ends after it: a preemption, the time
+        limit, a stop): the prompt blocks still in generation are not waited for but dropped, and the
+        cursor moved back to them (GenerationPipeline.drop_in_flight): a resume samples them again
+        with the version it pushes, the one that sampled them here (an asynchronous run's push, just
+        collected, starts the batches ahead)."""
         self.on_phase(step, "save")  # a rank that dies saving is named in it
         t0 = time.monotonic()
         self.policy.collect_push()  # a push left queued: its pipeline fill is part of the state
-        if self._in_flight_abandoned and self.pipeline is not None:  # poll: the run stops after this save
+        if stopping and self.pipeline is not None:
             dropped = self.pipeline.drop_in_flight(self.prompt_cursor)
             if dropped:
                 print(f"hpcrl: {dropped} prompt block(s) in generation when the run stopped are not saved; a "
@@ -204,6 +211,7 @@ class Checkpointer:
         if self.pipeline is not None:
             self.pipeline.step_done(step, updated=self.policy.policy_step == step)
         self._algorithm_state_done = self._state_as_saved()
+        self._failed_reward_steps_done = [s for s in self.failed_reward_steps if s <= step]
         now = time.monotonic()
         self.step_s = max(self.step_s * 0.8, now - self._last_step_end)
         self._last_step_end = now
@@ -211,7 +219,7 @@ class Checkpointer:
         last = step == self.job.algorithm.num_steps - 1
         stop = self.watch.requested or self._time_is_short()
         if last or stop or (interval and (step + 1) % interval == 0):
-            self.save(step)
+            self.save(step, stopping=stop)
         if stop and (not last or self.eval_state.get("pending") is not None):  # the resume evaluates
             why = (f"signal {self.watch.signal_name}" if self.watch.requested else "job time limit near")
             raise Preempted(step, why)
@@ -255,9 +263,11 @@ class Checkpointer:
 
         An evaluation (after its step's update and push: the step is done) is abandoned the same way
         (EvalAbandoned): the step is saved with its evaluation pending, which the resume runs first
-        on the same policy. Before training there is nothing to save: the rerun evaluates again."""
+        on the same policy. Before training there is nothing to save: the rerun evaluates again.
+
+        It fires once: the save that follows collects what answered (and waits for what it keeps)."""
         step, phase = self._phase
-        if self.policy.queued_push is not None:
+        if self._in_flight_abandoned or self.policy.queued_push is not None:
             return
         if phase == "eval" and self.watch.requested and self._time_is_short():
             self._in_flight_abandoned = True
@@ -277,7 +287,7 @@ class Checkpointer:
                   f"hold step {exc.last_completed_step}'s state, so nothing is saved", file=sys.stderr, flush=True)
             return
         if exc.last_completed_step >= 0 and self.saved_step != exc.last_completed_step:
-            self.save(exc.last_completed_step)
+            self.save(exc.last_completed_step, stopping=True)
 
 
 def resume_mode_from_env() -> str:

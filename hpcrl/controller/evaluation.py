@@ -124,6 +124,8 @@ class Evaluator:
         self.last: tuple[Rollout, Scores] | None = None
         """The last evaluation's completions and their scores (logging.rollout_samples)."""
         self.stop_token_ids = list(stop_token_ids)
+        self.poll: Callable[[], None] | None = None
+        """The checkpointer's preemption poll, run while an evaluation waits for the engines."""
 
     def due(self, step: int) -> bool:
         ev = self.job.eval
@@ -144,7 +146,7 @@ class Evaluator:
         request = self.rollouts.prepare(examples, [list(ex.prompt_ids) for ex in examples], params, routes=False)
         t_generate = time.perf_counter()
         started = self.rollouts.start(step, request)
-        rollout = self.rollouts.collect(started)
+        rollout = self.rollouts.collect(started, self.poll)
         self.generation_span = (t_generate, t_generate + started.latency_s)  # the engines' busy time
         scores = self.score(rollout)
         self.last = rollout, scores

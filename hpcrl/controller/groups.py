@@ -23,7 +23,7 @@ from hpcrl.rollout.client import EngineClient, EngineError, PendingResponse, rou
 from hpcrl.rollout.shard_requests import ShardRequests
 from hpcrl.tasks import Example
 
-POLL_S = 0.25  # how often a generation's wait runs RolloutGroup.poll
+POLL_S = 0.25  # how often a generation's wait runs its preemption poll (RolloutGroup.collect)
 
 
 @dataclass
@@ -302,9 +302,6 @@ class RolloutGroup:
         self.routes = routes  # ask the engines for their MoE routes (rollout.routing_replay)
         self.engines: list[EngineClient] = []
         self._heartbeat: PendingCall | None = None
-        self.poll: Callable[[], None] = lambda: None
-        """Runs between the polls of a generation's wait: the checkpointer's preemption poll, which
-        may end the wait by raising Preempted."""
 
     def async_init(self, startup_timeout_s: float) -> _Handle:
         def connect(replies: dict[int, object]) -> list[str]:
@@ -362,8 +359,11 @@ class RolloutGroup:
                     pending.append((rank, engine.start("POST", "/generate", body)))
         return PendingRollout(step, request, pending)
 
-    def collect(self, started: PendingRollout) -> Rollout:
-        self._await(started)
+    def collect(self, started: PendingRollout, poll: Callable[[], None] | None = None) -> Rollout:
+        """The engines' answers to `started`, as a Rollout. `poll` (the checkpointer's preemption poll,
+        where the wait may be abandoned: a step's generation, an evaluation) runs every POLL_S while
+        an answer is still to come; what it raises ends the wait."""
+        self._await(started, poll)
         outs = []
         for rank, answer in started.answers:
             with self._engine_of(rank, started.step):
@@ -380,14 +380,15 @@ class RolloutGroup:
                        [o["meta_info"]["finish_reason"]["type"] for o in outs], routes,
                        [policy_version(o["meta_info"].get("weight_version")) for o in outs])
 
-    def _await(self, started: PendingRollout) -> None:
+    def _await(self, started: PendingRollout, poll: Callable[[], None] | None) -> None:
         """Wait for every engine's answer until the phase deadline, running `poll` between polls (a
         request past the deadline is then reported as hung by its `result()`)."""
         deadline = time.monotonic() + self.timeout_s
         waiting = [answer for _, answer in started.answers]
         while waiting and time.monotonic() < deadline:
-            self.poll()
-            waiting = wait_answers(waiting, min(POLL_S, deadline - time.monotonic()))
+            waiting = wait_answers(waiting, min(POLL_S, max(deadline - time.monotonic(), 0.0)))
+            if waiting and poll is not None:
+                poll()
         for answer in waiting:
             answer.expire()
 
@@ -421,13 +422,20 @@ class RolloutGroup:
         return self._each_engine("/stop_profile", lambda i: None)
 
     def _each_engine(self, route: str, body_of: Callable[[int], dict | None]) -> list[str]:
-        failed = []
+        """POST `route` to every engine at once (SGLang's /stop_profile returns once its trace is
+        written); the failures, one line per engine."""
+        failed, answers = [], []
         for i, engine in enumerate(self.engines):
             try:
-                engine.request("POST", route, body_of(i))
+                answers.append((i, engine.start("POST", route, body_of(i))))
             except EngineError as exc:
                 failed.append(f"engine {i}: {exc}")
-        return failed
+        for i, answer in answers:
+            try:
+                answer.result()
+            except EngineError as exc:
+                failed.append(f"engine {i}: {exc}")
+        return sorted(failed)
 
     def _beat(self, step: int) -> None:
         """Collect the previous step's heartbeat answers and post this step's."""

@@ -90,6 +90,9 @@ class GenerationPipeline:
         self._taken: list[Flight] = []  # taken by the step in progress
         self._taken_step = -1  # the step that took them
         self.busy: list[tuple[float, float]] = []  # (start, end) of the engines' requests this step
+        self.poll: Callable[[], None] | None = None
+        """The checkpointer's preemption poll, run while `take` waits for the engines (the step's
+        generation, which a preemption may abandon); no other wait of the pipeline runs it."""
 
     def take(self, step: int) -> tuple[Rollout, Flight, int]:
         """The next rollout, its flight and how many stale requests were dropped first; keeps
@@ -109,10 +112,10 @@ class GenerationPipeline:
         self._taken_step = step
         if flight.pending is not None:
             self.while_waiting()
-        self._collect(flight)
+        self._collect(flight, self.poll)
         if flight.cut:  # taken before the version that was to finish it: the current one does
             self._continue(flight, step, bounded=False)
-            self._collect(flight)
+            self._collect(flight, self.poll)
         return flight.rollout, flight, dropped
 
     def fill(self, next_step: int) -> None:
@@ -209,9 +212,9 @@ class GenerationPipeline:
         limit = math.ceil(flight.request.sampling_params[row]["max_new_tokens"] / self.max_staleness)
         return min(limit, self._left(flight, row))
 
-    def _collect(self, flight: Flight) -> Rollout:
+    def _collect(self, flight: Flight, poll: Callable[[], None] | None = None) -> Rollout:
         if flight.pending is not None:
-            segment = self.rollouts.collect(flight.pending)
+            segment = self.rollouts.collect(flight.pending, poll)
             got = sorted(set(segment.versions))
             # the schedule's invariant (asynchronous runs): no push overtook a started request. A
             # synchronous run leaves a wrong or missing push to the sync check, which names it.

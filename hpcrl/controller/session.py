@@ -64,14 +64,15 @@ class Session:
         self.checkpointer = Checkpointer(job, run_dir, self.policy, resume_mode_from_env())
         self.checkpointer.failed_reward_steps = self.failed_steps.steps  # a resume continues the row
         self.evaluator = self._evaluator()
+        self.evaluator.poll = self.checkpointer.poll  # a preemption abandons a long evaluation
         self.metrics: MetricsLogger | None = None
         self.phase_file = PhaseFile(run_dir / ".phase.json")
         self.checkpointer.on_phase = self.phase_file.write  # not phase(): a save abandons nothing
-        self.rollouts.poll = self.checkpointer.poll  # a preemption abandons a step within its generation
         self._prepared: dict[int, GenerateRequest] = {}  # the next block's requests, built ahead
         self.pipeline = self.checkpointer.pipeline = GenerationPipeline(
             self.rollouts, self._request_of, self.checkpointer.prompt_cursor.take, job.rollout.max_staleness,
             job.algorithm.num_steps, self._prepare_next, job.rollout.partial)
+        self.pipeline.poll = self.checkpointer.poll  # a preemption abandons a step within its generation
         self.last_block = -1  # the prompt block of the last generate
         self.pushes: list[dict[str, float]] = []  # the weight pushes completed since the step record
         self.policy.on_pushed = self._pushed
@@ -241,8 +242,11 @@ class Session:
         hold it after the initial push, as they did then)."""
         if self.checkpointer.resume_step() == 0 and self.evaluator.due(BEFORE_TRAINING):
             self.metrics.log(BEFORE_TRAINING, self.evaluate(BEFORE_TRAINING))
-        pending = self.checkpointer.eval_state.get("pending")
-        if pending is not None:
+        pending = self.checkpointer.eval_state.pop("pending", None)
+        if pending is not None and not self.evaluator.due(pending):  # eval.* or data.val_path changed
+            print(f"hpcrl: warning: the evaluation after step {pending}, cut short by a preemption, is no evaluation "
+                  "of this job's: not run", file=sys.stderr, flush=True)
+        elif pending is not None:
             metrics = self.evaluate(pending)
             if self.checkpointer.eval_state.get("pending") is not None:  # preempted again
                 raise Preempted(pending, f"signal {self.checkpointer.watch.signal_name}; the evaluation after "

@@ -26,8 +26,8 @@ def profile_req(sglang_root) -> dict[str, bool]:
 def test_the_start_body_hpcrl_sends_holds_profile_req_fields(profile_req):
     sent = []
     mp = pytest.MonkeyPatch()
-    mp.setattr(EngineClient, "request", lambda self, method, route, payload=None, timeout_s=None:
-               sent.append((route, payload)))
+    mp.setattr(EngineClient, "start", lambda self, method, route, payload=None, timeout_s=None:
+               sent.append((route, payload)) or SimpleNamespace(result=lambda: "ok"))
     try:
         group = RolloutGroup(SimpleNamespace(ranks_of=lambda role: []), timeout_s=10)
         group.engines = [EngineClient("http://127.0.0.1:1"), EngineClient("http://127.0.0.1:2")]

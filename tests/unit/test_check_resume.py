@@ -56,6 +56,12 @@ def test_an_automatic_resume_takes_only_its_own_runs_checkpoints(tmp_path: Path)
             f"its latest checkpoint, step 2, is another run's (run dir {first})" in str(err.value) and \
             f"`--run-dir {first}`" in str(err.value) and "`--resume-from 2`" in str(err.value), str(err.value)
         check_resume(job, other, "2")
+    # the second run saved there on (--resume-from 2): the first run's own steps are named, not the other's
+    shared_checkpoint(shared, 4, "tiny-qwen3-moe", writer=tmp_path / "second")
+    with pytest.raises(ConfigError) as err:
+        check_resume(job, first, "auto")
+    assert "holds checkpoints of two runs: steps [2] are this run's, and the latest, step 4, is another run's " \
+        f"(run dir {tmp_path / 'second'})" in str(err.value) and "`--resume-from 2`" in str(err.value), str(err.value)
 
 
 

@@ -103,7 +103,7 @@ class FakeRollouts:
     def start(self, step, request):
         return SimpleNamespace(request=request, latency_s=0.5)
 
-    def collect(self, started):
+    def collect(self, started, poll=None):
         examples, prompt_ids = started.request
         response = [[7, 7, 7, 7] if i % 2 == 0 else [7] for i in range(len(examples))]
         return Rollout(examples, prompt_ids, response, [[0.0] * len(r) for r in response],

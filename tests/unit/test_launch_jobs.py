@@ -536,3 +536,16 @@ def test_an_unwritable_checkpoint_dir_is_refused_before_the_run(tmp_path):
     ok = job_from_dict({"checkpoint": {"dir": str(tmp_path / "ckpt")}})
     prepare_run_dir(ok, tmp_path / "run")
     assert (tmp_path / "ckpt").is_dir() and list((tmp_path / "ckpt").iterdir()) == []
+
+
+def test_the_summary_merges_the_rows_of_the_last_step(tmp_path: Path) -> None:
+    """A step whose evaluation a preemption cut short gets it as a row of its own on resume
+    (docs/evaluation.md): the summary's metrics are that step's rows merged, not the evaluation's alone."""
+    from launch.result import run_summary
+
+    rows = [{"step": 0, "reward/mean": 0.1}, {"step": 1, "reward/mean": 0.5, "timing/step_s": 2.0},
+            {"step": 1, "val/reward_mean": 0.75, "timing/eval_s": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 2, "rew')
+    (tmp_path / "final.json").write_text(json.dumps({"policy_sha256": "ab", "num_steps": 2}))
+    summary = run_summary(tmp_path)
+    assert summary["last_step"] == 1 and summary["metrics"] == {**rows[1], **rows[2]}

@@ -49,7 +49,7 @@ class ScriptedEngines:
         self.requests.append((self.version, [p["max_new_tokens"] for p in request.sampling_params]))
         return PendingRollout(step, request, [(self.version, outs)])
 
-    def collect(self, pending: PendingRollout) -> Rollout:
+    def collect(self, pending: PendingRollout, poll=None) -> Rollout:
         """Routes as the engines return them (rollout.routing_replay): one row per input position of
         the request, P + R - 1, here each holding the version that computed it."""
         version, outs = pending.answers[0]

@@ -93,7 +93,7 @@ class _Answer:
 class _Engines:
     """RolloutGroup.collect for answers that arrived: block b's rollout, sampled by version 1."""
 
-    def collect(self, pending: PendingRollout) -> Rollout:
+    def collect(self, pending: PendingRollout, poll=None) -> Rollout:
         return _rollout(pending.step, 1, False)
 
 

@@ -147,6 +147,7 @@ class RL:
         """The step's prompts (job.data), each sampled job.algorithm.group_size times, group after group."""
         with self._phase("generate", "rollout"):
             rollout, flight, stale = self._s.generate(self.step)
+        rollout.steps = [self.step] * len(rollout.response_ids)  # select/concat carry it per completion
         self._updated_since_generate = False
         dropped = self._metrics.get("data/dropped_prompts", 0) + len(self._s.sampler.dropped(self._s.last_block))
         self._staleness += [self.step - v for v in rollout.versions or [flight.version]]
@@ -328,6 +329,13 @@ class RL:
         as if the weight sync were broken). Asynchronous runs correct for staleness instead."""
         if self._rescore or not rollout.engine_logprobs:
             return
+        earlier = sorted(set(rollout.steps or ()) - {self.step})
+        if earlier:
+            raise AlgorithmError(
+                f"rl.update_policy in step {self.step}: the rollout holds completions rl.generate() handed out in "
+                f"step(s) {earlier}, sampled by a policy since updated (the sync check then failed as if the weight "
+                "sync were broken); a synchronous step updates on its own rl.generate()'s samples (off-policy "
+                "batches: rollout.max_staleness)")
         if self._updated_since_generate:
             raise AlgorithmError(
                 f"rl.update_policy in step {self.step}: a second update on engine samples of the policy the "

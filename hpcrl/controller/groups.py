@@ -33,7 +33,8 @@ class Rollout:
     top_k] (hpcrl/controller/routes.py); select/concat move references to them, never the routes.
     `versions`: per completion the policy version that sampled it (its first token's, with partial
     rollouts); `token_versions` (partial rollouts only): per completion the version of every response
-    token (hpcrl/controller/pipeline.py)."""
+    token (hpcrl/controller/pipeline.py); `steps`: per completion the step whose rl.generate() handed
+    it out (RL's check that a synchronous step updates on its own samples)."""
 
     examples: list[Example]
     prompt_ids: list[list[int]]
@@ -43,6 +44,7 @@ class Rollout:
     routes: list[np.ndarray] | None = None
     versions: list[int] | None = None
     token_versions: list[list[int]] | None = None
+    steps: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -239,6 +239,26 @@ def test_a_second_update_of_the_same_engine_samples_is_named():
     assert policy.sent == [(2,)]
 
 
+def test_an_update_on_samples_an_earlier_step_generated_is_named():
+    """A rollout kept from an earlier step (or a part of it, concatenated with this step's) was sampled
+    by a policy updated since: the sync check failed as if the weight sync were broken."""
+    from hpcrl.controller.api import AlgorithmError
+    from hpcrl.controller.groups import Rollout
+
+    rl, policy = _api_rl()
+    kept = _sampled()
+    kept.steps = [0, 0]  # as rl.generate() stamps them
+    rl.begin_step(1)
+    fresh = _sampled()
+    fresh.steps = [1, 1]
+    for rollout in (kept, Rollout.concat([fresh, kept.select([1])])):
+        with pytest.raises(AlgorithmError, match=r"rl.update_policy in step 1: the rollout holds completions "
+                                                 r"rl.generate\(\) handed out in step\(s\) \[0\]"):
+            rl.update_policy(rollout, np.zeros(len(rollout.response_ids), np.float32))
+    rl.update_policy(fresh, np.zeros(2, np.float32))
+    assert policy.sent == [(2,)]
+
+
 def test_rl_state_is_what_a_checkpoint_keeps_from_the_step_that_set_it():
     """A resumed run read its state back from JSON (int keys as strings) while an uninterrupted one
     kept Python's; a value JSON cannot hold failed at the save on the trainer, by default the last

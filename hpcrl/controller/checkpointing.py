@@ -65,7 +65,7 @@ class Checkpointer:
         self.on_phase: Callable[[int, str], None] = lambda step, phase: None
         """Records a phase the checkpointer starts (the session's phase file)."""
         self._phase: tuple[int, str] = (-1, "startup")  # the step and phase in progress (check_abandon)
-        self._in_flight_abandoned = False  # poll has abandoned a step (or an evaluation): it fires once
+        self._poll_fired = False  # poll has abandoned a step (or an evaluation): it fires once
         self.saved_step: int | None = None
         self.completed_step = -1
         """Last step whose update and weight sync completed."""
@@ -267,14 +267,14 @@ class Checkpointer:
 
         It fires once: the save that follows collects what answered (and waits for what it keeps)."""
         step, phase = self._phase
-        if self._in_flight_abandoned or self.policy.queued_push is not None:
+        if self._poll_fired or self.policy.queued_push is not None:
             return
         if phase == "eval" and self.watch.requested and self._time_is_short():
-            self._in_flight_abandoned = True
+            self._poll_fired = True
             why = f"signal {self.watch.signal_name}; the evaluation after step {step} abandoned"
             raise EvalAbandoned(step, why) if step >= 0 else Preempted(-1, why)
         if self._abandonable(step, phase):
-            self._in_flight_abandoned = True
+            self._poll_fired = True
             raise Preempted(step - 1, f"signal {self.watch.signal_name}; step {step} abandoned in phase '{phase}'")
 
     def save_after_abandon(self, exc: Preempted) -> None:

@@ -414,7 +414,7 @@ class RolloutGroup:
 
     def start_profile(self, out_dir: str, profile_id: str, cuda: bool) -> list[str]:
         """SGLang's /start_profile on every engine, engine i's trace into `out_dir`/engine<i>/ (stack
-        and shapes off: traces of a few MB per step); the failures, one line per engine."""
+        and shapes off, as the trainer ranks' traces: smaller files); the failures, one line per engine."""
         body = {"profile_id": profile_id, "activities": ["CPU", "GPU"] if cuda else ["CPU"], "with_stack": False,
                 "record_shapes": False}
         return self._each_engine("/start_profile", lambda i: {**body, "output_dir": f"{out_dir}/engine{i}"})

@@ -149,9 +149,7 @@ class GenerationPipeline:
     def busy_seconds(self, start: float, end: float) -> float:
         """Seconds of [start, end] during which the engines had a request of the pipeline (the
         union of the collected requests' spans; the ones whose answers arrived are collected first)."""
-        for flight in self._ahead:
-            if flight.pending is not None and all(a.ready() for _, a in flight.pending.answers):
-                self._collect(flight)
+        self._collect_answered(self._ahead)
         self.busy = [(a, b) for a, b in self.busy if b > start]  # older spans count no more
         spans = sorted((max(a, start), min(b, end)) for a, b in self.busy if a < end)
         total, reach = 0.0, start
@@ -212,6 +210,12 @@ class GenerationPipeline:
         limit = math.ceil(flight.request.sampling_params[row]["max_new_tokens"] / self.max_staleness)
         return min(limit, self._left(flight, row))
 
+    def _collect_answered(self, flights) -> None:
+        """Collect those of `flights` whose every answer has arrived (no wait)."""
+        for flight in flights:
+            if flight.pending is not None and all(a.ready() for _, a in flight.pending.answers):
+                self._collect(flight)
+
     def _collect(self, flight: Flight, poll: Callable[[], None] | None = None) -> Rollout:
         if flight.pending is not None:
             segment = self.rollouts.collect(flight.pending, poll)
@@ -255,9 +259,7 @@ class GenerationPipeline:
         first; a continued segment (partial rollouts) or a block drawn out of order is kept (the save
         waits for it). Returns how many flights were dropped."""
         flights = [*self._taken, *self._ahead]
-        for flight in flights:
-            if flight.pending is not None and all(a.ready() for _, a in flight.pending.answers):
-                self._collect(flight)
+        self._collect_answered(flights)
         tail: list[Flight] = []
         for flight in reversed(flights):
             if flight.pending is None or flight.rows is not None:

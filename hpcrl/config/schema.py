@@ -240,6 +240,21 @@ class TrainerConfig:
     """Sequences per micro-batch (gradient accumulation over micro-batches)."""
     dispatcher: str = "alltoall"
     """MoE token dispatcher: alltoall | allgather."""
+    recompute_granularity: str = "none"
+    """Activation recomputation in training forwards (Megatron recompute_granularity): none | full
+    (each chunk of `recompute_num_layers` decoder layers keeps only its input and is computed again
+    in the backward) | selective (the `recompute_modules` parts of each layer). Trades compute for
+    activation memory; the gradients are the same, bit for bit (docs/config.md)."""
+    recompute_method: str = "uniform"
+    """With recompute_granularity full (Megatron recompute_method): uniform (every stage's layers in
+    chunks of recompute_num_layers, each recomputed) | block (the first recompute_num_layers layers of
+    each pipeline stage recomputed, the rest kept)."""
+    recompute_num_layers: int = 1
+    """With recompute_granularity full: layers per recomputed chunk (uniform; must divide each
+    pipeline stage's layers) or layers recomputed per stage (block)."""
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    """With recompute_granularity selective (Megatron recompute_modules): any of core_attn, layernorm,
+    moe, shared_experts (models with shared experts), mlp (dense MLP layers), mla_up_proj (MLA models)."""
     seed: int = 1234
     """Seed of the weight init, dropout and the rollout sampler."""
     deterministic: bool = True

@@ -43,6 +43,11 @@ DISPATCHERS = ("alltoall", "allgather")
 BACKENDS = ("reference", "sglang")
 WEIGHT_SYNCS = ("auto", "shard", "broadcast")
 ROUTING_REPLAYS = ("none", "observe", "r3", "r2")
+RECOMPUTE_GRANULARITIES = ("none", "full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe", "shared_experts", "mlp", "mla_up_proj")
+"""Megatron-core 0.16's recompute_modules that the trainer's build can take; its "moe_act" needs
+grouped GEMM experts, which the trainer does not build (moe_grouped_gemm off)."""
 SYNC_CHECKSUMS = ("sampled", "full", "off")  # moe._reshard_runtime.VERIFY_MODES (torch-free here)
 MAX_TIMEOUT_S = 7 * 24 * 3600
 """The longest timeout a job may set: socket, queue and faulthandler timeouts overflow near 1e9 s."""
@@ -118,6 +123,7 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("trainer.last_stage_layers", lambda v: v >= 0, ">= 0 (0 splits the layers evenly)"),
     ("trainer.num_procs", lambda v: v >= 1, ">= 1"),
     ("trainer.micro_batch_size", lambda v: v >= 1, ">= 1"),
+    ("trainer.recompute_num_layers", lambda v: v >= 1, ">= 1"),
     ("trainer.seed", lambda v: 0 <= v < 2**63, "in [0, 2**63)"),
     ("rollout.num_engines", lambda v: v >= 1, ">= 1"),
     ("rollout.tp_per_engine", lambda v: v >= 1, ">= 1"),
@@ -171,6 +177,8 @@ _CHOICES: list[tuple[str, tuple[str, ...]]] = [
     ("algorithm.loss_agg", LOSS_AGGS),
     ("algorithm.mis_level", MIS_LEVELS),
     ("trainer.dispatcher", DISPATCHERS),
+    ("trainer.recompute_granularity", RECOMPUTE_GRANULARITIES),
+    ("trainer.recompute_method", RECOMPUTE_METHODS),
     ("rollout.backend", BACKENDS),
     ("rollout.weight_sync", WEIGHT_SYNCS),
     ("rollout.routing_replay", ROUTING_REPLAYS),
@@ -212,6 +220,8 @@ class ModelDims:
     tied_embeddings: bool
     model_type: str
     num_moe_layers: int = 0
+    mla: bool = False
+    shared_experts: bool = False
 
 
 def _read_model(job: JobConfig) -> ModelDims:
@@ -238,7 +248,8 @@ def _read_model(job: JobConfig) -> ModelDims:
                      num_hidden_layers=dims.num_layers, vocab_size=dims.vocab_size,
                      expert_ffn_size=dims.moe_ffn_size, max_position_embeddings=dims.max_position_embeddings,
                      tied_embeddings=dims.tied_embeddings, model_type=str(hf.get("model_type")),
-                     num_moe_layers=len(dims.moe_layers))
+                     num_moe_layers=len(dims.moe_layers), mla=dims.mla is not None,
+                     shared_experts=bool(dims.shared_ffn_size))
 
 
 def _check_weights(job: JobConfig, dims: HFModelDims, key: str, path: str) -> None:
@@ -555,6 +566,56 @@ def _check_parallel(job: JobConfig, m: ModelDims) -> None:
                           f"num_prompts_per_step: {_nearest(valid, n)}")
 
 
+def _check_recompute(job: JobConfig, m: ModelDims) -> None:
+    """trainer.recompute_*: what Megatron would take for this model and layout (it raises deep inside,
+    or indexes past a stage's last layer, for the rest), and no module that would recompute nothing."""
+    t = job.trainer
+    for key, value, default, applies in (("recompute_method", t.recompute_method, "uniform", "full"),
+                                         ("recompute_num_layers", t.recompute_num_layers, 1, "full"),
+                                         ("recompute_modules", t.recompute_modules, ["core_attn"], "selective")):
+        if value != default and t.recompute_granularity != applies:
+            raise ConfigError(f"trainer.{key}", value,
+                              f"applies with trainer.recompute_granularity: {applies} only (it is "
+                              f"{t.recompute_granularity}): set that, or drop {key}")
+    if t.recompute_granularity == "full":
+        stages = [len(r) for r in stage_ranges(m.num_hidden_layers, t.pp, t.first_stage_layers,
+                                               t.last_stage_layers)]
+        n = t.recompute_num_layers
+        if t.recompute_method == "uniform" and any(s % n for s in stages):
+            raise ConfigError("trainer.recompute_num_layers", n,
+                              f"recompute_method uniform recomputes each pipeline stage's layers {stages} in "
+                              "chunks of recompute_num_layers, which must divide each: use one of "
+                              f"{_divisors(math.gcd(*stages))}, or recompute_method: block")
+        if t.recompute_method == "block" and n > max(stages):
+            raise ConfigError("trainer.recompute_num_layers", n,
+                              f"recompute_method block recomputes that many layers of each pipeline stage; the "
+                              f"stages have {stages} layers: use 1..{max(stages)}")
+    if t.recompute_granularity != "selective":
+        return
+    if not t.recompute_modules:
+        raise ConfigError("trainer.recompute_modules", t.recompute_modules,
+                          "recompute_granularity selective recomputes these modules: name at least one of "
+                          f"{', '.join(RECOMPUTE_MODULES)}, or set recompute_granularity: none")
+    has = {"mla_up_proj": (m.mla, "has no multi-latent attention (MLA)"),
+           "shared_experts": (m.shared_experts, "has no shared experts"),
+           "mlp": (m.num_moe_layers < m.num_hidden_layers,
+                   "has no dense MLP layer (every layer is MoE: use moe)"),
+           "moe": (m.num_moe_layers > 0, "has no MoE layer")}
+    for i, module in enumerate(t.recompute_modules):
+        key = f"trainer.recompute_modules[{i}]"
+        if module == "moe_act":
+            raise ConfigError(key, module, "Megatron recomputes moe_act with grouped-GEMM experts only, which the "
+                                           "trainer does not build; use moe (the whole MoE layer)")
+        if module not in RECOMPUTE_MODULES:
+            raise ConfigError(key, module, f"must be one of: {', '.join(RECOMPUTE_MODULES)}"
+                                           f"{did_you_mean(module, RECOMPUTE_MODULES)}")
+        if module in t.recompute_modules[:i]:
+            raise ConfigError(key, module, "each module once: remove the repeat")
+        present, why = has.get(module, (True, ""))
+        if not present:
+            raise ConfigError(key, module, f"{m.source} {why}, so it would recompute nothing; remove it")
+
+
 SGLANG_SHARD_MODEL_TYPES = ("qwen3_moe",)
 """Model types whose SGLang parameters hpcrl/rollout/sglang_shard_loader.py maps (Qwen3-MoE)."""
 _DEEPSEEK_LOAD = ("SGLang 0.5.23's DeepSeek load derives parameters a custom loader does not produce: "
@@ -717,6 +778,7 @@ def validate(job: JobConfig, purpose: str = "run") -> None:
     _check_devices(job, dims)
     _check_routing_replay(job, dims)
     _check_parallel(job, dims)
+    _check_recompute(job, dims)
     _check_context(job, dims, prompt_len)
     _check_eval(job)
     _check_wandb(job)

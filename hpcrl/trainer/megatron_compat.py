@@ -8,9 +8,18 @@ and measurements: notes/python_stack.md sections 2-2.4):
       `te_general_gemm`, which 0.16.1 defines only when transformer-engine imports;
       `multi_latent_attention.py:62` sets HAVE_TE when the TE extension module imports, which it does
       without TE (its classes are MagicMocks then), and line 185 calls isinstance with such a mock.
+      `tensor_parallel/random.py:636 CheckpointWithoutOutput.__init__` sets `self.fp8 = fp8 is not None`,
+      so its default fp8=False, which transformer_layer.py:577/672 use, takes the fp8 path, whose
+      `FP8GlobalStateManager` exists only with TE (NameError: trainer.recompute_modules layernorm);
+      the patched constructor counts False as no fp8.
   Router fix (GPU too): `router.py:542 _apply_expert_bias` (token counts for the expert bias, which
       DeepSeek-V3 models enable) ANDs routing_map [tokens, experts] with a padding mask [tokens],
       which broadcasts wrongly and raises; the patched method broadcasts the mask over the experts.
+  Recompute fix (GPU too): `transformer_block.py:544 _checkpointed_forward` with recompute_method
+      block calls the layers it does not recompute without the padding mask, so their routers count
+      padding tokens in the load-balancing loss (the aux loss and every gradient then differ from a run
+      without recompute); the patched method passes it, as the uniform method and the recomputed
+      layers do. Other recompute settings, and fp8/fp4, go to Megatron's method.
   Norm fix (GPU too, whenever apex is absent, as on hpcrl's GPU install): patch 3 below. Without
       apex the local spec builds every norm as `WrappedTorchNorm`, whose assert would stop any
       trainer.tp > 1 (sequence parallel) model from being built on a GPU as well.
@@ -318,8 +327,12 @@ def _apply_te_fix() -> None:
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
+    from megatron.core.tensor_parallel import random
+
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    checkpoint = random.CheckpointWithoutOutput
+    checkpoint.__init__ = _checkpoint_without_output_init(checkpoint.__init__)
     # Without TE, megatron.core.extensions.transformer_engine still imports, its TE classes being
     # MagicMock stand-ins, so MLA believes TE is there and calls isinstance(linear, <a mock>).
     multi_latent_attention.HAVE_TE = False
@@ -337,9 +350,54 @@ def _count_tokens_per_expert(self: Any, routing_map: torch.Tensor, padding_mask:
 
 
 def _apply_router_fix() -> None:
+    from megatron.core.transformer import transformer_block
     from megatron.core.transformer.moe import router
 
     router.TopKRouter._apply_expert_bias = _count_tokens_per_expert
+    block = transformer_block.TransformerBlock
+    block._checkpointed_forward = _block_recompute_with_padding_mask(block._checkpointed_forward)
+
+
+def _block_recompute_with_padding_mask(original: Any) -> Any:
+    """`TransformerBlock._checkpointed_forward` whose block method passes the padding mask to every
+    layer (the recompute fix): the first recompute_num_layers layers of the stage through
+    `tensor_parallel.checkpoint`, the others called directly, as Megatron's method does without fp8."""
+    def _checkpointed_forward(self: Any, hidden_states: Any, attention_mask: Any, context: Any, context_mask: Any,
+                              rotary_pos_emb: Any, attention_bias: Any, packed_seq_params: Any,
+                              use_inner_quantization_context: bool, padding_mask: Any = None) -> Any:
+        config = self.config
+        if config.recompute_method != "block" or config.fp8 or config.fp4:
+            return original(self, hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
+                            attention_bias, packed_seq_params, use_inner_quantization_context, padding_mask)
+        from megatron.core import tensor_parallel
+
+        def layer_forward(index: int) -> Any:
+            def forward(hidden_states: Any, attention_mask: Any, context: Any, context_mask: Any,
+                        rotary_pos_emb: Any, padding_mask: Any = None) -> Any:
+                return self._get_layer(index)(
+                    hidden_states=hidden_states, attention_mask=attention_mask, context=context,
+                    context_mask=context_mask, rotary_pos_emb=rotary_pos_emb, attention_bias=attention_bias,
+                    inference_context=None, packed_seq_params=packed_seq_params, padding_mask=padding_mask)
+            return forward
+
+        for index in range(self.num_layers_per_pipeline_rank):
+            inputs = (hidden_states, attention_mask, context, context_mask, rotary_pos_emb, padding_mask)
+            if index < config.recompute_num_layers:
+                hidden_states, context = tensor_parallel.checkpoint(
+                    layer_forward(index), config.distribute_saved_activations, *inputs)
+            else:
+                hidden_states, context = layer_forward(index)(*inputs)
+        return hidden_states
+
+    return _checkpointed_forward
+
+
+def _checkpoint_without_output_init(original: Any) -> Any:
+    """`CheckpointWithoutOutput.__init__` that takes fp8=False as no fp8 (the TE-less fix)."""
+    def __init__(self: Any, fp8: Any = False) -> None:
+        original(self, None if fp8 is False else fp8)
+
+    return __init__
 
 
 def _cpu_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:

@@ -15,6 +15,8 @@ overwrites with HF weights (`MegatronPolicy.init_from_seed` / `load_hf_state_dic
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -72,9 +74,10 @@ def aux_loss_coef_of(hf_config: Mapping, aux_loss_coef: float | None) -> float:
 def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: int, dispatcher: str,
                        aux_loss_coef: float, device: str = "cpu", dtype: str = "float32",
                        first_stage_layers: int = 0, last_stage_layers: int = 0,
-                       routing_replay: bool = False):  # -> TransformerConfig
+                       routing_replay: bool = False, recompute: Recompute | None = None):  # -> TransformerConfig
     """The TransformerConfig of `hf_config` under the layout (tp, pp, ep, etp), with parameters
-    of `dtype` ("float32" or "bfloat16"; the router and softmax compute in fp32 either way).
+    of `dtype` ("float32" or "bfloat16"; the router and softmax compute in fp32 either way), and
+    `recompute`'s activation recomputation in training forwards (none by default).
 
     Sequence parallelism is on whenever tp > 1 (Megatron requires it for MoE with TP).
     Raises ValueError for an unknown dispatcher or a model that does not split over the layout.
@@ -146,7 +149,34 @@ def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: in
     kwargs.update(family_kwargs)
     # every router gets a RouterReplay (hpcrl/trainer/routing_replay.py); only the policy replays
     kwargs["moe_enable_routing_replay"] = routing_replay
+    kwargs.update((recompute or Recompute()).megatron_kwargs())
     return config_class(**kwargs)
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Activation recomputation (trainer.recompute_*, Megatron's names): granularity none | full |
+    selective; full: `method` uniform | block over `num_layers`; selective: `modules`."""
+
+    granularity: str = "none"
+    method: str = "uniform"
+    num_layers: int = 1
+    modules: tuple[str, ...] = ("core_attn",)
+
+    @classmethod
+    def of(cls, trainer: Any) -> Recompute:
+        """trainer.recompute_* of a TrainerConfig."""
+        return cls(trainer.recompute_granularity, trainer.recompute_method, trainer.recompute_num_layers,
+                   tuple(trainer.recompute_modules))
+
+    def megatron_kwargs(self) -> dict:
+        """The TransformerConfig fields: Megatron takes method and num_layers with full only."""
+        if self.granularity == "none":
+            return {"recompute_granularity": None}
+        if self.granularity == "full":
+            return {"recompute_granularity": "full", "recompute_method": self.method,
+                    "recompute_num_layers": self.num_layers}
+        return {"recompute_granularity": "selective", "recompute_modules": list(self.modules)}
 
 
 def _deepseek_kwargs(dims: HFModelDims) -> dict:

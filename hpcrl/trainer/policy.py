@@ -42,7 +42,7 @@ from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
 from hpcrl.trainer import megatron_compat
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.lr_schedule import LRSchedule
-from hpcrl.trainer.model import (aux_loss_coef_of, build_gpt_model, check_layout, keep_expert_bias_fp32,
+from hpcrl.trainer.model import (Recompute, aux_loss_coef_of, build_gpt_model, check_layout, keep_expert_bias_fp32,
                                  transformer_config, weight_tensors)
 from moe.hf_megatron import HFModelDims, RankCoords, hf_to_megatron, local_params
 
@@ -232,7 +232,8 @@ class MegatronPolicy:
         self.routing_replay = routing_replay
         self.aux_loss_coef = aux_loss_coef_of(self.hf_config, algorithm.aux_loss_coef)
         self.layout = layout = dict(tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=trainer.dispatcher,
-                                    aux_loss_coef=self.aux_loss_coef, device=device, dtype=dtype, **stages)
+                                    aux_loss_coef=self.aux_loss_coef, device=device, dtype=dtype,
+                                    recompute=Recompute.of(trainer), **stages)
         self._build_policy(layout)
         self.critic: Any = None  # PPO's value model on these ranks (hpcrl/trainer/critic.py), if any
         self.ref: torch.nn.Module | None = None

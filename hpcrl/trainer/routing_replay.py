@@ -10,6 +10,12 @@ The router then gathers its scores at those experts (REPLAY_FORWARD; group-limit
 expert bias do not choose, the routed scaling still applies) and the backward reuses that routing
 map. The aux loss keeps the router's own top-k (Megatron computes it separately).
 
+Under activation recomputation (trainer.recompute_granularity full, or selective with moe) a router
+runs again in the backward, for a micro-batch whose forward may lie several forwards back (the
+pipeline schedule's warm-up runs forwards ahead): it then replays the oldest target not yet
+recomputed (REPLAY_BACKWARD; RouterReplay keeps every target set, in order, and the backwards come in
+the forwards' order), and neither counts nor observes, as the forward did both.
+
 `Replay` also observes what every router did (a forward hook on its routing map), so the trainer
 can say how often its routes equal the engine's (`router_agreement`), replaying or not, and tests
 can compare the experts used with the experts given. The count stays on the routers' device until
@@ -42,6 +48,7 @@ class Replay:
         self.total: torch.Tensor | int = 0
         self._real: torch.Tensor | int = 0  # real tokens of the current micro-batch on this rank
         for j, router in self.routers:
+            router.register_forward_pre_hook(_replay_action_hook)
             router.register_forward_hook(self._observe_hook(j))
 
     @property
@@ -115,6 +122,8 @@ class Replay:
 
     def _observe_hook(self, j: int) -> Any:
         def hook(module: Any, inputs: Any, output: Any) -> None:
+            if recomputing():
+                return
             if self.observed is not None:  # into pinned host memory from a GPU, without waiting for it
                 self.observed[j].append(output[1].detach().to("cpu", non_blocking=True))
             if j in self.current:
@@ -122,6 +131,25 @@ class Replay:
                 self.same = self.same + (same_rows(output[1].detach(), wanted_TK) & real_T).sum()
                 self.total = self.total + self._real
         return hook
+
+
+def recomputing() -> bool:
+    """Whether a checkpointed forward is being computed again, in the backward (Megatron's
+    CheckpointFunction flags both passes; only the second runs with grad)."""
+    from megatron.core.tensor_parallel.random import is_checkpointing
+
+    return is_checkpointing() and torch.is_grad_enabled()
+
+
+def _replay_action_hook(router: Any, inputs: Any) -> None:
+    """Before a replaying router runs: the target of this forward, or in a recompute the oldest one."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    state = router.router_replay
+    if state is not None and state.router_replay_action in (RouterReplayAction.REPLAY_FORWARD,
+                                                            RouterReplayAction.REPLAY_BACKWARD):
+        state.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD if recomputing()
+                                       else RouterReplayAction.REPLAY_FORWARD)
 
 
 def same_rows(routing_map_TE: torch.Tensor, wanted_TK: torch.Tensor) -> torch.Tensor:

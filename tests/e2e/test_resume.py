@@ -106,12 +106,15 @@ def test_a_signal_during_a_generation_that_outlasts_the_grace_abandons_it(tmp_pa
 
 
 def test_kill_9_between_checkpoints_then_resume_is_bit_identical(tmp_path, uninterrupted):
+    """The resume also recomputes every layer's activations in its training backwards
+    (trainer.recompute_granularity full): the same ops on the same inputs, so the same weights, bit for bit."""
     run_dir = tmp_path / "run"
     proc = _start(run_dir)
     _wait_for_step(proc, run_dir, 7)  # checkpoints at steps 2 and 5; step 6 is lost
     kill_everything(proc, run_dir)
     assert not leftover_processes(str(run_dir))
-    resumed, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, timeout_s=400)
+    resumed, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS,
+                       "--set", "trainer.recompute_granularity=full", timeout_s=400)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert "resumed from checkpoint step 5" in resumed.stdout
     assert _result(run_dir) == uninterrupted

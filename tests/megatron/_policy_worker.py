@@ -156,6 +156,30 @@ def engine_replay(policy, cfg: dict, sd: dict | None, batch, prefix: str) -> dic
             f"{prefix}_replayed": replayed_routes(policy, routed)}
 
 
+RECOMPUTE = {"none": {}, "full": {"recompute_granularity": "full"},
+             "moe": {"recompute_granularity": "selective", "recompute_modules": ["moe"]}}
+
+
+def recompute_replay(args, trainer_kw: dict, batch) -> dict:
+    """`batch`'s engine routes replayed (r3) in one on-policy step of the model directory's policy, with
+    each RECOMPUTE setting: the step's metrics and the weights' hash after it (rank 0's; None elsewhere).
+    Under PP the schedule runs a stage's next forward before the backward that recomputes the last one,
+    so a recomputed router must replay its own micro-batch's routes, not the latest set."""
+    from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
+    from hpcrl.models.presets import load_hf_config
+    from hpcrl.trainer.policy import MegatronPolicy
+
+    algorithm = AlgorithmConfig(lr=1e-2, aux_loss_coef=0.01, adam_eps=1e-2)
+    out = {}
+    for name, settings in RECOMPUTE.items():
+        policy = MegatronPolicy(load_hf_config("tiny-qwen3-moe", None), TrainerConfig(**trainer_kw, **settings),
+                                algorithm, routing_replay="r3")
+        policy.load_hf_dir(args.model_dir)
+        step = policy.train_step(batch, torch.linspace(-1.0, 1.0, batch.batch_size), on_policy=True)
+        out[f"recompute_{name}"] = (step, policy.policy_sha256())
+    return out
+
+
 def deepseek_run(args, trainer_kw: dict, algorithm, batch) -> dict:
     """The DeepSeek-V3 policy of `args.deepseek_dir` in this layout: log-probs, export, hash, one
     train step and the export after it (rank 0's values; None elsewhere)."""
@@ -236,6 +260,8 @@ def main() -> None:
 
     batch = make_batch()
     out.update(engine_replay(policy, cfg, out["sd0"], batch, "engine"))
+    if args.pp > 1:
+        out.update(recompute_replay(args, trainer_kw, out["engine_batch"]))
     logp = policy.compute_logprobs(batch)
     out["logp"], out["ref"] = logp, policy.compute_logprobs(batch, "ref")
     out["logp_t07"] = policy.compute_logprobs(batch, temperature=0.7)

@@ -364,6 +364,20 @@ def check_engine_replay(run: dict, prefix: str, cfg: dict) -> None:
         "a swap of two tokens' routes went unseen"
 
 
+def check_recompute_replay(run: dict) -> None:
+    """trainer.recompute_* under PP2 with r3 (_policy_worker.recompute_replay): full recompute and the MoE
+    layers' recompute run the same step as no recompute on the engine's routes, bit for bit (the same ops
+    on the same inputs), every training route the engine's. A recompute that replayed the latest
+    micro-batch's routes instead of its own fails it."""
+    step, sha = run["recompute_none"]
+    assert step["router_agreement"] == 1.0
+    for name in ("full", "moe"):
+        got, got_sha = run[f"recompute_{name}"]
+        assert torch.equal(got.pop("logprobs_BT"), step["logprobs_BT"]), name
+        assert got == {k: v for k, v in step.items() if k != "logprobs_BT"}, name
+        assert got_sha == sha, name
+
+
 def hf_final_hidden(batch, sd: dict[str, torch.Tensor]) -> torch.Tensor:
     """HF transformers' last hidden states (after the final norm) of `sd`'s model, [B, L, H]."""
     with torch.no_grad():
@@ -434,5 +448,7 @@ def test_layout_matches_baseline(name: str, baseline: dict, tmp_path: Path, mode
     for steps, key in ((3, "cm1"), (4, "cm2")):
         assert not (bad := metrics_close(run[key], baseline[key], steps, numel)), (key, bad)
     check_engine_replay(run, "engine", TINY_QWEN)
+    if "pp2" in name:
+        check_recompute_replay(run)
     check_deepseek(run, baseline, model_dirs["deepseek"], model_dirs["deepseek-fp8"])
     check_deepseek_plain(run, model_dirs["deepseek-plain"])

@@ -66,7 +66,7 @@ def make_policy(hf_config: dict, **algo):  # -> MegatronPolicy
     from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
     from hpcrl.trainer.policy import MegatronPolicy
 
-    trainer_kw = {k: algo.pop(k) for k in ("micro_batch_size",) if k in algo}
+    trainer_kw = {k: algo.pop(k) for k in list(algo) if k == "micro_batch_size" or k.startswith("recompute_")}
     replay = algo.pop("routing_replay", "none")
     return MegatronPolicy(hf_config, TrainerConfig(**trainer_kw), AlgorithmConfig(**algo), routing_replay=replay)
 

@@ -531,3 +531,52 @@ def test_profile_steps_are_steps_of_the_run_each_once():
             validate(job_from_dict({"algorithm": {"num_steps": 4}, "logging": {"profile_steps": steps}}))
     with pytest.raises(ConfigError, match=r"logging.profile_steps\[0\]='1': expected an integer"):
         job_from_dict({"logging": {"profile_steps": ["1"]}})
+
+
+def test_recompute_settings_megatron_can_take_for_the_model():
+    """trainer.recompute_*: the choices, Megatron's layer split (uniform chunks divide each pipeline
+    stage, which it otherwise indexes past), and no module that would recompute nothing in the model."""
+    qwen = {"trainer": {"recompute_granularity": "full"}}  # tiny-qwen3-moe: 2 MoE layers
+    validate(job_from_dict(qwen))
+    deepseek = {"model": {"preset": "tiny-deepseek-v3"}}  # MLA, 1 dense + 2 MoE layers, a shared expert
+    validate(job_from_dict({**deepseek, "trainer": {"recompute_granularity": "selective", "recompute_modules": [
+        "core_attn", "layernorm", "moe", "shared_experts", "mlp", "mla_up_proj"]}}))
+    validate(job_from_dict({**deepseek, "trainer": {"recompute_granularity": "full", "recompute_num_layers": 3}}))
+    for trainer, where, why in [
+        ({"recompute_granularity": "ful"}, "recompute_granularity='ful'", r"must be one of: none, full, selective"),
+        ({"recompute_granularity": "full", "recompute_method": "blocks"}, "recompute_method='blocks'",
+         r"must be one of: uniform, block"),
+        ({"recompute_granularity": "full", "recompute_num_layers": 0}, "recompute_num_layers=0", r"must be >= 1"),
+        ({"recompute_granularity": "full", "recompute_num_layers": 3}, "recompute_num_layers=3",
+         r"each pipeline stage's layers \[2\] in chunks of recompute_num_layers, which must divide each: use one "
+         r"of \[1, 2\], or recompute_method: block"),
+        ({"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 3},
+         "recompute_num_layers=3", r"the stages have \[2\] layers: use 1..2"),
+        ({"recompute_granularity": "selective", "recompute_modules": []}, "recompute_modules=\\[\\]",
+         r"name at least one of core_attn, layernorm"),
+        ({"recompute_granularity": "selective", "recompute_modules": ["core_attn", "moe_act"]},
+         r"recompute_modules\[1\]='moe_act'", r"grouped-GEMM experts only.*use moe"),
+        ({"recompute_granularity": "selective", "recompute_modules": ["attn"]}, r"recompute_modules\[0\]='attn'",
+         r"must be one of: core_attn, layernorm, moe, shared_experts, mlp, mla_up_proj"),
+        ({"recompute_granularity": "selective", "recompute_modules": ["moe", "moe"]}, r"recompute_modules\[1\]='moe'",
+         r"each module once"),
+        ({"recompute_granularity": "selective", "recompute_modules": ["mlp"]}, r"recompute_modules\[0\]='mlp'",
+         r"preset 'tiny-qwen3-moe' has no dense MLP layer \(every layer is MoE: use moe\), so it would recompute "
+         r"nothing; remove it"),
+        ({"recompute_granularity": "selective", "recompute_modules": ["mla_up_proj"]},
+         r"recompute_modules\[0\]='mla_up_proj'", r"has no multi-latent attention"),
+        ({"recompute_granularity": "selective", "recompute_modules": ["shared_experts"]},
+         r"recompute_modules\[0\]='shared_experts'", r"has no shared experts"),
+        ({"recompute_method": "block"}, "recompute_method='block'",
+         r"applies with trainer.recompute_granularity: full only \(it is none\): set that, or drop recompute_method"),
+        ({"recompute_granularity": "selective", "recompute_num_layers": 2}, "recompute_num_layers=2",
+         r"applies with trainer.recompute_granularity: full only \(it is selective\)"),
+        ({"recompute_granularity": "full", "recompute_modules": ["moe"]}, r"recompute_modules=\['moe'\]",
+         r"applies with trainer.recompute_granularity: selective only"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"trainer.{where}: .*{why}"):
+            validate(job_from_dict({"trainer": trainer}))
+    # PP2 of DeepSeek's 3 layers as 2 + 1: chunks of 2 do not divide the last stage
+    with pytest.raises(ConfigError, match=r"stage's layers \[2, 1\] in chunks.*use one of \[1\]"):
+        validate(job_from_dict({**deepseek, "trainer": {"pp": 2, "num_procs": 2, "first_stage_layers": 2,
+                                                        "recompute_granularity": "full", "recompute_num_layers": 2}}))

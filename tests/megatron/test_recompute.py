@@ -1,0 +1,179 @@
+"""trainer.recompute_*: Megatron's activation recomputation on one rank, in process.
+
+Recomputation runs a training forward's layers (or parts of them) again in the backward instead of
+keeping their activations, so a step must come out as it does without it: the same ops on the same
+inputs, bit for bit, over several micro-batches, with the load-balancing loss on (its padding mask is
+what Megatron's block method dropped) and the routes replayed (r3). Recomputing the norms is the one
+exception: the norm's output gradient then sums its consumers' contributions in another order, so its
+step is compared within that reordering's bound. The memory side is measured: the bytes a training
+forward leaves saved for the backward in the decoder layers (autograd's saved-tensor hooks; distinct
+storages, parameters excluded).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from numerics import forward_depth, layer_depth, longest_reduction, reordered
+from test_policy_single_rank import (deepseek_config, make_policy, own_routes, qwen_config, random_batch,  # noqa: F401
+                                     split_rows, world1)
+
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
+
+FULL = dict(recompute_granularity="full")
+SETTINGS = {
+    "full-uniform-1": FULL,
+    "full-uniform-all": {**FULL, "recompute_num_layers": 0},  # 0: the model's layer count (below)
+    "full-block-1": {**FULL, "recompute_method": "block"},
+    "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe"]),
+}
+DEEPSEEK_ONLY = {"selective-mla": dict(recompute_granularity="selective",
+                                       recompute_modules=["mla_up_proj", "shared_experts", "mlp"])}
+ALGO = dict(lr=1e-2, adam_eps=1e-2, aux_loss_coef=0.01, micro_batch_size=3)
+
+
+def saved_bytes(policy) -> tuple[list[int], object]:
+    """A saved-tensor hook context that measures, for each decoder-block forward (one per micro-batch),
+    the bytes autograd keeps for the backward while it runs: distinct storages, parameters excluded.
+    (A recompute runs the layers from inside the backward, not the block's forward: not counted.)"""
+    params = {p.untyped_storage().data_ptr() for p in policy.gpt.parameters()}
+    forwards: list[dict[int, int]] = []
+    inside = [False]
+
+    def enter(*_: object) -> None:
+        inside[0] = True
+        forwards.append({})
+
+    for block in (m for m in policy.gpt.modules() if type(m).__name__ == "TransformerBlock"):
+        block.register_forward_pre_hook(enter)
+        block.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if inside[0] and storage.data_ptr() not in params:
+            forwards[-1][storage.data_ptr()] = storage.nbytes()
+        return t
+
+    totals: list[int] = []
+    return totals, _Hooks(pack, forwards, totals)
+
+
+class _Hooks(torch.autograd.graph.saved_tensors_hooks):
+    """saved_tensors_hooks that, on exit, fills `totals` with each forward's bytes."""
+
+    def __init__(self, pack, forwards: list[dict[int, int]], totals: list[int]) -> None:
+        super().__init__(pack, lambda t: t)
+        self.forwards, self.totals = forwards, totals
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self.totals.extend(sum(f.values()) for f in self.forwards)
+
+
+def two_steps(cfg: dict, batch, **settings) -> tuple[list[dict], str, int]:
+    """Two on-policy steps (the second on moved weights and Adam state) of a policy with `settings`:
+    their metrics (log-probs included), the weights' hash after them, and the bytes each micro-batch's
+    forward of the first step saved in the decoder layers, the most of any micro-batch."""
+    policy = make_policy(cfg, **ALGO, **settings)
+    policy.init_from_seed(2)
+    adv = torch.randn(batch.batch_size, generator=torch.Generator().manual_seed(0))
+    totals, hooks = saved_bytes(policy)
+    with hooks:
+        first = policy.train_step(batch, adv, on_policy=True)
+    second = policy.train_step(batch, adv, on_policy=True)
+    if settings.get("recompute_granularity") == "full" and "recompute_method" not in settings:
+        assert len(set(totals)) == 1, totals  # the layers' inputs only: as much in each micro-batch
+    return [first, second], policy.policy_sha256(), max(totals)  # (else the experts' token counts vary)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_recompute_gives_the_same_steps_and_keeps_less(world1, family: str) -> None:  # noqa: F811
+    cfg = qwen_config() if family == "qwen3_moe" else deepseek_config()
+    layers, H, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    batch = random_batch(cfg["vocab_size"], rows=8, seed=3)
+    mb, L = ALGO["micro_batch_size"], batch.seq_len
+    steps, sha, kept = two_steps(cfg, batch)
+    saved = {}
+    settings = {**SETTINGS, **(DEEPSEEK_ONLY if family == "deepseek_v3" else {})}
+    for name, setting in settings.items():
+        if setting.get("recompute_num_layers") == 0:
+            setting = {**setting, "recompute_num_layers": layers}
+        got, got_sha, saved[name] = two_steps(cfg, batch, **setting)
+        for a, b in zip(got, steps, strict=True):
+            assert torch.equal(a.pop("logprobs_BT"), b["logprobs_BT"]), name
+            assert a == {k: v for k, v in b.items() if k != "logprobs_BT"}, name
+        assert got_sha == sha, name
+        assert saved[name] < kept, name
+    # Full recompute keeps each chunk's input and nothing inside it: one chunk of every layer keeps
+    # layers - 1 hidden-state inputs [L, mb, H] fewer (fp32) than chunks of one layer each.
+    assert saved["full-uniform-1"] - saved["full-uniform-all"] == (layers - 1) * L * mb * H * 4
+    # Without it, every layer keeps at least its attention probabilities [mb, heads, L, L].
+    assert kept - saved["full-uniform-1"] >= layers * mb * heads * L * L * 4
+    # core_attn recomputes those probabilities; moe its experts' SwiGLU products, [tokens * top_k, ffn]
+    # in each MoE layer (Megatron keeps them for the down projection).
+    moe_layers = layers - cfg.get("first_k_dense_replace", 0)
+    ffn, top_k = cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
+    assert kept - saved["selective"] >= layers * mb * heads * L * L * 4 + moe_layers * L * mb * top_k * ffn * 4
+
+
+def test_recomputed_norms_step_within_the_reordering_bound(world1) -> None:  # noqa: F811
+    """recompute_modules [layernorm]: the forward is the same computation (loss, entropy, log-probs bit
+    for bit); the norm's output gradient sums its consumers' contributions (q/k/v, or the router and the
+    experts) in another order, so the gradient and the update differ by rounding: the weights within
+    the backward chain's reordering bound (2 D + 1 reductions of at most n terms, as
+    test_micro_batches_give_the_same_step_as_one_batch derives it; Adam with eps = lr moves each
+    weight by at most its gradient's error), and the saved bytes drop by at least the two norms'
+    outputs [L, mb, H] per layer."""
+    cfg = qwen_config()
+    batch = random_batch(cfg["vocab_size"], rows=8, seed=3)
+    steps, _, kept = two_steps(cfg, batch)
+    base = make_policy(cfg, **ALGO)
+    norms = make_policy(cfg, **ALGO, recompute_granularity="selective", recompute_modules=["layernorm"])
+    adv = torch.randn(batch.batch_size, generator=torch.Generator().manual_seed(0))
+    totals, hooks = saved_bytes(norms)
+    for policy in (base, norms):
+        policy.init_from_seed(2)
+    a = base.train_step(batch, adv, on_policy=True)
+    with hooks:
+        b = norms.train_step(batch, adv, on_policy=True)
+    assert torch.equal(a.pop("logprobs_BT"), b.pop("logprobs_BT"))
+    for key in ("loss", "entropy", "pg_loss", "aux_loss"):
+        assert a[key] == b[key], key
+    D = forward_depth(cfg["num_hidden_layers"], layer_depth(cfg)) + 1
+    n = max(longest_reduction(cfg, batch.seq_len), batch.batch_size * batch.seq_len)
+    numel = max(p.numel() for p in base.gpt.parameters())
+    assert abs(a["grad_norm"] - b["grad_norm"]) <= reordered(n, 2 * D + 1, a["grad_norm"]) + \
+        reordered(numel, 2, a["grad_norm"])
+    grad = max(p.main_grad.abs().max().item() for p in base.gpt.parameters())
+    wa, wb = base.export_hf_state_dict(), norms.export_hf_state_dict()
+    bound = reordered(n, 2 * D + 1, grad) + 2.0 ** -23 * max(v.abs().max().item() for v in wa.values())
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= bound
+    L, mb, H = batch.seq_len, ALGO["micro_batch_size"], cfg["hidden_size"]
+    assert kept - max(totals) >= 2 * cfg["num_hidden_layers"] * L * mb * H * 4
+
+
+@pytest.mark.parametrize("setting", ["full-uniform-1", "selective"])
+def test_recompute_replays_the_routes_it_was_given(world1, setting: str) -> None:  # noqa: F811
+    """r3 under recompute: the recomputed routers replay the micro-batch's own routes again (random ones,
+    not the router's choice: a free recompute would route elsewhere), so the step equals r3's without
+    recompute bit for bit and the training forward's agreement is 1, counted once per route."""
+    from hpcrl.trainer.batch import TrainBatch
+    from test_policy_single_rank import random_routes
+
+    cfg = qwen_config()
+    plain = random_batch(cfg["vocab_size"], rows=8, seed=4)
+    batch = TrainBatch.from_lists(*split_rows(plain), random_routes(plain, 2, 4, 2, seed=6))
+    adv = torch.linspace(-1, 1, 8)
+    out = []
+    for settings in ({}, SETTINGS[setting]):
+        policy = make_policy(cfg, routing_replay="r3", **ALGO, **settings)
+        policy.init_from_seed(3)
+        policy.replay.observe()
+        m = policy.train_step(batch, adv, on_policy=True)
+        observed = policy.replay.observed_routes()
+        out.append((m, policy.policy_sha256(), {j: len(maps) for j, maps in observed.items()}))
+    (a, sha_a, seen_a), (b, sha_b, seen_b) = out
+    assert torch.equal(a.pop("logprobs_BT"), b.pop("logprobs_BT"))
+    assert a == b and a["router_agreement"] == 1.0
+    assert sha_a == sha_b
+    assert seen_a == seen_b == {0: 3, 1: 3}  # one map per micro-batch and layer: the recompute is not observed

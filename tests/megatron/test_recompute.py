@@ -7,7 +7,7 @@ what Megatron's block method dropped) and the routes replayed (r3). Recomputing 
 exception: the norm's output gradient then sums its consumers' contributions in another order, so its
 step is compared within that reordering's bound. The memory side is measured: the bytes a training
 forward leaves saved for the backward in the decoder layers (autograd's saved-tensor hooks; distinct
-storages, parameters excluded).
+storages, parameters excluded: hpcrl/trainer/saved_activations.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from numerics import forward_depth, layer_depth, longest_reduction, reordered
+from hpcrl.trainer.saved_activations import SavedActivations
 from test_policy_single_rank import (deepseek_config, make_policy, own_routes, qwen_config, random_batch,  # noqa: F401
                                      split_rows, world1)
 
@@ -32,44 +33,6 @@ DEEPSEEK_ONLY = {"selective-mla": dict(recompute_granularity="selective",
 ALGO = dict(lr=1e-2, adam_eps=1e-2, aux_loss_coef=0.01, micro_batch_size=3)
 
 
-def saved_bytes(policy) -> tuple[list[int], object]:
-    """A saved-tensor hook context that measures, for each decoder-block forward (one per micro-batch),
-    the bytes autograd keeps for the backward while it runs: distinct storages, parameters excluded.
-    (A recompute runs the layers from inside the backward, not the block's forward: not counted.)"""
-    params = {p.untyped_storage().data_ptr() for p in policy.gpt.parameters()}
-    forwards: list[dict[int, int]] = []
-    inside = [False]
-
-    def enter(*_: object) -> None:
-        inside[0] = True
-        forwards.append({})
-
-    for block in (m for m in policy.gpt.modules() if type(m).__name__ == "TransformerBlock"):
-        block.register_forward_pre_hook(enter)
-        block.register_forward_hook(lambda *_: inside.__setitem__(0, False))
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if inside[0] and storage.data_ptr() not in params:
-            forwards[-1][storage.data_ptr()] = storage.nbytes()
-        return t
-
-    totals: list[int] = []
-    return totals, _Hooks(pack, forwards, totals)
-
-
-class _Hooks(torch.autograd.graph.saved_tensors_hooks):
-    """saved_tensors_hooks that, on exit, fills `totals` with each forward's bytes."""
-
-    def __init__(self, pack, forwards: list[dict[int, int]], totals: list[int]) -> None:
-        super().__init__(pack, lambda t: t)
-        self.forwards, self.totals = forwards, totals
-
-    def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        self.totals.extend(sum(f.values()) for f in self.forwards)
-
-
 def two_steps(cfg: dict, batch, **settings) -> tuple[list[dict], str, int]:
     """Two on-policy steps (the second on moved weights and Adam state) of a policy with `settings`:
     their metrics (log-probs included), the weights' hash after them, and the bytes each micro-batch's
@@ -77,10 +40,11 @@ def two_steps(cfg: dict, batch, **settings) -> tuple[list[dict], str, int]:
     policy = make_policy(cfg, **ALGO, **settings)
     policy.init_from_seed(2)
     adv = torch.randn(batch.batch_size, generator=torch.Generator().manual_seed(0))
-    totals, hooks = saved_bytes(policy)
-    with hooks:
+    with SavedActivations(policy.gpt) as saved:
         first = policy.train_step(batch, adv, on_policy=True)
     second = policy.train_step(batch, adv, on_policy=True)
+    totals = saved.per_forward
+    assert len(totals) == 3  # one forward per micro-batch
     if settings.get("recompute_granularity") == "full" and "recompute_method" not in settings:
         assert len(set(totals)) == 1, totals  # the layers' inputs only: as much in each micro-batch
     return [first, second], policy.policy_sha256(), max(totals)  # (else the experts' token counts vary)
@@ -130,11 +94,10 @@ def test_recomputed_norms_step_within_the_reordering_bound(world1) -> None:  # n
     base = make_policy(cfg, **ALGO)
     norms = make_policy(cfg, **ALGO, recompute_granularity="selective", recompute_modules=["layernorm"])
     adv = torch.randn(batch.batch_size, generator=torch.Generator().manual_seed(0))
-    totals, hooks = saved_bytes(norms)
     for policy in (base, norms):
         policy.init_from_seed(2)
     a = base.train_step(batch, adv, on_policy=True)
-    with hooks:
+    with SavedActivations(norms.gpt) as saved:
         b = norms.train_step(batch, adv, on_policy=True)
     assert torch.equal(a.pop("logprobs_BT"), b.pop("logprobs_BT"))
     for key in ("loss", "entropy", "pg_loss", "aux_loss"):
@@ -149,7 +112,7 @@ def test_recomputed_norms_step_within_the_reordering_bound(world1) -> None:  # n
     bound = reordered(n, 2 * D + 1, grad) + 2.0 ** -23 * max(v.abs().max().item() for v in wa.values())
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= bound
     L, mb, H = batch.seq_len, ALGO["micro_batch_size"], cfg["hidden_size"]
-    assert kept - max(totals) >= 2 * cfg["num_hidden_layers"] * L * mb * H * 4
+    assert kept - max(saved.per_forward) >= 2 * cfg["num_hidden_layers"] * L * mb * H * 4
 
 
 @pytest.mark.parametrize("setting", ["full-uniform-1", "selective"])
@@ -177,3 +140,21 @@ def test_recompute_replays_the_routes_it_was_given(world1, setting: str) -> None
     assert a == b and a["router_agreement"] == 1.0
     assert sha_a == sha_b
     assert seen_a == seen_b == {0: 3, 1: 3}  # one map per micro-batch and layer: the recompute is not observed
+
+
+def test_the_critic_recomputes_as_the_policy_does(world1) -> None:  # noqa: F811
+    """PPO's critic takes the policy's layout, recompute included: its step is the same bit for bit."""
+    from hpcrl.config.schema import AlgorithmConfig, CriticConfig
+    from hpcrl.trainer.critic import MegatronCritic
+
+    cfg = qwen_config()
+    batch = random_batch(cfg["vocab_size"], rows=8, seed=3)
+    out = []
+    for settings in ({}, FULL):
+        policy = make_policy(cfg, **ALGO, **settings)
+        policy.init_from_seed(2)
+        policy.critic = MegatronCritic(policy, CriticConfig(lr=1e-3), AlgorithmConfig())
+        values = policy.critic.values(batch)
+        returns = torch.where(batch.response_mask_BT(), torch.linspace(-1, 1, values.numel()).view_as(values), 0.0)
+        out.append((policy.critic.train_step(batch, returns, values), policy.critic.sha256()))
+    assert out[0] == out[1]

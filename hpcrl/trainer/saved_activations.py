@@ -1,0 +1,60 @@
+"""How many bytes a training forward's decoder layers leave for the backward: what activation
+recomputation (trainer.recompute_*) trades for compute. Measured with autograd's saved-tensor hooks,
+so it is exact and the same on any host (unlike a process's peak memory).
+
+    with SavedActivations(policy.gpt) as saved:
+        policy.train_step(...)
+    saved.per_forward  # bytes per decoder-block forward (one per micro-batch and pipeline stage)
+
+A tensor counts once per storage, and parameters not at all (autograd saves the weights a matmul
+needs, which exist anyway). A recompute runs the layers again from inside the backward, not through
+the block's forward: what it saves then lives for one chunk's backward only and is not counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class SavedActivations:
+    """Counts, per forward of each `TransformerBlock` in `model`, the bytes of the distinct non-parameter
+    storages autograd saves for the backward while that forward runs."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.per_forward: list[int] = []
+        self._storages: dict[int, int] | None = None
+        self._handles: list[Any] = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._params: set[int] = set()
+
+    def __enter__(self) -> SavedActivations:
+        self._params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        for block in (m for m in self.model.modules() if type(m).__name__ == "TransformerBlock"):
+            self._handles.append(block.register_forward_pre_hook(self._enter_block))
+            self._handles.append(block.register_forward_hook(self._leave_block))
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _enter_block(self, *_: object) -> None:
+        self._storages = {}
+
+    def _leave_block(self, *_: object) -> None:
+        assert self._storages is not None
+        self.per_forward.append(sum(self._storages.values()))
+        self._storages = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._storages is not None:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self._params:
+                self._storages[storage.data_ptr()] = storage.nbytes()
+        return t

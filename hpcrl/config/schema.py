@@ -237,7 +237,13 @@ class TrainerConfig:
     num_procs: int = 1
     """Trainer ranks; data parallel size = num_procs / (tp * cp * pp)."""
     micro_batch_size: int = 64
-    """Sequences per micro-batch (gradient accumulation over micro-batches)."""
+    """Sequences per micro-batch (gradient accumulation over micro-batches); with
+    max_tokens_per_micro_batch, the most sequences a micro-batch may hold."""
+    max_tokens_per_micro_batch: int = 0
+    """0: micro-batches of micro_batch_size sequences, each padded to the batch's longest. N > 0: each
+    DP rank fills micro-batches with its sequences, longest first, each padded only to its own longest
+    and holding at most N tokens with that padding (verl's use_dynamic_bsz + ppo_max_token_len_per_gpu,
+    slime's --max-tokens-per-gpu); hpcrl/trainer/micro_batches.py."""
     dispatcher: str = "alltoall"
     """MoE token dispatcher: alltoall | allgather."""
     recompute_granularity: str = "none"

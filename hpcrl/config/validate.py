@@ -124,6 +124,8 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("trainer.num_procs", lambda v: v >= 1, ">= 1"),
     ("trainer.micro_batch_size", lambda v: v >= 1, ">= 1"),
     ("trainer.recompute_num_layers", lambda v: v >= 1, ">= 1"),
+    ("trainer.max_tokens_per_micro_batch", lambda v: v >= 0,
+     ">= 0 (0: micro-batches of trainer.micro_batch_size sequences)"),
     ("trainer.seed", lambda v: 0 <= v < 2**63, "in [0, 2**63)"),
     ("rollout.num_engines", lambda v: v >= 1, ">= 1"),
     ("rollout.tp_per_engine", lambda v: v >= 1, ">= 1"),
@@ -566,6 +568,31 @@ def _check_parallel(job: JobConfig, m: ModelDims) -> None:
                           f"num_prompts_per_step: {_nearest(valid, n)}")
 
 
+def _check_micro_batch_tokens(job: JobConfig, prompt_len: int | None) -> None:
+    """trainer.max_tokens_per_micro_batch holds the longest sequence a step can have (prompt + response,
+    padded to a multiple of tp): a longer one would train alone in a micro-batch over the budget."""
+    t, n = job.trainer, job.trainer.max_tokens_per_micro_batch
+    if not n:
+        return
+    if t.dispatcher == "allgather" and (t.ep > 1 or t.pp > 1):
+        # DP ranks' micro-batches differ in shape: EP ranks exchange tokens and PP stages shapes
+        raise ConfigError("trainer.max_tokens_per_micro_batch", n,
+                          "micro-batches by tokens differ in shape from one data-parallel rank to the next, "
+                          "which Megatron's allgather dispatcher cannot gather over expert (ep > 1) or pass "
+                          "between pipeline stages (pp > 1) ranks; set trainer.dispatcher: alltoall, or 0")
+    prompt = prompt_len or job.data.max_prompt_tokens
+    longest = (prompt or 1) + job.rollout.max_new_tokens
+    longest = math.ceil(longest / t.tp) * t.tp
+    if n < longest:
+        what = (f"data.task={job.data.task}'s {prompt_len}-token prompts" if prompt_len else
+                f"data.max_prompt_tokens={prompt}" if prompt else "a prompt of at least 1 token")
+        raise ConfigError("trainer.max_tokens_per_micro_batch", n,
+                          f"{what} + rollout.max_new_tokens={job.rollout.max_new_tokens}"
+                          + (f", padded to a multiple of trainer.tp={t.tp}," if t.tp > 1 else "")
+                          + f" make sequences of up to {longest} tokens; use at least {longest}, or 0 for "
+                          "micro-batches of trainer.micro_batch_size sequences")
+
+
 def _check_recompute(job: JobConfig, m: ModelDims) -> None:
     """trainer.recompute_*: what Megatron would take for this model and layout (it raises deep inside,
     or indexes past a stage's last layer, for the rest), and no module that would recompute nothing."""
@@ -611,6 +638,11 @@ def _check_recompute(job: JobConfig, m: ModelDims) -> None:
                                            f"{did_you_mean(module, RECOMPUTE_MODULES)}")
         if module in t.recompute_modules[:i]:
             raise ConfigError(key, module, "each module once: remove the repeat")
+        if module == "shared_experts" and "moe" in t.recompute_modules:
+            # and Megatron's inner checkpoint would end the outer one's recompute flag before the router
+            # runs: routing replay would then replay another micro-batch's routes under PP
+            raise ConfigError(key, module, "moe recomputes the whole MoE layer, its shared experts included; "
+                                           "list one of them")
         present, why = has.get(module, (True, ""))
         if not present:
             raise ConfigError(key, module, f"{m.source} {why}, so it would recompute nothing; remove it")
@@ -779,6 +811,7 @@ def validate(job: JobConfig, purpose: str = "run") -> None:
     _check_routing_replay(job, dims)
     _check_parallel(job, dims)
     _check_recompute(job, dims)
+    _check_micro_batch_tokens(job, prompt_len)
     _check_context(job, dims, prompt_len)
     _check_eval(job)
     _check_wandb(job)

@@ -129,9 +129,9 @@ class MegatronCritic:
         """Float32 [B, T] values of the response positions (0 on padding), on rank 0; None elsewhere."""
         p = self.policy
         batch, _ = p._share(batch, {})
-        mbs, n_mb, mb, L = p._split(batch, {})
-        store = p._run(self.ddp, mbs, n_mb, mb, L, True, self._values_out)
-        return p._gather_rows(store, "v_BT", n_mb, mb, batch)
+        mbs, split = p._split(batch, {})
+        store = p._run(self.ddp, mbs, split, True, self._values_out)
+        return p._gather_rows(store, "v_BT", split, batch)
 
     def _loss(self, num_tokens: int, num_seqs: int, scale: int, mbd: dict[str, torch.Tensor],
               values_BL1: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -154,13 +154,13 @@ class MegatronCritic:
         for name, v in (("returns_BT", t["ret"]), ("old_values_BT", t["oldv"])):
             if v is None or tuple(v.shape) != (B, T):
                 raise ValueError(f"{name} has shape {None if v is None else tuple(v.shape)}, expected {(B, T)}")
-        mbs, n_mb, mb, L = p._split(batch, {"ret_BT": t["ret"].float(), "oldv_BT": t["oldv"].float()})
+        mbs, split = p._split(batch, {"ret_BT": t["ret"].float(), "oldv_BT": t["oldv"].float()})
         if not self.ddp.training:
             self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss_fn = partial(self._loss, max(batch.num_response_tokens(), 1), B, n_mb * p.dp_size)
-        store = p._run(self.ddp, mbs, n_mb, mb, L, False, loss_fn)
+        loss_fn = partial(self._loss, max(batch.num_response_tokens(), 1), B, split.num_micro_batches * p.dp_size)
+        store = p._run(self.ddp, mbs, split, False, loss_fn)
         _, grad_norm, _ = self.optimizer.step()
         local = torch.zeros(len(METRICS), dtype=torch.float32)
         if p._counts_here():

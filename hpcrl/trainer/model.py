@@ -74,10 +74,12 @@ def aux_loss_coef_of(hf_config: Mapping, aux_loss_coef: float | None) -> float:
 def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: int, dispatcher: str,
                        aux_loss_coef: float, device: str = "cpu", dtype: str = "float32",
                        first_stage_layers: int = 0, last_stage_layers: int = 0,
-                       routing_replay: bool = False, recompute: Recompute | None = None):  # -> TransformerConfig
+                       routing_replay: bool = False, recompute: Recompute | None = None,
+                       variable_seq_lengths: bool = False):  # -> TransformerConfig
     """The TransformerConfig of `hf_config` under the layout (tp, pp, ep, etp), with parameters
     of `dtype` ("float32" or "bfloat16"; the router and softmax compute in fp32 either way), and
     `recompute`'s activation recomputation in training forwards (none by default).
+    `variable_seq_lengths`: micro-batches of several shapes (pipeline stages exchange each one's shape).
 
     Sequence parallelism is on whenever tp > 1 (Megatron requires it for MoE with TP).
     Raises ValueError for an unknown dispatcher or a model that does not split over the layout.
@@ -150,6 +152,7 @@ def transformer_config(hf_config: Mapping, *, tp: int, pp: int, ep: int, etp: in
     # every router gets a RouterReplay (hpcrl/trainer/routing_replay.py); only the policy replays
     kwargs["moe_enable_routing_replay"] = routing_replay
     kwargs.update((recompute or Recompute()).megatron_kwargs())
+    kwargs["variable_seq_lengths"] = variable_seq_lengths
     return config_class(**kwargs)
 
 

@@ -42,6 +42,7 @@ from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
 from hpcrl.trainer import megatron_compat
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.lr_schedule import LRSchedule
+from hpcrl.trainer.micro_batches import Split, fixed_split, token_split
 from hpcrl.trainer.model import (Recompute, aux_loss_coef_of, build_gpt_model, check_layout, keep_expert_bias_fp32,
                                  transformer_config, weight_tensors)
 from moe.hf_megatron import HFModelDims, RankCoords, hf_to_megatron, local_params
@@ -233,7 +234,9 @@ class MegatronPolicy:
         self.aux_loss_coef = aux_loss_coef_of(self.hf_config, algorithm.aux_loss_coef)
         self.layout = layout = dict(tp=tp, pp=pp, ep=ep, etp=etp, dispatcher=trainer.dispatcher,
                                     aux_loss_coef=self.aux_loss_coef, device=device, dtype=dtype,
-                                    recompute=Recompute.of(trainer), **stages)
+                                    recompute=Recompute.of(trainer),
+                                    variable_seq_lengths=trainer.max_tokens_per_micro_batch > 0 and pp > 1,
+                                    **stages)
         self._build_policy(layout)
         self.critic: Any = None  # PPO's value model on these ranks (hpcrl/trainer/critic.py), if any
         self.ref: torch.nn.Module | None = None
@@ -460,11 +463,13 @@ class MegatronPolicy:
             for i, value in zip(missing, payload[0]):
                 items[i] = value
 
-    def _split_shape(self, batch: TrainBatch) -> tuple[int, int, int]:
-        """`_split`'s micro-batches per DP rank, rows per micro-batch and padded sequence length."""
-        per_rank = math.ceil(batch.batch_size / self.dp_size)
-        n_mb = math.ceil(per_rank / self.trainer.micro_batch_size)
-        return n_mb, math.ceil(per_rank / n_mb), math.ceil(batch.seq_len / self.coords.tp) * self.coords.tp
+    def _plan(self, batch: TrainBatch) -> Split:
+        """Every DP rank's micro-batches of `batch` (hpcrl/trainer/micro_batches.py)."""
+        t = self.trainer
+        if t.max_tokens_per_micro_batch:
+            return token_split(batch.prompt_lens_B + batch.response_lens_B, self.dp_size, self.coords.tp,
+                               t.micro_batch_size, t.max_tokens_per_micro_batch)
+        return fixed_split(batch.batch_size, batch.seq_len, self.dp_size, self.coords.tp, t.micro_batch_size)
 
     def _recorded_routes(self, batch: TrainBatch, temperature: float) -> tuple[torch.Tensor | None, TrainBatch]:
         """rollout.routing_replay r2: the old log-probs of `batch` (rank 0) and `batch` carrying the
@@ -474,10 +479,9 @@ class MegatronPolicy:
 
         self.replay.observe()
         old = self.compute_logprobs(batch, temperature=temperature)
-        n_mb, mb, L = self._split_shape(batch)
-        chunk, K = L // self.coords.tp, self.dims.top_k
-        mine = [(self.dp_rank * n_mb + m, self.coords.tp_rank, j,
-                 map_TE.nonzero()[:, 1].view(chunk, mb, K).to(route_dtype(self.dims.num_experts)))
+        split, K, tp = self._plan(batch), self.dims.top_k, self.coords.tp
+        mine = [(self.dp_rank, m, self.coords.tp_rank, j, map_TE.nonzero()[:, 1].view(
+                    split.ranks[self.dp_rank][m].seq_len // tp, -1, K).to(route_dtype(self.dims.num_experts)))
                 for j, maps in self.replay.observed_routes().items() for m, map_TE in enumerate(maps)]
         every: list[Any] = [mine]
         if dist.get_world_size() > 1:
@@ -485,28 +489,27 @@ class MegatronPolicy:
             dist.all_gather_object(every, mine)
         N = len(self.dims.moe_layers)
         routes = filler_routes(K, route_dtype(self.dims.num_experts)).expand(
-            self.dp_size * n_mb * mb, L, N, K).clone()
+            split.padded_rows, split.max_seq_len, N, K).clone()
         for part in every:
-            for block, tp_rank, j, idx_SBK in part:
-                routes[block * mb: (block + 1) * mb, tp_rank * chunk: (tp_rank + 1) * chunk, j] = \
-                    idx_SBK.transpose(0, 1)
+            for dp_rank, m, tp_rank, j, idx_SBK in part:
+                micro = split.ranks[dp_rank][m]
+                chunk = micro.seq_len // tp
+                routes[micro.rows, tp_rank * chunk: (tp_rank + 1) * chunk, j] = idx_SBK.transpose(0, 1)
         B, S = batch.batch_size, batch.seq_len
         return old, TrainBatch(batch.tokens_BL, batch.prompt_lens_B, batch.response_lens_B,
                                routes[:B, :S].contiguous())
 
     def _split(self, batch: TrainBatch, per_row: dict[str, torch.Tensor]
-               ) -> tuple[list[dict[str, torch.Tensor]], int, int, int]:
-        """This DP rank's micro-batches (equal shapes), their count, rows and sequence length.
-
-        B rows are padded with dummy rows to D * M * mb (D DP ranks, M micro-batches of mb rows,
-        mb <= micro_batch_size); DP rank d takes the d-th contiguous block. L is padded to a
-        multiple of tp (sequence parallelism splits it).
-        """
-        n_mb, mb, L = self._split_shape(batch)
+               ) -> tuple[list[dict[str, torch.Tensor]], Split]:
+        """This DP rank's micro-batches and every rank's split (`_plan`: fixed shapes, or by tokens with
+        trainer.max_tokens_per_micro_batch). Each micro-batch is cut to its own length, a multiple of
+        tp (sequence parallelism splits it); dummy rows pad the batch."""
+        split = self._plan(batch)
         B = batch.batch_size
         if batch.routes_BLNK is not None:
             self._check_routes(batch.routes_BLNK)
-        padded = batch.padded(self.dp_size * n_mb * mb, L)
+        L = split.max_seq_len
+        padded = batch.padded(split.padded_rows, L)
         assert padded.response_width == batch.response_width
         full = {"tokens_BL": padded.tokens_BL, "pad_BL": padded.padding_mask_BL(),
                 "pos_BT": padded.logit_positions_BT(), "tgt_BT": padded.response_tokens_BT(),
@@ -515,14 +518,16 @@ class MegatronPolicy:
             full["routes"] = padded.routes_BLNK
         for name, t in per_row.items():
             full[name] = torch.cat([t, t.new_zeros((padded.batch_size - B, *t.shape[1:]))])
-        position_ids = torch.arange(L, device=self.device).unsqueeze(0).expand(mb, L)
+        by_position = ("tokens_BL", "pad_BL", "routes")  # [rows, L, ...]: cut to the micro-batch's length
         out = []
-        for m in range(n_mb):
-            s = (self.dp_rank * n_mb + m) * mb
-            d = {k: v[s: s + mb].to(self.device) for k, v in full.items()}
-            d["position_ids"] = position_ids
+        for micro in split.ranks[self.dp_rank]:
+            rows, n = micro.rows, micro.seq_len
+            d = {k: (v[rows, :n] if k in by_position else v[rows]).to(self.device) for k, v in full.items()}
+            if n < L:  # the positions that predict padding columns stay inside the micro-batch
+                d["pos_BT"] = d["pos_BT"].clamp(max=n - 1)
+            d["position_ids"] = torch.arange(n, device=self.device).unsqueeze(0).expand(len(rows), n)
             out.append(d)
-        return out, n_mb, mb, L
+        return out, split
 
     def _agreement(self, batch: TrainBatch) -> float | None:
         """On rank 0: the share of (token, MoE layer) routes of the forward(s) since the last call that
@@ -565,15 +570,15 @@ class MegatronPolicy:
         out = model(mbd["tokens_BL"], mbd["position_ids"], None, padding_mask=pad_BL)
         return out, partial(loss_fn, mbd)
 
-    def _run(self, model: torch.nn.Module, mbs: list[dict[str, torch.Tensor]], n_mb: int, mb: int, L: int,
+    def _run(self, model: torch.nn.Module, mbs: list[dict[str, torch.Tensor]], split: Split,
              forward_only: bool, loss_fn: Any) -> list[dict[str, torch.Tensor]]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        try:
+        try:  # (micro-batches of other shapes: the stages exchange each one's shape, variable_seq_lengths)
             return get_forward_backward_func()(
                 forward_step_func=partial(self._forward_step, loss_fn=loss_fn), data_iterator=iter(mbs),
-                model=[model], num_microbatches=n_mb, seq_length=L, micro_batch_size=mb,
-                forward_only=forward_only)
+                model=[model], num_microbatches=split.num_micro_batches, seq_length=split.max_seq_len,
+                micro_batch_size=split.max_rows, forward_only=forward_only)
         finally:
             self.replay.clear()
 
@@ -606,20 +611,21 @@ class MegatronPolicy:
         module = self._models(model)[-1][1]
         self._require_loaded(model)
         batch, _ = self._share(batch, {})
-        mbs, n_mb, mb, L = self._split(batch, {})
-        store = self._run(self.ddp if model == "policy" else module, mbs, n_mb, mb, L, True,
+        mbs, split = self._split(batch, {})
+        store = self._run(self.ddp if model == "policy" else module, mbs, split, True,
                           partial(self._logp_loss, temperature))
-        return self._gather_rows(store, "logp_BT", n_mb, mb, batch)
+        return self._gather_rows(store, "logp_BT", split, batch)
 
-    def _gather_rows(self, store: list[dict[str, torch.Tensor]], key: str, n_mb: int, mb: int,
+    def _gather_rows(self, store: list[dict[str, torch.Tensor]], key: str, split: Split,
                      batch: TrainBatch) -> torch.Tensor | None:
-        """Per-micro-batch [mb, T] results of every DP rank as one [B, T] tensor on rank 0."""
+        """Per-micro-batch [rows, T] results of every DP rank as one [B, T] tensor on rank 0 (each row
+        in the one micro-batch that holds it; the shared dummy row is dropped)."""
         T = batch.response_width
-        out_BT = torch.zeros(self.dp_size * n_mb * mb, T, dtype=torch.float32)
+        out_BT = torch.zeros(split.padded_rows, T, dtype=torch.float32)
         if self._counts_here():
-            for m, d in enumerate(store):
-                s = (self.dp_rank * n_mb + m) * mb
-                out_BT[s: s + mb] = d[key].float().cpu()
+            for micro, d in zip(split.ranks[self.dp_rank], store, strict=True):
+                real = micro.rows < batch.batch_size
+                out_BT[micro.rows[real]] = d[key].float().cpu()[real]
         full = self._to_rank0(out_BT)
         return None if full is None else full[: batch.batch_size]
 
@@ -829,7 +835,8 @@ class MegatronPolicy:
         counts = (max(batch.num_response_tokens(), 1), B) * 2
         if self.algorithm.rollout_correction == "mis":  # the rejected tokens leave the loss and its counts
             per_row["keep_BT"], counts = self._mis_rejection(batch, per_row, on_policy)
-        mbs, n_mb, mb, L = self._split(batch, per_row)
+        mbs, split = self._split(batch, per_row)
+        n_mb = split.num_micro_batches
 
         if not self.ddp.training:  # train() walks every module: skip it when nothing changed
             self.ddp.train()
@@ -842,7 +849,7 @@ class MegatronPolicy:
         clear_aux_losses_tracker()
         loss_fn = partial(self._train_loss, policy_loss, temperature, counts, n_mb * self.dp_size)
         self.replay.take_agreement()  # count this training forward's routes only
-        store = self._run(self.ddp, mbs, n_mb, mb, L, False, loss_fn)
+        store = self._run(self.ddp, mbs, split, False, loss_fn)
         _, grad_norm, _ = self.optimizer.step()
 
         names = ("loss", "entropy", *policy_loss.metrics, *self._correction_metrics())
@@ -860,7 +867,7 @@ class MegatronPolicy:
             values = tracker["load_balancing_loss"]["values"]
             aux[0] = float(values.sum()) / len(self.dims.moe_layers) / n_mb  # mean over the MoE layers
             clear_aux_losses_tracker()
-        logprobs_BT = self._gather_rows(store, "logp_BT", n_mb, mb, batch)
+        logprobs_BT = self._gather_rows(store, "logp_BT", split, batch)
         agreement = self._agreement(batch)
         summed = self._to_rank0(local)
         if summed is None:

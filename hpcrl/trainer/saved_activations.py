@@ -6,8 +6,8 @@ so it is exact and the same on any host (unlike a process's peak memory).
         policy.train_step(...)
     saved.per_forward  # bytes per decoder-block forward (one per micro-batch and pipeline stage)
 
-A tensor counts once per storage, and parameters not at all (autograd saves the weights a matmul
-needs, which exist anyway). A recompute runs the layers again from inside the backward, not through
+A tensor counts once per storage, with the storage's size when the block's forward ends, and
+parameters not at all (autograd saves the weights a matmul needs, which exist anyway). A recompute runs the layers again from inside the backward, not through
 the block's forward: what it saves then lives for one chunk's backward only and is not counted.
 """
 
@@ -25,7 +25,7 @@ class SavedActivations:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.per_forward: list[int] = []
-        self._storages: dict[int, int] | None = None
+        self._storages: dict[int, Any] | None = None
         self._handles: list[Any] = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._params: set[int] = set()
@@ -48,13 +48,15 @@ class SavedActivations:
         self._storages = {}
 
     def _leave_block(self, *_: object) -> None:
+        # at the block's end: an output that CheckpointWithoutOutput (layernorm, mla_up_proj) recomputes
+        # in the backward has been freed by then (its storage resized to 0)
         assert self._storages is not None
-        self.per_forward.append(sum(self._storages.values()))
+        self.per_forward.append(sum(s.nbytes() for s in self._storages.values()))
         self._storages = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if self._storages is not None:
             storage = t.untyped_storage()
             if storage.data_ptr() not in self._params:
-                self._storages[storage.data_ptr()] = storage.nbytes()
+                self._storages[storage.data_ptr()] = storage
         return t

@@ -156,27 +156,36 @@ def engine_replay(policy, cfg: dict, sd: dict | None, batch, prefix: str) -> dic
             f"{prefix}_replayed": replayed_routes(policy, routed)}
 
 
-RECOMPUTE = {"none": {}, "full": {"recompute_granularity": "full"},
-             "moe": {"recompute_granularity": "selective", "recompute_modules": ["moe"]}}
+VARIANTS = {"none": ({}, 0.01), "full": ({"recompute_granularity": "full"}, 0.01),
+            "moe": ({"recompute_granularity": "selective", "recompute_modules": ["moe"]}, 0.01),
+            # the load-balancing loss is a function of each micro-batch's tokens: off where the split differs
+            "none_no_aux": ({}, 0.0), "tokens": ({"max_tokens_per_micro_batch": 16}, 0.0)}
+"""name -> (trainer settings, algorithm.aux_loss_coef) of `variant_steps`."""
 
 
-def recompute_replay(args, trainer_kw: dict, batch) -> dict:
-    """`batch`'s engine routes replayed (r3) in one on-policy step of the model directory's policy, with
-    each RECOMPUTE setting: the step's metrics and the weights' hash after it (rank 0's; None elsewhere).
-    Under PP the schedule runs a stage's next forward before the backward that recomputes the last one,
-    so a recomputed router must replay its own micro-batch's routes, not the latest set."""
+def variant_steps(cfg: dict, model_dir: str | None, trainer_kw: dict, batch, names=VARIANTS,
+                  prefix: str = "variant") -> dict:
+    """`batch`'s engine routes replayed (r3) in one on-policy step of `cfg`'s policy (from `model_dir`, or
+    the seed), with each of the VARIANTS `names`: the step's metrics and the weights' hash after it
+    (rank 0's; None elsewhere), and the micro-batch lengths of the last one's split. Under PP the
+    schedule runs a stage's next forward before the backward that recomputes the last one, so a
+    recomputed router must replay its own micro-batch's routes, not the latest set; the split by tokens
+    sends micro-batches of several shapes between the stages and through sequence parallelism."""
     from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
-    from hpcrl.models.presets import load_hf_config
     from hpcrl.trainer.policy import MegatronPolicy
 
-    algorithm = AlgorithmConfig(lr=1e-2, aux_loss_coef=0.01, adam_eps=1e-2)
     out = {}
-    for name, settings in RECOMPUTE.items():
-        policy = MegatronPolicy(load_hf_config("tiny-qwen3-moe", None), TrainerConfig(**trainer_kw, **settings),
-                                algorithm, routing_replay="r3")
-        policy.load_hf_dir(args.model_dir)
+    for name in names:
+        settings, aux = VARIANTS[name]
+        policy = MegatronPolicy(cfg, TrainerConfig(**trainer_kw, **settings),
+                                AlgorithmConfig(lr=1e-2, aux_loss_coef=aux, adam_eps=1e-2), routing_replay="r3")
+        if model_dir:
+            policy.load_hf_dir(model_dir)
+        else:
+            policy.init_from_seed(SEED)
         step = policy.train_step(batch, torch.linspace(-1.0, 1.0, batch.batch_size), on_policy=True)
-        out[f"recompute_{name}"] = (step, policy.policy_sha256())
+        out[f"{prefix}_{name}"] = (step, policy.policy_sha256())
+    out[f"{prefix}_lengths"] = [m.seq_len for m in policy._plan(batch).ranks[0]]
     return out
 
 
@@ -197,6 +206,9 @@ def deepseek_run(args, trainer_kw: dict, algorithm, batch) -> dict:
     out["ds_recorded"] = policy._recorded_routes(batch, 1.0)[1].routes_BLNK  # r2's record, put together
     out.update({"ds_sd0": policy.export_hf_state_dict(), "ds_sha0": policy.policy_sha256()})
     out.update(engine_replay(policy, cfg, out["ds_sd0"], batch, "ds_engine"))
+    if args.pp > 1:  # DeepSeek's MoE layers recomputed under PP: shared experts, group-limited routes
+        out.update(variant_steps(cfg, args.deepseek_dir, {**trainer_kw, "last_stage_layers": 1},
+                                 out["ds_engine_batch"], ("none", "full", "moe"), "ds_variant"))
     out["ds_logp"] = logp = policy.compute_logprobs(batch)
     out["ds_m1"] = policy.train_step(batch, torch.linspace(-1.0, 1.0, batch.batch_size), logp)
     if out["ds_m1"] is not None:
@@ -260,8 +272,8 @@ def main() -> None:
 
     batch = make_batch()
     out.update(engine_replay(policy, cfg, out["sd0"], batch, "engine"))
-    if args.pp > 1:
-        out.update(recompute_replay(args, trainer_kw, out["engine_batch"]))
+    if args.pp > 1 or args.tp > 1:
+        out.update(variant_steps(cfg, args.model_dir, trainer_kw, out["engine_batch"]))
     logp = policy.compute_logprobs(batch)
     out["logp"], out["ref"] = logp, policy.compute_logprobs(batch, "ref")
     out["logp_t07"] = policy.compute_logprobs(batch, temperature=0.7)

@@ -364,18 +364,28 @@ def check_engine_replay(run: dict, prefix: str, cfg: dict) -> None:
         "a swap of two tokens' routes went unseen"
 
 
-def check_recompute_replay(run: dict) -> None:
-    """trainer.recompute_* under PP2 with r3 (_policy_worker.recompute_replay): full recompute and the MoE
-    layers' recompute run the same step as no recompute on the engine's routes, bit for bit (the same ops
-    on the same inputs), every training route the engine's. A recompute that replayed the latest
-    micro-batch's routes instead of its own fails it."""
-    step, sha = run["recompute_none"]
-    assert step["router_agreement"] == 1.0
-    for name in ("full", "moe"):
-        got, got_sha = run[f"recompute_{name}"]
-        assert torch.equal(got.pop("logprobs_BT"), step["logprobs_BT"]), name
-        assert got == {k: v for k, v in step.items() if k != "logprobs_BT"}, name
-        assert got_sha == sha, name
+def check_variants(run: dict, numel: int, tp: int) -> None:
+    """Under PP2 and under TP2 (sequence parallel), with r3 (_policy_worker.variant_steps): full recompute
+    and the MoE layers' recompute run the same step as no recompute on the engine's routes, bit for bit
+    (the same ops on the same inputs), every training route the engine's; a recompute that replayed the
+    latest micro-batch's routes instead of its own fails it (PP2; the tiny DeepSeek-V3 too, 2 + 1 layers). Micro-batches by tokens (several
+    lengths, each a multiple of tp) run the same step up to the order of the sums, without the
+    load-balancing loss (a function of each micro-batch's tokens): the log-probs and metrics within the
+    bounds of one step."""
+    for prefix in ("variant", "ds_variant") if "ds_variant_none" in run else ("variant",):
+        step, sha = run[f"{prefix}_none"]
+        assert step["router_agreement"] == 1.0
+        for name in ("full", "moe"):
+            got, got_sha = run[f"{prefix}_{name}"]
+            assert torch.equal(got.pop("logprobs_BT"), step["logprobs_BT"]), (prefix, name)
+            assert got == {k: v for k, v in step.items() if k != "logprobs_BT"}, (prefix, name)
+            assert got_sha == sha, (prefix, name)
+    (tokens, _), (plain, _) = run["variant_tokens"], run["variant_none_no_aux"]
+    lengths = run["variant_lengths"]
+    assert len(set(lengths)) > 1 and all(n % tp == 0 for n in lengths), lengths
+    check_close("logp, split by tokens", tokens.pop("logprobs_BT"), plain.pop("logprobs_BT"))
+    assert tokens["router_agreement"] == 1.0
+    assert not (bad := metrics_close(tokens, plain, 0, numel)), bad
 
 
 def hf_final_hidden(batch, sd: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -448,7 +458,7 @@ def test_layout_matches_baseline(name: str, baseline: dict, tmp_path: Path, mode
     for steps, key in ((3, "cm1"), (4, "cm2")):
         assert not (bad := metrics_close(run[key], baseline[key], steps, numel)), (key, bad)
     check_engine_replay(run, "engine", TINY_QWEN)
-    if "pp2" in name:
-        check_recompute_replay(run)
+    if "pp2" in name or "tp2" in name:
+        check_variants(run, numel, tp=2 if "tp2" in name else 1)
     check_deepseek(run, baseline, model_dirs["deepseek"], model_dirs["deepseek-fp8"])
     check_deepseek_plain(run, model_dirs["deepseek-plain"])

@@ -66,7 +66,8 @@ def make_policy(hf_config: dict, **algo):  # -> MegatronPolicy
     from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
     from hpcrl.trainer.policy import MegatronPolicy
 
-    trainer_kw = {k: algo.pop(k) for k in list(algo) if k == "micro_batch_size" or k.startswith("recompute_")}
+    trainer_kw = {k: algo.pop(k) for k in list(algo)
+                  if k in ("micro_batch_size", "max_tokens_per_micro_batch") or k.startswith("recompute_")}
     replay = algo.pop("routing_replay", "none")
     return MegatronPolicy(hf_config, TrainerConfig(**trainer_kw), AlgorithmConfig(**algo), routing_replay=replay)
 
@@ -241,17 +242,24 @@ def hf_model_of(policy) -> torch.nn.Module:
     return model
 
 
-def test_micro_batches_give_the_same_step_as_one_batch(world1) -> None:
-    """8 rows in one micro-batch vs 3 micro-batches of 3 (one dummy pad row): the same update, up to
-    the order of the sums (other GEMM shapes). Adam's eps = lr makes the update Lipschitz in the
+@pytest.mark.parametrize("split", [dict(micro_batch_size=3),
+                                   dict(micro_batch_size=8, max_tokens_per_micro_batch=16)])
+def test_micro_batches_give_the_same_step_as_one_batch(world1, split: dict) -> None:
+    """8 rows in one micro-batch vs 3 micro-batches of 3 (one dummy pad row), or vs micro-batches of at
+    most 16 tokens, each padded to its own longest row (trainer.max_tokens_per_micro_batch: rows sorted
+    by length: 6 micro-batches of 1 or 2 rows, of lengths 11, 10, 9, 7, 6 and 2 here): the same update, up to the order of
+    the sums (other GEMM shapes). Adam's eps = lr makes the update Lipschitz in the
     gradient (lr * g / (|g| + lr) on the first step, slope <= 1): with eps << |g| it is lr * sign(g),
     and rounding noise in a gradient near zero would flip a weight's step, which no bound covers."""
     cfg = qwen_config()
     algo = dict(aux_loss_coef=0.0, loss_agg="seq-mean-token-mean", lr=1e-2, adam_eps=1e-2)
-    big, small = make_policy(cfg, micro_batch_size=8, **algo), make_policy(cfg, micro_batch_size=3, **algo)
+    big, small = make_policy(cfg, micro_batch_size=8, **algo), make_policy(cfg, **split, **algo)
     big.init_from_seed(2)
     small.init_from_seed(2)
     batch = random_batch(64, rows=8, seed=3)
+    if "max_tokens_per_micro_batch" in split:
+        micro = small._plan(batch).ranks[0]
+        assert len(micro) > 1 and len({m.seq_len for m in micro}) > 1 and max(len(m.rows) for m in micro) > 1
     logp = big.compute_logprobs(batch)
     _, bound = hf_logprobs(hf_model_of(big), batch)  # also: no router near-tie
     assert (logp - small.compute_logprobs(batch)).abs().max().item() <= bound
@@ -626,3 +634,22 @@ def test_r2_replays_the_old_forwards_routes_in_every_epoch(world1, mode: str) ->
     # each one micro-batch of 4 rows: mini-batch i is old micro-batch i
     same = [torch.equal(m[2 + step], m[step % 2]) for m in maps.values() for step in range(4)]
     assert all(same) if mode == "r2" else not all(same)
+
+
+def test_r2_records_the_same_routes_under_a_split_by_tokens(world1) -> None:
+    """rollout.routing_replay r2 records each router's own routes from the old-log-prob forward and puts
+    every micro-batch's rows back in place: with micro-batches of other rows and lengths
+    (trainer.max_tokens_per_micro_batch), the same routes, token for token (this batch's routing is clear
+    of near-ties: hf_forward checks it) at every position a row's tokens fed forward (padding positions
+    route as their micro-batch's length has them)."""
+    cfg = qwen_config()
+    batch = random_batch(cfg["vocab_size"], rows=8, seed=3)
+    routes = []
+    for split in (dict(micro_batch_size=8), dict(micro_batch_size=8, max_tokens_per_micro_batch=16)):
+        policy = make_policy(cfg, routing_replay="r2", **split)
+        policy.init_from_seed(2)
+        routes.append(policy._recorded_routes(batch, 1.0)[1].routes_BLNK)
+    hf_forward(hf_model_of(policy), batch)
+    fed_BL = torch.arange(batch.seq_len) < (batch.prompt_lens_B + batch.response_lens_B - 1).unsqueeze(1)
+    assert torch.equal(routes[0][fed_BL], routes[1][fed_BL])
+    assert not torch.equal(routes[0], routes[1])  # padding positions differ: the masked check compares

@@ -143,7 +143,8 @@ def test_recompute_replays_the_routes_it_was_given(world1, setting: str) -> None
 
 
 def test_the_critic_recomputes_as_the_policy_does(world1) -> None:  # noqa: F811
-    """PPO's critic takes the policy's layout, recompute included: its step is the same bit for bit."""
+    """PPO's critic takes the policy's layout, recompute included: its step is the same bit for bit,
+    keeping fewer bytes for its backward (so the recompute ran)."""
     from hpcrl.config.schema import AlgorithmConfig, CriticConfig
     from hpcrl.trainer.critic import MegatronCritic
 
@@ -156,5 +157,10 @@ def test_the_critic_recomputes_as_the_policy_does(world1) -> None:  # noqa: F811
         policy.critic = MegatronCritic(policy, CriticConfig(lr=1e-3), AlgorithmConfig())
         values = policy.critic.values(batch)
         returns = torch.where(batch.response_mask_BT(), torch.linspace(-1, 1, values.numel()).view_as(values), 0.0)
-        out.append((policy.critic.train_step(batch, returns, values), policy.critic.sha256()))
-    assert out[0] == out[1]
+        with SavedActivations(policy.critic.gpt) as saved:
+            step = policy.critic.train_step(batch, returns, values)
+        out.append((step, policy.critic.sha256(), max(saved.per_forward)))
+    assert out[0][:2] == out[1][:2]
+    # as for the policy: without recompute each layer keeps at least its attention probabilities
+    L, mb = batch.seq_len, ALGO["micro_batch_size"]
+    assert out[0][2] - out[1][2] >= cfg["num_hidden_layers"] * mb * cfg["num_attention_heads"] * L * L * 4

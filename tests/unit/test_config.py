@@ -540,7 +540,7 @@ def test_recompute_settings_megatron_can_take_for_the_model():
     validate(job_from_dict(qwen))
     deepseek = {"model": {"preset": "tiny-deepseek-v3"}}  # MLA, 1 dense + 2 MoE layers, a shared expert
     validate(job_from_dict({**deepseek, "trainer": {"recompute_granularity": "selective", "recompute_modules": [
-        "core_attn", "layernorm", "moe", "shared_experts", "mlp", "mla_up_proj"]}}))
+        "core_attn", "layernorm", "shared_experts", "mlp", "mla_up_proj"]}}))
     validate(job_from_dict({**deepseek, "trainer": {"recompute_granularity": "full", "recompute_num_layers": 3}}))
     for trainer, where, why in [
         ({"recompute_granularity": "ful"}, "recompute_granularity='ful'", r"must be one of: none, full, selective"),
@@ -567,6 +567,8 @@ def test_recompute_settings_megatron_can_take_for_the_model():
          r"recompute_modules\[0\]='mla_up_proj'", r"has no multi-latent attention"),
         ({"recompute_granularity": "selective", "recompute_modules": ["shared_experts"]},
          r"recompute_modules\[0\]='shared_experts'", r"has no shared experts"),
+        ({"recompute_granularity": "selective", "recompute_modules": ["moe", "shared_experts"]},
+         r"recompute_modules\[1\]='shared_experts'", r"moe recomputes the whole MoE layer.*list one of them"),
         ({"recompute_method": "block"}, "recompute_method='block'",
          r"applies with trainer.recompute_granularity: full only \(it is none\): set that, or drop recompute_method"),
         ({"recompute_granularity": "selective", "recompute_num_layers": 2}, "recompute_num_layers=2",
@@ -580,3 +582,25 @@ def test_recompute_settings_megatron_can_take_for_the_model():
     with pytest.raises(ConfigError, match=r"stage's layers \[2, 1\] in chunks.*use one of \[1\]"):
         validate(job_from_dict({**deepseek, "trainer": {"pp": 2, "num_procs": 2, "first_stage_layers": 2,
                                                         "recompute_granularity": "full", "recompute_num_layers": 2}}))
+
+
+def test_micro_batches_by_tokens_hold_the_longest_sequence():
+    """trainer.max_tokens_per_micro_batch: >= 0; when set, at least the longest sequence a step can have
+    (the copy task's 2-token prompts + max_new_tokens 4 = 6 tokens, padded to a multiple of tp), and
+    the alltoall dispatcher where micro-batches of other shapes meet (EP, PP)."""
+    validate(job_from_dict({"rollout": {"max_new_tokens": 4}, "trainer": {"max_tokens_per_micro_batch": 6}}))
+    for extra, n, why in [
+        ({}, -1, r"must be >= 0 \(0: micro-batches of trainer.micro_batch_size sequences\)"),
+        ({}, 5, r"data.task=copy's 2-token prompts \+ rollout.max_new_tokens=4 make sequences of up to 6 "
+                r"tokens; use at least 6, or 0"),
+        ({"tp": 2, "etp": 2, "num_procs": 2, "dispatcher": "allgather"}, 5,
+         r"prompts \+ rollout.max_new_tokens=4, padded to a multiple of trainer.tp=2, make sequences of up to 6"),
+        ({"tp": 2, "etp": 2, "num_procs": 2, "dispatcher": "allgather", "max_new_tokens": 5}, 6,
+         r".*up to 8 tokens"),
+        ({"ep": 2, "num_procs": 2, "dispatcher": "allgather"}, 64, r"allgather dispatcher cannot gather.*"
+                                                                    r"set trainer.dispatcher: alltoall, or 0"),
+    ]:
+        new = extra.pop("max_new_tokens", 4)
+        job = {"rollout": {"max_new_tokens": new}, "trainer": {"max_tokens_per_micro_batch": n, **extra}}
+        with pytest.raises(ConfigError, match=rf"trainer.max_tokens_per_micro_batch={n}: .*{why}"):
+            validate(job_from_dict(job))

@@ -197,13 +197,17 @@ def test_a_run_dir_of_another_model_or_algorithm_or_no_run_is_refused_untouched(
 
 def test_resume_under_a_different_trainer_layout(tmp_path, uninterrupted):
     """Saved by 1 trainer rank, resumed by 2 (EP=2): each rank reads only its experts' slices, and
-    the first resumed step generates exactly what the uninterrupted run generated."""
+    the first resumed step generates exactly what the uninterrupted run generated. The resumed steps
+    train in micro-batches by tokens (trainer.max_tokens_per_micro_batch: here 7 of 10 rows or fewer,
+    where the fixed split makes one of 64), and the trainer's log-probs still equal the engine's (the
+    sync check). (Micro-batches of other shapes on the EP ranks: tests/megatron/test_policy_layouts.py.)"""
     run_dir = tmp_path / "run"
     first, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, "--set", "algorithm.num_steps=4",
                      timeout_s=400)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     resumed, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, "--set", "trainer.num_procs=2",
-                       "--set", "trainer.ep=2", "--set", "algorithm.num_steps=6", timeout_s=400)
+                       "--set", "trainer.ep=2", "--set", "algorithm.num_steps=6",
+                       "--set", "trainer.max_tokens_per_micro_batch=60", timeout_s=400)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert "resumed from checkpoint step 3" in resumed.stdout
     steps, _ = _result(run_dir)

@@ -162,7 +162,7 @@ RUN_DIR_ENTRIES = frozenset({
     "tensorboard", "engine_keys.yaml", "engine_model", "engine_python", "slurm.json", "job.sbatch",
     "local_job.json", "submitted_job.yaml", ".phase.json", ".ranks.json", ".failure.txt", ".export.json",
     ".hpcrl_world_formed", ".write-test", ".hpcrl_lock", "wandb", ".wandb.json", ".wandb.json.tmp", "rollouts",
-    "profile", ".run_id"})
+    "profile", ".run_id", ".pending_eval.json", ".pending_eval.json.tmp"})
 """What a run writes into its run dir (hpcrl/runner.py, hpcrl/jobs.py, launch/)."""
 
 

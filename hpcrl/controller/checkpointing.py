@@ -29,6 +29,7 @@ from pathlib import Path
 from checkpoints import discard_newer, latest_step, list_checkpoints, open_checkpoint
 from hpcrl.config import to_dict
 from hpcrl.config.schema import JobConfig
+from hpcrl.controller import pending_eval
 from hpcrl.controller.comm import RankFailure
 from hpcrl.controller.groups import PolicyGroup
 from hpcrl.controller.metrics import read_metrics, set_aside_metrics
@@ -72,6 +73,8 @@ class Checkpointer:
         self.eval_state: dict = {}
         """{"last_step", "metrics"} of the last evaluation (hpcrl/controller/evaluation.py), or {};
         "pending": the step whose evaluation a preemption cut short (the resume runs it first)."""
+        self.restored_checkpoint: str | None = None
+        """The digest of the checkpoint this attempt resumed from (hpcrl/controller/pending_eval.py)."""
         self.prompt_cursor = PromptCursor()
         """The prompt sampler's position (blocks of num_prompts_per_step prompts drawn so far)."""
         self.pipeline: GenerationPipeline | None = None
@@ -124,10 +127,17 @@ class Checkpointer:
                     if others else "")
             raise RankFailure(f"{exc}\ncheckpoint step {step} in {self.dir} did not load{hint}") from None
         history = [r for r in meta.get("metrics_history", []) if r["step"] <= step]
+        self.eval_state = meta.get("eval", {})
+        self.restored_checkpoint = pending_eval.checkpoint_digest(meta)
+        ran = pending_eval.done(self.run_dir, self.restored_checkpoint, self.eval_state.get("pending"))
+        if ran is not None:  # an attempt after this checkpoint ran and logged it (hpcrl/controller/pending_eval.py)
+            print(f"hpcrl: the evaluation after step {step}, cut short by a preemption, ran and was logged in an "
+                  "earlier attempt: not run again", flush=True)
+            history.append(ran["record"])
+            self.eval_state = ran["eval_state"]
         (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
         self._start_step = step + 1
         self.saved_step = self.completed_step = step
-        self.eval_state = meta.get("eval", {})
         # Checkpoints written before the cursor existed drew one block per step.
         self.prompt_cursor.next_block = int(meta.get("sampler", {}).get("cursor", step + 1))
         with open_checkpoint(self.dir, step) as reader:
@@ -190,6 +200,7 @@ class Checkpointer:
         buffer = self.pipeline.to_bytes() if self.pipeline is not None else None
         self.policy.save_checkpoint(str(self.dir), step, self.attempt_id, self.job.checkpoint.keep,
                                     self._metadata(step), {BUFFER_BLOB: buffer} if buffer else None)
+        pending_eval.forget(self.run_dir)
         self.save_s = time.monotonic() - t0
         self._unlogged_save_s = self.save_s
         self.saved_step = step

@@ -47,7 +47,8 @@ class MetricsLogger:
             self._bar = tqdm(total=num_steps, initial=start_step, desc="hpcrl", unit="step",
                              file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
+    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Write `step`'s record (returned: metrics.jsonl's line)."""
         record = {"step": step, "time": round(time.time(), 3), **metrics}
         self._file.write(json.dumps(record, sort_keys=False) + "\n")
         self._file.flush()
@@ -66,6 +67,7 @@ class MetricsLogger:
                 postfix["val"] = self._val
             self._bar.set_postfix(postfix, refresh=False)
             self._bar.update(1 if "timing/step_s" in metrics else 0)  # an evaluation's own record: no step
+        return record
 
     def close(self, wandb_wait_s: float | None = None, exit_code: int = 0) -> None:
         """Close every log; W&B's with the run's exit code, within `wandb_wait_s` when given (a run

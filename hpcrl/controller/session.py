@@ -17,6 +17,7 @@ import numpy as np
 from hpcrl.config.schema import JobConfig, critic_enabled, engine_routes
 from hpcrl.config.validate import prompt_limit
 from hpcrl.controller.checkpointing import Checkpointer, EvalAbandoned, resume_mode_from_env
+from hpcrl.controller import pending_eval
 from hpcrl.controller.comm import World
 from hpcrl.controller.evaluation import BEFORE_TRAINING, Evaluator, read_val_examples
 from hpcrl.controller.groups import GenerateRequest, PolicyGroup, Rollout, RolloutGroup
@@ -251,7 +252,10 @@ class Session:
             if self.checkpointer.eval_state.get("pending") is not None:  # preempted again
                 raise Preempted(pending, f"signal {self.checkpointer.watch.signal_name}; the evaluation after "
                                          f"step {pending} abandoned again")
-            self.metrics.log(pending, metrics)
+            record = self.metrics.log(pending, metrics)
+            # a next attempt from the same checkpoint takes this record instead of evaluating again
+            pending_eval.record_done(self.run_dir, self.checkpointer.restored_checkpoint, pending, record,
+                                     self.checkpointer.eval_state)
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """Validation metrics after `step`'s weight sync, or {} when `step` is no evaluation step."""

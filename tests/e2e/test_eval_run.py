@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from e2e_util import EXAMPLE, hpcrl, start_run
+from e2e_util import EXAMPLE, hpcrl, kill_everything, start_run
 from wandb_records import history, offline_runs, run_id
 
 from launch.result import REQUEUE_EXIT_CODE as EXIT_REQUEUE
@@ -143,8 +143,25 @@ def test_evaluation_logs_val_metrics_and_leaves_training_unchanged(tmp_path, ref
     assert proc.returncode == EXIT_REQUEUE, out[-3000:]
     assert "the evaluation after step 2 abandoned" in out and "step 2 is saved with its evaluation pending" in out
     assert [r["step"] for r in _records(cut)] == [-1, 0, 1, 2] and not _val(_records(cut)[-1])
+    # The resume runs it and logs its record; then the attempt dies (kill -9) in step 3, before its next
+    # checkpoint: the resume after that takes the record the first one wrote (.pending_eval.json)
+    # rather than evaluating again, so TensorBoard and W&B do not chart it twice.
+    proc = start_run(cut, *eval_args, env_extra=wandb_env)
+    while not (cut / ".phase.json").is_file() or json.loads((cut / ".phase.json").read_text())["step"] < 3:
+        assert time.monotonic() < deadline + 300 and proc.poll() is None, "the resumed run did not reach step 3"
+        time.sleep(0.1)
+    kill_everything(proc, cut)
+    assert json.loads((cut / ".pending_eval.json").read_text())["step"] == 2
     resumed, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(cut), *eval_args, timeout_s=500, env_extra=wandb_env)
     assert resumed.returncode == 0 and "resumed from checkpoint step 2" in resumed.stdout, resumed.stderr[-3000:]
+    assert "the evaluation after step 2, cut short by a preemption, ran and was logged in an earlier attempt" \
+        in resumed.stdout
+    assert not (cut / ".pending_eval.json").exists()  # the save after step 5 holds the record
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    charted = EventAccumulator(str(cut / "tensorboard"))
+    charted.Reload()
+    assert [e.step for e in charted.Scalars("val/reward_mean")] == [-1, 2, 5, 7]
     got = _records(cut)
     assert [r["step"] for r in got] == [-1, 0, 1, 2, 2, 3, 4, 5, 6, 7]
     assert set(got[4]) == {"step", "time", "timing/eval_s", *_val(records[3])}  # the evaluation's own record

@@ -581,16 +581,32 @@ def _check_micro_batch_tokens(job: JobConfig, prompt_len: int | None) -> None:
                           "which Megatron's allgather dispatcher cannot gather over expert (ep > 1) or pass "
                           "between pipeline stages (pp > 1) ranks; set trainer.dispatcher: alltoall, or 0")
     prompt = prompt_len or job.data.max_prompt_tokens
-    longest = (prompt or 1) + job.rollout.max_new_tokens
-    longest = math.ceil(longest / t.tp) * t.tp
+    if job.algorithm.name == "sft":  # the responses are the data's answers (and the answer end)
+        response, of = _demonstration_len(job), "answers"
+    else:
+        response, of = job.rollout.max_new_tokens, f"rollout.max_new_tokens={job.rollout.max_new_tokens}"
+    longest = math.ceil(((prompt or 1) + (response or 1)) / t.tp) * t.tp
     if n < longest:
         what = (f"data.task={job.data.task}'s {prompt_len}-token prompts" if prompt_len else
                 f"data.max_prompt_tokens={prompt}" if prompt else "a prompt of at least 1 token")
         raise ConfigError("trainer.max_tokens_per_micro_batch", n,
-                          f"{what} + rollout.max_new_tokens={job.rollout.max_new_tokens}"
+                          f"{what} + {f'{response}-token {of}' if of == 'answers' else of}"
                           + (f", padded to a multiple of trainer.tp={t.tp}," if t.tp > 1 else "")
                           + f" make sequences of up to {longest} tokens; use at least {longest}, or 0 for "
                           "micro-batches of trainer.micro_batch_size sequences")
+
+
+def _demonstration_len(job: JobConfig) -> int | None:
+    """sft's longest response on a synthetic task: the answer's tokens and the answer end (as
+    hpcrl/controller/session.py `demonstrations` builds them); None for a data file (unknown here)."""
+    if job.data.path is not None:
+        return None
+    import numpy as np
+
+    tok, task = job_tokenizer(job), TASKS[job.data.task]
+    end = 0 if tok.answer_end_id is None else 1
+    rng = np.random.default_rng(0)
+    return max(len(tok.encode_completion(task.make(rng)[1])) + end for _ in range(16))
 
 
 def _check_recompute(job: JobConfig, m: ModelDims) -> None:

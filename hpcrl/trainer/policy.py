@@ -489,7 +489,7 @@ class MegatronPolicy:
             dist.all_gather_object(every, mine)
         N = len(self.dims.moe_layers)
         routes = filler_routes(K, route_dtype(self.dims.num_experts)).expand(
-            split.padded_rows, split.max_seq_len, N, K).clone()
+            split.padded_rows, max(split.max_seq_len, batch.seq_len), N, K).clone()
         for part in every:
             for dp_rank, m, tp_rank, j, idx_SBK in part:
                 micro = split.ranks[dp_rank][m]
@@ -508,7 +508,7 @@ class MegatronPolicy:
         B = batch.batch_size
         if batch.routes_BLNK is not None:
             self._check_routes(batch.routes_BLNK)
-        L = split.max_seq_len
+        L = max(split.max_seq_len, batch.seq_len)  # a mini-batch keeps its batch's width (rows, mini_batches)
         padded = batch.padded(split.padded_rows, L)
         assert padded.response_width == batch.response_width
         full = {"tokens_BL": padded.tokens_BL, "pad_BL": padded.padding_mask_BL(),

@@ -653,3 +653,40 @@ def test_r2_records_the_same_routes_under_a_split_by_tokens(world1) -> None:
     fed_BL = torch.arange(batch.seq_len) < (batch.prompt_lens_B + batch.response_lens_B - 1).unsqueeze(1)
     assert torch.equal(routes[0][fed_BL], routes[1][fed_BL])
     assert not torch.equal(routes[0], routes[1])  # padding positions differ: the masked check compares
+
+
+def test_mini_batches_split_by_tokens_narrower_than_their_batch(world1) -> None:
+    """PPO mini-batches keep their batch's width (TrainBatch.mini_batches): split by tokens, a mini-batch
+    without the longest row pads to the batch's width, not its own longest (an assertion failed there).
+    At lr 0 every step computes on the same weights, so the policy's and the critic's updates give the
+    fixed split's metrics up to the forward's reordering (D + 1 reductions; a mean over tokens, slope
+    <= 1 + max|log p|; the critic's value head adds one)."""
+    from hpcrl.config.schema import AlgorithmConfig, CriticConfig
+    from hpcrl.trainer.batch import TrainBatch
+    from hpcrl.trainer.critic import MegatronCritic
+
+    cfg = qwen_config()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 64, (3,), generator=g).tolist() for _ in range(8)]
+    responses = [torch.randint(1, 64, (1 if b < 4 else 6,), generator=g).tolist() for b in range(8)]
+    batch = TrainBatch.from_lists(prompts, responses)  # rows 0-3: one response token; 4-7: six
+    out = []
+    for split in (dict(micro_batch_size=8), dict(micro_batch_size=8, max_tokens_per_micro_batch=12)):
+        policy = make_policy(cfg, lr=0.0, aux_loss_coef=0.0, **split)
+        policy.init_from_seed(2)
+        policy.critic = MegatronCritic(policy, CriticConfig(lr=1e-9), AlgorithmConfig())
+        m = policy.update(batch, torch.linspace(-1, 1, 8), epochs=1, mini_batch_size=4)
+        values = policy.critic.values(batch)
+        returns = torch.where(batch.response_mask_BT(), 1.0, 0.0)
+        out.append((m, policy.critic.update(batch, returns, values, epochs=1, mini_batch_size=4)))
+    (fixed, critic_fixed), (tokens, critic_tokens) = out
+    D = forward_depth(cfg["num_hidden_layers"]) + 1
+    n = max(longest_reduction(cfg, batch.seq_len), batch.batch_size * batch.seq_len)
+    slope = 1 + fixed["logprobs_BT"].abs().max().item()
+    assert (tokens.pop("logprobs_BT") - fixed.pop("logprobs_BT")).abs().max().item() <= \
+        reordered(n, D, slope)
+    for key in ("loss", "pg_loss", "entropy"):
+        assert abs(tokens[key] - fixed[key]) <= slope * reordered(n, D + 1, max(1.0, abs(fixed[key]))), key
+    for key in ("vf_loss", "values_mean"):
+        assert abs(critic_tokens[key] - critic_fixed[key]) <= \
+            reordered(n, D + 2, max(1.0, abs(critic_fixed[key]))), key

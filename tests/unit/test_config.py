@@ -604,3 +604,13 @@ def test_micro_batches_by_tokens_hold_the_longest_sequence():
         job = {"rollout": {"max_new_tokens": new}, "trainer": {"max_tokens_per_micro_batch": n, **extra}}
         with pytest.raises(ConfigError, match=rf"trainer.max_tokens_per_micro_batch={n}: .*{why}"):
             validate(job_from_dict(job))
+
+
+def test_sft_micro_batches_by_tokens_hold_the_demonstrations():
+    """sft trains on the data's answers, not on rollout.max_new_tokens of generation: the copy task's
+    4-token answers and their end make 2 + 5 = 7 tokens."""
+    sft = {"algorithm": {"name": "sft"}, "rollout": {"max_new_tokens": 1}}
+    validate(job_from_dict({**sft, "trainer": {"max_tokens_per_micro_batch": 7}}))
+    with pytest.raises(ConfigError, match=r"trainer.max_tokens_per_micro_batch=6: data.task=copy's 2-token prompts "
+                                          r"\+ 5-token answers make sequences of up to 7 tokens"):
+        validate(job_from_dict({**sft, "trainer": {"max_tokens_per_micro_batch": 6}}))

@@ -16,15 +16,12 @@ up to the order of the sums; the load-balancing loss is off, as Megatron compute
 from __future__ import annotations
 
 import argparse
-import datetime
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
+from one_rank import median_steps, one_rank_world
+from results_md import publish
 PROMPT, LONG, SHORT = 32, 224, (8, 48)
 
 
@@ -43,11 +40,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--results", type=Path, default=None, help="append the table to this RESULTS.md")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    one_rank_world()
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=600))
     from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
     from hpcrl.models.presets import load_hf_config
     from hpcrl.trainer.policy import MegatronPolicy
@@ -65,29 +60,16 @@ def main() -> None:
         positions[name] = sum(len(m.rows) * m.seq_len for m in split.ranks[0])
         logp[name] = policy.train_step(batch, adv, on_policy=True)["logprobs_BT"]
         policies[name] = policy
-    times: dict[str, list[float]] = {name: [] for name in settings}
-    for _ in range(args.reps):
-        for name, policy in policies.items():
-            t0 = time.perf_counter()
-            policy.train_step(batch, adv, on_policy=True)
-            times[name].append(time.perf_counter() - t0)
+    times = median_steps(policies, batch, adv, args.reps)
     base = next(iter(settings))
     apart = max((logp[name] - logp[base]).abs().max().item() for name in settings)
     lines = [f"small-qwen3-moe fp32, 16 x ({PROMPT} + responses: 2 of {LONG}, 14 of {SHORT[0]}-{SHORT[1]}), one "
              f"rank, 1 thread, median of {args.reps} alternating steps; log-probs at most {apart:.1e} apart",
              "", "| micro-batches | positions computed | vs fixed | step (s) | vs fixed |", "|---|---|---|---|---|"]
     for name in settings:
-        t = statistics.median(times[name])
-        lines.append(f"| {name} | {positions[name]} | {positions[name] / positions[base]:.2f} | {t:.3f} | "
-                     f"{t / statistics.median(times[base]):.2f} |")
-    text = "\n".join(lines)
-    print(text)
-    if args.results:
-        sys.path.insert(0, str(REPO / "benchmarks"))
-        from results_md import append_to_section, run_heading
-
-        command = "python benchmarks/micro_batches.py " + " ".join(sys.argv[1:])
-        append_to_section(args.results, "## micro_batches", run_heading(command.strip()) + "\n\n" + text)
+        lines.append(f"| {name} | {positions[name]} | {positions[name] / positions[base]:.2f} | "
+                     f"{times[name]:.3f} | {times[name] / times[base]:.2f} |")
+    publish("\n".join(lines), args.results, "micro_batches", "benchmarks/micro_batches.py", sys.argv[1:])
     dist.destroy_process_group()
 
 

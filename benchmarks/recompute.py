@@ -16,15 +16,12 @@ step must equal the baseline's bit for bit (metrics and log-probs), or the bench
 from __future__ import annotations
 
 import argparse
-import datetime
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
+from one_rank import median_steps, one_rank_world
+from results_md import publish
 SETTINGS = {
     "none": {},
     "full uniform 1": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
@@ -49,11 +46,9 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=128)
     ap.add_argument("--results", type=Path, default=None, help="append the table to this RESULTS.md")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    one_rank_world()
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=600))
     from hpcrl.config.schema import AlgorithmConfig, TrainerConfig
     from hpcrl.models.presets import load_hf_config
     from hpcrl.trainer.policy import MegatronPolicy
@@ -74,28 +69,15 @@ def main() -> None:
     for name, got in first.items():
         if name != "none" and (not torch.equal(got.pop("logprobs_BT"), want_logp) or got != want):
             sys.exit(f"{name}: the step differs from no recomputation's")
-    times: dict[str, list[float]] = {name: [] for name in SETTINGS}
-    for _ in range(args.reps):
-        for name, policy in policies.items():
-            t0 = time.perf_counter()
-            policy.train_step(batch, adv, on_policy=True)
-            times[name].append(time.perf_counter() - t0)
-    base_t, base_b = statistics.median(times["none"]), saved["none"]
+    times = median_steps(policies, batch, adv, args.reps)
+    base_t, base_b = times["none"], saved["none"]
     lines = [f"small-qwen3-moe fp32, {args.rows} x ({args.prompt} + {args.response}) tokens in one micro-batch, "
              f"1 thread, median of {args.reps} alternating steps; every setting's step equal to none's bit for bit",
              "", "| setting | saved by the layers (MiB) | vs none | step (s) | vs none |", "|---|---|---|---|---|"]
     for name in SETTINGS:
-        t = statistics.median(times[name])
-        lines.append(f"| {name} | {saved[name] / 2**20:.1f} | {saved[name] / base_b:.3f} | {t:.3f} | "
-                     f"{t / base_t:.2f} |")
-    text = "\n".join(lines)
-    print(text)
-    if args.results:
-        sys.path.insert(0, str(REPO / "benchmarks"))
-        from results_md import append_to_section, run_heading
-
-        command = "python benchmarks/recompute.py " + " ".join(sys.argv[1:])
-        append_to_section(args.results, "## recompute", run_heading(command.strip()) + "\n\n" + text)
+        lines.append(f"| {name} | {saved[name] / 2**20:.1f} | {saved[name] / base_b:.3f} | {times[name]:.3f} | "
+                     f"{times[name] / base_t:.2f} |")
+    publish("\n".join(lines), args.results, "recompute", "benchmarks/recompute.py", sys.argv[1:])
     dist.destroy_process_group()
 
 

@@ -47,3 +47,12 @@ def replace_section(path: Path, heading: str, body: str) -> None:
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
     new = lines[:start] + section + ([""] if end < len(lines) else []) + lines[end:]
     path.write_text("\n".join(new).rstrip("\n") + "\n")
+
+
+def publish(text: str, results: Path | None, section: str, script: str, argv: list[str]) -> None:
+    """Print a benchmark's `text` and, given a results file, append it under `## section` with the
+    command (`python <script> <argv>`) and commit it ran at."""
+    print(text)
+    if results:
+        command = f"python {script} " + " ".join(argv)
+        append_to_section(results, f"## {section}", run_heading(command.strip()) + "\n\n" + text)

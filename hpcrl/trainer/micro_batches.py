@@ -6,9 +6,12 @@ contiguous block, cut into M contiguous micro-batches; every micro-batch has the
 padded to a multiple of tp (sequence parallelism splits it).
 
 By tokens (trainer.max_tokens_per_micro_batch N > 0; verl's use_dynamic_bsz with
-ppo_max_token_len_per_gpu, slime's --use-dynamic-batch-size with --max-tokens-per-gpu): DP rank d
-takes the d-th contiguous block of ceil(B / D) rows, sorts them by length (prompt + response, longest
-first) and fills micro-batches in that order, each padded only to its own longest row (a multiple of
+ppo_max_token_len_per_gpu, slime's --use-dynamic-batch-size with --max-tokens-per-gpu): the rows
+(prompt + response lengths) go to the DP ranks balanced by tokens, ceil(B / D) each (dummy rows
+included): longest first, each to the rank with the fewest tokens so far that has room (verl's
+balance_batch does the like; a group of long completions no longer lands on one rank, which the
+others would wait for). Each rank sorts its rows by length, longest first, and fills micro-batches
+in that order, each padded only to its own longest row (a multiple of
 tp): a row joins the current micro-batch while rows x that length stays within N tokens and the rows
 within micro_batch_size; a longer row than N gets a micro-batch of its own. RL batches mix long and
 short responses, and the short rows then no longer compute the long rows' padding. Every trainer
@@ -74,6 +77,17 @@ def fixed_split(num_rows: int, seq_len: int, dp: int, tp: int, micro_batch_size:
     return Split(ranks, dp * n_mb * mb)
 
 
+def balanced_ranks(lengths: list[int], dp: int, per_rank: int) -> list[list[int]]:
+    """Row indices of `lengths` for each of `dp` ranks, `per_rank` each: longest first, each row to the
+    rank with the fewest tokens so far among those with room (ties: the lower rank)."""
+    load, members = [0] * dp, [[] for _ in range(dp)]
+    for r in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        d = min((d for d in range(dp) if len(members[d]) < per_rank), key=lambda d: (load[d], d))
+        members[d].append(r)
+        load[d] += lengths[r]
+    return members
+
+
 def token_split(lengths_B: torch.Tensor, dp: int, tp: int, micro_batch_size: int, max_tokens: int) -> Split:
     """Micro-batches of at most `max_tokens` padded tokens (the module docstring's split by tokens);
     `lengths_B`: each row's prompt + response length."""
@@ -82,8 +96,8 @@ def token_split(lengths_B: torch.Tensor, dp: int, tp: int, micro_batch_size: int
     padded = dp * per_rank
     lengths = torch.cat([lengths_B, torch.ones(padded - B, dtype=lengths_B.dtype)]).tolist()
     ranks = []
-    for d in range(dp):
-        rows = sorted(range(d * per_rank, (d + 1) * per_rank), key=lambda r: (-lengths[r], r))
+    for members in balanced_ranks(lengths, dp, per_rank):
+        rows = sorted(members, key=lambda r: (-lengths[r], r))
         groups: list[list[int]] = []
         for r in rows:
             if groups and len(groups[-1]) < micro_batch_size and \

@@ -50,11 +50,13 @@ def test_critic_and_tensor_parallel_on_cuda(tmp_path, what):
     """Two paths the float32 example does not take, a few steps each: PPO's critic (its value head is
     made after the body moved to the GPU; an fp32 run has no distributed optimizer to move it) and
     trainer.tp 2 (sequence parallel: without apex every norm is a WrappedTorchNorm, which hpcrl's norm
-    fix lets run sequence parallel). The sync check holds at fp32's tolerance."""
+    fix lets run sequence parallel), here in micro-batches by tokens (trainer.max_tokens_per_micro_batch).
+    The sync check holds at fp32's tolerance."""
     run_dir = tmp_path / what
     share = torch.cuda.device_count() < 3  # trainer ranks + one engine: a GPU each, else they share
     sets = {"ppo": ["algorithm.name=ppo", "algorithm.ppo_epochs=2", "algorithm.mini_batch_size=64"],
-            "tp2": ["trainer.num_procs=2", "trainer.tp=2"]}[what]
+            "tp2": ["trainer.num_procs=2", "trainer.tp=2", "trainer.etp=2",
+                    "trainer.max_tokens_per_micro_batch=48"]}[what]
     out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), "--set", "resources.device=cuda",
                    "--set", f"resources.share_gpus={str(share).lower()}", "--set", "algorithm.num_steps=4",
                    "--set", "logging.progress=false", *(x for kv in sets for x in ("--set", kv)), timeout_s=540)
@@ -67,8 +69,9 @@ def test_critic_and_tensor_parallel_on_cuda(tmp_path, what):
 def test_deepseek_resume_on_cuda_is_bit_identical(tmp_path):
     """trainer.deterministic (the default) on a GPU: the DeepSeek example, top-4 of 8 experts, so
     Megatron's combine sums four expert outputs per token (scatter_add_'s float atomics would sum
-    them in any order), run 6 steps uninterrupted and preempted by SIGUSR1 after 3 then resumed: the
-    same rewards and the same final policy hash."""
+    them in any order), run 6 steps uninterrupted and preempted by SIGUSR1 after 3 then resumed with
+    every layer's activations recomputed (trainer.recompute_granularity full: the same kernels run
+    again): the same rewards and the same final policy hash."""
     import signal
 
     from launch.result import REQUEUE_EXIT_CODE
@@ -85,7 +88,8 @@ def test_deepseek_resume_on_cuda_is_bit_identical(tmp_path):
             proc.send_signal(signal.SIGUSR1)
             out = proc.communicate(timeout=300)[0]
             assert proc.returncode == REQUEUE_EXIT_CODE, out[-3000:]
-        done, _ = hpcrl("run", str(DEEPSEEK_EXAMPLE), "--run-dir", str(run_dir), *args, timeout_s=400)
+        recompute = ["--set", "trainer.recompute_granularity=full"] if name == "preempted" else []
+        done, _ = hpcrl("run", str(DEEPSEEK_EXAMPLE), "--run-dir", str(run_dir), *args, *recompute, timeout_s=400)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         final = json.loads((run_dir / "final.json").read_text())["policy_sha256"]

@@ -250,7 +250,8 @@ class TrainerConfig:
     """Activation recomputation in training forwards (Megatron recompute_granularity): none | full
     (each chunk of `recompute_num_layers` decoder layers keeps only its input and is computed again
     in the backward) | selective (the `recompute_modules` parts of each layer). Trades compute for
-    activation memory; the gradients are the same, bit for bit (docs/config.md)."""
+    activation memory; the step is the same, bit for bit, but for the norms' recompute, which sums
+    one gradient in another order (docs/config.md)."""
     recompute_method: str = "uniform"
     """With recompute_granularity full (Megatron recompute_method): uniform (every stage's layers in
     chunks of recompute_num_layers, each recomputed) | block (the first recompute_num_layers layers of

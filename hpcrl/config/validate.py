@@ -577,9 +577,10 @@ def _check_micro_batch_tokens(job: JobConfig, prompt_len: int | None) -> None:
     if t.dispatcher == "allgather" and (t.ep > 1 or t.pp > 1):
         # DP ranks' micro-batches differ in shape: EP ranks exchange tokens and PP stages shapes
         raise ConfigError("trainer.max_tokens_per_micro_batch", n,
-                          "micro-batches by tokens differ in shape from one data-parallel rank to the next, "
-                          "which Megatron's allgather dispatcher cannot gather over expert (ep > 1) or pass "
-                          "between pipeline stages (pp > 1) ranks; set trainer.dispatcher: alltoall, or 0")
+                          "micro-batches by tokens differ in shape from one data-parallel rank to the next "
+                          "and from one micro-batch to the next: Megatron's allgather dispatcher cannot gather "
+                          "tokens over expert-parallel ranks (ep > 1), and refuses the shapes pipeline stages "
+                          "then exchange (pp > 1, variable_seq_lengths); set trainer.dispatcher: alltoall, or 0")
     prompt = prompt_len or job.data.max_prompt_tokens
     if job.algorithm.name == "sft":  # the responses are the data's answers (and the answer end)
         response, of = _demonstration_len(job), "answers"

@@ -25,6 +25,12 @@ SYNONYMS = {
     "max_prompt_length": "max_prompt_tokens", "total_training_steps": "num_steps",
     "train_batch_size": "num_prompts_per_step", "tensor_model_parallel_size": "tp",
     "pipeline_model_parallel_size": "pp", "expert_model_parallel_size": "ep", "gpu": "cuda",
+    "expert_tensor_parallel_size": "etp", "context_parallel_size": "cp",
+    "ppo_micro_batch_size_per_gpu": "micro_batch_size",
+    "use_dynamic_bsz": "max_tokens_per_micro_batch", "ppo_max_token_len_per_gpu": "max_tokens_per_micro_batch",
+    "max_tokens_per_gpu": "max_tokens_per_micro_batch",
+    "recompute_activations": "recompute_granularity", "gradient_checkpointing": "recompute_granularity",
+    "enable_gradient_checkpointing": "recompute_granularity", "activation_checkpointing": "recompute_granularity",
 }
 """What verl, TRL and Megatron users write -> hpcrl's name, for the suggestions of `did_you_mean`."""
 

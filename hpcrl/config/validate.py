@@ -23,7 +23,7 @@ from hpcrl.config.errors import ConfigError, did_you_mean, job_field
 from hpcrl.config.schema import (AlgorithmConfig, CriticConfig, JobConfig, RolloutConfig, critic_enabled,
                                  data_parallel_size, engine_dtype, rollout_correction, splits_into_mini_batches)
 from hpcrl.config.validate_data import (  # noqa: F401 (read_model_config, prompt_limit: re-exported)
-    CONTEXT_RESERVE, check_data_and_reward, job_tokenizer, prompt_limit, read_model_config)
+    CONTEXT_RESERVE, check_data_and_reward, job_tokenizer, prompt_limit, read_model_config, task_draws)
 from hpcrl.dataflows._declared import PER_ALGORITHM_KEYS, declared
 from hpcrl.tasks import TASKS
 from moe.hf_megatron import HFModelDims, stage_ranges, transformers_model_type
@@ -582,16 +582,17 @@ def _check_micro_batch_tokens(job: JobConfig, prompt_len: int | None) -> None:
                           "tokens over expert-parallel ranks (ep > 1), and refuses the shapes pipeline stages "
                           "then exchange (pp > 1, variable_seq_lengths); set trainer.dispatcher: alltoall, or 0")
     prompt = prompt_len or job.data.max_prompt_tokens
-    if job.algorithm.name == "sft":  # the responses are the data's answers (and the answer end)
-        response, of = _demonstration_len(job), "answers"
-    else:
-        response, of = job.rollout.max_new_tokens, f"rollout.max_new_tokens={job.rollout.max_new_tokens}"
+    if job.algorithm.name != "sft":
+        response, responses = job.rollout.max_new_tokens, f"rollout.max_new_tokens={job.rollout.max_new_tokens}"
+    else:  # the responses are the data's answers (and the answer end)
+        response = _demonstration_len(job)
+        responses = f"{response}-token answers" if response else "answers of at least 1 token"
     longest = math.ceil(((prompt or 1) + (response or 1)) / t.tp) * t.tp
     if n < longest:
-        what = (f"data.task={job.data.task}'s {prompt_len}-token prompts" if prompt_len else
-                f"data.max_prompt_tokens={prompt}" if prompt else "a prompt of at least 1 token")
+        prompts = (f"data.task={job.data.task}'s {prompt_len}-token prompts" if prompt_len else
+                   f"data.max_prompt_tokens={prompt}" if prompt else "a prompt of at least 1 token")
         raise ConfigError("trainer.max_tokens_per_micro_batch", n,
-                          f"{what} + {f'{response}-token {of}' if of == 'answers' else of}"
+                          f"{prompts} + {responses}"
                           + (f", padded to a multiple of trainer.tp={t.tp}," if t.tp > 1 else "")
                           + f" make sequences of up to {longest} tokens; use at least {longest}, or 0 for "
                           "micro-batches of trainer.micro_batch_size sequences")
@@ -602,12 +603,9 @@ def _demonstration_len(job: JobConfig) -> int | None:
     hpcrl/controller/session.py `demonstrations` builds them); None for a data file (unknown here)."""
     if job.data.path is not None:
         return None
-    import numpy as np
-
-    tok, task = job_tokenizer(job), TASKS[job.data.task]
+    tok = job_tokenizer(job)
     end = 0 if tok.answer_end_id is None else 1
-    rng = np.random.default_rng(0)
-    return max(len(tok.encode_completion(task.make(rng)[1])) + end for _ in range(16))
+    return max(len(tok.encode_completion(answer)) + end for _, answer in task_draws(job.data.task))
 
 
 def _check_recompute(job: JobConfig, m: ModelDims) -> None:

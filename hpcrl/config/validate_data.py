@@ -82,6 +82,13 @@ def _strip_prefix(message: str, path: str, value: Any) -> str:
     return message
 
 
+def task_draws(task: str, n: int = 16) -> list[tuple[str, str]]:
+    """(prompt, answer) of `n` seeded draws of a synthetic task: its prompts and answers have a fixed
+    length, and a few draws make the lengths measured from them robust to future variants."""
+    rng = np.random.default_rng(0)
+    return [TASKS[task].make(rng) for _ in range(n)]
+
+
 def check_data_and_reward(job: JobConfig) -> int | None:
     """Checks data and reward; returns the prompt length in tokens for synthetic tasks, else None.
 
@@ -99,10 +106,7 @@ def check_data_and_reward(job: JobConfig) -> int | None:
         _check_data_file(job, "data.path", tok)
         prompt_len = None
     else:
-        task = TASKS[d.task]
-        # Tasks draw prompts of fixed length; a few draws make that robust to future variants.
-        rng = np.random.default_rng(0)
-        prompt_len = max(len(tok.encode_prompt(task.make(rng)[0])) for _ in range(16))
+        prompt_len = max(len(tok.encode_prompt(prompt)) for prompt, _ in task_draws(d.task))
         if d.max_prompt_tokens and prompt_len > d.max_prompt_tokens:  # else it only sizes plan's routes
             raise ConfigError("data.max_prompt_tokens", d.max_prompt_tokens,
                               f"data.task={d.task}'s prompts are {prompt_len} tokens ({tok.name}); use "

@@ -79,7 +79,8 @@ def fixed_split(num_rows: int, seq_len: int, dp: int, tp: int, micro_batch_size:
 
 def balanced_ranks(lengths: list[int], dp: int, per_rank: int) -> list[list[int]]:
     """Row indices of `lengths` for each of `dp` ranks, `per_rank` each: longest first, each row to the
-    rank with the fewest tokens so far among those with room (ties: the lower rank)."""
+    rank with the fewest tokens so far among those with room (ties: the lower rank). Each rank's rows
+    come in the order dealt: longest first (ties: the lower index)."""
     load, members = [0] * dp, [[] for _ in range(dp)]
     for r in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
         d = min((d for d in range(dp) if len(members[d]) < per_rank), key=lambda d: (load[d], d))
@@ -96,8 +97,7 @@ def token_split(lengths_B: torch.Tensor, dp: int, tp: int, micro_batch_size: int
     padded = dp * per_rank
     lengths = torch.cat([lengths_B, torch.ones(padded - B, dtype=lengths_B.dtype)]).tolist()
     ranks = []
-    for members in balanced_ranks(lengths, dp, per_rank):
-        rows = sorted(members, key=lambda r: (-lengths[r], r))
+    for rows in balanced_ranks(lengths, dp, per_rank):  # each rank's rows longest first, as dealt
         groups: list[list[int]] = []
         for r in rows:
             if groups and len(groups[-1]) < micro_batch_size and \

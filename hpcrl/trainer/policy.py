@@ -619,7 +619,7 @@ class MegatronPolicy:
     def _gather_rows(self, store: list[dict[str, torch.Tensor]], key: str, split: Split,
                      batch: TrainBatch) -> torch.Tensor | None:
         """Per-micro-batch [rows, T] results of every DP rank as one [B, T] tensor on rank 0 (each row
-        in the one micro-batch that holds it; the shared dummy row is dropped)."""
+        from the one micro-batch that holds it; dummy rows are dropped)."""
         T = batch.response_width
         out_BT = torch.zeros(split.padded_rows, T, dtype=torch.float32)
         if self._counts_here():

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from hpcrl import cpu_bind
+from hpcrl.checkpoint_owner import check_not_in_use, check_own_checkpoint
 from hpcrl.config import load_job, to_dict
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import JobConfig
@@ -129,12 +130,15 @@ def prepare_run_dir(job: JobConfig, run_dir: Path) -> None:
 
 def check_resume(job: JobConfig, run_dir: Path, resume: str) -> None:
     """Refuse impossible resume requests and run dirs before anything starts or is written (the
-    controller checks the checkpoint again): a run dir holding something else than an hpcrl run, and
-    checkpoints of another model or without (or with) the critic this job trains."""
+    controller checks the checkpoint again): a run dir holding something else than an hpcrl run, a
+    checkpoint dir another run is writing into, checkpoints of another run (hpcrl/checkpoint_owner.py),
+    of another model or without (or with) the critic this job trains."""
     from checkpoints import list_checkpoints
 
     check_run_dir(run_dir, run_dir_key(job, run_dir))
     ckpt_dir = checkpoint_dir(job, run_dir)
+    if job.checkpoint.dir:  # RUN_DIR/checkpoints: the run dir's lock says it (lock_run_dir)
+        check_not_in_use(job, ckpt_dir)
     existing = list_checkpoints(ckpt_dir) if ckpt_dir.exists() else []
     if resume == "none" and existing:
         raise ConfigError("--no-resume", True, f"{ckpt_dir} holds checkpoints (steps {existing}) that a fresh "
@@ -146,7 +150,7 @@ def check_resume(job: JobConfig, run_dir: Path, resume: str) -> None:
         step = existing[-1] if resume == "auto" else int(resume)
         _check_same_run(job, run_dir, ckpt_dir, step)
         if resume == "auto":
-            _check_own_checkpoint(job, run_dir, ckpt_dir, step, existing)
+            check_own_checkpoint(job, run_dir, ckpt_dir, step, existing)
         if step >= job.algorithm.num_steps:
             flag = "" if resume == "auto" else f"--resume-from {step}: "
             raise ConfigError("algorithm.num_steps", job.algorithm.num_steps,
@@ -190,41 +194,6 @@ def check_run_dir(run_dir: Path, key: str = "--run-dir") -> None:
         raise ConfigError(key, str(run_dir), f"holds {shown} but no hpcrl run (config.json with a "
                           "checkpoint section); a run writes config.json, logs/ and checkpoints/ there: give a "
                           "new or empty directory, or the run dir of the run to resume")
-
-
-def _check_own_checkpoint(job: JobConfig, run_dir: Path, ckpt_dir: Path, step: int, existing: list[int]) -> None:
-    """An automatic resume takes only this run's checkpoints: in a checkpoint.dir shared by runs, a
-    new run (or another run dir) resumed the latest run's state and history without a word. A
-    checkpoint written before checkpoints recorded their run is not judged."""
-    writer = _writer(ckpt_dir, step)
-    mine = run_id(run_dir)
-    if writer is None or writer[0] == mine:
-        return
-    own = [s for s in existing if s < step and (_writer(ckpt_dir, s) or ("",))[0] == mine] if mine else []
-    other = writer[1]
-    if own:
-        raise ConfigError("checkpoint.dir", job.checkpoint.dir or str(ckpt_dir),
-                          f"holds checkpoints of two runs: steps {own} are this run's, and the latest, step {step}, "
-                          f"is another run's (run dir {other}); runs that share a checkpoint.dir overwrite each other's "
-                          f"steps and prune each other's checkpoints (checkpoint.keep). Give each run a checkpoint.dir "
-                          f"of its own: move that run's checkpoints away and resume, or `--resume-from {own[-1]}` "
-                          f"resumes this run's (and deletes the newer steps, that run's too)")
-    raise ConfigError("checkpoint.dir", job.checkpoint.dir or str(ckpt_dir),
-                      f"its latest checkpoint, step {step}, is another run's (run dir {other}), and this run dir "
-                      f"{run_dir} would resume it as its own: resume that run (`--run-dir {other}`), start from its "
-                      f"checkpoint on purpose (`--resume-from {step}`; steps {existing}), or give this run a "
-                      "checkpoint.dir of its own")
-
-
-def _writer(ckpt_dir: Path, step: int) -> tuple[str, str] | None:
-    """(run id, run dir) of the run that wrote checkpoint `step`, or None where it does not say."""
-    from checkpoints import read_metadata
-
-    try:
-        meta = read_metadata(ckpt_dir, step)
-    except Exception:  # noqa: BLE001 - an older or damaged checkpoint: the controller judges it
-        return None
-    return (meta["run_id"], str(meta.get("run_dir", "?"))) if meta.get("run_id") else None
 
 
 def _check_same_run(job: JobConfig, run_dir: Path, ckpt_dir: Path, step: int) -> None:

@@ -13,6 +13,9 @@ batch of a step abandoned after its generation), with the prompt cursor past the
 
 Resume modes (`hpcrl run` flags, passed as HPCRL_RESUME): "auto" (default: latest complete
 checkpoint of the run, if any), "none" (`--no-resume`), or a step number (`--resume-from STEP`).
+The controller holds the checkpoint dir's lock for its life, and an automatic resume takes only the
+run's own checkpoints (hpcrl/checkpoint_owner.py): a Slurm job starts long after `hpcrl submit`
+checked them, and another run may have written there meanwhile.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from checkpoints import discard_newer, latest_step, list_checkpoints, open_checkpoint
+from hpcrl.checkpoint_owner import check_own_checkpoint, lock_checkpoint_dir
 from hpcrl.config import to_dict
 from hpcrl.config.schema import JobConfig
 from hpcrl.controller import pending_eval
@@ -55,6 +59,8 @@ class Checkpointer:
     def __init__(self, job: JobConfig, run_dir: Path, policy: PolicyGroup, resume: str = "auto") -> None:
         self.job, self.run_dir, self.policy = job, run_dir, policy
         self.dir = checkpoint_dir(job, run_dir)
+        self._dir_lock = lock_checkpoint_dir(job, self.dir, run_dir)
+        """The run's lock on its checkpoint dir, held for the controller's life (hpcrl/checkpoint_owner.py)."""
         self.resume_mode = resume
         self.watch = PreemptionWatch(job.checkpoint.grace_s)
         self.attempt_id = uuid.uuid4().hex
@@ -102,7 +108,12 @@ class Checkpointer:
                                   "checkpoint.dir, or delete that directory")
             return None
         if self.resume_mode == "auto":
-            return latest_step(self.dir) if existing else None
+            if not existing:
+                return None
+            step = latest_step(self.dir)
+            if os.environ.get("SLURM_RESTART_COUNT", "0") == "0":  # a requeue goes on with what it took
+                check_own_checkpoint(self.job, self.run_dir, self.dir, step, existing)
+            return step
         step = int(self.resume_mode)
         if step not in existing:
             raise ResumeError(f"--resume-from {step}: no complete checkpoint at step {step} in {self.dir}; "

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import JobConfig
 from hpcrl.controller.api import AlgorithmError
 from hpcrl.controller.checkpointing import ResumeError
@@ -111,6 +112,9 @@ def controller_main(job: JobConfig, run_dir: Path, world: World) -> int:
     except (WeightSyncError, ShardPushError, ResumeError, WandbError) as exc:
         _report(run_dir, f"hpcrl run failed: {exc}")
         _abort(world, EXIT_FAILURE, session)
+    except ConfigError as exc:  # the checkpoint dir is another run's (hpcrl/checkpoint_owner.py)
+        _report(run_dir, f"hpcrl run stopped: {exc}")
+        _abort(world, EXIT_BAD_INPUT, session)
     except DataError as exc:  # a row validation did not sample: bad input, not a fault
         _report(run_dir, f"hpcrl run stopped on bad data: {exc}\n{_kept(session)}; fix the file, then "
                          f"`hpcrl run JOB --run-dir {run_dir}` resumes")

@@ -221,7 +221,9 @@ def test_ctrl_c_before_the_world_forms_twice_and_a_second_run_in_the_run_dir(tmp
     """Ctrl-C before the MPI world formed stops it (the ranks recorded the forwarded TERM as a
     preemption: the world started up, trained a step and saved, then exited 3); a second `hpcrl run`
     on a live run dir exits 2 (the two resumed, wrote and deleted each other's checkpoints and
-    metrics); a second Ctrl-C stops the world at once, without saving."""
+    metrics), and so does a run in another run dir with the live run's checkpoints as its
+    checkpoint.dir (hpcrl/checkpoint_owner.py); a second Ctrl-C stops the world at once, without
+    saving."""
     import psutil
 
     early = tmp_path / "early"
@@ -248,6 +250,11 @@ def test_ctrl_c_before_the_world_forms_twice_and_a_second_run_in_the_run_dir(tmp
     second, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), *ARGS, timeout_s=120)
     assert second.returncode == 2 and "is in use by another hpcrl run (its `hpcrl run` pid " \
         f"{proc.pid}" in second.stderr, second.stderr[-2000:]
+    # another run dir writing into the live run's checkpoints (a shared checkpoint.dir) exits 2, naming the run
+    other, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(tmp_path / "other"), *ARGS,
+                     "--set", f"checkpoint.dir={run_dir / 'checkpoints'}", timeout_s=120)
+    assert other.returncode == 2 and f"is in use by another run (run dir {run_dir}, pid " in other.stderr, \
+        other.stderr[-2000:]
     proc.send_signal(signal.SIGINT)
     time.sleep(0.3)  # two signals sent at once arrive as one
     proc.send_signal(signal.SIGINT)

@@ -5,6 +5,7 @@ algorithm.num_steps, and a batch of jobs sharing one checkpoint dir."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,45 @@ def test_an_automatic_resume_takes_only_its_own_runs_checkpoints(tmp_path: Path)
         f"(run dir {tmp_path / 'second'})" in str(err.value) and "`--resume-from 2`" in str(err.value), str(err.value)
 
 
+
+def test_the_controller_holds_its_checkpoint_dir_and_takes_only_its_own_checkpoints(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """Under Slurm the controller starts long after `hpcrl submit` checked the dir, and nothing but
+    the controller runs there: a second run's controller writing into the same checkpoint dir is
+    refused while the first holds it (flock, released with its fd); an automatic resume from another
+    run's latest checkpoint is refused as check_resume refuses it, but in a requeued attempt, which
+    goes on from the checkpoint its first attempt resumed on purpose (--resume-from)."""
+    from hpcrl.controller.checkpointing import Checkpointer
+
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    shared = tmp_path / "shared"
+    job = load_job(EXAMPLE, [f"checkpoint.dir={shared}"])
+    first, second = tmp_path / "first", tmp_path / "second"
+    for run_dir in (first, second):
+        prepare_run_dir(job, run_dir)
+    holder = Checkpointer(job, first, policy=None)
+    with pytest.raises(ConfigError) as err:
+        Checkpointer(job, second, policy=None)
+    assert err.value.path == "checkpoint.dir" and f"is in use by another run (run dir {first}, pid " in \
+        str(err.value), str(err.value)
+    with pytest.raises(ConfigError, match="is in use by another run"):
+        check_resume(job, second, "auto")  # `hpcrl run` / `hpcrl submit` ask the same before starting
+    os.close(holder._dir_lock)  # the first run ended
+
+    def resume_target(run_dir: Path, resume: str = "auto") -> int | None:
+        ck = Checkpointer(job, run_dir, policy=None, resume=resume)
+        try:
+            return ck._resume_target()
+        finally:
+            os.close(ck._dir_lock)
+
+    shared_checkpoint(shared, 2, "tiny-qwen3-moe", writer=first)
+    assert resume_target(first) == 2
+    with pytest.raises(ConfigError, match="its latest checkpoint, step 2, is another run's"):
+        resume_target(second)
+    assert resume_target(second, "2") == 2
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert resume_target(second) == 2
 
 
 def test_a_shared_checkpoint_dir_of_another_model_is_refused(tmp_path: Path) -> None:

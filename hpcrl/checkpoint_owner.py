@@ -96,8 +96,8 @@ def check_own_checkpoint(job: JobConfig, run_dir: Path, ckpt_dir: Path, step: in
                           f"holds checkpoints of two runs: steps {own} are this run's, and the latest, step {step}, "
                           f"is another run's (run dir {other}); runs that share a checkpoint.dir overwrite each "
                           f"other's steps and prune each other's checkpoints (checkpoint.keep). Give each run a "
-                          f"checkpoint.dir of its own: move that run's checkpoints away and resume, or `--resume-from {own[-1]}` "
-                          f"resumes this run's (and deletes the newer steps, that run's too)")
+                          f"checkpoint.dir of its own: move that run's checkpoints away and resume, or "
+                          f"`--resume-from {own[-1]}` resumes this run's (and deletes the newer steps, that run's too)")
     raise ConfigError(key, value,
                       f"its latest checkpoint, step {step}, is another run's (run dir {other}), and this run dir "
                       f"{run_dir} would resume it as its own: resume that run (`--run-dir {other}`), start from its "

@@ -11,7 +11,7 @@ import pytest
 from sglang_wheel import parse_with_sglang
 
 from hpcrl.config import JobConfig
-from hpcrl.config.validate import SGLANG_OWNED_FLAGS, SGLANG_SHARD_LAYOUT_FLAGS
+from hpcrl.config.validate_rollout import SGLANG_OWNED_FLAGS, SGLANG_SHARD_LAYOUT_FLAGS
 from hpcrl.rollout.sglang_shard_loader import LOADER
 from hpcrl.rollout.worker import sglang_command
 
@@ -86,7 +86,7 @@ def test_unknown_flag_is_refused(parsed):
 
 
 def test_reserved_flags_are_sglangs_spellings(parsed):
-    """validate.SGLANG_OWNED_FLAGS (refused in rollout.server_args) are SGLang flags, and they hold
+    """validate_rollout.SGLANG_OWNED_FLAGS (refused in rollout.server_args) are SGLang flags, and they hold
     every spelling (aliases included) of every setting hpcrl's launch command writes."""
     options = parsed[0]["options"]
     missing = set(SGLANG_OWNED_FLAGS) - set(options)
@@ -98,7 +98,7 @@ def test_reserved_flags_are_sglangs_spellings(parsed):
 
 
 def test_shard_layout_flags_are_sglangs_spellings(parsed):
-    """validate.SGLANG_SHARD_LAYOUT_FLAGS (refused in rollout.server_args with the shard route) are
+    """validate_rollout.SGLANG_SHARD_LAYOUT_FLAGS (refused in rollout.server_args with the shard route) are
     SGLang flags, with every spelling of each setting they name."""
     options = parsed[0]["options"]
     flags = set(SGLANG_SHARD_LAYOUT_FLAGS)

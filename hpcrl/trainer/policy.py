@@ -73,8 +73,12 @@ def _logp_and_entropy(logits_BLv: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: to
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
+    # Indexing, not gather: gather's backward keeps its whole input, so the step held the logits of
+    # every position [B, L, v] and the fp32 [B, T, v] below for the backward beside the softmax's exp;
+    # an index keeps only its indices (hpcrl/trainer/saved_activations.py measures it).
     v = logits_BLv.shape[-1]
-    z_BTv = logits_BLv.gather(1, pos_BT.unsqueeze(-1).expand(-1, -1, v)).float() / temperature
+    rows_B1 = torch.arange(pos_BT.shape[0], device=pos_BT.device).unsqueeze(-1)
+    z_BTv = logits_BLv[rows_B1, pos_BT].float() / temperature
     max_BT = z_BTv.detach().amax(dim=-1)
     if ps.get_tensor_model_parallel_world_size() > 1:
         group = ps.get_tensor_model_parallel_group()
@@ -87,7 +91,8 @@ def _logp_and_entropy(logits_BLv: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: to
     logz_BT = max_BT + torch.log(sum_BT)
     local_BT = tgt_BT - ps.get_tensor_model_parallel_rank() * v
     inside_BT = (local_BT >= 0) & (local_BT < v)
-    tgt_logit_BT = z_BTv.gather(-1, local_BT.clamp(0, v - 1).unsqueeze(-1)).squeeze(-1)
+    cols_1T = torch.arange(pos_BT.shape[1], device=pos_BT.device).unsqueeze(0)
+    tgt_logit_BT = z_BTv[rows_B1, cols_1T, local_BT.clamp(0, v - 1)]
     logp_BT = tp_sum(torch.where(inside_BT, tgt_logit_BT, 0.0)) - logz_BT
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         mean_z_BT = tp_sum((exp_BTv * z_BTv).sum(dim=-1)) / sum_BT

@@ -5,10 +5,14 @@ so it is exact and the same on any host (unlike a process's peak memory).
     with SavedActivations(policy.gpt) as saved:
         policy.train_step(...)
     saved.per_forward  # bytes per decoder-block forward (one per micro-batch and pipeline stage)
+    saved.per_head     # bytes per model forward outside the decoder block: the embedding, the output
+                       # layer and the loss's log-probs over the vocab (on the last stage)
 
-A tensor counts once per storage, with the storage's size when the block's forward ends, and
-parameters not at all (autograd saves the weights a matmul needs, which exist anyway). A recompute runs the layers again from inside the backward, not through
-the block's forward: what it saves then lives for one chunk's backward only and is not counted.
+A tensor counts once per storage, with the storage's size when the block's forward ends (outside
+the block: when it is saved), and parameters not at all (autograd saves the weights a matmul needs,
+which exist anyway). A recompute runs the layers again from inside the backward, not through the
+block's forward: what it saves then lives for one chunk's backward only and is not counted; nor is
+anything saved while a backward runs.
 """
 
 from __future__ import annotations
@@ -25,13 +29,16 @@ class SavedActivations:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.per_forward: list[int] = []
+        self.per_head: list[int] = []
         self._storages: dict[int, Any] | None = None
+        self._head: dict[int, int] = {}  # the model forward's storages outside the block: their bytes
         self._handles: list[Any] = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._params: set[int] = set()
 
     def __enter__(self) -> SavedActivations:
         self._params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self._handles.append(self.model.register_forward_pre_hook(self._enter_model))
         for block in (m for m in self.model.modules() if type(m).__name__ == "TransformerBlock"):
             self._handles.append(block.register_forward_pre_hook(self._enter_block))
             self._handles.append(block.register_forward_hook(self._leave_block))
@@ -40,9 +47,19 @@ class SavedActivations:
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
+        self._close_head()
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def _enter_model(self, *_: object) -> None:
+        self._close_head()
+        self._head = {}
+
+    def _close_head(self) -> None:
+        if self._head:
+            self.per_head.append(sum(self._head.values()))
+            self._head = {}
 
     def _enter_block(self, *_: object) -> None:
         self._storages = {}
@@ -55,8 +72,11 @@ class SavedActivations:
         self._storages = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in self._params or torch._C._current_graph_task_id() != -1:  # a backward's
+            return t
         if self._storages is not None:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in self._params:
-                self._storages[storage.data_ptr()] = storage
+            self._storages[storage.data_ptr()] = storage
+        else:
+            self._head[storage.data_ptr()] = storage.nbytes()
         return t

@@ -164,3 +164,28 @@ def test_the_critic_recomputes_as_the_policy_does(world1) -> None:  # noqa: F811
     # as for the policy: without recompute each layer keeps at least its attention probabilities
     L, mb = batch.seq_len, ALGO["micro_batch_size"]
     assert out[0][2] - out[1][2] >= cfg["num_hidden_layers"] * mb * cfg["num_attention_heads"] * L * L * 4
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_the_log_prob_head_keeps_one_float32_array_per_vocab_entry(world1, entropy_coef: float) -> None:  # noqa: F811
+    """The loss's log-probs over the vocab (hpcrl/trainer/policy.py _logp_and_entropy) keep for the
+    backward, per micro-batch, the softmax's exp [mb, T, v] in float32 and nothing else that grows
+    with the vocab (with the entropy bonus, its logits [mb, T, v] in float32 too): the bytes saved
+    outside the decoder block at two vocab sizes differ by exactly 4 * mb * T (8 * mb * T) per added
+    vocab entry. With gather, its backward kept the logits of every position [mb, L, v] at the
+    model's dtype and the float32 [mb, T, v] as well: 4 * mb * (L + 2T) per entry, here over twice
+    as much. This is the term `hpcrl plan` counts for the last stage (moe/activation_memory.py)."""
+    cfg = qwen_config()
+    batch = random_batch(64, rows=6, seed=3)  # tokens below both vocab sizes
+    adv = torch.randn(batch.batch_size, generator=torch.Generator().manual_seed(0))
+    mb, T = ALGO["micro_batch_size"], batch.response_width
+    head = {}
+    for vocab in (64, 192):
+        policy = make_policy({**cfg, "vocab_size": vocab}, **{**ALGO, "entropy_coef": entropy_coef})
+        policy.init_from_seed(2)
+        with SavedActivations(policy.gpt) as saved:
+            policy.train_step(batch, adv, on_policy=True)
+        assert len(saved.per_head) == batch.batch_size // mb, saved.per_head  # one per micro-batch
+        head[vocab] = saved.per_head
+    per_entry = 8 if entropy_coef else 4
+    assert [b - a for a, b in zip(head[64], head[192], strict=True)] == [per_entry * mb * T * 128] * 2, head

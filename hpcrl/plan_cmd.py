@@ -17,18 +17,21 @@ layout that does not fit `network.gpu_memory_gb` is reported and then fails (exi
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
+from dataclasses import asdict
 from typing import Any, TextIO
 
 from hpcrl.config import ConfigError, JobConfig, load_job
 from hpcrl.config.schema import engine_routes, weight_sync_mode
 from hpcrl.models.job_model import (RUN_PARAM_DTYPES, build_layouts, build_spec, layout_summary,
                                     trainer_build)
+from moe.activation_memory import StepShape, activation_memory
 from moe.network import Topology
 from moe.report import plan_report, render_text, trainer_memory_line, trainer_memory_summary
-from moe.trainer_memory import megatron_build, memory_hint
+from moe.trainer_memory import PARAM_BYTES, megatron_build, memory_hint
 
 __all__ = ["build_layouts", "build_spec", "build_topology", "plan_job", "render", "run_plan"]
 
@@ -78,6 +81,13 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
     other = megatron_build("bfloat16" if build.param_dtype == "float32" else "float32", build.reference_model,
                            build.critic_model)
     t["other_build"] = trainer_memory_summary(spec, trainer, other, gpu_bytes)
+    shape, prompt_from = step_shape(job)
+    for summary, b in ((t, build), (t["other_build"], other)):
+        act = activation_memory(spec.dims, trainer, shape, PARAM_BYTES[b.param_dtype])
+        summary["activations"] = {**act, "step": asdict(shape), "prompt_from": prompt_from}
+        summary["activations_bytes_per_gpu"] = act["bytes_per_gpu"]
+        summary["total_bytes_per_gpu"] += act["bytes_per_gpu"]  # at most: the maxima of two kinds of GPU
+        summary["fits"] = summary["total_bytes_per_gpu"] <= gpu_bytes
     for summary, note in ((t, "what hpcrl run builds"),
                           (t["other_build"], f"what hpcrl run builds with model.dtype: {other.param_dtype}")):
         today = summary["build"]["built_by_run_today"] = summary["build"]["param_dtype"] in RUN_PARAM_DTYPES
@@ -105,6 +115,37 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
     report["fits"] = not errors
     report["memory_errors"] = errors
     return {"job": job.name, **report}
+
+
+def step_shape(job: JobConfig) -> tuple[StepShape, str]:
+    """The training step's longest micro-batch and the micro-batches per optimizer step and DP rank
+    (moe.activation_memory), and what set the prompt length: data.max_prompt_tokens, else a
+    synthetic task's prompts, else the model's context less the response (a data file's longest
+    prompt is not read here)."""
+    from hpcrl.config.schema import data_parallel_size
+    from hpcrl.config.validate import demonstration_len, rows_per_prompt
+    from hpcrl.config.validate_data import job_tokenizer, prompt_limit, task_draws
+    from hpcrl.tasks import TASKS
+
+    d, t, a = job.data, job.trainer, job.algorithm
+    if d.max_prompt_tokens:
+        prompt, prompt_from = d.max_prompt_tokens, f"data.max_prompt_tokens={d.max_prompt_tokens}"
+    elif d.path is None and d.task in TASKS:
+        tok = job_tokenizer(job)
+        prompt = max(len(tok.encode_prompt(p)) for p, _ in task_draws(d.task))
+        prompt_from = f"data.task={d.task}'s {prompt}-token prompts"
+    else:
+        prompt, prompt_from = prompt_limit(job)
+    response = (demonstration_len(job) if a.name == "sft" else None) or job.rollout.max_new_tokens
+    seq = math.ceil((prompt + response) / t.tp) * t.tp
+    rows = t.max_tokens_per_micro_batch // seq if t.max_tokens_per_micro_batch else t.micro_batch_size
+    per_update = a.mini_batch_size or d.num_prompts_per_step * rows_per_prompt(job)
+    per_rank = math.ceil(per_update / data_parallel_size(job))
+    mb = max(1, min(rows, per_rank))
+    return StepShape(seq_len=seq, response_len=response, micro_batch_size=mb,
+                     num_micro_batches=math.ceil(per_rank / mb), entropy_grad=a.entropy_coef > 0,
+                     recompute=t.recompute_granularity, recompute_method=t.recompute_method,
+                     recompute_num_layers=t.recompute_num_layers), prompt_from
 
 
 def routes_report(job: JobConfig) -> dict[str, Any] | None:
@@ -171,6 +212,14 @@ def render(report: dict[str, Any]) -> str:
         "                 pipeline stage, then broadcast every tensor to every rollout GPU. Per-GPU memory",
         "                 figures are maxima over GPUs; rollout memory is weights only (no KV cache).",
     ]
+    act = report["trainer"]["activations"]
+    step, top, last = act["step"], max(act["per_stage"], key=lambda st: st["bytes"]), act["per_stage"][-1]
+    extra.insert(0, f"  activations    at least {_gib(act['bytes_per_gpu'])} per GPU, on pipeline stage {top['stage']} "
+                    f"({top['in_flight']} micro-batch(es) in flight: layer inputs {_gib(top['layer_inputs_bytes'])}"
+                    f" + log-prob head {_gib(top['head_bytes'])}; the last stage's head "
+                    f"{_gib(last['head_bytes'])}); micro-batches of {step['micro_batch_size']} x {step['seq_len']} "
+                    f"tokens ({act['prompt_from']} + {step['response_len']} response tokens), "
+                    f"{step['num_micro_batches']} per update and DP rank; not counted: {act['not_counted']}")
     routes = report.get("routing_replay")
     if routes:
         extra.insert(1, f"  routes         rollout.routing_replay: {routes['bytes_per_token']} B per token, at most "

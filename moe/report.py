@@ -155,6 +155,8 @@ def trainer_memory_line(t: dict[str, Any]) -> str:
     ref += f" + critic {_gib(t['critic_bytes_per_gpu'])}" if t.get("critic_bytes_per_gpu") else ""
     ref += (f" + broadcast buffers {_gib(t['sync_buffer_bytes_per_gpu'])}" if t.get("sync_buffer_bytes_per_gpu")
             else "")
+    ref += (f" + activations >= {_gib(t['activations_bytes_per_gpu'])}" if "activations_bytes_per_gpu" in t
+            else "")
     return (f"params {_gib(t['params_bytes_per_gpu'])} + grads {_gib(t['grads_bytes_per_gpu'])} + {opt}{ref} "
             f"= {_gib(t['total_bytes_per_gpu'])}")
 

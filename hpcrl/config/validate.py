@@ -587,7 +587,7 @@ def _check_micro_batch_tokens(job: JobConfig, prompt_len: int | None) -> None:
     if job.algorithm.name != "sft":
         response, responses = job.rollout.max_new_tokens, f"rollout.max_new_tokens={job.rollout.max_new_tokens}"
     else:  # the responses are the data's answers (and the answer end)
-        response = _demonstration_len(job)
+        response = demonstration_len(job)
         responses = f"{response}-token answers" if response else "answers of at least 1 token"
     longest = math.ceil(((prompt or 1) + (response or 1)) / t.tp) * t.tp
     if n < longest:
@@ -600,7 +600,7 @@ def _check_micro_batch_tokens(job: JobConfig, prompt_len: int | None) -> None:
                           "micro-batches of trainer.micro_batch_size sequences")
 
 
-def _demonstration_len(job: JobConfig) -> int | None:
+def demonstration_len(job: JobConfig) -> int | None:
     """sft's longest response on a synthetic task: the answer's tokens and the answer end (as
     hpcrl/controller/session.py `demonstrations` builds them); None for a data file (unknown here)."""
     if job.data.path is not None:

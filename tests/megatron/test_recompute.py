@@ -69,8 +69,12 @@ def test_recompute_gives_the_same_steps_and_keeps_less(world1, family: str) -> N
         assert got_sha == sha, name
         assert saved[name] < kept, name
     # Full recompute keeps each chunk's input and nothing inside it: one chunk of every layer keeps
-    # layers - 1 hidden-state inputs [L, mb, H] fewer (fp32) than chunks of one layer each.
+    # layers - 1 hidden-state inputs [L, mb, H] fewer (fp32) than chunks of one layer each, as
+    # `hpcrl plan` counts them (moe/activation_memory.py).
     assert saved["full-uniform-1"] - saved["full-uniform-all"] == (layers - 1) * L * mb * H * 4
+    assert saved["full-uniform-1"] - saved["full-uniform-all"] == \
+        planned(cfg, L, batch.response_width, mb, recompute_num_layers=1)["layer_inputs_bytes"] - \
+        planned(cfg, L, batch.response_width, mb, recompute_num_layers=layers)["layer_inputs_bytes"]
     # Without it, every layer keeps at least its attention probabilities [mb, heads, L, L].
     assert kept - saved["full-uniform-1"] >= layers * mb * heads * L * L * 4
     # core_attn recomputes those probabilities; moe its experts' SwiGLU products, [tokens * top_k, ffn]
@@ -189,3 +193,18 @@ def test_the_log_prob_head_keeps_one_float32_array_per_vocab_entry(world1, entro
         head[vocab] = saved.per_head
     per_entry = 8 if entropy_coef else 4
     assert [b - a for a, b in zip(head[64], head[192], strict=True)] == [per_entry * mb * T * 128] * 2, head
+    plan = {vocab: planned({**cfg, "vocab_size": vocab}, batch.seq_len, T, mb, entropy_grad=entropy_coef > 0)
+            for vocab in (64, 192)}
+    assert plan[192]["head_bytes"] - plan[64]["head_bytes"] == head[192][0] - head[64][0]
+
+
+def planned(cfg: dict, seq_len: int, response_len: int, mb: int, **step) -> dict:
+    """What `hpcrl plan` counts for one rank (pp 1, tp 1) of this float32 step: its one stage."""
+    from moe.activation_memory import StepShape, activation_memory
+    from moe.layouts import TrainerLayout
+    from moe.specs import spec_from_config
+
+    recompute = {"recompute": "full"} if "recompute_num_layers" in step else {}
+    shape = StepShape(seq_len=seq_len, response_len=response_len, micro_batch_size=mb, num_micro_batches=2,
+                      **recompute, **step)
+    return activation_memory(spec_from_config(cfg).dims, TrainerLayout(vocab_divisible_by=1), shape, 4)["per_stage"][0]

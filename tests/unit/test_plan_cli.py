@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.config import ConfigError, load_job
+from hpcrl.models.presets import load_hf_config
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -21,6 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 DEEPSEEK = REPO / "examples" / "deepseek_v3_671b.yaml"
 QWEN = REPO / "examples" / "qwen3_235b.yaml"
 EXAMPLES = {"deepseek_v3_671b": (DEEPSEEK, 671e9, 256, 128), "qwen3_235b": (QWEN, 235e9, 128, 64)}
+EXAMPLES_CONFIG = {"deepseek_v3_671b": REPO / "moe" / "configs" / "deepseek-v3.json",
+                   "qwen3_235b": REPO / "moe" / "configs" / "qwen3-235b-a22b.json"}
 GIB = 2**30
 
 # Runs `hpcrl plan` with every way of starting a process or touching a GPU made to fail loudly.
@@ -78,7 +81,10 @@ def test_json_report_has_the_required_keys_and_sane_values(json_report):
     buffers = t["sync_buffer_bytes_per_gpu"]
     assert r["total_bytes"] / sg["num_sources"] <= buffers < r["total_bytes"]
     parts = (t["params_bytes_per_gpu"], t["grads_bytes_per_gpu"], t["optimizer_bytes_per_gpu"])
-    assert min(parts) > 0 and max(parts) + buffers < t["total_bytes_per_gpu"] <= sum(parts) + buffers
+    activations = t["activations_bytes_per_gpu"]
+    assert min(parts) > 0 and max(parts) + buffers + activations < t["total_bytes_per_gpu"] <= \
+        sum(parts) + buffers + activations
+    _check_activations(t, r["trainer"]["layout"], load_hf_config(None, str(EXAMPLES_CONFIG[r["job"]])))
     # model.dtype bfloat16: bf16 params, fp32 grads, fp32 main params + Adam m, v sharded over DP; no
     # reference model (kl_coef 0). The float32 build (model.dtype: float32) is shown beside it.
     assert t["build"]["param_dtype"] == "bfloat16" and t["build"]["distributed_optimizer"]
@@ -116,6 +122,35 @@ def test_json_report_has_the_required_keys_and_sane_values(json_report):
     assert moved == pytest.approx(r["mean_recv_bytes_per_gpu"] * rollout_gpus)
     assert r["network"] == {"gpus_per_node": 8, "nics_per_node": 8, "nic_gbit_per_s": 400.0,
                             "nvlink_gbyte_per_s": 450.0, "colocated": False, "round_latency_s": 0.0}
+
+
+def _check_activations(t: dict, layout: dict, hf: dict) -> None:
+    """The examples recompute fully, one layer per chunk (as slime's scripts): every stage keeps, per
+    micro-batch in flight (1F1B: pp - stage, at most the step's), one bf16 input [L / (cp * tp), mb, H]
+    per layer (sequence parallel); the last stage adds the log-prob head's float32 exp [mb, T / cp,
+    V / tp]. The bf16 build's figures are half the float32 build's."""
+    act, o = t["activations"], t["other_build"]["activations"]
+    step = act["step"]
+    assert (step["recompute"], step["recompute_method"], step["recompute_num_layers"]) == ("full", "uniform", 1)
+    tp, cp, pp = layout["tp"], layout["cp"], layout["pp"]
+    H, V, mb = hf["hidden_size"], hf["vocab_size"], step["micro_batch_size"]
+    per_input = -(-step["seq_len"] // (cp * tp)) * mb * H * 2
+    head = 4 * mb * -(-step["response_len"] // cp) * -(-V // tp)
+    assert [st["layers"] for st in act["per_stage"]] == [len(r) for r in _stage_layers(layout, hf)]
+    for s, st in enumerate(act["per_stage"]):
+        assert st["in_flight"] == min(pp - s, step["num_micro_batches"]) > 0
+        assert st["layer_inputs_bytes"] == st["in_flight"] * st["layers"] * per_input
+        assert st["head_bytes"] == (head if s == pp - 1 else 0)
+        assert o["per_stage"][s]["layer_inputs_bytes"] == 2 * st["layer_inputs_bytes"]
+    assert act["bytes_per_gpu"] == max(st["bytes"] for st in act["per_stage"]) == t["activations_bytes_per_gpu"]
+    assert "data.task=copy's" in act["prompt_from"] and "decoder layers" not in act["not_counted"]
+
+
+def _stage_layers(layout: dict, hf: dict) -> list[range]:
+    from moe.layouts import TrainerLayout
+
+    keys = ("tp", "pp", "ep", "etp", "dp", "cp", "first_stage_layers", "last_stage_layers")
+    return TrainerLayout(**{k: layout[k] for k in keys if k in layout}).stage_layers(hf["num_hidden_layers"])
 
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
@@ -226,7 +261,7 @@ def test_tiny_plan_counts_the_reference_model_when_kl_coef_is_set():
             t["reference_bytes_per_gpu"]) == (4 * n, 4 * n, 8 * n, 4 * n)
     assert t["total_bytes_per_gpu"] == without["total_bytes_per_gpu"] + 4 * n
     assert t["build"]["reference_model"] and "frozen reference model" in t["build"]["description"]
-    assert "+ reference 0.32 MiB = 1.58 MiB  (fits)" in render(report)
+    assert "+ reference 0.32 MiB + activations >= 0.06 MiB = 1.64 MiB  (fits)" in render(report)
 
 
 def test_trainer_that_does_not_fit_is_shown_then_fails():
@@ -240,6 +275,46 @@ def test_trainer_that_does_not_fit_is_shown_then_fails():
     with pytest.raises(ConfigError) as exc:
         run_plan(QWEN, overrides, as_json=False, out=open(os.devnull, "w"))
     assert exc.value.path == "trainer" and "network.gpu_memory_gb=36" in exc.value.hint
+
+
+def test_activations_count_toward_the_gpu_memory():
+    """Long responses: the trainer's weights, grads and optimizer fit 39 GiB, the activations they keep do not
+    (16 Ki-token responses after 2 Ki-token prompts; the last stage's log-prob head alone is
+    4 * 8192 * 75968 bytes: 16384 / cp response positions, 151936 / tp vocab entries)."""
+    from hpcrl.plan_cmd import plan_job, render, run_plan
+
+    long = ["rollout.max_new_tokens=16384", "data.max_prompt_tokens=2048"]
+    short, report = (plan_job(load_job(QWEN, o + ["network.gpu_memory_gb=39"], purpose="plan"))
+                     for o in ([], long))
+    t = report["trainer"]
+    static = t["total_bytes_per_gpu"] - t["activations_bytes_per_gpu"]
+    assert short["trainer"]["fits"] and static < 39 * GIB < t["total_bytes_per_gpu"] and not t["fits"]
+    act = t["activations"]
+    assert act["per_stage"][-1]["head_bytes"] == 4 * 8192 * 75968
+    assert act["step"]["seq_len"] == 18432 and act["prompt_from"] == "data.max_prompt_tokens=2048"
+    assert "activations >= " in report["memory_errors"]["trainer"]
+    assert "micro-batches of 1 x 18432 tokens (data.max_prompt_tokens=2048 + 16384 response tokens)" in \
+        render(report)
+    with pytest.raises(ConfigError) as exc:
+        run_plan(QWEN, long + ["network.gpu_memory_gb=39"], as_json=False, out=open(os.devnull, "w"))
+    assert exc.value.path == "trainer" and "+ activations >= " in exc.value.hint
+
+
+@pytest.mark.parametrize("overrides, shape", [
+    ([], (6, 4, 64, 2)),  # 16 prompts x 8 completions on one DP rank, 64 per micro-batch
+    (["trainer.max_tokens_per_micro_batch=60"], (6, 4, 10, 13)),  # 60 // 6 sequences per micro-batch
+    (["algorithm.name=ppo", "algorithm.mini_batch_size=32"], (6, 4, 32, 1)),  # one update per mini-batch
+    (["trainer.num_procs=2", "trainer.ep=2", "trainer.tp=2", "trainer.etp=2", "trainer.micro_batch_size=16"],
+     (6, 4, 16, 8)),  # tp 2: 6 tokens pad to 6; dp 1
+    (["data.max_prompt_tokens=7", "trainer.tp=2", "trainer.etp=2", "trainer.num_procs=2"], (12, 4, 64, 2)),
+], ids=["fixed", "by-tokens", "mini-batches", "tp2", "max-prompt-tp2"])
+def test_the_step_shape_plan_counts(overrides, shape):
+    """(padded sequence, response positions, sequences per micro-batch, micro-batches per update and
+    DP rank) of the tiny example: its copy task's 2-token prompts + 4 new tokens, padded to tp."""
+    from hpcrl.plan_cmd import step_shape
+
+    got, _ = step_shape(load_job(TINY, overrides, purpose="plan"))
+    assert (got.seq_len, got.response_len, got.micro_batch_size, got.num_micro_batches) == shape
 
 
 def _job_with_model_dir(tmp_path: Path, config: dict | None, name: str = "Tiny-MoE") -> Path:

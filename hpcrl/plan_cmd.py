@@ -117,25 +117,30 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
     return {"job": job.name, **report}
 
 
-def step_shape(job: JobConfig) -> tuple[StepShape, str]:
-    """The training step's longest micro-batch and the micro-batches per optimizer step and DP rank
-    (moe.activation_memory), and what set the prompt length: data.max_prompt_tokens, else a
-    synthetic task's prompts, else the model's context less the response (a data file's longest
-    prompt is not read here)."""
-    from hpcrl.config.schema import data_parallel_size
-    from hpcrl.config.validate import demonstration_len, rows_per_prompt
+def longest_prompt(job: JobConfig) -> tuple[int, str]:
+    """The longest prompt a step may hold, in tokens, and what sets it: data.max_prompt_tokens, else a
+    synthetic task's prompts, else the model's context less rollout.max_new_tokens and a reserve
+    (validate_data.prompt_limit, which also caps max_prompt_tokens there; the plan reads no data
+    file)."""
     from hpcrl.config.validate_data import job_tokenizer, prompt_limit, task_draws
     from hpcrl.tasks import TASKS
 
-    d, t, a = job.data, job.trainer, job.algorithm
-    if d.max_prompt_tokens:
-        prompt, prompt_from = d.max_prompt_tokens, f"data.max_prompt_tokens={d.max_prompt_tokens}"
-    elif d.path is None and d.task in TASKS:
+    d = job.data
+    if d.path is None and d.task in TASKS and not d.max_prompt_tokens:
         tok = job_tokenizer(job)
         prompt = max(len(tok.encode_prompt(p)) for p, _ in task_draws(d.task))
-        prompt_from = f"data.task={d.task}'s {prompt}-token prompts"
-    else:
-        prompt, prompt_from = prompt_limit(job)
+        return prompt, f"data.task={d.task}'s {prompt}-token prompts"
+    return prompt_limit(job)
+
+
+def step_shape(job: JobConfig) -> tuple[StepShape, str]:
+    """The training step's longest micro-batch and the micro-batches per optimizer step and DP rank
+    (moe.activation_memory), and what set the prompt length (`longest_prompt`)."""
+    from hpcrl.config.schema import data_parallel_size
+    from hpcrl.config.validate import demonstration_len, rows_per_prompt
+
+    d, t, a = job.data, job.trainer, job.algorithm
+    prompt, prompt_from = longest_prompt(job)
     response = (demonstration_len(job) if a.name == "sft" else None) or job.rollout.max_new_tokens
     seq = math.ceil((prompt + response) / t.tp) * t.tp
     rows = t.max_tokens_per_micro_batch // seq if t.max_tokens_per_micro_batch else t.micro_batch_size
@@ -150,8 +155,8 @@ def step_shape(job: JobConfig) -> tuple[StepShape, str]:
 
 def routes_report(job: JobConfig) -> dict[str, Any] | None:
     """rollout.routing_replay's extra memory: the routes of one step's samples (uint8/int16 [tokens,
-    MoE layers, top_k] per sample, at most data.max_prompt_tokens + rollout.max_new_tokens - 1 tokens:
-    the model's context without max_prompt_tokens), and who holds them (`held_by`): the engines'
+    MoE layers, top_k] per sample, at most the longest prompt (`longest_prompt`) + rollout.max_new_tokens
+    - 1 tokens), and who holds them (`held_by`): the engines'
     (observe, r3) the controller and trainer rank 0; r2's, recorded by the trainer's old forward, every
     trainer rank (put together from every rank's layers and rows). None without routing replay."""
     if job.rollout.routing_replay == "none":
@@ -160,10 +165,8 @@ def routes_report(job: JobConfig) -> dict[str, Any] | None:
     from hpcrl.models.job_model import model_config
     from moe.hf_megatron import HFModelDims
 
-    dims = HFModelDims.from_hf_config(model_config(job)[3])
-    fmt = RouteFormat.of(dims)
-    tokens = (job.data.max_prompt_tokens + job.rollout.max_new_tokens if job.data.max_prompt_tokens
-              else dims.max_position_embeddings) - 1
+    fmt = RouteFormat.of(HFModelDims.from_hf_config(model_config(job)[3]))
+    tokens = longest_prompt(job)[0] + job.rollout.max_new_tokens - 1
     per_sample = fmt.bytes_per_token() * tokens
     samples = job.data.num_prompts_per_step * job.algorithm.group_size
     held_by = "the controller and trainer rank 0" if engine_routes(job) else "every trainer rank (r2)"
@@ -179,11 +182,7 @@ def async_report(job: JobConfig, routes: dict[str, Any] | None) -> dict[str, Any
     k = job.rollout.max_staleness
     if not k:
         return None
-    from hpcrl.models.job_model import model_config
-    from moe.hf_megatron import HFModelDims
-
-    context = HFModelDims.from_hf_config(model_config(job)[3]).max_position_embeddings  # transformers' default too
-    prompt = job.data.max_prompt_tokens or context - job.rollout.max_new_tokens
+    prompt = longest_prompt(job)[0]
     engines = routes["bytes_per_sample"] if routes and engine_routes(job) else 0  # r2's are the trainer's
     per_sample = 8 * prompt + 16 * job.rollout.max_new_tokens + engines
     per_batch = per_sample * job.data.num_prompts_per_step * job.algorithm.group_size

@@ -389,19 +389,34 @@ def test_an_engine_tp_that_does_not_split_the_heads_names_tp_per_engine():
 
 
 def test_an_async_plan_of_a_config_without_max_position_embeddings(tmp_path):
-    """The async buffer's bytes read the context from config.json directly: a KeyError for a config that
-    leaves max_position_embeddings out (transformers, and now hpcrl, read Qwen3-MoE's 32768 then)."""
+    """A data file's prompts are bounded by the context (the plan reads no data file): the async
+    buffer's bytes read it from config.json directly, a KeyError for a config that leaves
+    max_position_embeddings out (transformers, and now hpcrl, read Qwen3-MoE's 32768 then)."""
+    from hpcrl.config.validate_data import CONTEXT_RESERVE
     from hpcrl.models.presets import load_hf_config
     from hpcrl.plan_cmd import plan_job
 
     cfg = {k: v for k, v in load_hf_config("tiny-qwen3-moe", None).items() if k != "max_position_embeddings"}
     (tmp_path / "model.json").write_text(json.dumps(cfg))
-    job = load_job(TINY, [f"model.config_path={tmp_path / 'model.json'}", "model.preset=null",
-                          "rollout.max_staleness=1"], purpose="plan")
+    job = load_job(TINY, [f"model.config_path={tmp_path / 'model.json'}", "model.preset=null", "data.task=null",
+                          f"data.path={tmp_path / 'prompts.jsonl'}", "rollout.max_staleness=1"], purpose="plan")
     report = plan_job(job)["async"]
     new = job.rollout.max_new_tokens
-    assert report["bytes_per_batch"] == (8 * (32768 - new) + 16 * new) * job.data.num_prompts_per_step * \
-        job.algorithm.group_size
+    assert report["bytes_per_batch"] == (8 * (32768 - CONTEXT_RESERVE - new) + 16 * new) * \
+        job.data.num_prompts_per_step * job.algorithm.group_size
+
+
+def test_a_synthetic_tasks_prompts_size_the_routes_and_the_async_buffer():
+    """The copy task's 2-token prompts, not the model's context (40960 tokens for Qwen3-235B: the
+    routes of one step were shown as 40x what they are), bound a sample's tokens; a data file's
+    prompts without data.max_prompt_tokens are bounded by the context."""
+    from hpcrl.plan_cmd import plan_job
+
+    r = plan_job(load_job(QWEN, ["rollout.routing_replay=r3", "rollout.max_staleness=1"], purpose="plan"))
+    assert r["routing_replay"]["max_tokens_per_sample"] == 2 + 1024 - 1
+    assert r["async"]["bytes_per_batch"] == (8 * 2 + 16 * 1024 + r["routing_replay"]["bytes_per_sample"]) * 16 * 32
+    capped = plan_job(load_job(QWEN, ["rollout.routing_replay=r3", "data.max_prompt_tokens=100"], purpose="plan"))
+    assert capped["routing_replay"]["max_tokens_per_sample"] == 100 + 1024 - 1
 
 
 def test_an_unknown_algorithm_name_is_refused_as_validate_refuses_it():

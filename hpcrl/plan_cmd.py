@@ -103,10 +103,13 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
     moved = report["plan"]["nic_bytes"] + report["plan"]["nvlink_bytes"]
     report["mean_recv_bytes_per_gpu"] = moved / rollout.world_size
     errors = {}
+    # the hint's layouts leave room for what the plan adds to the build's memory (about the same
+    # activations under more stages: fewer layers each, more micro-batches in flight)
+    extra = t.get("sync_buffer_bytes_per_gpu", 0) + t["activations_bytes_per_gpu"]
     if not t["fits"]:
         errors["trainer"] = (f"TrainerLayout needs {t['total_bytes_per_gpu'] / GIB:.1f} GiB per GPU "
                              f"({trainer_memory_line(t)}) > gpu memory {gpu_bytes / GIB:.1f} GiB; "
-                             f"increase pp, ep or tp ({memory_hint(spec, trainer, build, gpu_bytes)})")
+                             f"increase pp, ep or tp ({memory_hint(spec, trainer, build, gpu_bytes - extra)})")
     if not report["rollout"]["fits"]:
         try:
             rollout.validate(spec, gpu_memory_bytes=gpu_bytes)

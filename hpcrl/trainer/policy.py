@@ -60,11 +60,12 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _logp_and_entropy(logits_BLv: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: torch.Tensor,
-                      temperature: float, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _logp_and_entropy(logits_BLv: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: torch.Tensor, temperature: float,
+                      entropy_grad: bool = False, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each target under log_softmax(logits / temperature) at its position, and the
     entropy there (detached, a metric, unless `entropy_grad`: then the entropy bonus's gradient
-    flows through it).
+    flows through it; None without `entropy`: the log-prob forwards skip its [B, T, v] product and
+    its TP all-reduce).
 
     `logits_BLv` is this TP rank's vocab shard (Megatron's parallel output: TP rank r holds vocab
     ids [r*v, (r+1)*v)); the softmax normaliser and the target logit are summed over the TP group
@@ -94,6 +95,8 @@ def _logp_and_entropy(logits_BLv: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: to
     cols_1T = torch.arange(pos_BT.shape[1], device=pos_BT.device).unsqueeze(0)
     tgt_logit_BT = z_BTv[rows_B1, cols_1T, local_BT.clamp(0, v - 1)]
     logp_BT = tp_sum(torch.where(inside_BT, tgt_logit_BT, 0.0)) - logz_BT
+    if not entropy:
+        return logp_BT, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         mean_z_BT = tp_sum((exp_BTv * z_BTv).sum(dim=-1)) / sum_BT
         entropy_BT = logz_BT - mean_z_BT
@@ -495,7 +498,7 @@ class MegatronPolicy(PolicyExport):
     @staticmethod
     def _logp_loss(temperature: float, mbd: dict[str, torch.Tensor], logits_BLv: torch.Tensor
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logp_BT, _ = _logp_and_entropy(logits_BLv, mbd["pos_BT"], mbd["tgt_BT"], temperature)
+        logp_BT, _ = _logp_and_entropy(logits_BLv, mbd["pos_BT"], mbd["tgt_BT"], temperature, entropy=False)
         return logp_BT.new_zeros(()), {"logp_BT": torch.where(mbd["mask_BT"], logp_BT, 0.0)}
 
     @torch.no_grad()

@@ -208,3 +208,20 @@ def planned(cfg: dict, seq_len: int, response_len: int, mb: int, **step) -> dict
     shape = StepShape(seq_len=seq_len, response_len=response_len, micro_batch_size=mb, num_micro_batches=2,
                       **recompute, **step)
     return activation_memory(spec_from_config(cfg).dims, TrainerLayout(vocab_divisible_by=1), shape, 4)["per_stage"][0]
+
+
+def test_the_log_prob_forward_computes_no_entropy(world1) -> None:  # noqa: F811
+    """compute_logprobs discards the entropy, so it does not compute it: no float32 product exp * z
+    [mb, T, v] per micro-batch (nor, under TP, its all-reduce). Measured with the profiler's CPU
+    allocations: no multiplication allocates that many bytes (the model's own are [L * mb, H]-sized)."""
+    cfg = {**qwen_config(), "vocab_size": 4096}
+    batch = random_batch(64, rows=6, seed=3)
+    mb, T = ALGO["micro_batch_size"], batch.response_width
+    policy = make_policy(cfg, **ALGO)
+    policy.init_from_seed(2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        policy.compute_logprobs(batch)
+    exps = [e.cpu_memory_usage for e in prof.events() if e.name == "aten::exp"]
+    muls = [e.cpu_memory_usage for e in prof.events() if e.name == "aten::mul"]
+    assert exps.count(4 * mb * T * 4096) == 2, exps  # the softmax's exp of each micro-batch: the measure works
+    assert max(muls) < 4 * mb * T * 4096, sorted(muls)[-4:]

@@ -133,7 +133,12 @@ def longest_prompt(job: JobConfig) -> tuple[int, str]:
         tok = job_tokenizer(job)
         prompt = max(len(tok.encode_prompt(p)) for p, _ in task_draws(d.task))
         return prompt, f"data.task={d.task}'s {prompt}-token prompts"
-    return prompt_limit(job)
+    prompt, prompt_from = prompt_limit(job)
+    if prompt < 1:
+        new = job.rollout.max_new_tokens
+        raise ConfigError("rollout.max_new_tokens", new, f"leaves no room for a prompt: {prompt_from}; use "
+                                                         f"max_new_tokens <= {new + prompt - 1}")
+    return prompt, prompt_from
 
 
 def step_shape(job: JobConfig) -> tuple[StepShape, str]:

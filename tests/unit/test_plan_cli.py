@@ -317,6 +317,17 @@ def test_the_step_shape_plan_counts(overrides, shape):
     assert (got.seq_len, got.response_len, got.micro_batch_size, got.num_micro_batches) == shape
 
 
+def test_responses_that_fill_the_context_are_refused_naming_max_new_tokens():
+    """A data file's prompts (not read by the plan) get the context less the responses: none left
+    was a traceback (a negative prompt length)."""
+    out = hpcrl_plan(str(TINY), "--set", "data.task=null", "--set", "data.path=prompts.jsonl",
+                     "--set", "rollout.max_new_tokens=100")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "rollout.max_new_tokens=100: leaves no room for a prompt: the model's context " \
+           "(max_position_embeddings=64 of preset 'tiny-qwen3-moe' - rollout.max_new_tokens=100 - 7 = -43 tokens); " \
+           "use max_new_tokens <= 56" in out.stderr, out.stderr
+
+
 def _job_with_model_dir(tmp_path: Path, config: dict | None, name: str = "Tiny-MoE") -> Path:
     if config is not None:
         (tmp_path / name).mkdir()

@@ -9,8 +9,10 @@ One rank (a one-process gloo world, Megatron's parallel state at TP 1), one torc
 are bfloat16 [rows, prompt + response, vocab] as a bf16 trainer's output layer gives them; the vocab
 default is one TP rank's shard of Qwen3's 151,936 at TP 4. gather's backward keeps its whole input:
 the logits of every position and the float32 [rows, response, vocab] the target logit is read from.
-The bytes are the storages autograd saves (exact, any host); the times are medians of alternating
-forward + backward passes. Both give the same log-probs and logit gradients bit for bit, or the
+The bytes are the storages autograd saves (exact, any host) and the most allocated at once during a
+forward + backward (the profiler's CPU allocations: hpcrl/trainer/saved_activations.py
+`allocated_peak`; hpcrl's head runs its positions in chunks of HEAD_CHUNK_BYTES); the times are
+medians of alternating forward + backward passes. Both give the same log-probs and logit gradients bit for bit, or the
 benchmark stops.
 """
 
@@ -66,7 +68,8 @@ def main() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from hpcrl.trainer.policy import _logp_and_entropy
+    from hpcrl.trainer.policy import HEAD_CHUNK_BYTES, _logp_and_entropy
+    from hpcrl.trainer.saved_activations import allocated_peak
 
     ps.initialize_model_parallel()
     B, L, T, v = args.rows, args.prompt + args.response, args.response, args.vocab
@@ -89,6 +92,11 @@ def main() -> None:
     if not (torch.equal(want_lp, got_lp) and torch.equal(want_grad, got_grad)):
         sys.exit("the two heads differ: log-probs or logit gradients")
     saved = {name: saved_bytes(fn, logits) for name, fn in heads.items()}
+    peak = {}
+    for name, fn in heads.items():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            step(fn)
+        peak[name] = allocated_peak(prof.events())
     times: dict[str, list[float]] = {name: [] for name in heads}
     for _ in range(args.reps):
         for name, fn in heads.items():
@@ -97,12 +105,15 @@ def main() -> None:
             times[name].append(time.perf_counter() - t0)
     base = "gather (before)"
     med = {name: statistics.median(t) for name, t in times.items()}
-    lines = [f"bf16 logits [{B}, {args.prompt} + {T}, {v}], response positions {T}, 1 thread, median of "
-             f"{args.reps} alternating forward + backward passes; log-probs and logit gradients equal bit for bit",
-             "", "| head | saved for the backward (MiB) | vs gather | fwd + bwd (s) | vs gather |",
-             "|---|---|---|---|---|"]
+    lines = [f"bf16 logits [{B}, {args.prompt} + {T}, {v}], response positions {T} (hpcrl: chunks of "
+             f"{max(1, HEAD_CHUNK_BYTES // (4 * B * v))}), 1 thread, median of {args.reps} alternating forward + "
+             "backward passes; log-probs and logit gradients equal bit for bit; the peak allocated from the logits "
+             "on (the profiler's CPU allocations)",
+             "", "| head | saved for the backward (MiB) | vs gather | peak allocated (MiB) | vs gather | fwd + bwd (s) "
+             "| vs gather |", "|---|---|---|---|---|---|---|"]
     for name in heads:
-        lines.append(f"| {name} | {saved[name] / 2**20:.1f} | {saved[name] / saved[base]:.3f} | {med[name]:.3f} | "
+        lines.append(f"| {name} | {saved[name] / 2**20:.1f} | {saved[name] / saved[base]:.3f} | "
+                     f"{peak[name] / 2**20:.1f} | {peak[name] / peak[base]:.3f} | {med[name]:.3f} | "
                      f"{med[name] / med[base]:.2f} |")
     publish("\n".join(lines), args.results, "logprob_head", "benchmarks/logprob_head.py", sys.argv[1:])
     ps.destroy_model_parallel()

@@ -22,8 +22,9 @@ Not counted, so the figure is a lower bound (`not_counted` says what, for the jo
 layers' own activations without full recomputation (and the layers block recomputation leaves
 whole), which depend on the kernels (flash attention and transformer-engine's fused modules on GPUs
 keep other tensors than the CPU path); the working set of one chunk's recomputation in the backward
-and the forward's transients (the head's bf16 logits of every position and its float32 copy of the
-response positions, while the exp is computed), one micro-batch at a time; the embedding's token ids
+and the forward's transients (the head's logits of every position and of the response positions at
+the model's dtype, and one chunk of positions' float32 arrays: hpcrl/trainer/policy.py
+HEAD_CHUNK_BYTES), one micro-batch at a time; the embedding's token ids
 and the output layer's input (O(L * H) per micro-batch). Context parallelism (plan-only in hpcrl)
 is counted as splitting every sequence's positions evenly.
 """

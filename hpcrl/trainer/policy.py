@@ -60,6 +60,12 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+HEAD_CHUNK_BYTES = 1 << 28
+"""The float32 bytes of one chunk of response positions in the log-prob head: its transients (the
+float32 logits, their shift, the entropy's product) exist one chunk at a time. Chunks of positions
+change no value: every reduction runs over one position's vocab."""
+
+
 def _logp_and_entropy(logits_BLv: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: torch.Tensor, temperature: float,
                       entropy_grad: bool = False, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each target under log_softmax(logits / temperature) at its position, and the
@@ -68,39 +74,58 @@ def _logp_and_entropy(logits_BLv: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: to
     its TP all-reduce).
 
     `logits_BLv` is this TP rank's vocab shard (Megatron's parallel output: TP rank r holds vocab
-    ids [r*v, (r+1)*v)); the softmax normaliser and the target logit are summed over the TP group
-    with Megatron's autograd-aware all-reduce, so full-vocab logits are never materialised.
+    ids [r*v, (r+1)*v), v the same on every rank: Megatron divides the vocab evenly); the softmax
+    normaliser and the target logit are summed over the TP group with Megatron's autograd-aware
+    all-reduce, so full-vocab logits are never materialised. The positions go through in chunks of
+    HEAD_CHUNK_BYTES (the same on every TP rank: the collectives pair up).
     """
+    # Indexing, not gather: gather's backward keeps its whole input, so the step held the logits of
+    # every position [B, L, v] and the fp32 [B, T, v] for the backward beside the softmax's exp; an
+    # index keeps only its indices (hpcrl/trainer/saved_activations.py measures it). One index for
+    # all chunks: its backward is one scatter into the logits' gradient.
+    B, T = pos_BT.shape
+    v = logits_BLv.shape[-1]
+    rows_B1 = torch.arange(B, device=pos_BT.device).unsqueeze(-1)
+    picked_BTv = logits_BLv[rows_B1, pos_BT]
+    step = max(1, HEAD_CHUNK_BYTES // (4 * B * v))
+    parts = [_logp_chunk(p_BCv, t_BC, temperature, entropy_grad, entropy)
+             for p_BCv, t_BC in zip(picked_BTv.split(step, dim=1), tgt_BT.split(step, dim=1), strict=True)]
+    logp_BT = parts[0][0] if len(parts) == 1 else torch.cat([lp for lp, _ in parts], dim=1)
+    if not entropy:
+        return logp_BT, None
+    return logp_BT, parts[0][1] if len(parts) == 1 else torch.cat([e for _, e in parts], dim=1)
+
+
+def _logp_chunk(picked_BCv: torch.Tensor, tgt_BC: torch.Tensor, temperature: float, entropy_grad: bool,
+                entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_logp_and_entropy` of C positions: their logits [B, C, v] on this TP rank and their targets."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    # Indexing, not gather: gather's backward keeps its whole input, so the step held the logits of
-    # every position [B, L, v] and the fp32 [B, T, v] below for the backward beside the softmax's exp;
-    # an index keeps only its indices (hpcrl/trainer/saved_activations.py measures it).
-    v = logits_BLv.shape[-1]
-    rows_B1 = torch.arange(pos_BT.shape[0], device=pos_BT.device).unsqueeze(-1)
-    z_BTv = logits_BLv[rows_B1, pos_BT].float() / temperature
-    max_BT = z_BTv.detach().amax(dim=-1)
+    v = picked_BCv.shape[-1]
+    z_BCv = picked_BCv.float() / temperature
+    max_BC = z_BCv.detach().amax(dim=-1)
     if ps.get_tensor_model_parallel_world_size() > 1:
         group = ps.get_tensor_model_parallel_group()
-        dist.all_reduce(max_BT, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(max_BC, op=dist.ReduceOp.MAX, group=group)
         tp_sum = partial(reduce_from_tensor_model_parallel_region, group=group)
     else:
         tp_sum = _identity
-    exp_BTv = torch.exp(z_BTv - max_BT.unsqueeze(-1))
-    sum_BT = tp_sum(exp_BTv.sum(dim=-1))
-    logz_BT = max_BT + torch.log(sum_BT)
-    local_BT = tgt_BT - ps.get_tensor_model_parallel_rank() * v
-    inside_BT = (local_BT >= 0) & (local_BT < v)
-    cols_1T = torch.arange(pos_BT.shape[1], device=pos_BT.device).unsqueeze(0)
-    tgt_logit_BT = z_BTv[rows_B1, cols_1T, local_BT.clamp(0, v - 1)]
-    logp_BT = tp_sum(torch.where(inside_BT, tgt_logit_BT, 0.0)) - logz_BT
+    exp_BCv = torch.exp(z_BCv - max_BC.unsqueeze(-1))
+    sum_BC = tp_sum(exp_BCv.sum(dim=-1))
+    logz_BC = max_BC + torch.log(sum_BC)
+    local_BC = tgt_BC - ps.get_tensor_model_parallel_rank() * v
+    inside_BC = (local_BC >= 0) & (local_BC < v)
+    rows_B1 = torch.arange(z_BCv.shape[0], device=z_BCv.device).unsqueeze(-1)
+    cols_1C = torch.arange(z_BCv.shape[1], device=z_BCv.device).unsqueeze(0)
+    tgt_logit_BC = z_BCv[rows_B1, cols_1C, local_BC.clamp(0, v - 1)]
+    logp_BC = tp_sum(torch.where(inside_BC, tgt_logit_BC, 0.0)) - logz_BC
     if not entropy:
-        return logp_BT, None
+        return logp_BC, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        mean_z_BT = tp_sum((exp_BTv * z_BTv).sum(dim=-1)) / sum_BT
-        entropy_BT = logz_BT - mean_z_BT
-    return logp_BT, entropy_BT
+        mean_z_BC = tp_sum((exp_BCv * z_BCv).sum(dim=-1)) / sum_BC
+        entropy_BC = logz_BC - mean_z_BC
+    return logp_BC, entropy_BC
 
 
 @contextlib.contextmanager

@@ -8,6 +8,8 @@ so it is exact and the same on any host (unlike a process's peak memory).
     saved.per_head     # bytes per model forward outside the decoder block: the embedding, the output
                        # layer and the loss's log-probs over the vocab (on the last stage)
 
+`allocated_peak(profile.events())` is the peak of what is allocated at once, transients included.
+
 A tensor counts once per storage, with the storage's size when the block's forward ends (outside
 the block: when it is saved), and parameters not at all (autograd saves the weights a matmul needs,
 which exist anyway). A recompute runs the layers again from inside the backward, not through the
@@ -80,3 +82,17 @@ class SavedActivations:
         else:
             self._head[storage.data_ptr()] = storage.nbytes()
         return t
+
+
+def allocated_peak(events: Any) -> int:
+    """The most bytes allocated at once, counted from the start, in a CPU profile's events
+    (`torch.profiler.profile(profile_memory=True).events()`): every op's own allocations and frees and
+    the ones outside ops ("[memory]"), in time order. Exact on any host for what the allocator is
+    asked (what it keeps cached is not seen); transients inside an op that it frees itself are not."""
+    deltas = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
+                    for e in events)
+    now = top = 0
+    for _, delta in deltas:
+        now += delta
+        top = max(top, now)
+    return top

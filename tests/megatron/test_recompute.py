@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from numerics import forward_depth, layer_depth, longest_reduction, reordered
-from hpcrl.trainer.saved_activations import SavedActivations
+from hpcrl.trainer.saved_activations import SavedActivations, allocated_peak
 from test_policy_single_rank import (deepseek_config, make_policy, own_routes, qwen_config, random_batch,  # noqa: F401
                                      split_rows, world1)
 
@@ -225,3 +225,42 @@ def test_the_log_prob_forward_computes_no_entropy(world1) -> None:  # noqa: F811
     muls = [e.cpu_memory_usage for e in prof.events() if e.name == "aten::mul"]
     assert exps.count(4 * mb * T * 4096) == 2, exps  # the softmax's exp of each micro-batch: the measure works
     assert max(muls) < 4 * mb * T * 4096, sorted(muls)[-4:]
+
+
+def test_the_log_prob_head_computes_its_positions_a_chunk_at_a_time(world1, monkeypatch) -> None:  # noqa: F811
+    """The head's transients (the float32 logits of the positions, their shift, the entropy's product)
+    exist one chunk of positions at a time (HEAD_CHUNK_BYTES): at two positions a chunk the peak
+    allocated drops from the picked bf16 logits + three float32 [B, T, v] arrays to the picked logits
+    + chunk-sized arrays without the backward, and to the picked logits + what the backward keeps (the
+    exp, and with the entropy bonus the float32 logits) with it, with the same log-probs, entropies
+    and gradients bit for bit. (B, T, v = 2, 64, 2048; the [B, L, v] logits exist before; small:
+    per-position vectors.)"""
+    import hpcrl.trainer.policy as policy_module
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():  # a policy made in this world made it
+        ps.initialize_model_parallel()
+    B, L, T, v = 2, 96, 64, 2048
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(B, L, v, generator=g).to(torch.bfloat16)
+    pos = (L - T - 1 + torch.arange(T)).expand(B, T).contiguous()
+    tgt = torch.randint(0, v, (B, T), generator=g)
+    unit, picked, small, chunk = B * T * v * 4, B * T * v * 2, 64 * B * T * 8, 4 * B * v * 2
+    peaks, results = {}, {}
+    for name, chunk_bytes in (("whole", 1 << 40), ("chunked", chunk)):
+        monkeypatch.setattr(policy_module, "HEAD_CHUNK_BYTES", chunk_bytes)
+        for grad in (False, True):
+            x = logits.clone().requires_grad_(grad)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as p:
+                with torch.set_grad_enabled(grad):
+                    lp, ent = policy_module._logp_and_entropy(x, pos, tgt, 0.7, entropy_grad=grad)
+                    if grad:
+                        (lp.sum() + 0.1 * ent.sum()).backward()
+            peaks[name, grad] = allocated_peak(p.events())
+            results[name, grad] = (lp.detach(), ent.detach(), x.grad)
+    for grad in (False, True):
+        for a, b in zip(results["whole", grad], results["chunked", grad], strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+    assert peaks["whole", False] >= picked + 3 * unit and peaks["whole", True] >= picked + 3 * unit, peaks
+    assert peaks["chunked", False] <= picked + 4 * chunk + small, peaks
+    assert peaks["chunked", True] <= picked + 2 * unit + 4 * chunk + small, peaks

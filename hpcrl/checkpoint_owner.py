@@ -46,11 +46,12 @@ def lock_checkpoint_dir(job: JobConfig, ckpt_dir: Path, run_dir: Path) -> int | 
 
 
 def check_not_in_use(job: JobConfig, ckpt_dir: Path) -> None:
-    """ConfigError where a running run holds `ckpt_dir` (`lock_checkpoint_dir`); writes nothing. (A
-    lock file this process may not write is not judged: the run's writability check names the dir.)"""
+    """ConfigError where a running run holds `ckpt_dir` (`lock_checkpoint_dir`); writes nothing. (No
+    lock file, or one this process cannot open, is not judged: the run's writability check names a
+    path that is not a writable directory.)"""
     try:  # read-write: NFS maps flock to a POSIX write lock, which needs it
         fd = os.open(ckpt_dir / LOCK_FILE, os.O_RDWR)
-    except (FileNotFoundError, PermissionError):
+    except OSError:  # none there, a file where a directory should be, no permission
         return
     if _locked(job, ckpt_dir, fd, warn=False):
         os.close(fd)

@@ -88,6 +88,8 @@ def test_the_controller_holds_its_checkpoint_dir_and_takes_only_its_own_checkpoi
         str(err.value), str(err.value)
     with pytest.raises(ConfigError, match="is in use by another run"):
         check_resume(job, second, "auto")  # `hpcrl run` / `hpcrl submit` ask the same before starting
+    (tmp_path / "file").write_text("not a directory")  # left to the writability check, which names it
+    check_resume(load_job(EXAMPLE, [f"checkpoint.dir={tmp_path / 'file' / 'ck'}"]), second, "auto")
     os.close(holder._dir_lock)  # the first run ended
 
     def resume_target(run_dir: Path, resume: str = "auto") -> int | None:

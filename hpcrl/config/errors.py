@@ -27,6 +27,8 @@ SYNONYMS = {
     "pipeline_model_parallel_size": "pp", "expert_model_parallel_size": "ep", "gpu": "cuda",
     "expert_tensor_parallel_size": "etp", "context_parallel_size": "cp",
     "ppo_micro_batch_size_per_gpu": "micro_batch_size",
+    "log_prob_micro_batch_size_per_gpu": "logprob_micro_batch_size",
+    "log_prob_micro_batch_size": "logprob_micro_batch_size",
     "use_dynamic_bsz": "max_tokens_per_micro_batch", "ppo_max_token_len_per_gpu": "max_tokens_per_micro_batch",
     "max_tokens_per_gpu": "max_tokens_per_micro_batch",
     "recompute_activations": "recompute_granularity", "gradient_checkpointing": "recompute_granularity",

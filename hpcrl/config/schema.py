@@ -239,6 +239,11 @@ class TrainerConfig:
     micro_batch_size: int = 64
     """Sequences per micro-batch (gradient accumulation over micro-batches); with
     max_tokens_per_micro_batch, the most sequences a micro-batch may hold."""
+    logprob_micro_batch_size: int = 0
+    """Sequences per micro-batch of the forwards without a backward (the old and reference log-probs,
+    r2's recording forward, the critic's values); 0: micro_batch_size. They keep no activations, so
+    larger micro-batches run them faster on GPUs (verl's log_prob_micro_batch_size_per_gpu). With
+    max_tokens_per_micro_batch, the most sequences such a micro-batch may hold, under the same budget."""
     max_tokens_per_micro_batch: int = 0
     """0: micro-batches of micro_batch_size sequences, each padded to the batch's longest. N > 0: each
     DP rank fills micro-batches with its sequences, longest first, each padded only to its own longest

@@ -125,6 +125,7 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("trainer.last_stage_layers", lambda v: v >= 0, ">= 0 (0 splits the layers evenly)"),
     ("trainer.num_procs", lambda v: v >= 1, ">= 1"),
     ("trainer.micro_batch_size", lambda v: v >= 1, ">= 1"),
+    ("trainer.logprob_micro_batch_size", lambda v: v >= 0, ">= 0 (0: trainer.micro_batch_size)"),
     ("trainer.recompute_num_layers", lambda v: v >= 1, ">= 1"),
     ("trainer.max_tokens_per_micro_batch", lambda v: v >= 0,
      ">= 0 (0: micro-batches of trainer.micro_batch_size sequences)"),

@@ -129,7 +129,7 @@ class MegatronCritic:
         """Float32 [B, T] values of the response positions (0 on padding), on rank 0; None elsewhere."""
         p = self.policy
         batch, _ = p._share(batch, {})
-        mbs, split = p._split(batch, {})
+        mbs, split = p._split(batch, {}, forward_only=True)
         store = p._run(self.ddp, mbs, split, True, self._values_out)
         return p._gather_rows(store, "v_BT", split, batch)
 

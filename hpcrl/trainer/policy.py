@@ -390,13 +390,15 @@ class MegatronPolicy(PolicyExport):
             for i, value in zip(missing, payload[0]):
                 items[i] = value
 
-    def _plan(self, batch: TrainBatch) -> Split:
-        """Every DP rank's micro-batches of `batch` (hpcrl/trainer/micro_batches.py)."""
+    def _plan(self, batch: TrainBatch, forward_only: bool = False) -> Split:
+        """Every DP rank's micro-batches of `batch` (hpcrl/trainer/micro_batches.py); `forward_only`:
+        for a forward without a backward (trainer.logprob_micro_batch_size)."""
         t = self.trainer
+        rows = (t.logprob_micro_batch_size or t.micro_batch_size) if forward_only else t.micro_batch_size
         if t.max_tokens_per_micro_batch:
             return token_split(batch.prompt_lens_B + batch.response_lens_B, self.dp_size, self.coords.tp,
-                               t.micro_batch_size, t.max_tokens_per_micro_batch)
-        return fixed_split(batch.batch_size, batch.seq_len, self.dp_size, self.coords.tp, t.micro_batch_size)
+                               rows, t.max_tokens_per_micro_batch)
+        return fixed_split(batch.batch_size, batch.seq_len, self.dp_size, self.coords.tp, rows)
 
     def _recorded_routes(self, batch: TrainBatch, temperature: float) -> tuple[torch.Tensor | None, TrainBatch]:
         """rollout.routing_replay r2: the old log-probs of `batch` (rank 0) and `batch` carrying the
@@ -406,7 +408,7 @@ class MegatronPolicy(PolicyExport):
 
         self.replay.observe()
         old = self.compute_logprobs(batch, temperature=temperature)
-        split, K, tp = self._plan(batch), self.dims.top_k, self.coords.tp
+        split, K, tp = self._plan(batch, forward_only=True), self.dims.top_k, self.coords.tp  # compute_logprobs
         mine = [(self.dp_rank, m, self.coords.tp_rank, j, map_TE.nonzero()[:, 1].view(
                     split.ranks[self.dp_rank][m].seq_len // tp, -1, K).to(route_dtype(self.dims.num_experts)))
                 for j, maps in self.replay.observed_routes().items() for m, map_TE in enumerate(maps)]
@@ -426,12 +428,12 @@ class MegatronPolicy(PolicyExport):
         return old, TrainBatch(batch.tokens_BL, batch.prompt_lens_B, batch.response_lens_B,
                                routes[:B, :S].contiguous())
 
-    def _split(self, batch: TrainBatch, per_row: dict[str, torch.Tensor]
+    def _split(self, batch: TrainBatch, per_row: dict[str, torch.Tensor], forward_only: bool = False
                ) -> tuple[list[dict[str, torch.Tensor]], Split]:
         """This DP rank's micro-batches and every rank's split (`_plan`: fixed shapes, or by tokens with
         trainer.max_tokens_per_micro_batch). Each micro-batch is cut to its own length, a multiple of
         tp (sequence parallelism splits it); dummy rows pad the batch."""
-        split = self._plan(batch)
+        split = self._plan(batch, forward_only)
         B = batch.batch_size
         if batch.routes_BLNK is not None:
             self._check_routes(batch.routes_BLNK)
@@ -538,7 +540,7 @@ class MegatronPolicy(PolicyExport):
         module = self._models(model)[-1][1]
         self._require_loaded(model)
         batch, _ = self._share(batch, {})
-        mbs, split = self._split(batch, {})
+        mbs, split = self._split(batch, {}, forward_only=True)
         store = self._run(self.ddp if model == "policy" else module, mbs, split, True,
                           partial(self._logp_loss, temperature))
         return self._gather_rows(store, "logp_BT", split, batch)

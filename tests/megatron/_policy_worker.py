@@ -276,6 +276,16 @@ def main() -> None:
         out.update(variant_steps(cfg, args.model_dir, trainer_kw, out["engine_batch"]))
     logp = policy.compute_logprobs(batch)
     out["logp"], out["ref"] = logp, policy.compute_logprobs(batch, "ref")
+    if args.pp > 1 or args.tp > 1:  # the log-prob forward in one micro-batch of every row (trainer.logprob_*)
+        whole = MegatronPolicy(cfg, TrainerConfig(**trainer_kw, logprob_micro_batch_size=batch.batch_size), algorithm)
+        if args.model_dir:
+            whole.load_hf_dir(args.model_dir)
+        else:
+            whole.init_from_seed(SEED)
+        out["logp_whole"] = whole.compute_logprobs(batch)
+        out["whole_micro_batches"] = [whole._plan(batch, forward_only=True).num_micro_batches,
+                                      whole._plan(batch).num_micro_batches]
+        del whole
     out["logp_t07"] = policy.compute_logprobs(batch, temperature=0.7)
     adv = torch.linspace(-1.0, 1.0, batch.batch_size)
     # Ranks other than 0 pass None for rank-0-only results: the policy broadcasts rank 0's.

@@ -460,5 +460,9 @@ def test_layout_matches_baseline(name: str, baseline: dict, tmp_path: Path, mode
     check_engine_replay(run, "engine", TINY_QWEN)
     if "pp2" in name or "tp2" in name:
         check_variants(run, numel, tp=2 if "tp2" in name else 1)
+        # trainer.logprob_micro_batch_size: one forward micro-batch (the stages exchange its shape) where
+        # training runs several; the same log-probs up to the order of the sums
+        assert run["whole_micro_batches"][0] == 1 < run["whole_micro_batches"][1], run["whole_micro_batches"]
+        check_close("logp, one forward micro-batch", run["logp_whole"], run["logp"])
     check_deepseek(run, baseline, model_dirs["deepseek"], model_dirs["deepseek-fp8"])
     check_deepseek_plain(run, model_dirs["deepseek-plain"])

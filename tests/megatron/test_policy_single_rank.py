@@ -67,7 +67,8 @@ def make_policy(hf_config: dict, **algo):  # -> MegatronPolicy
     from hpcrl.trainer.policy import MegatronPolicy
 
     trainer_kw = {k: algo.pop(k) for k in list(algo)
-                  if k in ("micro_batch_size", "max_tokens_per_micro_batch") or k.startswith("recompute_")}
+                  if k in ("micro_batch_size", "max_tokens_per_micro_batch", "logprob_micro_batch_size")
+                  or k.startswith("recompute_")}
     replay = algo.pop("routing_replay", "none")
     return MegatronPolicy(hf_config, TrainerConfig(**trainer_kw), AlgorithmConfig(**algo), routing_replay=replay)
 
@@ -282,6 +283,36 @@ def test_micro_batches_give_the_same_step_as_one_batch(world1, split: dict) -> N
     weights = reordered(n, 2 * D + 1, grad) + 2.0 ** -23 * max(v.abs().max().item() for v in a.values())
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= weights
     assert "aux_loss" not in m_big
+
+
+def test_forwards_without_a_backward_take_their_own_micro_batches(world1) -> None:
+    """trainer.logprob_micro_batch_size: the log-prob forwards and the critic's values run one
+    micro-batch of all 8 rows where training runs 3 of 3 (counted model forwards); the log-probs equal
+    the training split's up to the bound of the HF check (other GEMM shapes), and r2's recording
+    forward puts its one micro-batch's routes back in place as the split of 3 does, token for token."""
+    from hpcrl.config.schema import AlgorithmConfig, CriticConfig
+    from hpcrl.trainer.critic import MegatronCritic
+
+    cfg = qwen_config()
+    batch = random_batch(64, rows=8, seed=3)
+    own = make_policy(cfg, micro_batch_size=3, logprob_micro_batch_size=8, routing_replay="r2")
+    same = make_policy(cfg, micro_batch_size=3, routing_replay="r2")
+    calls = {}
+    for name, policy in (("own", own), ("same", same)):
+        policy.init_from_seed(2)
+        policy.critic = MegatronCritic(policy, CriticConfig(lr=1e-9), AlgorithmConfig())
+        for model in (policy.gpt, policy.critic.gpt):
+            model.register_forward_pre_hook(lambda *_, key=(name, model is policy.gpt): calls.update(
+                {key: calls.get(key, 0) + 1}))
+    logp = {name: p.compute_logprobs(batch) for name, p in (("own", own), ("same", same))}
+    for name, p in (("own", own), ("same", same)):
+        p.critic.values(batch)
+    assert calls == {("own", True): 1, ("own", False): 1, ("same", True): 3, ("same", False): 3}, calls
+    _, bound = hf_logprobs(hf_model_of(own), batch)  # also: no router near-tie
+    assert (logp["own"] - logp["same"]).abs().max().item() <= bound
+    fed_BL = torch.arange(batch.seq_len) < (batch.prompt_lens_B + batch.response_lens_B - 1).unsqueeze(1)
+    routes = [p._recorded_routes(batch, 1.0)[1].routes_BLNK for p in (own, same)]
+    assert torch.equal(routes[0][fed_BL], routes[1][fed_BL])
 
 
 def test_on_policy_step_equals_a_step_with_separate_old_logprobs(world1) -> None:

@@ -82,14 +82,18 @@ def _logp_and_entropy(logits_BLv: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: to
     # Indexing, not gather: gather's backward keeps its whole input, so the step held the logits of
     # every position [B, L, v] and the fp32 [B, T, v] for the backward beside the softmax's exp; an
     # index keeps only its indices (hpcrl/trainer/saved_activations.py measures it). One index for
-    # all chunks: its backward is one scatter into the logits' gradient.
+    # all chunks: its backward is one scatter into the logits' gradient (without a backward, one index
+    # per chunk: no [B, T, v] copy of the positions' logits at all).
     B, T = pos_BT.shape
     v = logits_BLv.shape[-1]
     rows_B1 = torch.arange(B, device=pos_BT.device).unsqueeze(-1)
-    picked_BTv = logits_BLv[rows_B1, pos_BT]
     step = max(1, HEAD_CHUNK_BYTES // (4 * B * v))
+    if torch.is_grad_enabled() and logits_BLv.requires_grad:
+        chunks = logits_BLv[rows_B1, pos_BT].split(step, dim=1)
+    else:  # no backward to scatter into: each chunk's positions picked on their own
+        chunks = (logits_BLv[rows_B1, p_BC] for p_BC in pos_BT.split(step, dim=1))
     parts = [_logp_chunk(p_BCv, t_BC, temperature, entropy_grad, entropy)
-             for p_BCv, t_BC in zip(picked_BTv.split(step, dim=1), tgt_BT.split(step, dim=1), strict=True)]
+             for p_BCv, t_BC in zip(chunks, tgt_BT.split(step, dim=1), strict=True)]
     logp_BT = parts[0][0] if len(parts) == 1 else torch.cat([lp for lp, _ in parts], dim=1)
     if not entropy:
         return logp_BT, None

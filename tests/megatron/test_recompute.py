@@ -230,8 +230,8 @@ def test_the_log_prob_forward_computes_no_entropy(world1) -> None:  # noqa: F811
 def test_the_log_prob_head_computes_its_positions_a_chunk_at_a_time(world1, monkeypatch) -> None:  # noqa: F811
     """The head's transients (the float32 logits of the positions, their shift, the entropy's product)
     exist one chunk of positions at a time (HEAD_CHUNK_BYTES): at two positions a chunk the peak
-    allocated drops from the picked bf16 logits + three float32 [B, T, v] arrays to the picked logits
-    + chunk-sized arrays without the backward, and to the picked logits + what the backward keeps (the
+    allocated drops from the picked bf16 logits + three float32 [B, T, v] arrays to chunk-sized
+    arrays without the backward, and to the picked logits + what the backward keeps (the
     exp, and with the entropy bonus the float32 logits) with it, with the same log-probs, entropies
     and gradients bit for bit. (B, T, v = 2, 64, 2048; the [B, L, v] logits exist before; small:
     per-position vectors.)"""
@@ -262,5 +262,5 @@ def test_the_log_prob_head_computes_its_positions_a_chunk_at_a_time(world1, monk
         for a, b in zip(results["whole", grad], results["chunked", grad], strict=True):
             assert (a is None and b is None) or torch.equal(a, b)
     assert peaks["whole", False] >= picked + 3 * unit and peaks["whole", True] >= picked + 3 * unit, peaks
-    assert peaks["chunked", False] <= picked + 4 * chunk + small, peaks
+    assert peaks["chunked", False] <= 4 * chunk + small, peaks  # each chunk picks its own positions
     assert peaks["chunked", True] <= picked + 2 * unit + 4 * chunk + small, peaks

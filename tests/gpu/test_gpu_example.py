@@ -51,10 +51,12 @@ def test_critic_and_tensor_parallel_on_cuda(tmp_path, what):
     made after the body moved to the GPU; an fp32 run has no distributed optimizer to move it) and
     trainer.tp 2 (sequence parallel: without apex every norm is a WrappedTorchNorm, which hpcrl's norm
     fix lets run sequence parallel), here in micro-batches by tokens (trainer.max_tokens_per_micro_batch).
-    The sync check holds at fp32's tolerance."""
+    PPO's old log-probs and values run as one micro-batch of all 128 rows (trainer.logprob_micro_batch_size)
+    where its updates take two of 64. The sync check holds at fp32's tolerance."""
     run_dir = tmp_path / what
     share = torch.cuda.device_count() < 3  # trainer ranks + one engine: a GPU each, else they share
-    sets = {"ppo": ["algorithm.name=ppo", "algorithm.ppo_epochs=2", "algorithm.mini_batch_size=64"],
+    sets = {"ppo": ["algorithm.name=ppo", "algorithm.ppo_epochs=2", "algorithm.mini_batch_size=64",
+                    "trainer.logprob_micro_batch_size=128"],
             "tp2": ["trainer.num_procs=2", "trainer.tp=2", "trainer.etp=2",
                     "trainer.max_tokens_per_micro_batch=48"]}[what]
     out, _ = hpcrl("run", str(EXAMPLE), "--run-dir", str(run_dir), "--set", "resources.device=cuda",

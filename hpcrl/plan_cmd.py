@@ -81,7 +81,8 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
     other = megatron_build("bfloat16" if build.param_dtype == "float32" else "float32", build.reference_model,
                            build.critic_model)
     t["other_build"] = trainer_memory_summary(spec, trainer, other, gpu_bytes)
-    shape, prompt_from = step_shape(job)
+    prompt, prompt_from = longest_prompt(job)  # once: a synthetic task's prompts go through the tokenizer
+    shape = step_shape(job, prompt)
     for summary, b in ((t, build), (t["other_build"], other)):
         act = activation_memory(spec.dims, trainer, shape, PARAM_BYTES[b.param_dtype])
         summary["activations"] = {**act, "step": asdict(shape), "prompt_from": prompt_from}
@@ -98,8 +99,8 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
         t["sync_buffer_bytes_per_gpu"] = report["sglang_broadcast_terms"]["source_buffer_bytes"]
         t["total_bytes_per_gpu"] += t["sync_buffer_bytes_per_gpu"]  # at most: the largest share on the fullest GPU
         t["fits"] = t["total_bytes_per_gpu"] <= gpu_bytes
-    report["routing_replay"] = routes_report(job)
-    report["async"] = async_report(job, report["routing_replay"])
+    report["routing_replay"] = routes_report(job, prompt)
+    report["async"] = async_report(job, report["routing_replay"], prompt)
     moved = report["plan"]["nic_bytes"] + report["plan"]["nvlink_bytes"]
     report["mean_recv_bytes_per_gpu"] = moved / rollout.world_size
     errors = {}
@@ -125,13 +126,12 @@ def longest_prompt(job: JobConfig) -> tuple[int, str]:
     synthetic task's prompts, else the model's context less rollout.max_new_tokens and a reserve
     (validate_data.prompt_limit, which also caps max_prompt_tokens there; the plan reads no data
     file)."""
-    from hpcrl.config.validate_data import job_tokenizer, prompt_limit, task_draws
+    from hpcrl.config.validate_data import job_tokenizer, prompt_limit, task_prompt_tokens
     from hpcrl.tasks import TASKS
 
     d = job.data
     if d.path is None and d.task in TASKS and not d.max_prompt_tokens:
-        tok = job_tokenizer(job)
-        prompt = max(len(tok.encode_prompt(p)) for p, _ in task_draws(d.task))
+        prompt = task_prompt_tokens(d.task, job_tokenizer(job))
         return prompt, f"data.task={d.task}'s {prompt}-token prompts"
     prompt, prompt_from = prompt_limit(job)
     if prompt < 1:
@@ -141,14 +141,13 @@ def longest_prompt(job: JobConfig) -> tuple[int, str]:
     return prompt, prompt_from
 
 
-def step_shape(job: JobConfig) -> tuple[StepShape, str]:
+def step_shape(job: JobConfig, prompt: int) -> StepShape:
     """The training step's longest micro-batch and the micro-batches per optimizer step and DP rank
-    (moe.activation_memory), and what set the prompt length (`longest_prompt`)."""
+    (moe.activation_memory), for prompts of at most `prompt` tokens (`longest_prompt`)."""
     from hpcrl.config.schema import data_parallel_size
     from hpcrl.config.validate import demonstration_len, rows_per_prompt
 
     d, t, a = job.data, job.trainer, job.algorithm
-    prompt, prompt_from = longest_prompt(job)
     response = (demonstration_len(job) if a.name == "sft" else None) or job.rollout.max_new_tokens
     seq = math.ceil((prompt + response) / t.tp) * t.tp
     rows = t.max_tokens_per_micro_batch // seq if t.max_tokens_per_micro_batch else t.micro_batch_size
@@ -158,13 +157,13 @@ def step_shape(job: JobConfig) -> tuple[StepShape, str]:
     return StepShape(seq_len=seq, response_len=response, micro_batch_size=mb,
                      num_micro_batches=math.ceil(per_rank / mb), entropy_grad=a.entropy_coef > 0,
                      recompute=t.recompute_granularity, recompute_method=t.recompute_method,
-                     recompute_num_layers=t.recompute_num_layers), prompt_from
+                     recompute_num_layers=t.recompute_num_layers)
 
 
-def routes_report(job: JobConfig) -> dict[str, Any] | None:
+def routes_report(job: JobConfig, prompt: int) -> dict[str, Any] | None:
     """rollout.routing_replay's extra memory: the routes of one step's samples (uint8/int16 [tokens,
-    MoE layers, top_k] per sample, at most the longest prompt (`longest_prompt`) + rollout.max_new_tokens
-    - 1 tokens), and who holds them (`held_by`): the engines'
+    MoE layers, top_k] per sample, at most `prompt` (`longest_prompt`) + rollout.max_new_tokens - 1
+    tokens), and who holds them (`held_by`): the engines'
     (observe, r3) the controller and trainer rank 0; r2's, recorded by the trainer's old forward, every
     trainer rank (put together from every rank's layers and rows). None without routing replay."""
     if job.rollout.routing_replay == "none":
@@ -174,7 +173,7 @@ def routes_report(job: JobConfig) -> dict[str, Any] | None:
     from moe.hf_megatron import HFModelDims
 
     fmt = RouteFormat.of(HFModelDims.from_hf_config(model_config(job)[3]))
-    tokens = longest_prompt(job)[0] + job.rollout.max_new_tokens - 1
+    tokens = prompt + job.rollout.max_new_tokens - 1
     per_sample = fmt.bytes_per_token() * tokens
     samples = job.data.num_prompts_per_step * job.algorithm.group_size
     held_by = "the controller and trainer rank 0" if engine_routes(job) else "every trainer rank (r2)"
@@ -182,15 +181,15 @@ def routes_report(job: JobConfig) -> dict[str, Any] | None:
             "bytes_per_sample": per_sample, "bytes_per_step": per_sample * samples, "held_by": held_by}
 
 
-def async_report(job: JobConfig, routes: dict[str, Any] | None) -> dict[str, Any] | None:
+def async_report(job: JobConfig, routes: dict[str, Any] | None, prompt: int) -> dict[str, Any] | None:
     """rollout.max_staleness's extra memory: the k batches sampled ahead, held by the controller and
-    saved in every checkpoint (hpcrl/controller/pipeline.py: 8-byte token ids of prompt and response,
+    saved in every checkpoint (hpcrl/controller/pipeline.py: 8-byte token ids of prompt, at most
+    `prompt` tokens, and response,
     8-byte engine log-probs of the response, and the routes with routing replay), at their largest.
     None for a synchronous job."""
     k = job.rollout.max_staleness
     if not k:
         return None
-    prompt = longest_prompt(job)[0]
     engines = routes["bytes_per_sample"] if routes and engine_routes(job) else 0  # r2's are the trainer's
     per_sample = 8 * prompt + 16 * job.rollout.max_new_tokens + engines
     per_batch = per_sample * job.data.num_prompts_per_step * job.algorithm.group_size

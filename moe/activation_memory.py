@@ -37,9 +37,12 @@ from dataclasses import dataclass
 from moe.layouts import TrainerLayout
 from moe.specs import ModelDims
 
-__all__ = ["RECOMPUTE_METHODS", "StepShape", "activation_memory"]
+__all__ = ["RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "StepShape", "activation_memory"]
 
+RECOMPUTE_GRANULARITIES = ("none", "full", "selective")
+"""Megatron's recompute_granularity values (trainer.recompute_granularity; hpcrl validate takes them from here)."""
 RECOMPUTE_METHODS = ("uniform", "block")
+"""Megatron's recompute_method values (trainer.recompute_method)."""
 FP32_BYTES = 4
 
 
@@ -68,8 +71,8 @@ class StepShape:
                 raise ValueError(f"StepShape.{name}={v!r} must be a positive int")
         if self.response_len > self.seq_len:
             raise ValueError(f"StepShape.response_len={self.response_len} exceeds seq_len={self.seq_len}")
-        if self.recompute not in ("none", "full", "selective"):
-            raise ValueError(f"StepShape.recompute={self.recompute!r}; valid: none, full, selective")
+        if self.recompute not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"StepShape.recompute={self.recompute!r}; valid: {', '.join(RECOMPUTE_GRANULARITIES)}")
         if self.recompute_method not in RECOMPUTE_METHODS:
             raise ValueError(f"StepShape.recompute_method={self.recompute_method!r}; valid: {RECOMPUTE_METHODS}")
 

@@ -28,6 +28,7 @@ from hpcrl.config.validate_rollout import (SGLANG_SHARD_MODEL_TYPES, SGLANG_UNTI
                                            check_rollout_layout, check_routing_replay)
 from hpcrl.dataflows._declared import PER_ALGORITHM_KEYS, declared
 from hpcrl.tasks import TASKS
+from moe.activation_memory import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 from moe.hf_megatron import HFModelDims, stage_ranges, transformers_model_type
 
 HF_INIT_MAX_PARAMS = 1_000_000_000
@@ -45,8 +46,6 @@ DISPATCHERS = ("alltoall", "allgather")
 BACKENDS = ("reference", "sglang")
 WEIGHT_SYNCS = ("auto", "shard", "broadcast")
 ROUTING_REPLAYS = ("none", "observe", "r3", "r2")
-RECOMPUTE_GRANULARITIES = ("none", "full", "selective")
-RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe", "shared_experts", "mlp", "mla_up_proj")
 """Megatron-core 0.16's recompute_modules that the trainer's build can take; its "moe_act" needs
 grouped GEMM experts, which the trainer does not build (moe_grouped_gemm off)."""

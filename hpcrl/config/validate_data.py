@@ -89,6 +89,11 @@ def task_draws(task: str, n: int = 16) -> list[tuple[str, str]]:
     return [TASKS[task].make(rng) for _ in range(n)]
 
 
+def task_prompt_tokens(task: str, tok: Tokenizer) -> int:
+    """The longest prompt of a synthetic task in `tok`'s tokens (its seeded draws, `task_draws`)."""
+    return max(len(tok.encode_prompt(prompt)) for prompt, _ in task_draws(task))
+
+
 def check_data_and_reward(job: JobConfig) -> int | None:
     """Checks data and reward; returns the prompt length in tokens for synthetic tasks, else None.
 
@@ -106,7 +111,7 @@ def check_data_and_reward(job: JobConfig) -> int | None:
         _check_data_file(job, "data.path", tok)
         prompt_len = None
     else:
-        prompt_len = max(len(tok.encode_prompt(prompt)) for prompt, _ in task_draws(d.task))
+        prompt_len = task_prompt_tokens(d.task, tok)
         if d.max_prompt_tokens and prompt_len > d.max_prompt_tokens:  # else it only sizes plan's routes
             raise ConfigError("data.max_prompt_tokens", d.max_prompt_tokens,
                               f"data.task={d.task}'s prompts are {prompt_len} tokens ({tok.name}); use "

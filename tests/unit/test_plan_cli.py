@@ -311,9 +311,10 @@ def test_activations_count_toward_the_gpu_memory():
 def test_the_step_shape_plan_counts(overrides, shape):
     """(padded sequence, response positions, sequences per micro-batch, micro-batches per update and
     DP rank) of the tiny example: its copy task's 2-token prompts + 4 new tokens, padded to tp."""
-    from hpcrl.plan_cmd import step_shape
+    from hpcrl.plan_cmd import longest_prompt, step_shape
 
-    got, _ = step_shape(load_job(TINY, overrides, purpose="plan"))
+    job = load_job(TINY, overrides, purpose="plan")
+    got = step_shape(job, longest_prompt(job)[0])
     assert (got.seq_len, got.response_len, got.micro_batch_size, got.num_micro_batches) == shape
 
 

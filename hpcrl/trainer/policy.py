@@ -94,10 +94,13 @@ def _logp_and_entropy(logits_BLv: torch.Tensor, pos_BT: torch.Tensor, tgt_BT: to
         chunks = (logits_BLv[rows_B1, p_BC] for p_BC in pos_BT.split(step, dim=1))
     parts = [_logp_chunk(p_BCv, t_BC, temperature, entropy_grad, entropy)
              for p_BCv, t_BC in zip(chunks, tgt_BT.split(step, dim=1), strict=True)]
-    logp_BT = parts[0][0] if len(parts) == 1 else torch.cat([lp for lp, _ in parts], dim=1)
-    if not entropy:
-        return logp_BT, None
-    return logp_BT, parts[0][1] if len(parts) == 1 else torch.cat([e for _, e in parts], dim=1)
+    logp_BT = _join_positions([lp for lp, _ in parts])
+    return logp_BT, _join_positions([e for _, e in parts]) if entropy else None
+
+
+def _join_positions(chunks_BC: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks' [B, C] results side by side; a lone chunk as it is (no copy)."""
+    return chunks_BC[0] if len(chunks_BC) == 1 else torch.cat(chunks_BC, dim=1)
 
 
 def _logp_chunk(picked_BCv: torch.Tensor, tgt_BC: torch.Tensor, temperature: float, entropy_grad: bool,

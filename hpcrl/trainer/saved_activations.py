@@ -56,7 +56,6 @@ class SavedActivations:
 
     def _enter_model(self, *_: object) -> None:
         self._close_head()
-        self._head = {}
 
     def _close_head(self) -> None:
         if self._head:

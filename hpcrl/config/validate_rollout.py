@@ -127,7 +127,7 @@ SGLANG_SHARD_MOE_RUNNERS = ("auto", "triton")
 (w13 gate then up, no transposition or padding)."""
 
 
-def _flag_values(args: list[str]) -> Iterator[tuple[int, str, str, str]]:
+def server_arg_values(args: list[str]) -> Iterator[tuple[int, str, str, str]]:
     """(index, item, flag, value) of each item of an argv list: `--flag=value`, or `--flag` and the
     next item as its value ("" at the end)."""
     for i, arg in enumerate(args):
@@ -139,7 +139,7 @@ def _flag_values(args: list[str]) -> Iterator[tuple[int, str, str, str]]:
 
 def _check_sglang_shard_args(job: JobConfig) -> None:
     """rollout.server_args that change what SGLang's TP workers hold, refused for the shard route."""
-    for i, arg, flag, value in _flag_values(job.rollout.server_args):
+    for i, arg, flag, value in server_arg_values(job.rollout.server_args):
         what = SGLANG_SHARD_LAYOUT_FLAGS.get(flag)
         if flag == "--moe-runner-backend" and value not in SGLANG_SHARD_MOE_RUNNERS:
             what = f"the {value!r} MoE runner (its w13/w2 layout)"
@@ -167,7 +167,7 @@ def check_sglang_determinism(job: JobConfig) -> None:
     batch-invariant attention backend. Refuses rollout.server_args it cannot serve: another
     --sampling-backend (SGLang would replace it with pytorch, with a warning only) and an
     --attention-backend outside SGLANG_DETERMINISTIC_ATTENTION."""
-    for i, arg, flag, value in _flag_values(job.rollout.server_args):
+    for i, arg, flag, value in server_arg_values(job.rollout.server_args):
         if flag == "--sampling-backend" and value != "pytorch":
             raise ConfigError(f"rollout.server_args[{i}]", arg,
                               "hpcrl runs SGLang with --enable-deterministic-inference (seeded, reproducible "

@@ -5,6 +5,7 @@
     python _sglang_probe.py trainer PLAN INIT WORLD OUT SEED        rank 0, hpcrl's code
     python _sglang_probe.py join-args ROOT KWARGS_JSON     what SGLang's init_custom_process_group
                                                            asks torch for (recorded, nothing joins)
+    python _sglang_probe.py mem-fraction ROOT CASES_JSON   SGLang's mem_fraction_static heuristic per case
 
 PLAN is a JSON list of buckets, each a list of [name, dtype, shape]. The trainer (hpcrl's
 `init_custom_process_group`, `flatten_bucket`) fills the tensors from SEED and broadcasts every
@@ -151,6 +152,54 @@ def join_args(root: str, kwargs_json: str) -> None:
     print(json.dumps(record_join(init_custom_process_group, **json.loads(kwargs_json))))
 
 
+def mem_fraction(root: str, cases_file: str) -> None:
+    """Prints, per case {"argv", "gpu_mib", "mla"} of the JSON list in `cases_file`, the
+    mem_fraction_static SGLang's own `handle_gpu_memory_settings` (arg_groups/memory_hook.py) sets,
+    after the parts of its `handle_cuda_graph_config` that read these flags (`parse_cuda_graph_config`,
+    `apply_deepep_adjustments`), as on a CUDA GPU of `gpu_mib` MiB: the device capacity, the model's
+    MLA-ness and CUDA's default prefill graph backend (breakable; cuda_graph_config.py
+    `default_prefill_backend`) are what this machine cannot give; the rest is SGLang's code on
+    SGLang's parsed arguments. Left out: `apply_cuda_graph_compatibility`, whose rules turn prefill
+    graphs off for what hpcrl's engines never are (KDA, DeepSeek-V4, context or pipeline parallel)
+    and which imports SGLang's model registry."""
+    import argparse
+    import types
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _sglang_import import install
+
+    install(Path(root))
+    import sglang.srt.arg_groups.cuda_graph_hook as graph_hook
+    import sglang.srt.arg_groups.memory_hook as memory_hook
+    import sglang.srt.model_executor.cuda_graph_config as graph_config
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    graph_config.default_prefill_backend = lambda: graph_config.Backend.BREAKABLE
+    results = []
+    for case in json.loads(Path(cases_file).read_text()):
+        model = types.SimpleNamespace(is_multimodal=False, hf_config=types.SimpleNamespace(architectures=["X"]))
+        for name, module in list(sys.modules.items()):
+            if name.startswith("sglang.srt.arg_groups"):
+                if hasattr(module, "model_config_of"):
+                    module.model_config_of = lambda _args, model=model: model
+                if hasattr(module, "use_mla_backend"):
+                    module.use_mla_backend = lambda _args, mla=case["mla"]: mla
+                if hasattr(module, "get_device_memory_capacity"):
+                    module.get_device_memory_capacity = lambda _device=None, mib=case["gpu_mib"]: mib
+        server_args = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "unused", "--device", "cuda",
+                                                                  *case["argv"]]))
+        server_args._raw_input, server_args._resolved_overrides = {}, []  # as the resolution pipeline starts
+        server_args._input_frozen = True
+        graph_hook.parse_cuda_graph_config(server_args)
+        graph_hook.apply_deepep_adjustments(server_args)
+        memory_hook.handle_gpu_memory_settings(server_args)
+        results.append(resolving_view(server_args).mem_fraction_static)
+    print(json.dumps(results))
+
+
 def _leave(group) -> None:
     """Wait for every rank, then exit without interpreter teardown: the trainer hosts the group's
     TCPStore, and a store or gloo thread torn down while a peer still talks to it aborts the process
@@ -176,5 +225,7 @@ if __name__ == "__main__":
         trainer(rest[0], rest[1], int(rest[2]), rest[3], int(rest[4]))
     elif cmd == "join-args":
         join_args(rest[0], rest[1])
+    elif cmd == "mem-fraction":
+        mem_fraction(rest[0], rest[1])
     else:
         raise SystemExit(f"unknown command {cmd!r}")

@@ -25,7 +25,7 @@ from dataclasses import asdict
 from typing import Any, TextIO
 
 from hpcrl.config import ConfigError, JobConfig, load_job
-from hpcrl.config.schema import engine_routes, weight_sync_mode
+from hpcrl.config.schema import engine_dtype, engine_routes, weight_sync_mode
 from hpcrl.models.job_model import (RUN_PARAM_DTYPES, build_layouts, build_spec, layout_summary,
                                     trainer_build)
 from moe.activation_memory import StepShape, activation_memory
@@ -99,6 +99,10 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
         t["sync_buffer_bytes_per_gpu"] = report["sglang_broadcast_terms"]["source_buffer_bytes"]
         t["total_bytes_per_gpu"] += t["sync_buffer_bytes_per_gpu"]  # at most: the largest share on the fullest GPU
         t["fits"] = t["total_bytes_per_gpu"] <= gpu_bytes
+    report["rollout"]["kv_cache"] = kv = kv_cache_report(job, rollout, report["rollout"]["weights_bytes_per_gpu"],
+                                                         gpu_bytes, prompt)
+    if kv is not None and not kv["fits"]:
+        report["rollout"]["fits"] = False
     report["routing_replay"] = routes_report(job, prompt)
     report["async"] = async_report(job, report["routing_replay"], prompt)
     moved = report["plan"]["nic_bytes"] + report["plan"]["nvlink_bytes"]
@@ -111,11 +115,13 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
         errors["trainer"] = (f"TrainerLayout needs {t['total_bytes_per_gpu'] / GIB:.1f} GiB per GPU "
                              f"({trainer_memory_line(t)}) > gpu memory {gpu_bytes / GIB:.1f} GiB; "
                              f"increase pp, ep or tp ({memory_hint(spec, trainer, build, gpu_bytes - extra)})")
-    if not report["rollout"]["fits"]:
+    if not report["rollout"]["weights_fit"]:
         try:
             rollout.validate(spec, gpu_memory_bytes=gpu_bytes)
         except ValueError as exc:
             errors["rollout"] = str(exc)
+    elif not report["rollout"]["fits"]:
+        errors["rollout"] = kv["error"]
     report["fits"] = not errors
     report["memory_errors"] = errors
     return {"job": job.name, **report}
@@ -158,6 +164,24 @@ def step_shape(job: JobConfig, prompt: int) -> StepShape:
                      num_micro_batches=math.ceil(per_rank / mb), entropy_grad=a.entropy_coef > 0,
                      recompute=t.recompute_granularity, recompute_method=t.recompute_method,
                      recompute_num_layers=t.recompute_num_layers)
+
+
+def kv_cache_report(job: JobConfig, rollout: Any, weights_bytes: float, gpu_bytes: int,
+                    prompt: int) -> dict[str, Any] | None:
+    """rollout.backend sglang: the KV pool SGLang 0.5.23 gives each engine GPU beside `weights_bytes`
+    and how a step's samples (at most `prompt` + rollout.max_new_tokens tokens each) fit it
+    (hpcrl/rollout/kv_pool.py). None for the reference engine, which allocates its cache per batch."""
+    if job.rollout.backend != "sglang":
+        return None
+    from hpcrl.models.job_model import model_config
+    from hpcrl.rollout.kv_pool import kv_pool
+    from moe.hf_megatron import HFModelDims
+
+    return kv_pool(dims=HFModelDims.from_hf_config(model_config(job)[3]), tp=rollout.tp,
+                   attn_dp=rollout.dp_attention, num_engines=rollout.num_engines, engine_dtype=engine_dtype(job),
+                   server_args=job.rollout.server_args, weights_bytes=weights_bytes, gpu_bytes=gpu_bytes,
+                   prompt=prompt, max_new_tokens=job.rollout.max_new_tokens,
+                   samples=job.data.num_prompts_per_step * job.algorithm.group_size)
 
 
 def routes_report(job: JobConfig, prompt: int) -> dict[str, Any] | None:
@@ -216,7 +240,7 @@ def render(report: dict[str, Any]) -> str:
         "                 hpcrl = every tensor's source gathers it (all sources at once), then every",
         "                 rollout GPU receives the whole model; baseline = verl / slime: gather per",
         "                 pipeline stage, then broadcast every tensor to every rollout GPU. Per-GPU memory",
-        "                 figures are maxima over GPUs; rollout memory is weights only (no KV cache).",
+        "                 figures are maxima over GPUs.",
     ]
     act = report["trainer"]["activations"]
     step, top, last = act["step"], max(act["per_stage"], key=lambda st: st["bytes"]), act["per_stage"][-1]
@@ -237,8 +261,36 @@ def render(report: dict[str, Any]) -> str:
                         f"{_gib(buffered['buffered_bytes'])} of batches sampled ahead at most "
                         f"({_gib(buffered['bytes_per_batch'])} per batch), on the controller and in every "
                         "checkpoint")
-    text = render_text(report, first_route=ws["route"], weight_sync_note=note)
-    return f"job              {report['job']}\n" + text + "\n" + "\n".join(extra)
+    lines = render_text(report, first_route=ws["route"], weight_sync_note=note).split("\n")
+    at = next(i for i, line in enumerate(lines) if line.startswith("  per GPU        weights ")) + 1
+    lines.insert(at, kv_cache_line(report["rollout"]))
+    return f"job              {report['job']}\n" + "\n".join(lines) + "\n" + "\n".join(extra)
+
+
+def kv_cache_line(rollout: dict[str, Any]) -> str:
+    """The `KV cache` line under the rollout's weights: SGLang's pool per GPU and how a step fits it."""
+    kv = rollout.get("kv_cache")
+    if kv is None:
+        return "  KV cache       the reference engine allocates it per batch (not planned)"
+    if not kv["modelled"]:
+        return (f"  KV cache       not estimated: rollout.server_args has {', '.join(kv['unmodelled'])}, with which "
+                "SGLang sizes its memory otherwise")
+    layout = rollout["layout"]
+    fraction = (f"--mem-fraction-static {kv['mem_fraction_static']:g} from rollout.server_args"
+                if kv["from_server_args"] else
+                f"--mem-fraction-static {kv['mem_fraction_static']:g}, its default here, reserving "
+                f"{_gib(kv['reserved_bytes'])} for activations and CUDA graphs")
+    where = "per engine" if layout["dp_attention"] == 1 else "per DP-attention group"
+    if not kv["fits"]:
+        step = "DOES NOT FIT (the error below says why)"
+    elif kv["samples_at_once"] >= kv["samples_per_scheduler"]:
+        step = "all at once  (fits)"
+    else:
+        step = (f"{kv['samples_at_once']} at once (max_running_requests {kv['max_running_requests']}), "
+                f"{kv['waves']} waves  (fits)")
+    return (f"  KV cache       at most {_gib(kv['pool_bytes'])} per GPU = {kv['pool_tokens']:,} tokens of "
+            f"{kv['cell_bytes']:,} B (SGLang 0.5.23: {fraction}); a step's samples of up to "
+            f"{kv['sample_tokens']:,} tokens: {kv['samples_per_scheduler']} {where}, {step}")
 
 
 def _json_default(obj: Any) -> Any:

@@ -73,7 +73,9 @@ def plan_report(spec: MoESpec, trainer: TrainerLayout, rollout: RolloutLayout, *
 
     Keys include total_params, lower_bound_s, estimate_s, baseline_broadcast_s,
     max_recv_bytes_per_gpu and must_hold_bytes_per_gpu; `trainer`/`rollout` hold per-GPU memory and
-    whether it fits `gpu_memory_bytes` (None when not given); `routes` groups the times by route.
+    whether it fits `gpu_memory_bytes` (None when not given; the rollout's `weights_fit` is the
+    weights' alone, which `fits` starts as and hpcrl plan narrows by the KV cache); `routes` groups
+    the times by route.
     `build` defaults to `megatron_build` of the spec's dtype. With `broadcast_bucket_bytes`, also
     `sglang_broadcast_s` and `sglang_broadcast_terms` (hpcrl's broadcast in buckets of that size).
     """
@@ -100,6 +102,7 @@ def plan_report(spec: MoESpec, trainer: TrainerLayout, rollout: RolloutLayout, *
         "rollout": {
             "layout": asdict(rollout), "world_size": rollout.world_size,
             "weights_bytes_per_gpu": must_hold,
+            "weights_fit": None if gpu_memory_bytes is None else must_hold <= gpu_memory_bytes,
             "fits": None if gpu_memory_bytes is None else must_hold <= gpu_memory_bytes,
         },
         "network": asdict(topo),
@@ -204,7 +207,7 @@ def render_text(r: dict[str, Any], first_route: str = "shard", weight_sync_note:
           if (o := t.get("other_build")) else []),
         f"rollout          {ro['world_size']} GPUs  {rl['num_engines']} engines x tp={rl['tp']} "
         f"ep={rl['ep']} dp_attention={rl['dp_attention']}",
-        f"  per GPU        weights {_gib(ro['weights_bytes_per_gpu'])}{fits(ro['fits'])}",
+        f"  per GPU        weights {_gib(ro['weights_bytes_per_gpu'])}{fits(ro['weights_fit'])}",
         f"network          {net['gpus_per_node']} GPUs/node, {net['nics_per_node']} x "
         f"{net['nic_gbit_per_s']:g} Gb/s NICs/node, NVLink {net['nvlink_gbyte_per_s']:g} GB/s"
         f"{', colocated' if net['colocated'] else ''}",

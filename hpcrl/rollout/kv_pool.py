@@ -12,9 +12,11 @@ with both times the DP size. `mem_fraction_static` follows that code for the eng
 
 `hpcrl plan` shows the pool and fails a layout whose engines could not serve a step: no memory left
 for the pool (SGLang refuses to start: "Loaded weights leave no GPU memory for the KV cache"), or a
-pool smaller than one sample (SGLang clips max_new_tokens to the pool, managers/scheduler.py
-`init_req_max_new_tokens`, so responses would end early). The pool is an upper bound: SGLang
-measures what is free, which is the GPU's memory less the CUDA context and communication buffers.
+pool smaller than one sample and CONTEXT_RESERVE (SGLang's max_req_len is min(context_len, pool) - 1,
+managers/tp_worker.py `get_worker_info`: it clips max_new_tokens to it, scheduler.py
+`init_req_max_new_tokens`, so responses would end early, and refuses longer inputs). The pool is
+an upper bound: SGLang measures what is free, the GPU's memory less the CUDA context and
+communication buffers.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpcrl.config.errors import ConfigError
+from hpcrl.config.validate_data import CONTEXT_RESERVE
 from hpcrl.config.validate_rollout import server_arg_values
 
 MIB = 2**20
@@ -210,9 +213,10 @@ def kv_pool(*, dims: Any, tp: int, attn_dp: int, num_engines: int, engine_dtype:
         out["error"] = (f"SGLang's KV cache: weights of {weights_bytes / 2**30:.2f} GiB per GPU leave no memory "
                         f"for it under --mem-fraction-static={fraction:g} of {gpu_bytes / 2**30:.1f} GiB "
                         f"(SGLang refuses to start); {fix}")
-    elif tokens < sample_tokens + 2:
+    elif tokens < sample_tokens + CONTEXT_RESERVE:  # the pool bounds a request as the context does
         out["fits"] = False
         out["error"] = (f"SGLang's KV cache: at most {tokens:,} tokens per GPU ({cell:,} B each), fewer than one "
-                        f"sample's {sample_tokens:,} + 2 (SGLang would cut responses short of "
-                        f"rollout.max_new_tokens={max_new_tokens}); {fix}, or lower rollout.max_new_tokens")
+                        f"sample's {sample_tokens:,} + {CONTEXT_RESERVE} (SGLang's max_req_len is min(context, pool) "
+                        f"- 1: it would cut responses short of rollout.max_new_tokens={max_new_tokens} and refuse "
+                        f"the sync check's prompt + response); {fix}, or lower rollout.max_new_tokens")
     return out

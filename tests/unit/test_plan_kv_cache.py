@@ -88,13 +88,15 @@ def _qwen_pool(server_args, **kw):
 
 
 def test_a_pool_smaller_than_one_sample_fails():
-    """SGLang clips max_new_tokens to max_req_len - input - 1, max_req_len = pool - 1: a sample of
-    prompt + max_new_tokens needs that many + 2 tokens of pool."""
-    kv = _qwen_pool(["--max-total-tokens", "1027"])
-    assert kv["pool_tokens"] == 1027 and not kv["fits"]
-    assert "fewer than one sample's 1,026 + 2 (SGLang would cut responses short of rollout.max_new_tokens=1024)" \
-           in kv["error"]
-    assert _qwen_pool(["--max-total-tokens", "1028"])["fits"]
+    """SGLang's max_req_len is min(context_len, pool) - 1 (tp_worker.py): a sample of prompt +
+    max_new_tokens needs CONTEXT_RESERVE = 7 more tokens of pool, as of the context
+    (validate_data.CONTEXT_RESERVE: inputs of max_req_len - 5 or more are refused, and the sync check
+    scores prompt + response as one input)."""
+    kv = _qwen_pool(["--max-total-tokens", "1032"])
+    assert kv["pool_tokens"] == 1032 and not kv["fits"]
+    assert "fewer than one sample's 1,026 + 7 (SGLang's max_req_len is min(context, pool) - 1: it would cut " \
+           "responses short of rollout.max_new_tokens=1024" in kv["error"]
+    assert _qwen_pool(["--max-total-tokens", "1033"])["fits"]
 
 
 def test_samples_beyond_the_running_requests_go_in_waves():

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 from hpcrl.config import ConfigError, JobConfig, load_job
 from hpcrl.config.schema import engine_dtype, engine_routes, weight_sync_mode
+from hpcrl.config.validate_data import longest_prompt
 from hpcrl.models.job_model import (RUN_PARAM_DTYPES, build_layouts, build_spec, layout_summary,
                                     trainer_build)
 from moe.activation_memory import StepShape, activation_memory
@@ -33,7 +34,7 @@ from moe.network import Topology
 from moe.report import plan_report, render_text, trainer_memory_line, trainer_memory_summary
 from moe.trainer_memory import PARAM_BYTES, megatron_build, memory_hint
 
-__all__ = ["build_layouts", "build_spec", "build_topology", "plan_job", "render", "run_plan"]
+__all__ = ["build_layouts", "build_spec", "build_topology", "longest_prompt", "plan_job", "render", "run_plan"]
 
 GIB = 2**30
 
@@ -125,26 +126,6 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
     report["fits"] = not errors
     report["memory_errors"] = errors
     return {"job": job.name, **report}
-
-
-def longest_prompt(job: JobConfig) -> tuple[int, str]:
-    """The longest prompt a step may hold, in tokens, and what sets it: data.max_prompt_tokens, else a
-    synthetic task's prompts, else the model's context less rollout.max_new_tokens and a reserve
-    (validate_data.prompt_limit, which also caps max_prompt_tokens there; the plan reads no data
-    file)."""
-    from hpcrl.config.validate_data import job_tokenizer, prompt_limit, task_prompt_tokens
-    from hpcrl.tasks import TASKS
-
-    d = job.data
-    if d.path is None and d.task in TASKS and not d.max_prompt_tokens:
-        prompt = task_prompt_tokens(d.task, job_tokenizer(job))
-        return prompt, f"data.task={d.task}'s {prompt}-token prompts"
-    prompt, prompt_from = prompt_limit(job)
-    if prompt < 1:
-        new = job.rollout.max_new_tokens
-        raise ConfigError("rollout.max_new_tokens", new, f"leaves no room for a prompt: {prompt_from}; use "
-                                                         f"max_new_tokens <= {new + prompt - 1}")
-    return prompt, prompt_from
 
 
 def step_shape(job: JobConfig, prompt: int) -> StepShape:

@@ -141,19 +141,55 @@ resumes from prompt + the tokens so far): P + max_new_tokens <= context_len - 7.
 would need 2 (its cap min(max_new_tokens, context_len - 2 - P))."""
 
 
-def prompt_limit(job: JobConfig) -> tuple[int, str]:
-    """(longest prompt in tokens a run accepts, what sets it, for messages): data.max_prompt_tokens
-    when set, else the model's context less rollout.max_new_tokens + CONTEXT_RESERVE. Reads the model
-    config; `validate` has checked it."""
+def engine_context(job: JobConfig) -> tuple[int, str]:
+    """(the engines' context in tokens, how messages name it): the model's max_position_embeddings, or
+    a smaller SGLang `--context-length` in rollout.server_args (a larger one SGLang refuses unless
+    SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set on the engines, configs/model_config.py
+    `_derive_context_length`: the model's stays the bound)."""
+    from hpcrl.config.validate_rollout import server_arg_values
+
     _, _, source, hf = read_model_config(job)
     context = HFModelDims.from_hf_config(hf).max_position_embeddings
+    named = f"the model's context (max_position_embeddings={context} of {source}"
+    for i, arg, flag, value in server_arg_values(job.rollout.server_args):
+        if flag == "--context-length":
+            try:
+                length = int(value)
+            except ValueError:
+                raise ConfigError(f"rollout.server_args[{i}]", arg, f"{flag} takes a number, not {value!r}") from None
+            if length < context:
+                context, named = length, f"the engines' context (rollout.server_args[{i}] {flag} {length}"
+    return context, named
+
+
+def prompt_limit(job: JobConfig) -> tuple[int, str]:
+    """(longest prompt in tokens a run accepts, what sets it, for messages): data.max_prompt_tokens
+    when set, else the engines' context (`engine_context`) less rollout.max_new_tokens +
+    CONTEXT_RESERVE. Reads the model config; `validate` has checked it."""
+    context, named = engine_context(job)
     new = job.rollout.max_new_tokens
     room = context - CONTEXT_RESERVE - new
     cap = job.data.max_prompt_tokens
     if cap and cap <= room:
         return cap, f"data.max_prompt_tokens={cap}"
-    return room, (f"the model's context (max_position_embeddings={context} of {source} - "
-                  f"rollout.max_new_tokens={new} - {CONTEXT_RESERVE} = {room} tokens)")
+    return room, f"{named} - rollout.max_new_tokens={new} - {CONTEXT_RESERVE} = {room} tokens)"
+
+
+def longest_prompt(job: JobConfig, tok: Tokenizer | None = None) -> tuple[int, str]:
+    """The longest prompt a step may hold, in tokens, and what sets it: data.max_prompt_tokens, else a
+    synthetic task's prompts, else the engines' context less rollout.max_new_tokens and a reserve
+    (`prompt_limit`, which also caps max_prompt_tokens there; no data file is read). ConfigError on
+    rollout.max_new_tokens when that leaves no room for a prompt. `tok`: the job's tokenizer, if loaded."""
+    d = job.data
+    if d.path is None and d.task in TASKS and not d.max_prompt_tokens:
+        prompt = task_prompt_tokens(d.task, tok or job_tokenizer(job))
+        return prompt, f"data.task={d.task}'s {prompt}-token prompts"
+    prompt, prompt_from = prompt_limit(job)
+    if prompt < 1:
+        new = job.rollout.max_new_tokens
+        raise ConfigError("rollout.max_new_tokens", new, f"leaves no room for a prompt: {prompt_from}; use "
+                                                         f"max_new_tokens <= {new + prompt - 1}")
+    return prompt, prompt_from
 
 
 def job_tokenizer(job: JobConfig) -> Tokenizer:

@@ -19,6 +19,7 @@ from hpcrl.config.validate import prompt_limit
 from hpcrl.controller.checkpointing import Checkpointer, EvalAbandoned, resume_mode_from_env
 from hpcrl.controller import pending_eval
 from hpcrl.controller.comm import World
+from hpcrl.controller.engine_limits import check_engine_inputs
 from hpcrl.controller.evaluation import BEFORE_TRAINING, Evaluator, read_val_examples
 from hpcrl.controller.groups import GenerateRequest, PolicyGroup, Rollout, RolloutGroup
 from hpcrl.controller.metrics import MetricsLogger
@@ -102,6 +103,7 @@ class Session:
         trainers, engines = self.policy.async_init(t), self.rollouts.async_init(t)
         trainers.wait()
         urls = engines.wait()
+        check_engine_inputs(self.job, self.rollouts.engines, self.tokenizer)
         self.phase(-1, "resume")
         version = self.checkpointer.restore()  # the policy version: optimizer steps taken
         self.phase(-1, "connect")

@@ -424,6 +424,8 @@ class ReferenceServer(WeightRoutes):
                 "random_seed": a.seed, "tp_size": 1, "dp_size": 1, "weight_version": self.weight_version,
                 "enable_return_routed_experts": bool(getattr(a, "enable_return_routed_experts", False)),
                 "enable_fp32_lm_head": bool(getattr(a, "enable_fp32_lm_head", False)),
+                "context_length": getattr(a, "context_length", None),
+                "max_req_input_len": self.engine.context_len - 6,  # SGLang's min(context, pool) - 1 - 5
                 "version": "hpcrl-reference",
                 "internal_states": [{"released_tags": sorted(self.released),
                                      "weight_update_session": self.session_open,
@@ -642,6 +644,20 @@ def _with_config(argv: list[str]) -> list[str]:
     return merged + argv[:i] + argv[i + 2:]
 
 
+def context_length(asked: int, derived: int) -> int:
+    """--context-length as SGLang 0.5.23 takes it (configs/model_config.py `_derive_context_length`):
+    at most the model's; longer only with SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN set, else its
+    ValueError's message, at start."""
+    if asked > derived and os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "").lower() not in (
+            "1", "true", "yes", "y"):  # SGLang's EnvBool
+        raise SystemExit(f"Warning: User-specified context_length ({asked}) is greater than the derived "
+                         f"context_length ({derived}). This may lead to incorrect model outputs or CUDA errors. "
+                         "Note that the derived context_length may differ from max_position_embeddings in the "
+                         "model's config. To allow overriding this maximum, set the env var "
+                         "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1")
+    return asked
+
+
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -672,6 +688,10 @@ def main(argv: list[str] | None = None) -> None:
                              "(SGLang's flag)")
     parser.add_argument("--enable-fp32-lm-head", action="store_true",
                         help="the LM head in float32 from the model-dtype hidden states (SGLang's flag)")
+    parser.add_argument("--context-length", type=int, default=None,
+                        help="the longest request, prompt and output, instead of the model's "
+                             "max_position_embeddings (SGLang's flag; longer only with "
+                             "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(_with_config(argv))
     if args.threads:
@@ -679,6 +699,8 @@ def main(argv: list[str] | None = None) -> None:
     hf_config = json.loads(Path(args.model_config).read_text())
     engine = ReferenceModel(hf_config, device=args.device, dtype=getattr(torch, args.dtype), seed=args.seed,
                             fp32_lm_head=args.enable_fp32_lm_head)
+    if args.context_length is not None:
+        engine.context_len = context_length(args.context_length, engine.context_len)
     if args.enable_return_routed_experts and engine.routes_refusal():
         raise SystemExit(f"--enable-return-routed-experts: {engine.routes_refusal()}; drop the flag")
     if args.model_path:

@@ -65,3 +65,28 @@ def test_a_bad_number_names_the_server_arg(argv):
     with pytest.raises(ConfigError) as exc:
         EngineMemoryArgs.from_server_args(["--tp-size", "8", *argv])
     assert exc.value.path == "rollout.server_args[2]" and "takes a number" in str(exc.value)
+
+
+def _function(path: Path, name: str):
+    import ast
+
+    tree = ast.parse(path.read_text())
+    return next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def test_the_longest_input_hpcrl_reads_is_sglangs(sglang_root):
+    """hpcrl/controller/engine_limits.py reads /server_info max_req_input_len (and max_total_num_tokens):
+    the scheduler's init info, which /server_info merges in (utils/common.py `build_server_info`), holds
+    both; max_req_input_len = min(context_len - 1, KV pool - 1) - 5 (managers/tp_worker.py
+    `get_worker_info`), the reference engine's context_len - 6."""
+    import ast
+
+    srt = sglang_root / "src" / "sglang" / "srt"
+    init = _function(srt / "managers" / "scheduler.py", "get_init_info")
+    keys = {k.value for n in ast.walk(init) if isinstance(n, ast.Dict) for k in n.keys if isinstance(k, ast.Constant)}
+    assert {"max_total_num_tokens", "max_req_input_len"} <= keys, keys
+    merged = ast.unparse(_function(srt / "utils" / "common.py", "build_server_info"))
+    assert "result.update(scheduler_info)" in merged and "server_args.resolved_dict()" in merged
+    worker = ast.unparse(_function(srt / "managers" / "tp_worker.py", "get_worker_info"))
+    assert "max_req_len = min(self.model_config.context_len - 1, kv_capacity - 1)" in worker, worker
+    assert "max_req_input_len = max_req_len - 5" in worker

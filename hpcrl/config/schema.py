@@ -284,11 +284,12 @@ class RolloutConfig:
     tp_per_engine: int = 1
     """Tensor parallel size inside one engine (sglang only; the reference engine needs 1)."""
     ep: int = 1
-    """Expert parallel size inside one engine (SGLang --ep-size); divides tp_per_engine.
-    `hpcrl plan` only, runs need 1."""
+    """Expert parallel size inside one engine (SGLang --ep-size, which hpcrl passes); divides
+    tp_per_engine and the experts. SGLang engines on the broadcast route."""
     dp_attention: int = 1
-    """Data-parallel attention groups inside one engine (SGLang --dp-size with
-    --enable-dp-attention); divides tp_per_engine. `hpcrl plan` only, runs need 1."""
+    """Data-parallel attention groups inside one engine (SGLang --attn-dp-size, its spelling of
+    --dp-size with --enable-dp-attention, which hpcrl passes); divides tp_per_engine. SGLang engines
+    on the broadcast route."""
     temperature: float = 1.0
     """Sampling temperature (> 0)."""
     top_p: float = 1.0

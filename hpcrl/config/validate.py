@@ -21,7 +21,8 @@ from typing import Any
 from hpcrl.algorithms import KL_ESTIMATORS, LOSS_AGGS, MIS_LEVELS
 from hpcrl.config.errors import ConfigError, did_you_mean, job_field
 from hpcrl.config.schema import (AlgorithmConfig, CriticConfig, JobConfig, RolloutConfig, critic_enabled,
-                                 data_parallel_size, engine_dtype, rollout_correction, splits_into_mini_batches)
+                                 data_parallel_size, engine_dtype, rollout_correction, splits_into_mini_batches,
+                                 weight_sync_mode)
 from hpcrl.config.validate_data import (  # noqa: F401 (read_model_config, prompt_limit: re-exported)
     CONTEXT_RESERVE, check_data_and_reward, job_tokenizer, prompt_limit, read_model_config, task_draws)
 from hpcrl.config.validate_rollout import (SGLANG_SHARD_MODEL_TYPES, SGLANG_UNTIED_HEADS, SHARD_ROUTE_REFUSALS,
@@ -695,14 +696,16 @@ def _check_devices(job: JobConfig, m: ModelDims) -> None:
             raise ConfigError("rollout.backend", r.backend, f"SGLang needs GPUs: set resources.device=cuda "
                                                             f"(device is {res.device!r}), or use backend "
                                                             "reference on CPU")
-        t = r.tp_per_engine
-        if m.num_attention_heads % t or (m.num_key_value_heads % t and t % m.num_key_value_heads):
+        t = r.tp_per_engine  # with DP attention the heads split over tp / dp_attention: _check_engine_parallel
+        if r.dp_attention == 1 and (m.num_attention_heads % t or (m.num_key_value_heads % t and
+                                                                  t % m.num_key_value_heads)):
             ok = [v for v in _divisors(m.num_attention_heads)
                   if m.num_key_value_heads % v == 0 or v % m.num_key_value_heads == 0]
             raise ConfigError("rollout.tp_per_engine", t,
                               f"num_attention_heads={m.num_attention_heads} / num_key_value_heads="
                               f"{m.num_key_value_heads} of {m.source} do not split over {t} GPUs; "
                               f"valid tp_per_engine: {_nearest(ok, t)}")
+    _check_engine_parallel(job)
     if res.device == "cpu" and res.gpus_per_node:
         raise ConfigError("resources.gpus_per_node", res.gpus_per_node,
                           "must be 0 with resources.device=cpu (the GPUs would sit idle); "
@@ -719,6 +722,27 @@ def _check_devices(job: JobConfig, m: ModelDims) -> None:
                               f"num_engines*tp_per_engine={r.num_engines * r.tp_per_engine} GPUs exceed "
                               f"resources.rollout_nodes*gpus_per_node={rollout_gpus}; use num_engines <= "
                               f"{rollout_gpus // r.tp_per_engine} or more rollout_nodes")
+
+
+def _check_engine_parallel(job: JobConfig) -> None:
+    """rollout.ep and rollout.dp_attention (SGLang's --ep-size and --attn-dp-size, inside an engine's
+    TP group): SGLang engines only, on the broadcast route (hpcrl's shard loader writes SGLang's
+    default layout), and a layout that splits the model as `hpcrl plan` checks it."""
+    r = job.rollout
+    named = [(k, v) for k, v in (("rollout.ep", r.ep), ("rollout.dp_attention", r.dp_attention)) if v > 1]
+    if not named:
+        return
+    key, value = named[0]
+    if r.backend != "sglang":
+        raise ConfigError(key, value, "expert parallelism and DP attention split an SGLang engine's TP group; "
+                                      "the reference engine runs one GPU per engine: set it to 1, or "
+                                      "rollout.backend: sglang")
+    if weight_sync_mode(job) == "shard":
+        raise ConfigError(key, value, "hpcrl's shard loader writes SGLang's default layout (no EP, no DP "
+                                      "attention); use rollout.weight_sync: broadcast or auto, or set it to 1")
+    from hpcrl.models.job_model import build_spec, rollout_layout
+
+    rollout_layout(job, build_spec(job))
 
 
 def _check_context(job: JobConfig, m: ModelDims, prompt_len: int | None) -> None:
@@ -748,9 +772,7 @@ def _check_context(job: JobConfig, m: ModelDims, prompt_len: int | None) -> None
                           f"use max_new_tokens <= {room} (the task's answers are "
                           f"{TASKS[job.data.task].answer_len} tokens)")
 
-_PLAN_ONLY = (("trainer.cp", 1, "context parallelism"),
-              ("rollout.ep", 1, "expert parallelism inside an engine"),
-              ("rollout.dp_attention", 1, "DP attention"))
+_PLAN_ONLY = (("trainer.cp", 1, "context parallelism"),)
 """Keys that describe full-scale layouts for `hpcrl plan`; the run path does not pass them on yet."""
 
 PURPOSES = ("run", "plan")

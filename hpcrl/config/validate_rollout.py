@@ -54,10 +54,17 @@ def check_routing_replay(job: JobConfig, m: ModelDims) -> None:
                                                                  "drop it or set rollout.routing_replay: none")
 
 
+SGLANG_LAYOUT_KEYS = {"--ep-size": "rollout.ep", "--ep": "rollout.ep", "--expert-parallel-size": "rollout.ep",
+                      "--attn-dp-size": "rollout.dp_attention", "--attention-data-parallel-size": "rollout.dp_attention",
+                      "--enable-dp-attention": "rollout.dp_attention",
+                      "--dp-size": "rollout.dp_attention (DP attention) or rollout.num_engines (replicas)",
+                      "--data-parallel-size": "rollout.dp_attention (DP attention) or rollout.num_engines (replicas)"}
+"""SGLang 0.5.23's spellings of an engine's inner layout, which the job's keys set (the plan and the
+GPU placement read them): refused in rollout.server_args, naming the key."""
 SGLANG_OWNED_FLAGS = ("--model-path", "--model", "--host", "--port", "--tp-size", "--tensor-parallel-size",
                       "--base-gpu-id", "--dtype", "--skip-tokenizer-init", "--load-format", "--config",
                       "--api-key", "--admin-api-key", "--enable-deterministic-inference",
-                      "--custom-weight-loader")
+                      "--custom-weight-loader", *SGLANG_LAYOUT_KEYS)
 """SGLang 0.5.23's spellings (aliases included) of the settings hpcrl writes itself (hpcrl/rollout/worker.py
 sglang_command; the keys through its --config file); tests/conformance/test_launch_args.py checks them
 against SGLang's parser."""
@@ -97,6 +104,11 @@ def check_rollout_layout(job: JobConfig) -> None:
         return
     for i, arg in enumerate(r.server_args):
         flag = arg.split("=", 1)[0]
+        if flag in SGLANG_LAYOUT_KEYS:
+            raise ConfigError(f"rollout.server_args[{i}]", arg,
+                              f"an engine's inner layout is the job's: set {SGLANG_LAYOUT_KEYS[flag]} (hpcrl "
+                              "passes it on, and hpcrl plan and the GPU placement read it); remove it from "
+                              "server_args")
         if flag in SGLANG_OWNED_FLAGS:
             raise ConfigError(f"rollout.server_args[{i}]", arg,
                               f"hpcrl sets {flag} itself (from model.path, rollout.tp_per_engine, "
@@ -117,6 +129,7 @@ SGLANG_SHARD_LAYOUT_FLAGS = {
     "--moe-data-parallel-size": "MoE data parallelism", "--pp-size": "pipeline parallelism",
     "--pipeline-parallel-size": "pipeline parallelism", "--dp-size": "data parallelism",
     "--data-parallel-size": "data parallelism", "--enable-dp-attention": "DP attention",
+    "--attn-dp-size": "DP attention", "--attention-data-parallel-size": "DP attention",
 }
 """SGLang 0.5.23 flags (aliases included) whose engines hold parameters in another layout or
 place than hpcrl's shard loader and plan assume (docs/sglang_shard_route.md, "Limits");

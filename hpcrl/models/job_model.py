@@ -23,7 +23,7 @@ from moe.layouts import RolloutLayout, TrainerLayout, expert_split_problem
 from moe.specs import MoESpec, spec_at_dtype
 from moe.trainer_memory import TrainerBuild, megatron_build
 
-__all__ = ["RUN_PARAM_DTYPES", "build_layouts", "build_spec", "layout_summary", "model_config",
+__all__ = ["RUN_PARAM_DTYPES", "build_layouts", "build_spec", "layout_summary", "model_config", "rollout_layout",
            "spec_at_dtype", "trainer_build"]
 
 # Layout field -> the job key that sets it (trainer dp is derived from trainer.num_procs).
@@ -109,7 +109,7 @@ def build_layouts(job: JobConfig, spec: MoESpec) -> tuple[TrainerLayout, Rollout
 
     The trainer layout is Megatron's as hpcrl builds it: vocab not padded (`RUN_VOCAB_DIVISIBLE_BY`).
     """
-    t, r = job.trainer, job.rollout
+    t = job.trainer
     first, last = t.first_stage_layers or None, t.last_stage_layers or None
     try:  # the model-parallel sizes against the model first: they, not num_procs, are then at fault
         probe = TrainerLayout(tp=t.tp, pp=t.pp, etp=t.etp, dp=t.etp, cp=t.cp, first_stage_layers=first,
@@ -136,10 +136,17 @@ def build_layouts(job: JobConfig, spec: MoESpec) -> tuple[TrainerLayout, Rollout
         trainer.validate(spec)
     except ValueError as exc:
         raise _layout_error(exc, "trainer", job) from None
+    return trainer, rollout_layout(job, spec)
+
+
+def rollout_layout(job: JobConfig, spec: MoESpec) -> RolloutLayout:
+    """The engines' layout of `job` (SGLang's: engines x TP, with EP and DP attention inside),
+    checked against `spec`; ConfigError naming the rollout key and the nearest valid values."""
+    r = job.rollout
     try:
         rollout = RolloutLayout(num_engines=r.num_engines, tp=r.tp_per_engine, ep=r.ep,
                                 dp_attention=r.dp_attention)
         rollout.validate(spec)
     except ValueError as exc:
         raise _layout_error(exc, "rollout", job) from None
-    return trainer, rollout
+    return rollout

@@ -65,6 +65,14 @@ def fp32_attention_args(job: JobConfig) -> list[str]:
     return list(FP32_ATTENTION) if engine_dtype(job) == "float32" and not named else []
 
 
+def engine_parallel_args(job: JobConfig) -> list[str]:
+    """rollout.ep and rollout.dp_attention as SGLang 0.5.23's --ep-size and --attn-dp-size (its
+    spelling of `--dp-size N --enable-dp-attention`), each only when above 1."""
+    r = job.rollout
+    return [*(["--ep-size", str(r.ep)] if r.ep > 1 else []),
+            *(["--attn-dp-size", str(r.dp_attention)] if r.dp_attention > 1 else [])]
+
+
 def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
                    gpus: tuple[int, ...] = ()) -> list[str]:
     """SGLang's launch command: `--model-path` is the job's model directory (its real weights) or,
@@ -78,6 +86,7 @@ def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
     lines (`bash -c '<lines>; exec "$@"' hpcrl-engine python ...`). `--config` is the job's key file
     (engine_auth.keys_path: --api-key/--admin-api-key off the command line);
     `--enable-deterministic-inference` makes SGLang honour each request's `sampling_seed`. With
+    rollout.ep and rollout.dp_attention become `--ep-size` and `--attn-dp-size` (engine_parallel_args). With
     `rollout.weight_sync: shard`, `--custom-weight-loader` names hpcrl's loader
     (hpcrl/rollout/sglang_shard_loader.py; `engine_env` makes it importable)."""
     hf_config = json.loads((run_dir / "model_config.json").read_text())
@@ -94,7 +103,8 @@ def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
         os.replace(part, model_dir / "config.json")
     python = job.rollout.python or sys.executable
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", host,
-           "--port", str(port), "--tp-size", str(job.rollout.tp_per_engine), *sglang_gpu_args(gpus), *load,
+           "--port", str(port), "--tp-size", str(job.rollout.tp_per_engine), *engine_parallel_args(job),
+           *sglang_gpu_args(gpus), *load,
            "--skip-tokenizer-init", "--dtype", engine_dtype(job), "--config", str(keys_path(run_dir)),
            "--enable-deterministic-inference", *engine_server_args(job), *fp32_attention_args(job)]
     if weight_sync_mode(job) == "shard":

@@ -19,8 +19,9 @@ API_KEY, ADMIN_KEY = "test-api-key", "test-admin-key"
 
 
 def _job(dtype: str, tp: int, model_path: str | None = None, server_args=(), env_setup=(),
-         weight_sync: str = "auto") -> JobConfig:
+         weight_sync: str = "auto", ep: int = 1, dp_attention: int = 1) -> JobConfig:
     job = JobConfig()
+    job.rollout.ep, job.rollout.dp_attention = ep, dp_attention
     job.rollout.weight_sync = weight_sync
     job.model.dtype, job.model.path = dtype, model_path
     job.rollout.backend, job.rollout.tp_per_engine = "sglang", tp
@@ -42,6 +43,8 @@ CASES = [
      (0, 1, 2, 3), {"tp_size": 4, "base_gpu_id": 0, "mem_fraction_static": 0.7}),
     (_job("bfloat16", 2, weight_sync="shard"), (2, 3),  # the shard route: hpcrl's loader in the TP workers
      {"tp_size": 2, "base_gpu_id": 2, "custom_weight_loader": [LOADER]}),
+    (_job("bfloat16", 8, ep=8, dp_attention=4), tuple(range(8)),  # EP and DP attention inside the engine
+     {"tp_size": 8, "ep_size": 8, "attn_dp_size": 4, "enable_dp_attention": False}),
 ]
 
 
@@ -91,7 +94,7 @@ def test_reserved_flags_are_sglangs_spellings(parsed):
     options = parsed[0]["options"]
     missing = set(SGLANG_OWNED_FLAGS) - set(options)
     assert not missing, f"not SGLang 0.5.23 flags: {sorted(missing)}"
-    hpcrl_dests = {options[a] for job, gpus, _ in CASES[::3]  # broadcast, shard
+    hpcrl_dests = {options[a] for job, gpus, _ in (CASES[0], *CASES[3:])  # broadcast, shard, EP + DP attention
                    for a in _sglang_argv(sglang_command(job, parsed[1], "h", 1, gpus)) if a.startswith("--")}
     spellings = {o for o, dest in options.items() if dest in hpcrl_dests}
     assert spellings <= set(SGLANG_OWNED_FLAGS), sorted(spellings - set(SGLANG_OWNED_FLAGS))

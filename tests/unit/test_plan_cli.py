@@ -217,15 +217,15 @@ def test_layout_that_does_not_fit_is_shown_then_fails():
 def test_plan_purpose_loads_deepseek_while_run_refuses_it():
     job = load_job(DEEPSEEK, purpose="plan")
     assert (job.trainer.first_stage_layers, job.rollout.dp_attention) == (3, 32)
+    # hpcrl validate/run/submit: the trainer reads DeepSeek-V3 (stages of 3, 14 x 4 and 2 layers),
+    # the engines' EP32 and DP attention 32 split it, and the resources check speaks: an engine of 32
+    # GPUs does not fit a node of 8 (multi-node engines are not launched).
     with pytest.raises(ConfigError) as exc:
-        load_job(DEEPSEEK)  # hpcrl validate/run/submit: plan-only keys are named before the model
-    assert exc.value.path == "rollout.ep"
-    assert "`hpcrl plan` only" in exc.value.hint
-    # With those at defaults the trainer reads DeepSeek-V3 (stages of 3, 14 x 4 and 2 layers) and the
-    # resources check speaks: an engine of 32 GPUs does not fit a node of 8 without DP attention.
-    with pytest.raises(ConfigError) as exc:
-        load_job(DEEPSEEK, ["rollout.ep=1", "rollout.dp_attention=1"])
-    assert exc.value.path == "resources.gpus_per_node"
+        load_job(DEEPSEEK)
+    assert exc.value.path == "resources.gpus_per_node" and "has 8 GPU(s) but its ranks need 32" in exc.value.hint
+    with pytest.raises(ConfigError) as exc:  # plan-only keys are named before the model
+        load_job(DEEPSEEK, ["trainer.cp=2"])
+    assert exc.value.path == "trainer.cp" and "`hpcrl plan` only" in exc.value.hint
 
 
 TINY = REPO / "examples" / "tiny_moe_grpo.yaml"

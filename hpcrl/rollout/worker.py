@@ -85,9 +85,9 @@ def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
     `rollout.python` (else this one); with `rollout.env_setup` the command runs in bash after those
     lines (`bash -c '<lines>; exec "$@"' hpcrl-engine python ...`). `--config` is the job's key file
     (engine_auth.keys_path: --api-key/--admin-api-key off the command line);
-    `--enable-deterministic-inference` makes SGLang honour each request's `sampling_seed`. With
-    rollout.ep and rollout.dp_attention become `--ep-size` and `--attn-dp-size` (engine_parallel_args). With
-    `rollout.weight_sync: shard`, `--custom-weight-loader` names hpcrl's loader
+    `--enable-deterministic-inference` makes SGLang honour each request's `sampling_seed`;
+    rollout.ep and rollout.dp_attention become `--ep-size` and `--attn-dp-size`
+    (engine_parallel_args). With `rollout.weight_sync: shard`, `--custom-weight-loader` names hpcrl's loader
     (hpcrl/rollout/sglang_shard_loader.py; `engine_env` makes it importable)."""
     hf_config = json.loads((run_dir / "model_config.json").read_text())
     if job.model.path and "quantization_config" not in hf_config:

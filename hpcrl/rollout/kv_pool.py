@@ -203,11 +203,18 @@ def kv_pool(*, dims: Any, tp: int, attn_dp: int, num_engines: int, engine_dtype:
     at_once = min(tokens // sample_tokens, running, out["samples_per_scheduler"])
     out.update(cell_bytes=cell, pool_bytes=max(0, pool_bytes), pool_tokens=tokens, max_running_requests=running,
                samples_at_once=at_once, waves=math.ceil(out["samples_per_scheduler"] / at_once) if at_once else None)
-    fix = ("set a larger --mem-fraction-static in rollout.server_args (SGLang's default reserves "
-           f"{reserved / 1024:.1f} GiB for activations and CUDA graphs; --cuda-graph-max-bs-decode and "
-           "--chunked-prefill-size shrink that reserve), or increase rollout.tp_per_engine and rollout.ep"
-           if not out["from_server_args"] else
-           "raise --mem-fraction-static in rollout.server_args, or increase rollout.tp_per_engine and rollout.ep")
+    need = sample_tokens + CONTEXT_RESERVE
+    fraction_needed = math.ceil((weights_bytes + need * cell) / gpu_bytes * 1000) / 1000
+    if args.max_total_tokens is not None and args.max_total_tokens < need <= max(0, pool_bytes) // cell:
+        fix = f"raise --max-total-tokens in rollout.server_args to at least {need:,}"
+    elif fraction_needed < 1:
+        fix = (f"set --mem-fraction-static >= {fraction_needed:g} in rollout.server_args (that leaves "
+               f"{(1 - fraction_needed) * gpu_bytes / 2**30:.1f} GiB per GPU for activations and CUDA graphs"
+               + (f"; SGLang's default reserves {reserved / 1024:.1f} GiB, which --cuda-graph-max-bs-decode and "
+                  "--chunked-prefill-size shrink" if not out["from_server_args"] else "")
+               + "), or increase rollout.tp_per_engine and rollout.ep")
+    else:
+        fix = "no fraction of the GPU holds the weights and one sample: increase rollout.tp_per_engine and rollout.ep"
     if pool_bytes <= 0:
         out["fits"] = False
         out["error"] = (f"SGLang's KV cache: weights of {weights_bytes / 2**30:.2f} GiB per GPU leave no memory "

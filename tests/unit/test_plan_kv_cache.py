@@ -77,7 +77,7 @@ def test_an_engine_that_could_not_start_fails_naming_the_fix():
     err = out.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hpcrl plan: error: rollout='num_engines=4 tp_per_engine=32"), err
     assert "under --mem-fraction-static=-0.138 of 80.0 GiB (SGLang refuses to start)" in err[0]
-    assert "set a larger --mem-fraction-static in rollout.server_args" in err[0]
+    assert "set --mem-fraction-static >= 0.855 in rollout.server_args (that leaves 11.6 GiB per GPU" in err[0]
 
 
 def _qwen_pool(server_args, **kw):
@@ -96,7 +96,19 @@ def test_a_pool_smaller_than_one_sample_fails():
     assert kv["pool_tokens"] == 1032 and not kv["fits"]
     assert "fewer than one sample's 1,026 + 7 (SGLang's max_req_len is min(context, pool) - 1: it would cut " \
            "responses short of rollout.max_new_tokens=1024" in kv["error"]
+    assert "raise --max-total-tokens in rollout.server_args to at least 1,033" in kv["error"]
     assert _qwen_pool(["--max-total-tokens", "1033"])["fits"]
+
+
+def test_the_fraction_suggested_is_the_smallest_that_fits():
+    """55 GiB of weights on 80 GiB: a fraction of 0.688 leaves 892 tokens; the error asks for the
+    smallest fraction (to the third decimal, as SGLang rounds its own) whose pool holds 1,026 + 7."""
+    kv = _qwen_pool(["--mem-fraction-static", "0.688"])
+    assert kv["pool_tokens"] == 892 and not kv["fits"]
+    suggested = kv["error"].split("set --mem-fraction-static >= ")[1].split(" ")[0]
+    assert suggested == "0.689" and _qwen_pool(["--mem-fraction-static", suggested])["fits"]
+    kv = _qwen_pool([], weights_bytes=79.9 * GIB)
+    assert "no fraction of the GPU holds the weights and one sample: increase rollout.tp_per_engine" in kv["error"]
 
 
 def test_samples_beyond_the_running_requests_go_in_waves():

@@ -42,7 +42,7 @@ PYTEST_TIMEOUT_S=${PYTEST_TIMEOUT_S:-480}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-530}  # the whole script: pytest gets what set-up left, 20 s kept for the end
 PYTEST_FLAGS=${GPU_CHECK_PYTEST_FLAGS--x}
 TESTS=${GPU_CHECK_TESTS:-"tests/gpu/test_reference_nccl.py tests/gpu/test_gpu_example.py \
-tests/gpu/test_sglang_example.py tests/conformance/test_weight_group_join.py"}
+tests/gpu/test_sglang_example.py tests/gpu/test_sglang_kv_pool.py tests/conformance/test_weight_group_join.py"}
 
 stamp() { echo "=== [$(date +%T), ${SECONDS}s] $*"; }
 

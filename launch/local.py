@@ -95,9 +95,7 @@ def run_world(world_size: int, argv: list[str], run_dir: Path, env: dict[str, st
     cmd = [mpiexec_path(), "-launcher", "fork", "-disable-auto-cleanup", "-n", str(world_size), *argv]
     env = dict(os.environ if env is None else env)
     env["HPCRL_LAUNCHER"] = "mpiexec"
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, pass_fds=keep_fds)
-    watch = _RankWatch(run_dir)
-    watch.start()
+    world: list[subprocess.Popen] = []  # mpiexec, once started
     stopped: list[int] = []  # the exit code of a world stopped here, without its controller
     interrupts = [0]  # Ctrl-Cs so far
 
@@ -113,7 +111,8 @@ def run_world(world_size: int, argv: list[str], run_dir: Path, env: dict[str, st
             why = "before the MPI world formed" if not ranks else "a second time"
             print(f"hpcrl run: {name} {why}: the world is stopped without saving", file=sys.stderr, flush=True)
             stopped.append(EXIT_INTERRUPTED if signum == signal.SIGINT else REQUEUE_EXIT_CODE)
-            _kill_session(proc.pid, 0.0)
+            if world:
+                _kill_session(world[0].pid, 0.0)
             return
         try:
             # TERM, not USR1: Hydra uses USR1 inside the world to report a dead rank.
@@ -124,12 +123,20 @@ def run_world(world_size: int, argv: list[str], run_dir: Path, env: dict[str, st
         except ProcessLookupError:
             pass
 
+    # The handlers come first: a Ctrl-C while mpiexec starts would otherwise be a KeyboardInterrupt
+    # here, leaving the world (a session of its own) to form and train unsupervised.
     previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+    watch = _RankWatch(run_dir)
     try:
-        rc = proc.wait()
+        world.append(subprocess.Popen(cmd, env=env, start_new_session=True, pass_fds=keep_fds))
+        if stopped:  # signalled while mpiexec was being started
+            _kill_session(world[0].pid, 0.0)
+        watch.start()
+        rc = world[0].wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         watch.stop.set()
-        _kill_session(proc.pid, grace_s)
+        if world:
+            _kill_session(world[0].pid, grace_s)
     return (stopped[0] if stopped else rc), watch.first_death

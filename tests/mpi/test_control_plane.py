@@ -102,3 +102,26 @@ def test_a_rank_stuck_in_mpi_init_ends_the_world_within_the_startup_deadline(tmp
     assert "Timeout (0:00:03)!" in out.stderr and "join_world_within" in out.stderr, out.stderr
     assert "joined" not in out.stdout
     _no_leftovers(tmp_path)
+
+
+def test_ctrl_c_as_mpiexec_starts_stops_the_world(tmp_path):
+    """A Ctrl-C that lands just after mpiexec has started, before the world formed, stops the world
+    (exit 130, no process left): it once found Python's default handler there, raised
+    KeyboardInterrupt in `hpcrl run` and left the world, a session of its own, to train unsupervised."""
+    code = (
+        "import os, signal, sys\nfrom pathlib import Path\nimport launch.local as local\n"
+        "real = local.subprocess.Popen\n"
+        "def started(*a, **k):\n"
+        "    proc = real(*a, **k)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return proc\n"
+        "local.subprocess.Popen = started\n"
+        f"rc, death = local.run_world(4, [sys.executable, {str(WORLD)!r}, {str(tmp_path)!r}, '2', '5'], "
+        f"Path({str(tmp_path)!r}))\n"
+        "print('RC', rc)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HPCRL_FAULT"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=100)
+    assert "RC 130" in out.stdout, out.stdout + out.stderr
+    assert "SIGINT before the MPI world formed: the world is stopped without saving" in out.stderr
+    _no_leftovers(tmp_path)

@@ -27,14 +27,7 @@ from hpcrl.rollout.worker import _launch_sglang
 from moe.hf_megatron import HFModelDims
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_sglang_example import SGLANG_PYTHON  # noqa: E402
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; this machine has none"),
-    pytest.mark.skipif(SGLANG_PYTHON is None, reason="needs SGLang 0.5.x: set HPCRL_SGLANG_PYTHON to the "
-                       "python of an SGLang environment (docs/sglang_install.md)"),
-]
+from test_sglang_example import SGLANG_PYTHON, pytestmark  # noqa: E402, F401 (the same skips)
 
 
 @pytest.mark.timeout(900)

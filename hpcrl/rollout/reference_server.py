@@ -709,8 +709,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"loaded {loaded} weights from {args.model_path}" + (
             f"; {len(mtp)} MTP tensors not loaded (the reference engine runs no draft model)" if mtp else ""),
               flush=True)
-    # Warm-up (lazy imports, allocator) so the first real request is not slow.
-    engine.generate([[0, 0], [0]], [{"max_new_tokens": 2, "temperature": 1.0, "sampling_seed": 0}] * 2)
+    # Warm-up (lazy imports, allocator) so the first real request is not slow; a context of 8 tokens
+    # or fewer (--context-length) refuses these inputs as SGLang would, and the server starts cold.
+    if engine.context_len > 8:
+        engine.generate([[0, 0], [0]], [{"max_new_tokens": 2, "temperature": 1.0, "sampling_seed": 0}] * 2)
     tokenizer = None
     if args.tokenizer == "char":
         from hpcrl.tasks.tokenizer import CharTokenizer

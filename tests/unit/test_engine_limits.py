@@ -73,6 +73,14 @@ def test_validation_takes_a_shorter_context_length_from_server_args():
     assert exc.value.path == "rollout.server_args[0]"
 
 
+def test_an_engine_with_a_tiny_context_starts_and_refuses_as_sglang(tmp_path):
+    """--context-length 8: every input of 2 tokens or more is refused (8 - 6), the server still starts."""
+    with reference_server(tmp_path / "engine.log", extra_args=["--context-length", "8"]) as (_, client):
+        assert client.server_info()["max_req_input_len"] == 2
+        with pytest.raises(EngineError, match=r"Input length \(2 tokens\) exceeds the maximum allowed length \(2"):
+            client.generate([[1, 1]], [{"max_new_tokens": 1}])
+
+
 def test_a_context_length_over_the_models_is_refused_at_start_as_sglang_does(tmp_path):
     cmd = [sys.executable, "-m", "hpcrl.rollout.reference_server", "--model-config", str(CONFIG_PATH),
            "--port", "0", "--context-length", "100"]

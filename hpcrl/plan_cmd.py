@@ -34,7 +34,8 @@ from moe.network import Topology
 from moe.report import plan_report, render_text, trainer_memory_line, trainer_memory_summary
 from moe.trainer_memory import PARAM_BYTES, megatron_build, memory_hint
 
-__all__ = ["build_layouts", "build_spec", "build_topology", "longest_prompt", "plan_job", "render", "run_plan"]
+__all__ = ["build_layouts", "build_spec", "build_topology", "longest_prompt", "plan_job", "render",
+           "run_plan"]
 
 GIB = 2**30
 
@@ -100,8 +101,8 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
         t["sync_buffer_bytes_per_gpu"] = report["sglang_broadcast_terms"]["source_buffer_bytes"]
         t["total_bytes_per_gpu"] += t["sync_buffer_bytes_per_gpu"]  # at most: the largest share on the fullest GPU
         t["fits"] = t["total_bytes_per_gpu"] <= gpu_bytes
-    report["rollout"]["kv_cache"] = kv = kv_cache_report(job, rollout, report["rollout"]["weights_bytes_per_gpu"],
-                                                         gpu_bytes, prompt)
+    weights = report["rollout"]["weights_bytes_per_gpu"]
+    report["rollout"]["kv_cache"] = kv = kv_cache_report(job, rollout, weights, gpu_bytes, prompt)
     if kv is not None and not kv["fits"]:
         report["rollout"]["fits"] = False
     report["routing_replay"] = routes_report(job, prompt)
@@ -159,7 +160,8 @@ def kv_cache_report(job: JobConfig, rollout: Any, weights_bytes: float, gpu_byte
     from moe.hf_megatron import HFModelDims
 
     return kv_pool(dims=HFModelDims.from_hf_config(model_config(job)[3]), tp=rollout.tp,
-                   attn_dp=rollout.dp_attention, num_engines=rollout.num_engines, engine_dtype=engine_dtype(job),
+                   attn_dp=rollout.dp_attention, num_engines=rollout.num_engines,
+                   engine_dtype=engine_dtype(job),
                    server_args=job.rollout.server_args, weights_bytes=weights_bytes, gpu_bytes=gpu_bytes,
                    prompt=prompt, max_new_tokens=job.rollout.max_new_tokens,
                    samples=job.data.num_prompts_per_step * job.algorithm.group_size)
@@ -254,8 +256,8 @@ def kv_cache_line(rollout: dict[str, Any]) -> str:
     if kv is None:
         return "  KV cache       the reference engine allocates it per batch (not planned)"
     if not kv["modelled"]:
-        return (f"  KV cache       not estimated: rollout.server_args has {', '.join(kv['unmodelled'])}, with which "
-                "SGLang sizes its memory otherwise")
+        return (f"  KV cache       not estimated: rollout.server_args has {', '.join(kv['unmodelled'])}, "
+                "with which SGLang sizes its memory otherwise")
     layout = rollout["layout"]
     fraction = (f"--mem-fraction-static {kv['mem_fraction_static']:g} from rollout.server_args"
                 if kv["from_server_args"] else

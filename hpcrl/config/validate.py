@@ -21,8 +21,8 @@ from typing import Any
 from hpcrl.algorithms import KL_ESTIMATORS, LOSS_AGGS, MIS_LEVELS
 from hpcrl.config.errors import ConfigError, did_you_mean, job_field
 from hpcrl.config.schema import (AlgorithmConfig, CriticConfig, JobConfig, RolloutConfig, critic_enabled,
-                                 data_parallel_size, engine_dtype, rollout_correction, splits_into_mini_batches,
-                                 weight_sync_mode)
+                                 data_parallel_size, engine_dtype, rollout_correction,
+                                 splits_into_mini_batches, weight_sync_mode)
 from hpcrl.config.validate_data import (  # noqa: F401 (read_model_config, prompt_limit: re-exported)
     CONTEXT_RESERVE, check_data_and_reward, job_tokenizer, prompt_limit, read_model_config, task_draws)
 from hpcrl.config.validate_rollout import (SGLANG_SHARD_MODEL_TYPES, SGLANG_UNTIED_HEADS, SHARD_ROUTE_REFUSALS,
@@ -696,7 +696,7 @@ def _check_devices(job: JobConfig, m: ModelDims) -> None:
             raise ConfigError("rollout.backend", r.backend, f"SGLang needs GPUs: set resources.device=cuda "
                                                             f"(device is {res.device!r}), or use backend "
                                                             "reference on CPU")
-        t = r.tp_per_engine  # with DP attention the heads split over tp / dp_attention: _check_engine_parallel
+        t = r.tp_per_engine  # under DP attention: tp / dp_attention, in _check_engine_parallel
         if r.dp_attention == 1 and (m.num_attention_heads % t or (m.num_key_value_heads % t and
                                                                   t % m.num_key_value_heads)):
             ok = [v for v in _divisors(m.num_attention_heads)
@@ -734,12 +734,13 @@ def _check_engine_parallel(job: JobConfig) -> None:
         return
     key, value = named[0]
     if r.backend != "sglang":
-        raise ConfigError(key, value, "expert parallelism and DP attention split an SGLang engine's TP group; "
-                                      "the reference engine runs one GPU per engine: set it to 1, or "
+        raise ConfigError(key, value, "expert parallelism and DP attention split an SGLang engine's TP "
+                                      "group; the reference engine runs one GPU per engine: set it to 1, or "
                                       "rollout.backend: sglang")
     if weight_sync_mode(job) == "shard":
         raise ConfigError(key, value, "hpcrl's shard loader writes SGLang's default layout (no EP, no DP "
-                                      "attention); use rollout.weight_sync: broadcast or auto, or set it to 1")
+                                      "attention); use rollout.weight_sync: broadcast or auto, or set it "
+                                      "to 1")
     from hpcrl.models.job_model import build_spec, rollout_layout
 
     rollout_layout(job, build_spec(job))

@@ -156,7 +156,8 @@ def engine_context(job: JobConfig) -> tuple[int, str]:
             try:
                 length = int(value)
             except ValueError:
-                raise ConfigError(f"rollout.server_args[{i}]", arg, f"{flag} takes a number, not {value!r}") from None
+                raise ConfigError(f"rollout.server_args[{i}]", arg,
+                                  f"{flag} takes a number, not {value!r}") from None
             if length < context:
                 context, named = length, f"the engines' context (rollout.server_args[{i}] {flag} {length}"
     return context, named

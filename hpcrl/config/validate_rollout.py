@@ -54,11 +54,12 @@ def check_routing_replay(job: JobConfig, m: ModelDims) -> None:
                                                                  "drop it or set rollout.routing_replay: none")
 
 
+_DP_OR_REPLICAS = "rollout.dp_attention (DP attention) or rollout.num_engines (replicas)"
 SGLANG_LAYOUT_KEYS = {"--ep-size": "rollout.ep", "--ep": "rollout.ep", "--expert-parallel-size": "rollout.ep",
-                      "--attn-dp-size": "rollout.dp_attention", "--attention-data-parallel-size": "rollout.dp_attention",
+                      "--attn-dp-size": "rollout.dp_attention",
+                      "--attention-data-parallel-size": "rollout.dp_attention",
                       "--enable-dp-attention": "rollout.dp_attention",
-                      "--dp-size": "rollout.dp_attention (DP attention) or rollout.num_engines (replicas)",
-                      "--data-parallel-size": "rollout.dp_attention (DP attention) or rollout.num_engines (replicas)"}
+                      "--dp-size": _DP_OR_REPLICAS, "--data-parallel-size": _DP_OR_REPLICAS}
 """SGLang 0.5.23's spellings of an engine's inner layout, which the job's keys set (the plan and the
 GPU placement read them): refused in rollout.server_args, naming the key."""
 SGLANG_OWNED_FLAGS = ("--model-path", "--model", "--host", "--port", "--tp-size", "--tensor-parallel-size",

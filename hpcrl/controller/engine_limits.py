@@ -32,9 +32,9 @@ def check_engine_inputs(job: JobConfig, engines: list[Any], tok: Any = None) -> 
         pool = info.get("max_total_num_tokens")
         held = f"; its KV pool holds {pool:,} tokens" if pool else ""
         raise ConfigError("rollout.max_new_tokens", new,
-                          f"with prompts of up to {prompt} tokens ({prompt_from}), a request of {prompt + new} "
-                          f"tokens reaches engine {i}'s longest input, max_req_input_len={limit} (SGLang's "
-                          f"min(context, KV pool) - 6{held}): it would cut responses short and refuse the sync "
-                          f"check; set data.max_prompt_tokens <= {limit - 1 - new}, lower rollout.max_new_tokens, "
-                          "or give the engines more KV cache (--mem-fraction-static in rollout.server_args; "
-                          "`hpcrl plan` shows the pool)")
+                          f"with prompts of up to {prompt} tokens ({prompt_from}), a request of "
+                          f"{prompt + new} tokens reaches engine {i}'s longest input, max_req_input_len="
+                          f"{limit} (SGLang's min(context, KV pool) - 6{held}): it would cut responses short "
+                          f"and refuse the sync check; set data.max_prompt_tokens <= {limit - 1 - new}, "
+                          "lower rollout.max_new_tokens, or give the engines more KV cache "
+                          "(--mem-fraction-static in rollout.server_args; `hpcrl plan` shows the pool)")

@@ -23,8 +23,8 @@ from moe.layouts import RolloutLayout, TrainerLayout, expert_split_problem
 from moe.specs import MoESpec, spec_at_dtype
 from moe.trainer_memory import TrainerBuild, megatron_build
 
-__all__ = ["RUN_PARAM_DTYPES", "build_layouts", "build_spec", "layout_summary", "model_config", "rollout_layout",
-           "spec_at_dtype", "trainer_build"]
+__all__ = ["RUN_PARAM_DTYPES", "build_layouts", "build_spec", "layout_summary", "model_config",
+           "rollout_layout", "spec_at_dtype", "trainer_build"]
 
 # Layout field -> the job key that sets it (trainer dp is derived from trainer.num_procs).
 TRAINER_KEYS = {"tp": "trainer.tp", "pp": "trainer.pp", "ep": "trainer.ep", "etp": "trainer.etp",

@@ -86,7 +86,8 @@ class EngineMemoryArgs:
     def from_server_args(args: list[str]) -> EngineMemoryArgs:
         """Read `args` as SGLang's parser would for these flags; a bad number is a ConfigError naming
         rollout.server_args[i]."""
-        ints = {"--chunked-prefill-size": "chunked_prefill_size", "--max-prefill-tokens": "max_prefill_tokens",
+        ints = {"--chunked-prefill-size": "chunked_prefill_size",
+                "--max-prefill-tokens": "max_prefill_tokens",
                 "--max-running-requests": "max_running_requests", "--max-total-tokens": "max_total_tokens",
                 "--cuda-graph-max-bs-decode": "decode_graph_max_bs",
                 "--cuda-graph-max-bs-prefill": "prefill_graph_max_bs", "--page-size": "page_size",
@@ -170,7 +171,8 @@ def kv_cell_bytes(dims: Any, attn_tp: int, element_bytes: int) -> int:
 
 
 def kv_pool(*, dims: Any, tp: int, attn_dp: int, num_engines: int, engine_dtype: str, server_args: list[str],
-            weights_bytes: float, gpu_bytes: int, prompt: int, max_new_tokens: int, samples: int) -> dict[str, Any]:
+            weights_bytes: float, gpu_bytes: int, prompt: int, max_new_tokens: int,
+            samples: int) -> dict[str, Any]:
     """The KV pool of each engine GPU (at most) and how a step's `samples` of at most `prompt` +
     `max_new_tokens` tokens fit it, spread over `num_engines` x `attn_dp` schedulers. `fits` False
     comes with `error`, a message naming what to change. `modelled` False (a KV dtype or a server
@@ -201,8 +203,9 @@ def kv_pool(*, dims: Any, tp: int, attn_dp: int, num_engines: int, engine_dtype:
     running = (min(max(1, running // attn_dp), tokens // 2) if running is not None
                else min(max(min(int(tokens / context * 512), 4096), 2048), tokens // 2))
     at_once = min(tokens // sample_tokens, running, out["samples_per_scheduler"])
-    out.update(cell_bytes=cell, pool_bytes=max(0, pool_bytes), pool_tokens=tokens, max_running_requests=running,
-               samples_at_once=at_once, waves=math.ceil(out["samples_per_scheduler"] / at_once) if at_once else None)
+    waves = math.ceil(out["samples_per_scheduler"] / at_once) if at_once else None
+    out.update(cell_bytes=cell, pool_bytes=max(0, pool_bytes), pool_tokens=tokens,
+               max_running_requests=running, samples_at_once=at_once, waves=waves)
     need = sample_tokens + CONTEXT_RESERVE
     fraction_needed = math.ceil((weights_bytes + need * cell) / gpu_bytes * 1000) / 1000
     if args.max_total_tokens is not None and args.max_total_tokens < need <= max(0, pool_bytes) // cell:
@@ -210,20 +213,23 @@ def kv_pool(*, dims: Any, tp: int, attn_dp: int, num_engines: int, engine_dtype:
     elif fraction_needed < 1:
         fix = (f"set --mem-fraction-static >= {fraction_needed:g} in rollout.server_args (that leaves "
                f"{(1 - fraction_needed) * gpu_bytes / 2**30:.1f} GiB per GPU for activations and CUDA graphs"
-               + (f"; SGLang's default reserves {reserved / 1024:.1f} GiB, which --cuda-graph-max-bs-decode and "
-                  "--chunked-prefill-size shrink" if not out["from_server_args"] else "")
+               + (f"; SGLang's default reserves {reserved / 1024:.1f} GiB, which "
+                  "--cuda-graph-max-bs-decode and --chunked-prefill-size shrink"
+                  if not out["from_server_args"] else "")
                + "), or increase rollout.tp_per_engine and rollout.ep")
     else:
-        fix = "no fraction of the GPU holds the weights and one sample: increase rollout.tp_per_engine and rollout.ep"
+        fix = ("no fraction of the GPU holds the weights and one sample: increase "
+               "rollout.tp_per_engine and rollout.ep")
     if pool_bytes <= 0:
         out["fits"] = False
-        out["error"] = (f"SGLang's KV cache: weights of {weights_bytes / 2**30:.2f} GiB per GPU leave no memory "
-                        f"for it under --mem-fraction-static={fraction:g} of {gpu_bytes / 2**30:.1f} GiB "
-                        f"(SGLang refuses to start); {fix}")
+        out["error"] = (f"SGLang's KV cache: weights of {weights_bytes / 2**30:.2f} GiB per GPU leave no "
+                        f"memory for it under --mem-fraction-static={fraction:g} of "
+                        f"{gpu_bytes / 2**30:.1f} GiB (SGLang refuses to start); {fix}")
     elif tokens < sample_tokens + CONTEXT_RESERVE:  # the pool bounds a request as the context does
         out["fits"] = False
-        out["error"] = (f"SGLang's KV cache: at most {tokens:,} tokens per GPU ({cell:,} B each), fewer than one "
-                        f"sample's {sample_tokens:,} + {CONTEXT_RESERVE} (SGLang's max_req_len is min(context, pool) "
-                        f"- 1: it would cut responses short of rollout.max_new_tokens={max_new_tokens} and refuse "
-                        f"the sync check's prompt + response); {fix}, or lower rollout.max_new_tokens")
+        out["error"] = (f"SGLang's KV cache: at most {tokens:,} tokens per GPU ({cell:,} B each), fewer than "
+                        f"one sample's {sample_tokens:,} + {CONTEXT_RESERVE} (SGLang's max_req_len is "
+                        f"min(context, pool) - 1: it would cut responses short of rollout.max_new_tokens="
+                        f"{max_new_tokens} and refuse the sync check's prompt + response); {fix}, or lower "
+                        "rollout.max_new_tokens")
     return out

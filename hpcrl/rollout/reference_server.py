@@ -648,13 +648,13 @@ def context_length(asked: int, derived: int) -> int:
     """--context-length as SGLang 0.5.23 takes it (configs/model_config.py `_derive_context_length`):
     at most the model's; longer only with SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN set, else its
     ValueError's message, at start."""
-    if asked > derived and os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "").lower() not in (
-            "1", "true", "yes", "y"):  # SGLang's EnvBool
+    allowed = os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "").lower()
+    if asked > derived and allowed not in ("1", "true", "yes", "y"):  # SGLang's EnvBool
         raise SystemExit(f"Warning: User-specified context_length ({asked}) is greater than the derived "
-                         f"context_length ({derived}). This may lead to incorrect model outputs or CUDA errors. "
-                         "Note that the derived context_length may differ from max_position_embeddings in the "
-                         "model's config. To allow overriding this maximum, set the env var "
-                         "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1")
+                         f"context_length ({derived}). This may lead to incorrect model outputs or CUDA "
+                         "errors. Note that the derived context_length may differ from "
+                         "max_position_embeddings in the model's config. To allow overriding this maximum, "
+                         "set the env var SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1")
     return asked
 
 

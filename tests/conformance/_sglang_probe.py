@@ -180,7 +180,8 @@ def mem_fraction(root: str, cases_file: str) -> None:
     graph_config.default_prefill_backend = lambda: graph_config.Backend.BREAKABLE
     results = []
     for case in json.loads(Path(cases_file).read_text()):
-        model = types.SimpleNamespace(is_multimodal=False, hf_config=types.SimpleNamespace(architectures=["X"]))
+        model = types.SimpleNamespace(is_multimodal=False,
+                                      hf_config=types.SimpleNamespace(architectures=["X"]))
         for name, module in list(sys.modules.items()):
             if name.startswith("sglang.srt.arg_groups"):
                 if hasattr(module, "model_config_of"):
@@ -189,8 +190,8 @@ def mem_fraction(root: str, cases_file: str) -> None:
                     module.use_mla_backend = lambda _args, mla=case["mla"]: mla
                 if hasattr(module, "get_device_memory_capacity"):
                     module.get_device_memory_capacity = lambda _device=None, mib=case["gpu_mib"]: mib
-        server_args = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "unused", "--device", "cuda",
-                                                                  *case["argv"]]))
+        argv = ["--model-path", "unused", "--device", "cuda", *case["argv"]]
+        server_args = ServerArgs.from_cli_args(parser.parse_args(argv))
         server_args._raw_input, server_args._resolved_overrides = {}, []  # as the resolution pipeline starts
         server_args._input_frozen = True
         graph_hook.parse_cuda_graph_config(server_args)

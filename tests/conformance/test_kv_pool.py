@@ -45,14 +45,15 @@ def test_mem_fraction_static_is_sglangs(sglang_root, tmp_path):
     cases = [{"argv": [*argv, *(["--attn-dp-size", str(dp)] if dp > 1 else []), "--tp-size", str(tp)],
               "gpu_mib": mib, "mla": mla} for argv, mib, tp, dp, mla in CASES]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    out = subprocess.run([sys.executable, str(PROBE), "mem-fraction", str(sglang_root), str(tmp_path / "cases.json")],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, str(PROBE), "mem-fraction", str(sglang_root),
+                          str(tmp_path / "cases.json")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     sglang = json.loads(out.stdout.splitlines()[-1])
     ours = [mem_fraction_static(mib, tp, dp, mla, EngineMemoryArgs.from_server_args(argv))[0]
             for argv, mib, tp, dp, mla in CASES]
-    assert ours == sglang, [(c[0], c[1:], o, s) for c, o, s in zip(CASES, ours, sglang, strict=True) if o != s]
-    # the cases reach distinct branches: no two flag sets on the same engine give the same fraction by accident
+    assert ours == sglang, [(c[0], c[1:], o, s) for c, o, s in zip(CASES, ours, sglang, strict=True)
+                            if o != s]
+    # the cases reach distinct branches: no two flag sets on one engine give the same fraction by accident
     h100_tp8 = [s for (argv, mib, tp, dp, mla), s in zip(CASES, sglang, strict=True)
                 if (mib, tp, dp, mla) == (81920, 8, 1, False)]
     assert len(set(h100_tp8)) == len(h100_tp8), h100_tp8
@@ -83,7 +84,8 @@ def test_the_longest_input_hpcrl_reads_is_sglangs(sglang_root):
 
     srt = sglang_root / "src" / "sglang" / "srt"
     init = _function(srt / "managers" / "scheduler.py", "get_init_info")
-    keys = {k.value for n in ast.walk(init) if isinstance(n, ast.Dict) for k in n.keys if isinstance(k, ast.Constant)}
+    keys = {k.value for n in ast.walk(init) if isinstance(n, ast.Dict)
+            for k in n.keys if isinstance(k, ast.Constant)}
     assert {"max_total_num_tokens", "max_req_input_len"} <= keys, keys
     merged = ast.unparse(_function(srt / "utils" / "common.py", "build_server_info"))
     assert "result.update(scheduler_info)" in merged and "server_args.resolved_dict()" in merged

@@ -94,7 +94,8 @@ def test_reserved_flags_are_sglangs_spellings(parsed):
     options = parsed[0]["options"]
     missing = set(SGLANG_OWNED_FLAGS) - set(options)
     assert not missing, f"not SGLang 0.5.23 flags: {sorted(missing)}"
-    hpcrl_dests = {options[a] for job, gpus, _ in (CASES[0], *CASES[3:])  # broadcast, shard, EP + DP attention
+    # the broadcast route, the shard route, EP and DP attention
+    hpcrl_dests = {options[a] for job, gpus, _ in (CASES[0], *CASES[3:])
                    for a in _sglang_argv(sglang_command(job, parsed[1], "h", 1, gpus)) if a.startswith("--")}
     spellings = {o for o, dest in options.items() if dest in hpcrl_dests}
     assert spellings <= set(SGLANG_OWNED_FLAGS), sorted(spellings - set(SGLANG_OWNED_FLAGS))

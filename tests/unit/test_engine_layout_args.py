@@ -32,7 +32,7 @@ def test_the_engines_get_the_jobs_ep_and_dp_attention(tmp_path):
     cmd = sglang_command(job, tmp_path, "h", 1)
     assert cmd[cmd.index("--tp-size"):cmd.index("--tp-size") + 6] == ["--tp-size", "4", "--ep-size", "4",
                                                                       "--attn-dp-size", "2"]
-    validate(_job(dp_attention=4, tp=8))  # 4 heads over attention TP 8 / 4 = 2: tp 8 alone would not split them
+    validate(_job(dp_attention=4, tp=8))  # 4 heads over attention TP 8 / 4 = 2 (not over tp 8)
     plain = sglang_command(_job(), tmp_path, "h", 1)
     assert "--ep-size" not in plain and "--attn-dp-size" not in plain
 

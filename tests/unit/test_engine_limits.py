@@ -36,7 +36,8 @@ def test_the_engine_reports_sglangs_longest_input(short_engine):
     assert (info["context_length"], info["max_req_input_len"]) == (48, 42)
     assert short_engine.model_info()["context_len"] == 48
     # the engine refuses as SGLang does at its new bound: 42 input tokens or more
-    with pytest.raises(EngineError, match=r"Input length \(42 tokens\) exceeds the maximum allowed length \(42"):
+    refused = r"Input length \(42 tokens\) exceeds the maximum allowed length \(42"
+    with pytest.raises(EngineError, match=refused):
         short_engine.generate([[1] * 42], [{"max_new_tokens": 1}])
 
 
@@ -46,8 +47,8 @@ def test_a_request_that_reaches_it_stops_the_run_naming_the_fix(short_engine):
     with pytest.raises(ConfigError) as exc:
         check_engine_inputs(job, [short_engine])
     assert exc.value.path == "rollout.max_new_tokens"
-    assert ("with prompts of up to 2 tokens (data.task=copy's 2-token prompts), a request of 42 tokens reaches "
-            "engine 0's longest input, max_req_input_len=42") in str(exc.value)
+    assert ("with prompts of up to 2 tokens (data.task=copy's 2-token prompts), a request of 42 tokens "
+            "reaches engine 0's longest input, max_req_input_len=42") in str(exc.value)
     assert "set data.max_prompt_tokens <= 1, lower rollout.max_new_tokens" in str(exc.value)
     check_engine_inputs(load_job(TINY, ["rollout.max_new_tokens=39"]), [short_engine])
 
@@ -77,7 +78,8 @@ def test_an_engine_with_a_tiny_context_starts_and_refuses_as_sglang(tmp_path):
     """--context-length 8: every input of 2 tokens or more is refused (8 - 6), the server still starts."""
     with reference_server(tmp_path / "engine.log", extra_args=["--context-length", "8"]) as (_, client):
         assert client.server_info()["max_req_input_len"] == 2
-        with pytest.raises(EngineError, match=r"Input length \(2 tokens\) exceeds the maximum allowed length \(2"):
+        refused = r"Input length \(2 tokens\) exceeds the maximum allowed length \(2"
+        with pytest.raises(EngineError, match=refused):
             client.generate([[1, 1]], [{"max_new_tokens": 1}])
 
 
@@ -86,5 +88,6 @@ def test_a_context_length_over_the_models_is_refused_at_start_as_sglang_does(tmp
            "--port", "0", "--context-length", "100"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
-    assert ("User-specified context_length (100) is greater than the derived context_length (64)" in out.stderr
+    assert ("User-specified context_length (100) is greater than the derived context_length (64)"
+            in out.stderr
             and "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1" in out.stderr), out.stderr[-2000:]

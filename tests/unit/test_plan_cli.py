@@ -222,7 +222,8 @@ def test_plan_purpose_loads_deepseek_while_run_refuses_it():
     # GPUs does not fit a node of 8 (multi-node engines are not launched).
     with pytest.raises(ConfigError) as exc:
         load_job(DEEPSEEK)
-    assert exc.value.path == "resources.gpus_per_node" and "has 8 GPU(s) but its ranks need 32" in exc.value.hint
+    assert exc.value.path == "resources.gpus_per_node"
+    assert "has 8 GPU(s) but its ranks need 32" in exc.value.hint
     with pytest.raises(ConfigError) as exc:  # plan-only keys are named before the model
         load_job(DEEPSEEK, ["trainer.cp=2"])
     assert exc.value.path == "trainer.cp" and "`hpcrl plan` only" in exc.value.hint

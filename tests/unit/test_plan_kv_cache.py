@@ -61,7 +61,8 @@ def test_the_qwen_example_pool(qwen_report):
     assert (kv["sample_tokens"], kv["samples_per_scheduler"], kv["samples_at_once"]) == (2 + 1024, 64, 64)
     assert kv["fits"] and ro["fits"] and qwen_report["fits"]
     line = next(x for x in render(qwen_report).splitlines() if x.startswith("  KV cache"))
-    assert f"= {kv['pool_tokens']:,} tokens of 48,128 B" in line and "--mem-fraction-static 0.813, its default" in line
+    assert f"= {kv['pool_tokens']:,} tokens of 48,128 B" in line
+    assert "--mem-fraction-static 0.813, its default" in line
     assert line.endswith("64 per engine, all at once  (fits)"), line
 
 
@@ -69,13 +70,15 @@ def test_an_engine_that_could_not_start_fails_naming_the_fix():
     """The DeepSeek-V3 example without its server_args: SGLang's default reserve under DP attention 32
     (decode graphs 512 x 32 x 4.5 MiB alone are 72 GiB) leaves a negative fraction of the GPU."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "plan", str(DEEPSEEK), "--set", "rollout.server_args=[]"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "plan", str(DEEPSEEK), "--set",
+                          "rollout.server_args=[]"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env=env)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "per GPU        weights 68.27 GiB  (fits)" in out.stdout
     assert "DOES NOT FIT (the error below says why)" in out.stdout
     err = out.stderr.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("hpcrl plan: error: rollout='num_engines=4 tp_per_engine=32"), err
+    assert len(err) == 1, err
+    assert err[0].startswith("hpcrl plan: error: rollout='num_engines=4 tp_per_engine=32"), err
     assert "under --mem-fraction-static=-0.138 of 80.0 GiB (SGLang refuses to start)" in err[0]
     assert "set --mem-fraction-static >= 0.855 in rollout.server_args (that leaves 11.6 GiB per GPU" in err[0]
 
@@ -94,8 +97,8 @@ def test_a_pool_smaller_than_one_sample_fails():
     scores prompt + response as one input)."""
     kv = _qwen_pool(["--max-total-tokens", "1032"])
     assert kv["pool_tokens"] == 1032 and not kv["fits"]
-    assert "fewer than one sample's 1,026 + 7 (SGLang's max_req_len is min(context, pool) - 1: it would cut " \
-           "responses short of rollout.max_new_tokens=1024" in kv["error"]
+    assert ("fewer than one sample's 1,026 + 7 (SGLang's max_req_len is min(context, pool) - 1: it would "
+            "cut responses short of rollout.max_new_tokens=1024") in kv["error"]
     assert "raise --max-total-tokens in rollout.server_args to at least 1,033" in kv["error"]
     assert _qwen_pool(["--max-total-tokens", "1033"])["fits"]
 
@@ -108,7 +111,8 @@ def test_the_fraction_suggested_is_the_smallest_that_fits():
     suggested = kv["error"].split("set --mem-fraction-static >= ")[1].split(" ")[0]
     assert suggested == "0.689" and _qwen_pool(["--mem-fraction-static", suggested])["fits"]
     kv = _qwen_pool([], weights_bytes=79.9 * GIB)
-    assert "no fraction of the GPU holds the weights and one sample: increase rollout.tp_per_engine" in kv["error"]
+    assert "no fraction of the GPU holds the weights and one sample: increase rollout.tp_per_engine" \
+        in kv["error"]
 
 
 def test_samples_beyond_the_running_requests_go_in_waves():

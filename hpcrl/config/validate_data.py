@@ -146,18 +146,14 @@ def engine_context(job: JobConfig) -> tuple[int, str]:
     a smaller SGLang `--context-length` in rollout.server_args (a larger one SGLang refuses unless
     SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set on the engines, configs/model_config.py
     `_derive_context_length`: the model's stays the bound)."""
-    from hpcrl.config.validate_rollout import server_arg_values
+    from hpcrl.config.validate_rollout import server_arg_number, server_arg_values
 
     _, _, source, hf = read_model_config(job)
     context = HFModelDims.from_hf_config(hf).max_position_embeddings
     named = f"the model's context (max_position_embeddings={context} of {source}"
     for i, arg, flag, value in server_arg_values(job.rollout.server_args):
         if flag == "--context-length":
-            try:
-                length = int(value)
-            except ValueError:
-                raise ConfigError(f"rollout.server_args[{i}]", arg,
-                                  f"{flag} takes a number, not {value!r}") from None
+            length = server_arg_number(i, arg, flag, value)
             if length < context:
                 context, named = length, f"the engines' context (rollout.server_args[{i}] {flag} {length}"
     return context, named

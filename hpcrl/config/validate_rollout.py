@@ -125,16 +125,14 @@ def check_rollout_layout(job: JobConfig) -> None:
 SGLANG_SHARD_LAYOUT_FLAGS = {
     "--quantization": "quantized weights",
     "--enable-eplb": "EPLB (remapped expert ids)", "--ep-num-redundant-experts": "redundant experts",
-    "--ep-size": "expert parallelism", "--expert-parallel-size": "expert parallelism",
-    "--ep": "expert parallelism", "--moe-dp-size": "MoE data parallelism",
-    "--moe-data-parallel-size": "MoE data parallelism", "--pp-size": "pipeline parallelism",
-    "--pipeline-parallel-size": "pipeline parallelism", "--dp-size": "data parallelism",
-    "--data-parallel-size": "data parallelism", "--enable-dp-attention": "DP attention",
-    "--attn-dp-size": "DP attention", "--attention-data-parallel-size": "DP attention",
+    "--moe-dp-size": "MoE data parallelism", "--moe-data-parallel-size": "MoE data parallelism",
+    "--pp-size": "pipeline parallelism", "--pipeline-parallel-size": "pipeline parallelism",
 }
 """SGLang 0.5.23 flags (aliases included) whose engines hold parameters in another layout or
 place than hpcrl's shard loader and plan assume (docs/sglang_shard_route.md, "Limits");
-tests/conformance/test_launch_args.py checks the spellings against SGLang's parser."""
+tests/conformance/test_launch_args.py checks the spellings against SGLang's parser. Expert
+parallelism and DP attention are the job's (SGLANG_LAYOUT_KEYS, refused in server_args for every
+SGLang job; rollout.ep / rollout.dp_attention above 1 refuse the shard route in validate)."""
 
 SGLANG_SHARD_MOE_RUNNERS = ("auto", "triton")
 """--moe-runner-backend values whose fused-MoE weights keep the default layout the loader writes
@@ -149,6 +147,15 @@ def server_arg_values(args: list[str]) -> Iterator[tuple[int, str, str, str]]:
         if not eq:
             value = args[i + 1] if i + 1 < len(args) else ""
         yield i, arg, flag, value
+
+
+def server_arg_number(i: int, arg: str, flag: str, value: str, kind: type = int) -> int | float:
+    """A numeric server argument's `value` (one of `server_arg_values`) as `kind`; a ConfigError
+    naming rollout.server_args[i] when it is not one."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"rollout.server_args[{i}]", arg, f"{flag} takes a number, not {value!r}") from None
 
 
 def _check_sglang_shard_args(job: JobConfig) -> None:

@@ -25,15 +25,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpcrl.config.errors import ConfigError
 from hpcrl.config.validate_data import CONTEXT_RESERVE
-from hpcrl.config.validate_rollout import server_arg_values
+from hpcrl.config.validate_rollout import server_arg_number, server_arg_values
+from moe.specs import DTYPE_BYTES
 
 MIB = 2**20
 
 KV_DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp8_e5m2": 1, "fp8_e4m3": 1}
 """--kv-cache-dtype values whose cache is one plain array per layer ("auto": the engine's dtype)."""
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 UNMODELLED_FLAGS = ("--cuda-graph-config", "--cuda-graph-bs-decode", "--cuda-graph-bs-prefill",
                     "--speculative-algorithm", "--disaggregation-mode", "--enable-hierarchical-cache",
@@ -96,15 +95,11 @@ class EngineMemoryArgs:
         legacy, switches, backends = {}, {}, {}  # SGLang's precedence: backends over switches over legacy
         unmodelled = []
         for i, arg, flag, value in server_arg_values(args):
-            try:
-                if flag == "--mem-fraction-static":
-                    got["mem_fraction_static"] = float(value)
-                elif flag in ints:
-                    got[ints[flag]] = int(value)
-            except ValueError:
-                raise ConfigError(f"rollout.server_args[{i}]", arg,
-                                  f"{flag} takes a number, not {value!r}") from None
-            if flag == "--kv-cache-dtype":
+            if flag == "--mem-fraction-static":
+                got["mem_fraction_static"] = server_arg_number(i, arg, flag, value, float)
+            elif flag in ints:
+                got[ints[flag]] = server_arg_number(i, arg, flag, value)
+            elif flag == "--kv-cache-dtype":
                 got["kv_cache_dtype"] = value
             elif flag == "--moe-a2a-backend":
                 got["deepep"] = value == "deepep"
@@ -180,18 +175,16 @@ def kv_pool(*, dims: Any, tp: int, attn_dp: int, num_engines: int, engine_dtype:
     args = EngineMemoryArgs.from_server_args(server_args)
     gpu_mib = gpu_bytes / MIB
     fraction, reserved = mem_fraction_static(gpu_mib, tp, attn_dp, dims.mla is not None, args)
-    element = DTYPE_BYTES.get(engine_dtype, 2) if args.kv_cache_dtype == "auto" else \
+    element = DTYPE_BYTES[engine_dtype] if args.kv_cache_dtype == "auto" else \
         KV_DTYPE_BYTES.get(args.kv_cache_dtype)
+    unmodelled = [*args.unmodelled, *([] if element else [f"--kv-cache-dtype {args.kv_cache_dtype}"])]
     sample_tokens = prompt + max_new_tokens
     out: dict[str, Any] = {
         "mem_fraction_static": fraction, "from_server_args": args.mem_fraction_static is not None,
-        "reserved_bytes": reserved * MIB, "unmodelled": list(args.unmodelled), "sample_tokens": sample_tokens,
-        "samples_per_scheduler": math.ceil(samples / (num_engines * attn_dp)), "modelled": True, "fits": True}
-    if element is None:
-        args = EngineMemoryArgs(unmodelled=(*args.unmodelled, f"--kv-cache-dtype {args.kv_cache_dtype}"))
-        out["unmodelled"] = list(args.unmodelled)
-    if args.unmodelled:
-        out["modelled"] = False
+        "reserved_bytes": reserved * MIB, "unmodelled": unmodelled, "sample_tokens": sample_tokens,
+        "samples_per_scheduler": math.ceil(samples / (num_engines * attn_dp)), "modelled": not unmodelled,
+        "fits": True}
+    if unmodelled:
         return out
     cell = kv_cell_bytes(dims, tp // attn_dp, element)
     pool_bytes = int(gpu_bytes * fraction - weights_bytes)

@@ -91,10 +91,11 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     from hpcrl.config import load_job
+    from hpcrl.config.schema import rollout_ranks
 
     job = load_job(args.job, args.overrides)
     print(f"{args.job}: OK ({job.world_size} ranks: 1 controller, {job.trainer.num_procs} trainer, "
-          f"{job.rollout.num_engines} rollout)")
+          f"{rollout_ranks(job)} rollout)")
     return 0
 
 
@@ -119,6 +120,7 @@ def _slurm_errors():
 
 def _render(args: argparse.Namespace) -> int:
     from hpcrl.config import load_job
+    from hpcrl.config.schema import rollout_ranks
     from hpcrl.runner import resolve_run_dir
     from launch.slurm_submit import plan_submission
 
@@ -137,6 +139,7 @@ def _render(args: argparse.Namespace) -> int:
 
 def _submit(args: argparse.Namespace) -> int:
     from hpcrl.config import load_job
+    from hpcrl.config.schema import rollout_ranks
     from hpcrl.jobs import plan_slurm, start_slurm
     from hpcrl.runner import resolve_run_dir
 
@@ -186,6 +189,7 @@ def _submit_sweep(args: argparse.Namespace) -> int:
     import json
 
     from hpcrl.config import load_job
+    from hpcrl.config.schema import rollout_ranks
     from hpcrl.jobs import Executor, Submission, sweep_dir_name, sweep_points
     from hpcrl.runner import resolve_run_dir
 

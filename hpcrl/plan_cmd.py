@@ -102,6 +102,7 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
         t["total_bytes_per_gpu"] += t["sync_buffer_bytes_per_gpu"]  # at most: the largest share on the fullest GPU
         t["fits"] = t["total_bytes_per_gpu"] <= gpu_bytes
     weights = report["rollout"]["weights_bytes_per_gpu"]
+    report["rollout"]["nodes_per_engine"] = job.rollout.nodes_per_engine
     report["rollout"]["kv_cache"] = kv = kv_cache_report(job, rollout, weights, gpu_bytes, prompt)
     if kv is not None and not kv["fits"]:
         report["rollout"]["fits"] = False
@@ -247,6 +248,9 @@ def render(report: dict[str, Any]) -> str:
     lines = render_text(report, first_route=ws["route"], weight_sync_note=note).split("\n")
     at = next(i for i, line in enumerate(lines) if line.startswith("  per GPU        weights ")) + 1
     lines.insert(at, kv_cache_line(report["rollout"]))
+    nodes = report["rollout"].get("nodes_per_engine", 1)
+    if nodes > 1:  # the line before the weights is the layout's
+        lines[at - 2] += f", each engine over {nodes} nodes (rollout.nodes_per_engine)"
     return f"job              {report['job']}\n" + "\n".join(lines) + "\n" + "\n".join(extra)
 
 

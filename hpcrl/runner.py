@@ -20,7 +20,7 @@ from hpcrl import cpu_bind
 from hpcrl.checkpoint_owner import check_not_in_use, check_own_checkpoint
 from hpcrl.config import load_job, to_dict
 from hpcrl.config.errors import ConfigError
-from hpcrl.config.schema import JobConfig
+from hpcrl.config.schema import JobConfig, rollout_ranks
 from hpcrl.models.presets import load_hf_config
 from launch.checkpoint_step import RUN_ID_FILE, checkpoint_dir, run_id
 from launch.result import EXIT_INTERRUPTED
@@ -270,7 +270,7 @@ def _run_locked(job: JobConfig, run_dir: Path, resume: str, lock: int) -> int:
 
     prepare_run_dir(job, run_dir)
     print(f"hpcrl run: {job.name}: {job.world_size} ranks (1 controller, {job.trainer.num_procs} trainer, "
-          f"{job.rollout.num_engines} rollout), run dir {run_dir}", flush=True)
+          f"{rollout_ranks(job)} rollout), run dir {run_dir}", flush=True)
     env = dict(os.environ)
     # One compute thread per rank by default: ranks take turns on the cores, and idle OpenMP
     # threads spin-waiting would steal them from the rank that works (measured: 25x slower steps).

@@ -75,8 +75,11 @@ def serve(world, handlers: dict[str, Callable[[Any], Any]], idle_timeout_s: floa
                 result = handlers[cmd.op](cmd)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the controller
             from checkpoints.errors import CheckpointError
+            from hpcrl.rollout.engine_watch import EngineDied
 
-            brief = isinstance(exc, CheckpointError)  # names its file and step: the traceback stays in the log
+            # each names what failed (a file and step; an engine, its rank and log): the traceback
+            # stays in the log
+            brief = isinstance(exc, (CheckpointError, EngineDied))
             if brief:
                 traceback.print_exc()
             chan.reply_error(cmd, exc, brief=brief)

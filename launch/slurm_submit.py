@@ -145,7 +145,8 @@ def job_spec(job: Any, run_dir: Path, partition: str, resume: str = "auto", expo
                          "for --gpus-per-node), e.g. 8")
     each = {"gpus": res.gpus_per_node if res.device == "cuda" else 0, "cpus": res.cpus_per_rank,
             "mem_gb": None if s.mem_gb < 0 else s.mem_gb}
-    trainers, rollouts = _plural(t.num_procs, "trainer rank"), _plural(r.num_engines, "rollout rank")
+    num_rollout = r.num_engines * r.nodes_per_engine  # a rank per engine node
+    trainers, rollouts = _plural(t.num_procs, "trainer rank"), _plural(num_rollout, "rollout rank")
     warnings = []
     if res.rollout_nodes > 0:
         roles = (f"controller + {trainers}", rollouts)
@@ -158,8 +159,10 @@ def job_spec(job: Any, run_dir: Path, partition: str, resume: str = "auto", expo
         components = (
             _component("resources.nodes", res.nodes, 1 + t.num_procs, roles[0], **each,
                        extra=s.extra_sbatch_options),
-            _component("resources.rollout_nodes", res.rollout_nodes, r.num_engines,
-                       f"rollout.num_engines={r.num_engines}", **each, extra=s.rollout_extra_sbatch_options))
+            _component("resources.rollout_nodes", res.rollout_nodes, num_rollout,
+                       f"rollout.num_engines={r.num_engines}" + (
+                           f" x nodes_per_engine={r.nodes_per_engine}" if r.nodes_per_engine > 1 else ""),
+                       **each, extra=s.rollout_extra_sbatch_options))
     else:
         roles = (f"controller + {trainers} + {rollouts}",)
         components = (_component("resources.nodes", res.nodes, job.world_size, roles[0], **each,

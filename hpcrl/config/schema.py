@@ -283,6 +283,11 @@ class RolloutConfig:
     """Rollout engines (servers); each holds a full copy of the policy, one MPI rank each."""
     tp_per_engine: int = 1
     """Tensor parallel size inside one engine (sglang only; the reference engine needs 1)."""
+    nodes_per_engine: int = 1
+    """Nodes one engine spans (SGLang's --nnodes): an engine too large for one node (DeepSeek-V3 in
+    bf16) runs as one rollout rank per node, the first serving HTTP, the others SGLang's followers
+    (--node-rank, --dist-init-addr); tp_per_engine / nodes_per_engine GPUs on each. The broadcast
+    weight route only; the reference engine computes on its first node (docs/sglang.md)."""
     ep: int = 1
     """Expert parallel size inside one engine (SGLang --ep-size, which hpcrl passes); divides
     tp_per_engine and the experts. SGLang engines on the broadcast route."""
@@ -526,8 +531,13 @@ class JobConfig:
 
     @property
     def world_size(self) -> int:
-        """Ranks of the MPI world: controller + trainer ranks + one rank per rollout engine."""
-        return 1 + self.trainer.num_procs + self.rollout.num_engines
+        """Ranks of the MPI world: controller + trainer ranks + one rollout rank per engine node."""
+        return 1 + self.trainer.num_procs + rollout_ranks(self)
+
+
+def rollout_ranks(job: JobConfig) -> int:
+    """Rollout ranks: one per node of every engine (rollout.num_engines x rollout.nodes_per_engine)."""
+    return job.rollout.num_engines * job.rollout.nodes_per_engine
 
 
 def engine_dtype(job: JobConfig) -> str:

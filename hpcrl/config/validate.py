@@ -132,6 +132,7 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("trainer.seed", lambda v: 0 <= v < 2**63, "in [0, 2**63)"),
     ("rollout.num_engines", lambda v: v >= 1, ">= 1"),
     ("rollout.tp_per_engine", lambda v: v >= 1, ">= 1"),
+    ("rollout.nodes_per_engine", lambda v: v >= 1, ">= 1 (1: an engine on one node)"),
     ("rollout.ep", lambda v: v >= 1, ">= 1"),
     ("rollout.dp_attention", lambda v: v >= 1, ">= 1"),
     ("rollout.temperature", lambda v: v >= SGLANG_GREEDY_BELOW,

@@ -59,7 +59,10 @@ SGLANG_LAYOUT_KEYS = {"--ep-size": "rollout.ep", "--ep": "rollout.ep", "--expert
                       "--attn-dp-size": "rollout.dp_attention",
                       "--attention-data-parallel-size": "rollout.dp_attention",
                       "--enable-dp-attention": "rollout.dp_attention",
-                      "--dp-size": _DP_OR_REPLICAS, "--data-parallel-size": _DP_OR_REPLICAS}
+                      "--dp-size": _DP_OR_REPLICAS, "--data-parallel-size": _DP_OR_REPLICAS,
+                      "--nnodes": "rollout.nodes_per_engine", "--node-rank": "rollout.nodes_per_engine",
+                      "--dist-init-addr": "rollout.nodes_per_engine",
+                      "--nccl-init-addr": "rollout.nodes_per_engine"}
 """SGLang 0.5.23's spellings of an engine's inner layout, which the job's keys set (the plan and the
 GPU placement read them): refused in rollout.server_args, naming the key."""
 SGLANG_OWNED_FLAGS = ("--model-path", "--model", "--host", "--port", "--tp-size", "--tensor-parallel-size",
@@ -71,22 +74,54 @@ sglang_command; the keys through its --config file); tests/conformance/test_laun
 against SGLang's parser."""
 
 
+def check_engine_nodes(job: JobConfig) -> None:
+    """rollout.nodes_per_engine: SGLang splits an engine's TP ranks evenly over its nodes (0.5.23's
+    check_server_args: tp_size divisible by nnodes); the engines take the broadcast route (the shard
+    loader has not run across nodes); on GPUs under Slurm every engine node is a rollout node of its
+    own, which `hpcrl submit` gives each of the engine's ranks in turn."""
+    from hpcrl.config.schema import rollout_ranks, weight_sync_mode
+
+    r, res = job.rollout, job.resources
+    n = r.nodes_per_engine
+    if n == 1:
+        return
+    if r.backend == "reference" and res.device != "cpu":
+        raise ConfigError("rollout.nodes_per_engine", n,
+                          "the reference engine computes on its first node alone (its other nodes only take "
+                          "part in start and stop, to try the launch on CPU): use 1 with resources.device="
+                          f"{res.device}, or rollout.backend: sglang")
+    if r.backend == "sglang" and r.tp_per_engine % n:
+        raise ConfigError("rollout.nodes_per_engine", n,
+                          f"SGLang splits an engine's rollout.tp_per_engine={r.tp_per_engine} GPUs evenly "
+                          f"over its nodes: use a divisor of tp_per_engine (e.g. tp_per_engine / GPUs per node)")
+    if r.backend == "sglang" and weight_sync_mode(job) == "shard":
+        raise ConfigError("rollout.weight_sync", r.weight_sync,
+                          f"rollout.nodes_per_engine={n}: hpcrl's shard loader has not been run on an engine "
+                          "over several nodes; use rollout.weight_sync: broadcast")
+    if res.device == "cuda" and res.gpus_per_node > 0 and res.rollout_nodes != rollout_ranks(job):
+        raise ConfigError("resources.rollout_nodes", res.rollout_nodes,
+                          f"an engine over rollout.nodes_per_engine={n} nodes takes whole rollout nodes, one "
+                          "per rank: set rollout_nodes = num_engines x nodes_per_engine = "
+                          f"{rollout_ranks(job)}")
+
+
 def check_rollout_layout(job: JobConfig) -> None:
     """Where and how the engines run. With device cuda and resources.gpus_per_node set, every node's
     ranks fit its GPUs as `hpcrl submit` places them (hpcrl/rollout/placement.py; a run checks again
     at start against the GPUs it sees). `rollout.env_setup` lines are single lines. For backend
     sglang: `rollout.server_args` leaves the flags hpcrl writes alone, and `rollout.python`, when it
     is a path and no env_setup runs first, exists here and imports sglang."""
-    from hpcrl.rollout.placement import PlacementError, node_plan, slurm_node_roles
+    from hpcrl.rollout.placement import PlacementError, engine_node_gpus, node_plan, slurm_node_roles
 
     r, res = job.rollout, job.resources
+    check_engine_nodes(job)
     if res.device == "cuda" and res.gpus_per_node > 0:
         for i, (key, ranks) in enumerate(slurm_node_roles(job)):
             try:
-                node_plan(ranks, r.tp_per_engine, res.gpus_per_node, res.share_gpus,
+                node_plan(ranks, engine_node_gpus(job), res.gpus_per_node, res.share_gpus,
                           where=f"node {i} ({key}, resources.gpus_per_node={res.gpus_per_node})")
             except PlacementError as exc:
-                bad = ("rollout.tp_per_engine" if "an engine runs on one node" in str(exc)
+                bad = ("rollout.nodes_per_engine" if "an engine runs on one node" in str(exc)
                        else "resources.gpus_per_node")
                 raise ConfigError(bad, job_field(job, bad), str(exc)) from None
     for i, line in enumerate(r.env_setup):

@@ -288,7 +288,7 @@ class PolicyGroup:
 
 
 class RolloutGroup:
-    """One rank per generation engine; prompts are split evenly across engines.
+    """One rank per generation engine node; prompts are split evenly across engines.
 
     The ranks launch and stop the engines. Generation goes from the controller straight to the
     engines over SGLang's HTTP API, all engines at once (`start` writes each request before
@@ -296,10 +296,14 @@ class RolloutGroup:
     step. A failed request is reported as a RankFailure naming the engine's rollout rank. Each step
     also posts a heartbeat to the ranks, collected at the next step, so a rollout rank that died is
     named even if its engine still answers, and idle ranks keep hearing from the controller.
+    An engine over `nodes_per_engine` nodes has as many consecutive ranks; the first (`leaders`)
+    serves its HTTP API, the others start and watch its follower nodes and answer heartbeats.
     """
 
-    def __init__(self, world: World, timeout_s: float, routes: RouteFormat | None = None) -> None:
+    def __init__(self, world: World, timeout_s: float, routes: RouteFormat | None = None,
+                 nodes_per_engine: int = 1) -> None:
         self.group = RoleGroup(world, "rollout")
+        self.leaders = self.group.ranks[::nodes_per_engine]  # engine i's node 0 rank
         self.timeout_s = timeout_s
         self.routes = routes  # ask the engines for their MoE routes (rollout.routing_replay)
         self.engines: list[EngineClient] = []
@@ -307,7 +311,7 @@ class RolloutGroup:
 
     def async_init(self, startup_timeout_s: float) -> _Handle:
         def connect(replies: dict[int, object]) -> list[str]:
-            urls = [replies[r] for r in sorted(replies)]
+            urls = [replies[r] for r in self.leaders]
             self.engines = [EngineClient(url, timeout_s=self.timeout_s) for url in urls]
             return urls
 
@@ -355,7 +359,7 @@ class RolloutGroup:
         """Write every engine's request (all before any answer is read); `collect` reads them."""
         self._beat(step)
         pending = []
-        for rank, engine, body in zip(self.group.ranks, self.engines, request.bodies):
+        for rank, engine, body in zip(self.leaders, self.engines, request.bodies):
             if body is not None:
                 with self._engine_of(rank, step):
                     pending.append((rank, engine.start("POST", "/generate", body)))
@@ -402,7 +406,7 @@ class RolloutGroup:
         except EngineError as exc:
             world = self.group.world
             who = world.ranks[rank].describe()
-            log = f"RUN_DIR/logs/engine{self.group.ranks.index(rank)}.log"
+            log = f"RUN_DIR/logs/engine{self.leaders.index(rank)}.log"
             if world.gone([rank]):
                 raise RankFailure(f"{who} exited during phase '{phase}' of step {step}; its engine at "
                                   f"{exc.url} is gone with it (see its log in RUN_DIR/logs/)") from None

@@ -54,7 +54,8 @@ class Session:
         self.job, self.run_dir, self.world = job, run_dir, world
         res = job.resources
         self.policy = PolicyGroup(world, res.timeout_s)
-        self.rollouts = RolloutGroup(world, res.timeout_s, route_format(job, run_dir))
+        self.rollouts = RolloutGroup(world, res.timeout_s, route_format(job, run_dir),
+                                     job.rollout.nodes_per_engine)
         self.tokenizer = load_tokenizer(job)
         self.prompts = prompt_format(job, self.tokenizer, *prompt_limit(job))
         self.sampler = build_sampler(job, self.prompts)

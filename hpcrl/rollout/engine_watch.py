@@ -4,7 +4,8 @@ When an engine process dies mid-run (OOM killer, `kill -9`, a crash in SGLang's 
 first error the controller sees is usually a consequence: a trainer rank's broadcast failing with
 gloo's "Connection closed by peer", or a /generate request cut off. The rollout rank that launched
 the engine knows better, at once: `EngineRecord` is written by it to RUN_DIR/logs/engine<i>.json
-when the engine starts ({engine, rank, host, rank_pid, pid, url, log}) and, by a watcher thread that
+(engine<i>-node<n>.json for the node n > 0 of an engine over several, rollout.nodes_per_engine)
+when the engine starts ({engine, node, rank, host, rank_pid, pid, url, log}) and, by a watcher thread that
 waits on the process, again with {"exit": {"code" | "signal"}} the moment it dies unasked.
 
 `dead_engines_first(run_dir, message)` is the controller's side: before it reports a failure it
@@ -24,11 +25,30 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-__all__ = ["EngineRecord", "dead_engines_first", "record_path"]
+__all__ = ["EngineDied", "EngineRecord", "dead_engines_first", "engine_log_name", "engine_name",
+           "record_path"]
 
 
-def record_path(run_dir: str | Path, engine: int) -> Path:
-    return Path(run_dir) / "logs" / f"engine{engine}.json"
+class EngineDied(RuntimeError):
+    """A rollout rank's heartbeat: its engine (node) died unasked; the message is `describe`'s."""
+
+
+def _stem(engine: int, node: int) -> str:
+    """engine<i>, and for the node n > 0 of an engine over several nodes engine<i>-node<n>."""
+    return f"engine{engine}" + (f"-node{node}" if node else "")
+
+
+def engine_name(engine: int, node: int = 0) -> str:
+    """'engine 3', or 'engine 3 node 1' for a follower node (rollout.nodes_per_engine)."""
+    return f"engine {engine}" + (f" node {node}" if node else "")
+
+
+def engine_log_name(engine: int, node: int = 0) -> str:
+    return _stem(engine, node) + ".log"
+
+
+def record_path(run_dir: str | Path, engine: int, node: int = 0) -> Path:
+    return Path(run_dir) / "logs" / (_stem(engine, node) + ".json")
 
 
 class EngineRecord:
@@ -38,14 +58,14 @@ class EngineRecord:
     """
 
     def __init__(self, run_dir: str | Path, engine: int, rank: int, host: str, proc: subprocess.Popen,
-                 url: str) -> None:
-        self.path = record_path(run_dir, engine)
+                 url: str, node: int = 0) -> None:
+        self.path = record_path(run_dir, engine, node)
         self.proc = proc
         self.stopping = False
-        self.data = {"engine": engine, "rank": rank, "host": host, "rank_pid": os.getpid(), "pid": proc.pid,
-                     "url": url, "log": f"RUN_DIR/logs/engine{engine}.log"}
+        self.data = {"engine": engine, "node": node, "rank": rank, "host": host, "rank_pid": os.getpid(),
+                     "pid": proc.pid, "url": url, "log": f"RUN_DIR/logs/{engine_log_name(engine, node)}"}
         self._write()
-        threading.Thread(target=self._watch, name=f"engine{engine}-watch", daemon=True).start()
+        threading.Thread(target=self._watch, name=f"{_stem(engine, node)}-watch", daemon=True).start()
 
     def _write(self) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
@@ -54,7 +74,9 @@ class EngineRecord:
 
     def _watch(self) -> None:
         code = self.proc.wait()
-        if self.stopping:
+        # a follower node exits 0 when its node 0 stops it, which the shutdown of node 0's rank may
+        # do before this rank's own shutdown; a node 0 that stops unasked has a record of its own
+        if self.stopping or (code == 0 and self.data["node"] > 0):
             return
         self.data["exit"] = {"signal": signal.Signals(-code).name} if code < 0 else {"code": code}
         self.data["exit"]["at"] = time.strftime("%H:%M:%S")
@@ -69,10 +91,12 @@ class EngineRecord:
 
 
 def describe(record: dict) -> str:
-    """'engine 0 (rollout rank 2, host h) died at 12:00:01: killed by signal SIGKILL (pid 123); ...'."""
+    """'engine 0 (rollout rank 2, host h) died at 12:00:01: killed by signal SIGKILL (pid 123); ...'
+    ('engine 0 node 1 (...' for a follower node of an engine over several)."""
     ex = record["exit"]
     how = f"killed by signal {ex['signal']}" if "signal" in ex else f"exited with code {ex['code']}"
-    return (f"engine {record['engine']} (rollout rank {record['rank']}, host {record['host']}) died at "
+    who = engine_name(record["engine"], record.get("node", 0))
+    return (f"{who} (rollout rank {record['rank']}, host {record['host']}) died at "
             f"{ex.get('at', '?')}: {how} (pid {record['pid']}, {record['url']}); see {record['log']}")
 
 
@@ -112,7 +136,11 @@ def _records(run_dir: Path) -> list[dict]:
                 out.append(json.loads(p.read_text()))
         except (OSError, ValueError):
             continue
-    return sorted(out, key=lambda r: r.get("engine", 0))
+    return sorted(out, key=_key)
+
+
+def _key(record: dict) -> tuple[int, int]:
+    return record.get("engine", 0), record.get("node", 0)
 
 
 def dead_engines_first(run_dir: str | Path, message: str, wait_s: float = 5.0) -> str:
@@ -127,22 +155,24 @@ def dead_engines_first(run_dir: str | Path, message: str, wait_s: float = 5.0) -
     if not (run_dir / "logs").is_dir():
         return message
     records = _records(run_dir)
-    silent = [r["engine"] for r in records
+    silent = [_key(r) for r in records
               if "exit" not in r and not _reachable(r["url"]) and not _rank_gone(r)]
     end = time.monotonic() + wait_s
     while silent and time.monotonic() < end:
         time.sleep(0.1)
         records = _records(run_dir)
-        silent = [e for e in silent if not any(r["engine"] == e and "exit" in r for r in records)]
-    dead = [d for d in (describe(r) for r in records if "exit" in r) if d not in message]
+        silent = [e for e in silent if not any(_key(r) == e and "exit" in r for r in records)]
+    deaths = [describe(r) for r in records if "exit" in r]
+    dead = [d for d in deaths if d not in message]
     # a rollout rank killed with its engine leaves no record; the message may name only what the
     # loss caused (the weight push's refused connection)
-    dead += [f"rollout rank {r['rank']} (host {r['host']}, pid {r['rank_pid']}) is gone, and its engine "
-             f"{r['engine']} ({r['url']}) with it" for r in records
+    dead += [f"rollout rank {r['rank']} (host {r['host']}, pid {r['rank_pid']}) is gone, and its "
+             f"{engine_name(r['engine'], r.get('node', 0))} ({r['url']}) with it" for r in records
              if "exit" not in r and _rank_gone(r) and f"rank {r['rank']} " not in message]
-    if not dead:  # none, or the message is already a death (a rollout rank's heartbeat reports it)
-        return message
     head, _, rest = message.partition(": ")
+    if not dead:  # none, or the message is a death already: a rollout rank's heartbeat reported it
+        named = [d for d in deaths if d in rest]  # the death alone (it names the rank), not who reported it
+        return f"{head}: " + "; ".join(named) if named and not rest.startswith(named[0]) else message
     return (f"{head}: " if rest else "") + "; ".join(dead) + f"\n  then: {_gist(rest or head)}"
 
 

@@ -1,7 +1,8 @@
 """GPU placement: which GPUs of its node each rank's process uses (resources.device: cuda).
 
 Per node, the ranks that run there take GPUs in world-rank order: the controller none, a trainer
-rank one, a rollout rank `rollout.tp_per_engine` consecutive ones (its engine's TP ranks). Indices
+rank one, a rollout rank `rollout.tp_per_engine / rollout.nodes_per_engine` consecutive ones (its
+engine's TP ranks on that node: all of them for an engine of one node). Indices
 are into the GPUs the process sees (CUDA_VISIBLE_DEVICES order, which Slurm sets per step from the
 job's `--gpus-per-node`), and every process keeps seeing the whole node so that NCCL between
 trainer and engine GPUs of one node can use NVLink. The engine is pointed at its first GPU:
@@ -32,8 +33,11 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["PlacementError", "gpus_needed", "node_plan", "rank_gpus", "set_shared_gpu_host", "sglang_gpu_args",
-           "share_gpu_host_id", "slurm_node_roles", "visible_gpu_count"]
+from hpcrl.config.schema import rollout_ranks
+
+__all__ = ["PlacementError", "check_engine_hosts", "engine_node_gpus", "gpus_needed", "node_plan",
+           "rank_gpus", "set_shared_gpu_host", "sglang_gpu_args", "share_gpu_host_id", "slurm_node_roles",
+           "visible_gpu_count"]
 
 FIX = ("use fewer trainer.num_procs / rollout.num_engines / rollout.tp_per_engine per node, more "
        "resources.nodes / resources.rollout_nodes, or set resources.share_gpus: true to let ranks share GPUs")
@@ -61,36 +65,45 @@ def set_shared_gpu_host(job: Any, tag: str, env: dict[str, str] | None = None) -
     return True
 
 
-def gpus_needed(role: str, tp_per_engine: int) -> int:
-    """GPUs one rank of `role` uses: controller 0, trainer 1, rollout `tp_per_engine`."""
-    return {"controller": 0, "trainer": 1, "rollout": tp_per_engine}[role]
+def engine_node_gpus(job: Any) -> int:
+    """GPUs of one rollout rank: its engine's TP ranks on its node (tp_per_engine / nodes_per_engine)."""
+    return job.rollout.tp_per_engine // job.rollout.nodes_per_engine
 
 
-def node_plan(ranks: Sequence[tuple[int, str]], tp_per_engine: int, num_gpus: int, share: bool = False,
+def gpus_needed(role: str, engine_gpus: int) -> int:
+    """GPUs one rank of `role` uses: controller 0, trainer 1, rollout `engine_gpus` (engine_node_gpus)."""
+    return {"controller": 0, "trainer": 1, "rollout": engine_gpus}[role]
+
+
+def node_plan(ranks: Sequence[tuple[int, str]], engine_gpus: int, num_gpus: int, share: bool = False,
               where: str = "this node") -> dict[int, tuple[int, ...]]:
-    """GPU indices of every rank of one node, `ranks` being (world rank, role) of the ranks there.
+    """GPU indices of every rank of one node, `ranks` being (world rank, role) of the ranks there,
+    a rollout rank taking `engine_gpus` (engine_node_gpus).
 
     Without `share`, GPUs are given out in world-rank order and no two ranks get the same GPU;
     raises PlacementError if the node has fewer than the ranks need. With `share`, they are dealt
     round robin (an engine's block restarts at GPU 0 rather than wrap); an engine still needs
-    `tp_per_engine <= num_gpus` distinct GPUs.
+    `engine_gpus <= num_gpus` distinct GPUs.
     """
     ordered = sorted(ranks)
-    need = sum(gpus_needed(role, tp_per_engine) for _, role in ordered)
+    need = sum(gpus_needed(role, engine_gpus) for _, role in ordered)
     if need and num_gpus < 1:
         raise PlacementError(f"{where} has no GPU but its ranks need {need} (resources.device: cuda); run "
                              "where GPUs are visible (CUDA_VISIBLE_DEVICES), or use resources.device: cpu")
     if need > num_gpus and not share:
-        roles = ", ".join(f"rank {r} ({role}: {gpus_needed(role, tp_per_engine)})" for r, role in ordered)
+        roles = ", ".join(f"rank {r} ({role}: {gpus_needed(role, engine_gpus)})" for r, role in ordered)
         raise PlacementError(f"{where} has {num_gpus} GPU(s) but its ranks need {need} (one per trainer "
-                             f"rank, rollout.tp_per_engine={tp_per_engine} per engine): {roles}; {FIX}")
-    if tp_per_engine > num_gpus and any(role == "rollout" for _, role in ordered):
-        raise PlacementError(f"rollout.tp_per_engine={tp_per_engine} is more than the {num_gpus} GPU(s) of "
-                             f"{where}; an engine runs on one node: use tp_per_engine <= {num_gpus}")
+                             f"rank, {engine_gpus} per rollout rank: rollout.tp_per_engine / "
+                             f"nodes_per_engine): {roles}; {FIX}")
+    if engine_gpus > num_gpus and any(role == "rollout" for _, role in ordered):
+        raise PlacementError(f"an engine node's {engine_gpus} GPUs (rollout.tp_per_engine / "
+                             f"nodes_per_engine) are more than the {num_gpus} of {where}; an engine runs on "
+                             "one node unless rollout.nodes_per_engine spreads it: use tp_per_engine / "
+                             f"nodes_per_engine <= {num_gpus}")
     out: dict[int, tuple[int, ...]] = {}
     cursor = 0
     for rank, role in ordered:
-        n = gpus_needed(role, tp_per_engine)
+        n = gpus_needed(role, engine_gpus)
         if n and cursor + n > num_gpus:
             cursor = 0  # only reached with share: start over at GPU 0
         out[rank] = tuple(range(cursor, cursor + n))
@@ -115,7 +128,7 @@ def rank_gpus(world: Any, job: Any, env: Mapping[str, str] | None = None,
     (its rank table names every rank's role and host), `job` the JobConfig. Raises PlacementError
     when this rank's node cannot hold its ranks' GPUs."""
     env = os.environ if env is None else env
-    tp, share = job.rollout.tp_per_engine, job.resources.share_gpus
+    tp, share = engine_node_gpus(job), job.resources.share_gpus
     num_visible = visible_gpu_count(env) if num_visible is None else num_visible
     me = world.ranks[world.rank]
     need = gpus_needed(me.role, tp)
@@ -127,6 +140,23 @@ def rank_gpus(world: Any, job: Any, env: Mapping[str, str] | None = None,
         return tuple(range(need))
     mates = [(r.rank, r.role) for r in world.ranks if r.host == me.host]
     return node_plan(mates, tp, num_visible, share, where=f"node {me.host}")[me.rank]
+
+
+def check_engine_hosts(world: Any, job: Any) -> None:
+    """SGLang engines over rollout.nodes_per_engine nodes: each engine's ranks (consecutive rollout
+    ranks) on as many hosts, as SGLang starts one node's TP ranks per host (on one host two of its
+    nodes would take the same ports). Every rollout rank checks every engine, so all fail alike."""
+    n = job.rollout.nodes_per_engine
+    if n == 1 or job.rollout.backend != "sglang":
+        return
+    ranks = world.ranks_of("rollout")
+    for e in range(len(ranks) // n):
+        hosts = [world.ranks[r].host for r in ranks[e * n:(e + 1) * n]]
+        if len(set(hosts)) < n:
+            raise PlacementError(f"engine {e} spans rollout.nodes_per_engine={n} nodes but its rollout ranks "
+                                 f"{ranks[e * n:(e + 1) * n]} run on hosts {hosts}: give every engine node a "
+                                 "host of its own (resources.rollout_nodes = num_engines x "
+                                 "nodes_per_engine)")
 
 
 def sglang_gpu_args(gpus: Sequence[int]) -> list[str]:
@@ -146,8 +176,8 @@ def slurm_node_roles(job: Any) -> list[tuple[str, list[tuple[int, str]]]]:
     evenly over its nodes in order, the first (ranks % nodes) nodes taking one more (Slurm's block
     layout under launch/slurm_submit.py's --ntasks-per-node=ceil plus --ntasks: 9 on 2 nodes 5 + 4,
     7 on 3 nodes 3 + 2 + 2). A run places by the rank table it actually gets, whatever Slurm did."""
-    res, num_trainer, num_engines = job.resources, job.trainer.num_procs, job.rollout.num_engines
-    roles = ["controller"] + ["trainer"] * num_trainer + ["rollout"] * num_engines
+    res, num_trainer = job.resources, job.trainer.num_procs
+    roles = ["controller"] + ["trainer"] * num_trainer + ["rollout"] * rollout_ranks(job)
     if res.rollout_nodes > 0:
         components = [("resources.nodes", res.nodes, list(range(1 + num_trainer))),
                       ("resources.rollout_nodes", res.rollout_nodes,

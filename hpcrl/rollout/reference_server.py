@@ -4,6 +4,11 @@
     python -m hpcrl.rollout.reference_server --model-config config.json --host 127.0.0.1 --port 30000 \
         [--model-path DIR] [--device cpu] [--dtype float32] [--seed 0] [--tokenizer char|none] [--threads 1]
         [--config engine_keys.yaml] [--api-key KEY] [--admin-api-key KEY] [--enable-return-routed-experts]
+        [--nnodes N --node-rank R --dist-init-addr HOST:PORT]
+
+With --nnodes > 1 the engine spans nodes as SGLang's does: node 0 serves every route once each other
+node has joined its rendezvous; nodes 1.. serve the health routes only, and stop with node 0
+(hpcrl/rollout/reference_nodes.py).
 
 With --model-path (a HF model directory, as SGLang's --model-path) the engine starts from its weights;
 without it from random weights drawn from --seed (SGLang's --load-format dummy).
@@ -421,7 +426,9 @@ class ReferenceServer(WeightRoutes):
         a = self.args
         return {"model_path": self.model_path, "host": a.host, "port": a.port, "device": a.device,
                 "dtype": a.dtype, "api_key": self.api_key, "admin_api_key": self.admin_api_key,
-                "random_seed": a.seed, "tp_size": 1, "dp_size": 1, "weight_version": self.weight_version,
+                "random_seed": a.seed, "tp_size": 1, "dp_size": 1, "nnodes": getattr(a, "nnodes", 1),
+                "node_rank": 0,
+                "dist_init_addr": getattr(a, "dist_init_addr", None), "weight_version": self.weight_version,
                 "enable_return_routed_experts": bool(getattr(a, "enable_return_routed_experts", False)),
                 "enable_fp32_lm_head": bool(getattr(a, "enable_fp32_lm_head", False)),
                 "context_length": getattr(a, "context_length", None),
@@ -692,8 +699,22 @@ def main(argv: list[str] | None = None) -> None:
                         help="the longest request, prompt and output, instead of the model's "
                              "max_position_embeddings (SGLang's flag; longer only with "
                              "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1)")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes of the engine (SGLang's flag)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank in the engine (SGLang's)")
+    parser.add_argument("--dist-init-addr", default=None,
+                        help="HOST:PORT of node 0's rendezvous, with --nnodes > 1 (SGLang's flag; "
+                             "hpcrl/rollout/reference_nodes.py)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(_with_config(argv))
+    if args.nnodes > 1 or args.node_rank:
+        if not 0 <= args.node_rank < args.nnodes or args.dist_init_addr is None:
+            raise SystemExit(f"--nnodes {args.nnodes} --node-rank {args.node_rank}: give 0 <= node-rank < "
+                             "nnodes and --dist-init-addr HOST:PORT (node 0's rendezvous)")
+        if args.node_rank:
+            from hpcrl.rollout.reference_nodes import follow
+
+            os._exit(follow(args.dist_init_addr, args.nnodes, args.node_rank, args.host, args.port,
+                            args.port_file, args.dist_timeout_s))
     if args.threads:
         torch.set_num_threads(args.threads)
     hf_config = json.loads(Path(args.model_config).read_text())
@@ -718,6 +739,11 @@ def main(argv: list[str] | None = None) -> None:
         from hpcrl.tasks.tokenizer import CharTokenizer
 
         tokenizer = CharTokenizer()
+    nodes = None
+    if args.nnodes > 1:  # every node joins before node 0 serves, as SGLang's distributed init
+        from hpcrl.rollout.reference_nodes import Rendezvous
+
+        nodes = Rendezvous(args.dist_init_addr, args.nnodes, args.dist_timeout_s)
     app = ReferenceServer(engine, tokenizer, str(Path(args.model_config).resolve()), args)
     httpd = _HTTPServer((args.host, args.port), _Handler)
     httpd.app = app  # type: ignore[attr-defined]
@@ -742,6 +768,8 @@ def main(argv: list[str] | None = None) -> None:
     httpd.serve_forever(poll_interval=0.1)
     httpd.server_close()
     app.close()
+    if nodes is not None:
+        nodes.stop()
     print("reference server stopped", flush=True)
     sys.stdout.flush()
     os._exit(0)  # do not wait on daemon threads that may sit in a collective

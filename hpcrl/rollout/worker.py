@@ -1,6 +1,10 @@
 """A rollout rank: launches one generation engine server, keeps it alive and stops it. The controller
 sends prompts straight to the engine over SGLang's HTTP API (hpcrl/controller/groups.py); the rank
 answers one heartbeat per step, so a rollout rank that died is named even if its engine lives on.
+An engine over rollout.nodes_per_engine nodes has a rank per node (consecutive rollout ranks): each
+starts its node with SGLang's --nnodes / --node-rank / --dist-init-addr (`node_args`; node 0's rank
+picks the rendezvous, `engine_rendezvous`), and node 0's serves the HTTP API (docs/sglang.md,
+"Engines over several nodes").
 
 backend `reference`: hpcrl's reference engine (hpcrl.rollout.reference_server), CPU or GPU.
 backend `sglang`: a real SGLang 0.5.x server (`python -m sglang.launch_server`) started from
@@ -21,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from hpcrl import faults
@@ -28,8 +33,8 @@ from hpcrl.config.schema import JobConfig, engine_dtype, engine_routes, weight_s
 from hpcrl.cpu_bind import CpuPlan, bind_process, report_line
 from hpcrl.dist import free_port, routable_host
 from hpcrl.rollout.engine_auth import job_keys, keys_path
-from hpcrl.rollout.engine_watch import EngineRecord
-from hpcrl.rollout.placement import rank_gpus, sglang_gpu_args
+from hpcrl.rollout.engine_watch import EngineDied, EngineRecord, engine_log_name, engine_name
+from hpcrl.rollout.placement import check_engine_hosts, rank_gpus, sglang_gpu_args
 from launch.procs import die_with_parent, stop as stop_process
 
 
@@ -73,8 +78,29 @@ def engine_parallel_args(job: JobConfig) -> list[str]:
             *(["--attn-dp-size", str(r.dp_attention)] if r.dp_attention > 1 else [])]
 
 
+def node_args(job: JobConfig, node_rank: int, dist_init_addr: str | None) -> list[str]:
+    """An engine over rollout.nodes_per_engine nodes: SGLang's `--nnodes N --node-rank R
+    --dist-init-addr HOST:PORT` (node 0's rendezvous); nothing for an engine of one node."""
+    n = job.rollout.nodes_per_engine
+    if n == 1:
+        return []
+    assert dist_init_addr is not None
+    return ["--nnodes", str(n), "--node-rank", str(node_rank), "--dist-init-addr", dist_init_addr]
+
+
+def engine_rendezvous(world, engine_index: int, node_rank: int, host: str) -> str:
+    """HOST:PORT of the engine's node 0 rendezvous (SGLang's --dist-init-addr), chosen by its node 0
+    rank and sent to the engine's other ranks. Collective over the rollout ranks."""
+    comm = world.role_comm.Split(color=engine_index, key=node_rank)
+    try:
+        bracketed = f"[{host}]" if ":" in host else host
+        return comm.bcast(f"{bracketed}:{free_port(host)}" if node_rank == 0 else None, root=0)
+    finally:
+        comm.Free()
+
+
 def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
-                   gpus: tuple[int, ...] = ()) -> list[str]:
+                   gpus: tuple[int, ...] = (), nodes: Sequence[str] = ()) -> list[str]:
     """SGLang's launch command: `--model-path` is the job's model directory (its real weights) or,
     for a random-init model or an FP8 block-scaled model.path, RUN_DIR/engine_model holding only its
     config.json (without `quantization_config`) and `--load-format dummy`: the trainer's initial sync
@@ -87,7 +113,8 @@ def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
     (engine_auth.keys_path: --api-key/--admin-api-key off the command line);
     `--enable-deterministic-inference` makes SGLang honour each request's `sampling_seed`;
     rollout.ep and rollout.dp_attention become `--ep-size` and `--attn-dp-size`
-    (engine_parallel_args). With `rollout.weight_sync: shard`, `--custom-weight-loader` names hpcrl's loader
+    (engine_parallel_args); `nodes` are an engine's node flags (`node_args`). With
+    `rollout.weight_sync: shard`, `--custom-weight-loader` names hpcrl's loader
     (hpcrl/rollout/sglang_shard_loader.py; `engine_env` makes it importable)."""
     hf_config = json.loads((run_dir / "model_config.json").read_text())
     if job.model.path and "quantization_config" not in hf_config:
@@ -104,7 +131,7 @@ def sglang_command(job: JobConfig, run_dir: Path, host: str, port: int,
     python = job.rollout.python or sys.executable
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", host,
            "--port", str(port), "--tp-size", str(job.rollout.tp_per_engine), *engine_parallel_args(job),
-           *sglang_gpu_args(gpus), *load,
+           *nodes, *sglang_gpu_args(gpus), *load,
            "--skip-tokenizer-init", "--dtype", engine_dtype(job), "--config", str(keys_path(run_dir)),
            "--enable-deterministic-inference", *engine_server_args(job), *fp32_attention_args(job)]
     if weight_sync_mode(job) == "shard":
@@ -138,11 +165,11 @@ def engine_env(job: JobConfig, run_dir: Path, environ: dict[str, str] | None = N
 
 
 def _launch_sglang(job: JobConfig, run_dir: Path, host: str, port: int, log_path: Path,
-                   gpus: tuple[int, ...] = ()) -> subprocess.Popen:
+                   gpus: tuple[int, ...] = (), nodes: Sequence[str] = ()) -> subprocess.Popen:
     """Start SGLang on the job's model (see `sglang_command`, `engine_env`)."""
     from hpcrl.rollout.client import open_private_log
 
-    cmd = sglang_command(job, run_dir, host, port, gpus)
+    cmd = sglang_command(job, run_dir, host, port, gpus, nodes)
     with open_private_log(log_path) as log:  # SGLang logs its server args, the keys among them
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
                                 env=engine_env(job, run_dir))
@@ -165,7 +192,7 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world, plan: CpuPlan | None 
     once healthy; the rank itself moves onto the service cores after 'init' (hpcrl.worker_main)."""
     from hpcrl.rollout.client import EngineClient, launch_reference_server
 
-    engine_index = world.role_comm.Get_rank()
+    engine_index, node_rank = divmod(world.role_comm.Get_rank(), job.rollout.nodes_per_engine)
     state: dict = {}
 
     def init(cmd):
@@ -173,7 +200,10 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world, plan: CpuPlan | None 
         if fault is not None:                           # injects it (tests only, hpcrl/faults.py)
             os.environ["HPCRL_ENGINE_FAULT"] = fault
         host = routable_host() if job.resources.nodes + job.resources.rollout_nodes > 1 else "127.0.0.1"
-        log_path = run_dir / "logs" / f"engine{engine_index}.log"
+        check_engine_hosts(world, job)
+        nodes = node_args(job, node_rank, engine_rendezvous(world, engine_index, node_rank, host)
+                          if job.rollout.nodes_per_engine > 1 else None)
+        log_path = run_dir / "logs" / engine_log_name(engine_index, node_rank)
         gpus = rank_gpus(world, job) if job.resources.device == "cuda" else ()
         job_keys(run_dir)  # the key file the engine reads (made at start-up by hpcrl.worker_main)
         if job.rollout.backend == "reference":
@@ -181,26 +211,28 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world, plan: CpuPlan | None 
                 str(run_dir / "model_config.json"), reference_device(job, gpus), engine_init_seed(job),
                 str(log_path),
                 host=host, dtype=engine_dtype(job), threads=job.resources.cpus_per_rank,
-                startup_timeout_s=job.resources.startup_timeout_s, extra_args=engine_server_args(job),
+                startup_timeout_s=job.resources.startup_timeout_s,
+                extra_args=[*engine_server_args(job), *nodes],
                 model_path=job.model.path, config_path=str(keys_path(run_dir)))
-            if plan is not None:
-                bind_process(plan.for_engine(engine_index), state["proc"].pid)
+            if plan is not None:  # a follower node computes nothing (hpcrl/rollout/reference_nodes.py)
+                cores = plan.for_engine(engine_index) if node_rank == 0 else plan.service
+                bind_process(cores, state["proc"].pid)
         else:
             port = free_port(host)  # SGLang takes an explicit port
-            state["proc"] = _launch_sglang(job, run_dir, host, port, log_path, gpus)
+            state["proc"] = _launch_sglang(job, run_dir, host, port, log_path, gpus, nodes)
             url = f"http://{host}:{port}"
         client = EngineClient(url, timeout_s=job.resources.timeout_s)
-        client.wait_healthy(job.resources.startup_timeout_s)
+        client.wait_healthy(job.resources.startup_timeout_s)  # a follower node: SGLang's health routes
         state["client"] = client
         state["record"] = EngineRecord(run_dir, engine_index, world.rank, world.ranks[world.rank].host,
-                                       state["proc"], url)
+                                       state["proc"], url, node_rank)
         return url
 
     def heartbeat(cmd):
         record = state.get("record")
         death = record.death() if record is not None else None
         if death is not None:
-            raise RuntimeError(death)
+            raise EngineDied(death)
         return None
 
     def shutdown(cmd):
@@ -208,7 +240,9 @@ def rollout_handlers(job: JobConfig, run_dir: Path, world, plan: CpuPlan | None 
             state["record"].stop()  # an exit from here on is asked for, not a death
         proc = state.get("proc")
         if proc is not None and proc.poll() is None:
-            print(report_line(f"engine {engine_index}", proc.pid), flush=True)
+            print(report_line(engine_name(engine_index, node_rank), proc.pid), flush=True)
+            # a follower node ignores SIGTERM and exits when node 0 (stopped now by its own rank)
+            # tells it to; the kill after 10 s is SGLang's backstop too
             stop_process(proc, 10)
         return None
 

@@ -13,15 +13,16 @@ from sglang_wheel import parse_with_sglang
 from hpcrl.config import JobConfig
 from hpcrl.config.validate_rollout import SGLANG_OWNED_FLAGS, SGLANG_SHARD_LAYOUT_FLAGS
 from hpcrl.rollout.sglang_shard_loader import LOADER
-from hpcrl.rollout.worker import sglang_command
+from hpcrl.rollout.worker import node_args, sglang_command
 
 API_KEY, ADMIN_KEY = "test-api-key", "test-admin-key"
+NODE0 = "10.0.0.9:5000"  # an engine's node 0 rendezvous (--dist-init-addr)
 
 
 def _job(dtype: str, tp: int, model_path: str | None = None, server_args=(), env_setup=(),
-         weight_sync: str = "auto", ep: int = 1, dp_attention: int = 1) -> JobConfig:
+         weight_sync: str = "auto", ep: int = 1, dp_attention: int = 1, nodes: int = 1) -> JobConfig:
     job = JobConfig()
-    job.rollout.ep, job.rollout.dp_attention = ep, dp_attention
+    job.rollout.ep, job.rollout.dp_attention, job.rollout.nodes_per_engine = ep, dp_attention, nodes
     job.rollout.weight_sync = weight_sync
     job.model.dtype, job.model.path = dtype, model_path
     job.rollout.backend, job.rollout.tp_per_engine = "sglang", tp
@@ -45,7 +46,15 @@ CASES = [
      {"tp_size": 2, "base_gpu_id": 2, "custom_weight_loader": [LOADER]}),
     (_job("bfloat16", 8, ep=8, dp_attention=4), tuple(range(8)),  # EP and DP attention inside the engine
      {"tp_size": 8, "ep_size": 8, "attn_dp_size": 4, "enable_dp_attention": False}),
+    # an engine over 2 nodes (rollout.nodes_per_engine), as its node 1 starts it
+    (_job("bfloat16", 16, dp_attention=16, nodes=2), tuple(range(8)),
+     {"tp_size": 16, "nnodes": 2, "node_rank": 1, "dist_init_addr": NODE0, "base_gpu_id": 0}),
 ]
+
+
+def _command(job: JobConfig, run_dir: Path, host: str, port: int, gpus: tuple[int, ...]) -> list[str]:
+    """sglang_command as a rollout rank runs it: node 1 of an engine over several nodes."""
+    return sglang_command(job, run_dir, host, port, gpus, node_args(job, 1, NODE0))
 
 
 def _sglang_argv(cmd: list[str]) -> list[str]:
@@ -59,7 +68,7 @@ def _sglang_argv(cmd: list[str]) -> list[str]:
 def parsed(sglang_root, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     (run_dir / "model_config.json").write_text("{}")
-    argvs = [_sglang_argv(sglang_command(job, run_dir, "10.0.0.7", 31234, gpus)) for job, gpus, _ in CASES]
+    argvs = [_sglang_argv(_command(job, run_dir, "10.0.0.7", 31234, gpus)) for job, gpus, _ in CASES]
     for argv in argvs:  # the engine key file hpcrl writes at start-up (hpcrl/rollout/engine_auth.py)
         if "--config" in argv:
             keys = Path(argv[argv.index("--config") + 1])
@@ -94,9 +103,9 @@ def test_reserved_flags_are_sglangs_spellings(parsed):
     options = parsed[0]["options"]
     missing = set(SGLANG_OWNED_FLAGS) - set(options)
     assert not missing, f"not SGLang 0.5.23 flags: {sorted(missing)}"
-    # the broadcast route, the shard route, EP and DP attention
+    # the broadcast route, the shard route, EP and DP attention, an engine over nodes
     hpcrl_dests = {options[a] for job, gpus, _ in (CASES[0], *CASES[3:])
-                   for a in _sglang_argv(sglang_command(job, parsed[1], "h", 1, gpus)) if a.startswith("--")}
+                   for a in _sglang_argv(_command(job, parsed[1], "h", 1, gpus)) if a.startswith("--")}
     spellings = {o for o, dest in options.items() if dest in hpcrl_dests}
     assert spellings <= set(SGLANG_OWNED_FLAGS), sorted(spellings - set(SGLANG_OWNED_FLAGS))
 

@@ -36,18 +36,23 @@ def _steps_done(run_dir) -> int:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("sync", ["shard", "broadcast"])
-def test_engine_killed_mid_run_is_the_headline(tmp_path, sync):
+@pytest.mark.parametrize("sync,node", [("shard", 0), ("broadcast", 0), ("broadcast", 1)],
+                         ids=["shard", "broadcast", "follower-node"])
+def test_engine_killed_mid_run_is_the_headline(tmp_path, sync, node):
+    """node 1: the engines span two nodes (rollout.nodes_per_engine) and engine 1's follower node
+    dies; its node 0 still answers, and the follower's rollout rank reports the death at the next
+    heartbeat, as the headline without a consequence."""
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "HPCRL_FAULT"}
     args = ["run", str(EXAMPLE), "--run-dir", str(run_dir), "--set", "algorithm.num_steps=500", "--set",
             "logging.progress=false", "--set", "rollout.num_engines=2",
-            "--set", f"rollout.weight_sync={sync}"]
+            "--set", f"rollout.weight_sync={sync}", "--set", f"rollout.nodes_per_engine={1 + node}"]
     proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", *args],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL)
+    name = "engine1" + ("-node1" if node else "")
     try:
-        record_path = run_dir / "logs" / "engine1.json"
+        record_path = run_dir / "logs" / f"{name}.json"
         _wait_for(lambda: record_path.exists() and _steps_done(run_dir) >= 2, 240, "second step", proc)
         record = json.loads(record_path.read_text())
         os.kill(record["pid"], signal.SIGKILL)
@@ -58,15 +63,16 @@ def test_engine_killed_mid_run_is_the_headline(tmp_path, sync):
             proc.communicate()
     assert proc.returncode != 0
     headline = next((line for line in err.splitlines() if line.startswith("hpcrl run failed")), "")
-    want = (f"hpcrl run failed: engine 1 (rollout rank {record['rank']}, host {record['host']}) died at ")
+    who = "engine 1 node 1" if node else "engine 1"
+    want = (f"hpcrl run failed: {who} (rollout rank {record['rank']}, host {record['host']}) died at ")
     assert headline.startswith(want), err[-3000:]
     assert (f": killed by signal SIGKILL (pid {record['pid']}, {record['url']}); "
-            f"see RUN_DIR/logs/engine1.log") in headline, headline
+            f"see RUN_DIR/logs/{name}.log") in headline, headline
     assert "Traceback" not in err and "Connection closed by peer" not in headline, err[-3000:]
-    assert "\n  then: " in err  # the consequence follows, one line
+    assert ("\n  then: " in err) != bool(node)  # a leader's consequence follows, one line
     assert not leftover_processes(str(run_dir))
     # per-job engine keys and the engine log are user-only
     assert stat.S_IMODE((run_dir / "engine_keys.yaml").stat().st_mode) == 0o600
-    assert stat.S_IMODE((run_dir / "logs" / "engine1.log").stat().st_mode) == 0o600
+    assert stat.S_IMODE((run_dir / "logs" / f"{name}.log").stat().st_mode) == 0o600
     keys = (run_dir / "engine_keys.yaml").read_text()
     assert "api-key: " in keys and "admin-api-key: " in keys

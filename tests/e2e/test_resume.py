@@ -29,8 +29,9 @@ def _result(run_dir: Path) -> tuple[list[tuple[int, float]], str]:
 @pytest.fixture(scope="module")
 def uninterrupted(reference_run):
     run_dir, args = reference_run  # tests/e2e/conftest.py: the session's shared uninterrupted run
-    # Its ranks were bound to cores, these runs' are not: binding must change no number either.
-    assert args == [*ARGS, "--set", "resources.cpu_bind=auto"], args
+    # Its ranks were bound to cores and its engine ran over two nodes, these runs' are not and do
+    # not: neither may change a number.
+    assert args == [*ARGS, "--set", "resources.cpu_bind=auto", "--set", "rollout.nodes_per_engine=2"], args
     return _result(run_dir)
 
 

@@ -57,8 +57,10 @@ def test_a_killed_engine_is_recorded_and_named_first(tmp_path):
                          "see RUN_DIR/logs/engine0.log")
     assert then == ("  then: rank 1 (trainer, host h, pid 7) failed in phase 'sync' of step 2: "
                     "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:4242")
-    beat = f"hpcrl run failed: rank 2 (rollout) failed in phase 'heartbeat':\nRuntimeError: {record.death()}"
-    assert dead_engines_first(tmp_path, beat) == beat  # named already: not twice
+    # a rollout rank's heartbeat reported it: the death alone (it names the rank), not twice
+    beat = f"hpcrl run failed: rank 2 (rollout) failed in phase 'heartbeat' of step 3: EngineDied: {record.death()}"
+    assert dead_engines_first(tmp_path, beat) == f"hpcrl run failed: {record.death()}"
+    assert dead_engines_first(tmp_path, out) == out  # the death first already
 
 
 def test_exit_code_recorded_and_an_asked_stop_is_not_a_death(tmp_path):

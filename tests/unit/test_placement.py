@@ -18,7 +18,7 @@ import pytest
 from hpcrl.config import ConfigError, JobConfig, load_job, validate
 from hpcrl.rollout.placement import (PlacementError, node_plan, rank_gpus, slurm_node_roles,
                                      visible_gpu_count)
-from hpcrl.rollout.worker import reference_device, sglang_command
+from hpcrl.rollout.worker import node_args, reference_device, sglang_command
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,7 +56,9 @@ def render(job: JobConfig, env: dict[str, str], tmp_path: Path) -> str:
         elif info.role == "rollout" and job.rollout.backend == "reference":
             what = f"reference_server --device {reference_device(job, gpus)}"
         elif info.role == "rollout":
-            cmd = sglang_command(job, tmp_path, "HOST", 30000, gpus)
+            node = [r.rank for r in _world(job, 0).ranks if r.role == "rollout"].index(info.rank)
+            nodes = node_args(job, node % job.rollout.nodes_per_engine, "LEADER:29500")
+            cmd = sglang_command(job, tmp_path, "HOST", 30000, gpus, nodes)
             what = shlex.join(a.replace(str(tmp_path), "/RUN").replace(sys.executable, "PYTHON") for a in cmd)
         lines.append(f"rank {info.rank} {info.host} {info.role} gpus={list(gpus)} {what}".rstrip())
     return "\n".join(lines) + "\n"
@@ -76,6 +78,14 @@ CASES = {
                                  "env_setup": ["module load cuda/12.8"]},
                         resources={"device": "cuda", "nodes": 2, "rollout_nodes": 2, "gpus_per_node": 8}),
                    {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}),
+    # DeepSeek-V3-sized engines: 2 engines of TP 16, each over 2 rollout nodes of 8 GPUs (SGLang
+    # --nnodes 2), one rollout rank per node
+    "hetjob_engines_over_nodes": (_job(trainer={"num_procs": 8}, model={"dtype": "bfloat16"},
+                                       rollout={"backend": "sglang", "num_engines": 2, "tp_per_engine": 16,
+                                                "nodes_per_engine": 2, "dp_attention": 16},
+                                       resources={"device": "cuda", "nodes": 1, "rollout_nodes": 4,
+                                                  "gpus_per_node": 8}),
+                                  {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}),
     # a 1-GPU workstation: the tiny example on CUDA, trainer and reference engine share GPU 0
     "shared_1gpu_reference": (_job(resources={"device": "cuda", "share_gpus": True}),
                               {"CUDA_VISIBLE_DEVICES": "3"}),
@@ -116,7 +126,8 @@ def test_node_that_does_not_fit_names_the_keys():
     ranks = [(0, "controller"), (1, "trainer"), (2, "rollout"), (3, "rollout")]
     with pytest.raises(PlacementError, match=r"has 4 GPU\(s\) but its ranks need 5.*share_gpus"):
         node_plan(ranks, 2, 4)
-    with pytest.raises(PlacementError, match="tp_per_engine=8 is more than the 4 GPU"):
+    with pytest.raises(PlacementError, match=r"an engine node's 8 GPUs \(rollout.tp_per_engine / "
+                                             r"nodes_per_engine\) are more than the 4 of"):
         node_plan(ranks, 8, 4, share=True)
     with pytest.raises(PlacementError, match="no GPU"):
         node_plan(ranks, 1, 0, share=True)
@@ -146,7 +157,8 @@ BAD = [
      "node 1 (resources.rollout_nodes, resources.gpus_per_node=6) has 6 GPU(s) but its ranks need 8"),
     ("engine-wider-than-node", "rollout: {backend: sglang, num_engines: 1, tp_per_engine: 4}\n"
                                "resources: {device: cuda, nodes: 1, rollout_nodes: 2, gpus_per_node: 2, "
-                               "share_gpus: true}", "rollout.tp_per_engine", "an engine runs on one node"),
+                               "share_gpus: true}", "rollout.nodes_per_engine",
+     "an engine runs on one node unless rollout.nodes_per_engine spreads it"),
     ("owned-flag", "rollout: {backend: sglang, server_args: [--base-gpu-id=2]}\nresources: {device: cuda}",
      "rollout.server_args[0]", "hpcrl sets --base-gpu-id itself"),
     ("missing-python",

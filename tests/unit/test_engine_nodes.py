@@ -1,0 +1,128 @@
+"""rollout.nodes_per_engine: an engine over several nodes, as SGLang 0.5.23 runs one (--nnodes,
+--node-rank, --dist-init-addr; spellings checked against its parser in
+tests/conformance/test_launch_args.py). One rollout rank per engine node: the MPI world, the Slurm
+component and the GPU placement count them; the layouts SGLang or hpcrl cannot run are refused
+naming the key; the follower nodes' records and logs have names of their own. Runs with such
+engines (reference backend, CPU): tests/e2e/conftest.py's reference run (checked in
+test_cpu_bind_run, compared in test_resume) and test_engine_death's follower case."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from hpcrl.config import ConfigError, JobConfig, load_job, validate
+from hpcrl.rollout.engine_watch import EngineRecord, describe, record_path
+from hpcrl.rollout.placement import PlacementError, check_engine_hosts, engine_node_gpus, slurm_node_roles
+from launch.slurm_submit import job_spec
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parents[2]
+DEEPSEEK = REPO / "examples" / "deepseek_v3_671b.yaml"
+
+
+def _job(nodes: int = 2, tp: int = 16, rollout_nodes: int = 4, **rollout) -> JobConfig:
+    """The tiny preset on 2 SGLang engines of `tp` GPUs over `nodes` nodes of 8 GPUs each."""
+    job = JobConfig()
+    job.model.dtype = "bfloat16"
+    job.rollout.logprob_tolerance, job.rollout.logprob_mean_tolerance = 1.0, 0.02  # the bf16 sync check
+    job.resources.device, job.resources.gpus_per_node = "cuda", 8
+    job.resources.rollout_nodes = rollout_nodes
+    job.rollout.backend, job.rollout.num_engines, job.rollout.tp_per_engine = "sglang", 2, tp
+    job.rollout.nodes_per_engine, job.rollout.dp_attention = nodes, tp  # 4 heads: attention TP 1
+    for key, value in rollout.items():
+        setattr(job.rollout, key, value)
+    return job
+
+
+def test_one_rollout_rank_per_engine_node_in_the_world_and_on_slurm(tmp_path):
+    job = _job()
+    validate(job)
+    assert job.world_size == 1 + 1 + 4 and engine_node_gpus(job) == 8
+    roles = slurm_node_roles(job)
+    assert [key for key, _ in roles] == ["resources.nodes"] + ["resources.rollout_nodes"] * 4
+    assert [ranks for _, ranks in roles[1:]] == [[(r, "rollout")] for r in (2, 3, 4, 5)]
+    spec, _, _ = job_spec(job, tmp_path / "run", "debug")
+    rollout = spec.components[1]
+    assert (rollout.nodes, rollout.ntasks_per_node, rollout.gpus_per_node) == (4, 1, 8)
+    assert spec.world_size == job.world_size
+
+
+def test_the_deepseek_v3_example_validates_with_engines_over_four_nodes():
+    job = load_job(DEEPSEEK)
+    assert (job.rollout.num_engines, job.rollout.tp_per_engine, job.rollout.nodes_per_engine) == (4, 32, 4)
+    assert job.resources.rollout_nodes == 16 and engine_node_gpus(job) == job.resources.gpus_per_node
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "plan", str(DEEPSEEK)], capture_output=True,
+                         text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "4 engines x tp=32 ep=32 dp_attention=32, each engine over 4 nodes" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize(("job", "path", "words"), [
+    (_job(nodes=4, tp=32, rollout_nodes=8), "", None),  # fits: 32 = 4 nodes x 8 GPUs
+    (_job(nodes=3), "rollout.nodes_per_engine", "splits an engine's rollout.tp_per_engine=16 GPUs evenly"),
+    (_job(weight_sync="shard", dp_attention=1, tp=4), "rollout.weight_sync",
+     "shard loader has not been run on an engine over several nodes"),
+    (_job(rollout_nodes=5), "resources.rollout_nodes",
+     "set rollout_nodes = num_engines x nodes_per_engine = 4"),
+    (_job(nodes=0), "rollout.nodes_per_engine", ">= 1"),
+    (_job(backend="reference", tp=1, dp_attention=1), "rollout.nodes_per_engine",
+     "the reference engine computes on its first node alone"),
+], ids=["fits", "tp-not-divisible", "shard-route", "rollout-nodes", "zero", "reference-gpu"])
+def test_layouts_that_cannot_run_name_the_key(job, path, words):
+    if words is None:
+        validate(job)
+        return
+    with pytest.raises(ConfigError) as exc:
+        validate(job)
+    assert exc.value.path == path and words in str(exc.value), str(exc.value)
+
+
+@pytest.mark.parametrize("flag", ["--nnodes", "--node-rank", "--dist-init-addr=h:1"])
+def test_the_node_flags_are_the_jobs_not_server_args(flag):
+    job = _job(server_args=[flag, "2"] if "=" not in flag else [flag])
+    with pytest.raises(ConfigError) as exc:
+        validate(job)
+    assert exc.value.path == "rollout.server_args[0]" and "set rollout.nodes_per_engine" in str(exc.value)
+
+
+def test_an_engines_nodes_must_be_on_hosts_of_their_own():
+    """Locally (no Slurm layout to check in validation) every rollout rank checks at start."""
+    job = _job()
+    ranks = [SimpleNamespace(rank=0, role="controller", host="a"),
+             SimpleNamespace(rank=1, role="trainer", host="a"),
+             *(SimpleNamespace(rank=r, role="rollout", host=h) for r, h in zip((2, 3, 4, 5), "bcdd"))]
+    world = SimpleNamespace(ranks=ranks, ranks_of=lambda role: [r.rank for r in ranks if r.role == role])
+    with pytest.raises(PlacementError, match=r"engine 1 spans rollout.nodes_per_engine=2 nodes but its "
+                                             r"rollout ranks \[4, 5\] run on hosts \['d', 'd'\]"):
+        check_engine_hosts(world, job)
+    ranks[5].host = "e"
+    check_engine_hosts(world, job)
+    job.rollout.backend = "reference"  # its followers compute nothing: one host is fine
+    ranks[5].host = "d"
+    check_engine_hosts(world, job)
+
+
+def test_a_follower_nodes_record_and_log_are_its_own(tmp_path):
+    (tmp_path / "logs").mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    record = EngineRecord(tmp_path, 1, 5, socket.gethostname(), proc, "http://127.0.0.1:1", node=1)
+    assert record.path == record_path(tmp_path, 1, 1) == tmp_path / "logs" / "engine1-node1.json"
+    proc.wait()
+    record._watch()  # the watcher thread's work, done here so the test need not wait for it
+    death = describe(record.data)
+    assert death.startswith("engine 1 node 1 (rollout rank 5, host ") and "exited with code 3" in death
+    assert death.endswith("see RUN_DIR/logs/engine1-node1.log")
+    # exit 0: node 0 stopped it (its rank's shutdown may come first), no death
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    record = EngineRecord(tmp_path, 1, 5, socket.gethostname(), proc, "http://127.0.0.1:1", node=1)
+    proc.wait()
+    record._watch()
+    assert record.death() is None and "exit" not in json.loads(record.path.read_text())

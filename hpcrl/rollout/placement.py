@@ -90,16 +90,16 @@ def node_plan(ranks: Sequence[tuple[int, str]], engine_gpus: int, num_gpus: int,
     if need and num_gpus < 1:
         raise PlacementError(f"{where} has no GPU but its ranks need {need} (resources.device: cuda); run "
                              "where GPUs are visible (CUDA_VISIBLE_DEVICES), or use resources.device: cpu")
-    if need > num_gpus and not share:
-        roles = ", ".join(f"rank {r} ({role}: {gpus_needed(role, engine_gpus)})" for r, role in ordered)
-        raise PlacementError(f"{where} has {num_gpus} GPU(s) but its ranks need {need} (one per trainer "
-                             f"rank, {engine_gpus} per rollout rank: rollout.tp_per_engine / "
-                             f"nodes_per_engine): {roles}; {FIX}")
     if engine_gpus > num_gpus and any(role == "rollout" for _, role in ordered):
         raise PlacementError(f"an engine node's {engine_gpus} GPUs (rollout.tp_per_engine / "
                              f"nodes_per_engine) are more than the {num_gpus} of {where}; an engine runs on "
                              "one node unless rollout.nodes_per_engine spreads it: use tp_per_engine / "
                              f"nodes_per_engine <= {num_gpus}")
+    if need > num_gpus and not share:
+        roles = ", ".join(f"rank {r} ({role}: {gpus_needed(role, engine_gpus)})" for r, role in ordered)
+        raise PlacementError(f"{where} has {num_gpus} GPU(s) but its ranks need {need} (one per trainer "
+                             f"rank, {engine_gpus} per rollout rank: rollout.tp_per_engine / "
+                             f"nodes_per_engine): {roles}; {FIX}")
     out: dict[int, tuple[int, ...]] = {}
     cursor = 0
     for rank, role in ordered:

@@ -84,13 +84,16 @@ def test_submitted_hetjob_matches_hpcrl_run_and_spans_both_components(slurm, job
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
         local_out, _ = local.communicate(timeout=300)
-        het = [*common, "--set", "resources.rollout_nodes=1", "--run-dir", str(run_dir)]
+        # the engine spans both rollout nodes (rollout.nodes_per_engine=2): node 0 on the first,
+        # its follower on the second; the local run's engine has one node
+        het = [*common, "--set", "resources.rollout_nodes=2", "--set", "rollout.nodes_per_engine=2",
+               "--run-dir", str(run_dir)]
         job_id, sub = submit(slurm, *het)
         for line in (f"run dir: {run_dir}", f"hpcrl status {run_dir}", f"hpcrl logs {run_dir} -f",
                      f"hpcrl cancel {run_dir}"):
             assert line in sub.stdout, sub.stdout
-        assert ("3 ranks; component 0: 1 node, controller + 1 trainer rank | "
-                "component 1: 1 node, 1 rollout rank") in sub.stdout
+        assert ("4 ranks; component 0: 1 node, controller + 1 trainer rank | "
+                "component 1: 2 nodes, 2 rollout ranks") in sub.stdout
         record = json.loads((run_dir / "slurm.json").read_text())
         assert record["job_id"] == job_id and record["template"] == "hetjob.sbatch.j2"
         # `hpcrl render` prints exactly the script that was submitted
@@ -104,7 +107,8 @@ def test_submitted_hetjob_matches_hpcrl_run_and_spans_both_components(slurm, job
                                      if (run_dir / ".ranks.json").exists() else None, 240, job_id)
             placed = {r["rank"]: (r["role"], rank_environment(r["pid"])) for r in ranks}
             status = hpcrl("status", str(run_dir), timeout=60)
-            components = {int(c["HetJobOffset"]): c["NodeList"] for c in slurm.job(job_id)}
+            components = {int(c["HetJobOffset"]): slurm_out("scontrol", "show", "hostnames",
+                                                            c["NodeList"]).split() for c in slurm.job(job_id)}
             final = slurm.wait_final(job_id, timeout_s=300)
             out, err = follower.communicate(timeout=60)
         finally:
@@ -117,15 +121,19 @@ def test_submitted_hetjob_matches_hpcrl_run_and_spans_both_components(slurm, job
     # the world formed (rank 0's marker), so a failure after this point would not have been retried
     assert (run_dir / ".hpcrl_world_formed").exists() and "of 2)" in (run_dir / "job.sbatch").read_text()
 
-    # (e) one MPI world of 3 over both components: rank 0 controller and rank 1 trainer on
-    # component 0's node, rank 2 rollout on component 1's node, all in this job's one step
-    assert components[0] != components[1]
+    # (e) one MPI world of 4 over both components: rank 0 controller and rank 1 trainer on
+    # component 0's node, rollout ranks 2 and 3 (the engine's node 0 and its follower) on component
+    # 1's two nodes, all in this job's one step
+    assert (len(components[0]), len(components[1])) == (1, 2)
+    assert not set(components[0]) & set(components[1])
     assert {r: (role, env["SLURMD_NODENAME"], env["SLURM_PROCID"], env["SLURM_NTASKS"])
             for r, (role, env) in placed.items()} == {
-        0: ("controller", components[0], "0", "3"), 1: ("trainer", components[0], "1", "3"),
-        2: ("rollout", components[1], "2", "3")}
+        0: ("controller", components[0][0], "0", "4"), 1: ("trainer", components[0][0], "1", "4"),
+        2: ("rollout", components[1][0], "2", "4"), 3: ("rollout", components[1][1], "3", "4")}
     assert {env["SLURM_JOB_ID"] for _, env in placed.values()} == {job_id}
-    assert "world     3 ranks (controller 0; trainer 1; rollout 2)" in status.stdout, status.stdout
+    assert "world     4 ranks (controller 0; trainer 1; rollout 2,3)" in status.stdout, status.stdout
+    node_log = (run_dir / "logs" / "engine0-node1.log").read_text()  # joined node 0 on the other node
+    assert "node 1 ready on http://" in node_log and "stopped by node 0" in node_log, node_log
     assert f"job       {job_id} RUNNING" in status.stdout and " left" in status.stdout, status.stdout
 
     # (a) same rewards step by step and the same final policy as `hpcrl run`

@@ -214,16 +214,18 @@ def test_layout_that_does_not_fit_is_shown_then_fails():
     assert "> gpu memory 40.0 GiB" in lines[0] and "network.gpu_memory_gb=40" in lines[0]
 
 
-def test_plan_purpose_loads_deepseek_while_run_refuses_it():
+def test_plan_purpose_loads_deepseek_while_run_refuses_plan_only_keys():
     job = load_job(DEEPSEEK, purpose="plan")
     assert (job.trainer.first_stage_layers, job.rollout.dp_attention) == (3, 32)
     # hpcrl validate/run/submit: the trainer reads DeepSeek-V3 (stages of 3, 14 x 4 and 2 layers),
     # the engines' EP32 and DP attention 32 split it, and the resources check speaks: an engine of 32
-    # GPUs does not fit a node of 8 (multi-node engines are not launched).
+    # GPUs does not fit a node of 8 unless it spans nodes (rollout.nodes_per_engine, 4 in the example)
+    load_job(DEEPSEEK)
     with pytest.raises(ConfigError) as exc:
-        load_job(DEEPSEEK)
-    assert exc.value.path == "resources.gpus_per_node"
-    assert "has 8 GPU(s) but its ranks need 32" in exc.value.hint
+        load_job(DEEPSEEK, ["rollout.nodes_per_engine=1"])
+    assert exc.value.path == "rollout.nodes_per_engine"
+    assert "an engine node's 32 GPUs (rollout.tp_per_engine / nodes_per_engine) are more than the 8" in \
+        exc.value.hint
     with pytest.raises(ConfigError) as exc:  # plan-only keys are named before the model
         load_job(DEEPSEEK, ["trainer.cp=2"])
     assert exc.value.path == "trainer.cp" and "`hpcrl plan` only" in exc.value.hint

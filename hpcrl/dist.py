@@ -24,6 +24,29 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_block(host: str = "127.0.0.1", count: int = 1, tries: int = 64) -> int:
+    """A port p with p .. p + count - 1 all free now (as `free_port`), for a server that takes the
+    ports after the one it is told (SGLang's --dist-init-addr: the 6 after it under DP attention,
+    server_args.py PortArgs.init_new). RuntimeError after `tries` candidates."""
+    for _ in range(tries):
+        first = free_port(host)
+        if first + count - 1 > 65535:
+            continue
+        held = []
+        try:
+            for port in range(first, first + count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                held.append(s)
+                s.bind((host, port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no block of {count} free ports on {host} in {tries} tries")
+
+
 IFNAME_ENV = "HPCRL_SOCKET_IFNAME"
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from hpcrl import faults
 from hpcrl.config.schema import JobConfig, engine_dtype, engine_routes, weight_sync_mode
 from hpcrl.cpu_bind import CpuPlan, bind_process, report_line
-from hpcrl.dist import free_port, routable_host
+from hpcrl.dist import free_port, free_port_block, routable_host
 from hpcrl.rollout.engine_auth import job_keys, keys_path
 from hpcrl.rollout.engine_watch import EngineDied, EngineRecord, engine_log_name, engine_name
 from hpcrl.rollout.placement import check_engine_hosts, rank_gpus, sglang_gpu_args
@@ -88,13 +88,21 @@ def node_args(job: JobConfig, node_rank: int, dist_init_addr: str | None) -> lis
     return ["--nnodes", str(n), "--node-rank", str(node_rank), "--dist-init-addr", dist_init_addr]
 
 
+SGLANG_DIST_INIT_PORTS = 7
+"""Ports SGLang 0.5.23 takes from --dist-init-addr's on: the rendezvous and, under DP attention, the
+6 after it (server_args.py PortArgs.init_new, NUM_DERIVED_PORTS; tests/conformance/
+test_follower_nodes.py reads it)."""
+
+
 def engine_rendezvous(world, engine_index: int, node_rank: int, host: str) -> str:
     """HOST:PORT of the engine's node 0 rendezvous (SGLang's --dist-init-addr), chosen by its node 0
-    rank and sent to the engine's other ranks. Collective over the rollout ranks."""
+    rank where SGLANG_DIST_INIT_PORTS ports from it are free, and sent to the engine's other ranks.
+    Collective over the rollout ranks."""
     comm = world.role_comm.Split(color=engine_index, key=node_rank)
     try:
         bracketed = f"[{host}]" if ":" in host else host
-        return comm.bcast(f"{bracketed}:{free_port(host)}" if node_rank == 0 else None, root=0)
+        addr = f"{bracketed}:{free_port_block(host, SGLANG_DIST_INIT_PORTS)}" if node_rank == 0 else None
+        return comm.bcast(addr, root=0)
     finally:
         comm.Free()
 

@@ -53,3 +53,15 @@ def test_sglang_splits_an_engines_tp_evenly_over_its_nodes(sglang_root):
                    "check_server_args")
     asserts = [ast.unparse(n.test) for n in ast.walk(fn) if isinstance(n, ast.Assert)]
     assert "cfg.tp_size * cfg.pp_size % cfg.nnodes == 0" in asserts, asserts
+
+
+def test_the_rendezvous_block_covers_sglangs_derived_ports(sglang_root):
+    """PortArgs.init_new (srt/server_args.py), DP attention over nodes: port_base = dist_init_port + 1
+    and NUM_DERIVED_PORTS = 6 from it (without SGLang's Rust server), which hpcrl's node 0 rank finds
+    free with the rendezvous port (hpcrl/rollout/worker.py engine_rendezvous)."""
+    from hpcrl.rollout.worker import SGLANG_DIST_INIT_PORTS
+
+    text = ast.unparse(_function(sglang_root / "src" / "sglang" / "srt" / "server_args.py", "init_new"))
+    assert "NUM_DERIVED_PORTS = 6 if not is_rust_server else 6 + num_dp_ranks_of(cfg)" in text
+    assert "port_base = dist_init_port + 1" in text
+    assert SGLANG_DIST_INIT_PORTS == 1 + 6

@@ -12,6 +12,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -110,19 +111,42 @@ def test_an_engines_nodes_must_be_on_hosts_of_their_own():
     check_engine_hosts(world, job)
 
 
+def _join_watcher(name: str) -> None:
+    """Wait for the EngineRecord's watcher thread (it records the exit, or not, then ends)."""
+    for thread in threading.enumerate():
+        if thread.name == name:
+            thread.join(timeout=30)
+
+
 def test_a_follower_nodes_record_and_log_are_its_own(tmp_path):
     (tmp_path / "logs").mkdir()
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     record = EngineRecord(tmp_path, 1, 5, socket.gethostname(), proc, "http://127.0.0.1:1", node=1)
     assert record.path == record_path(tmp_path, 1, 1) == tmp_path / "logs" / "engine1-node1.json"
-    proc.wait()
-    record._watch()  # the watcher thread's work, done here so the test need not wait for it
-    death = describe(record.data)
+    _join_watcher("engine1-node1-watch")
+    death = describe(json.loads(record.path.read_text()))
     assert death.startswith("engine 1 node 1 (rollout rank 5, host ") and "exited with code 3" in death
     assert death.endswith("see RUN_DIR/logs/engine1-node1.log")
     # exit 0: node 0 stopped it (its rank's shutdown may come first), no death
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     record = EngineRecord(tmp_path, 1, 5, socket.gethostname(), proc, "http://127.0.0.1:1", node=1)
-    proc.wait()
-    record._watch()
+    _join_watcher("engine1-node1-watch")
     assert record.death() is None and "exit" not in json.loads(record.path.read_text())
+
+
+def test_the_rendezvous_port_has_free_ports_after_it(monkeypatch):
+    """SGLang takes the ports after --dist-init-addr's: node 0's rank picks a block free now. A
+    candidate with a held port in its block is passed over for the next."""
+    import socket as sockets
+
+    from hpcrl import dist
+
+    first = dist.free_port_block("127.0.0.1", 7)
+    held = sockets.socket()
+    held.bind(("127.0.0.1", first + 3))
+    candidates = iter([first, first + 10, first + 20])
+    monkeypatch.setattr(dist, "free_port", lambda host: next(candidates))
+    try:
+        assert dist.free_port_block("127.0.0.1", 7) == first + 10
+    finally:
+        held.close()

@@ -99,7 +99,8 @@ def test_an_engines_nodes_must_be_on_hosts_of_their_own():
     job = _job()
     ranks = [SimpleNamespace(rank=0, role="controller", host="a"),
              SimpleNamespace(rank=1, role="trainer", host="a"),
-             *(SimpleNamespace(rank=r, role="rollout", host=h) for r, h in zip((2, 3, 4, 5), "bcdd", strict=True))]
+             *(SimpleNamespace(rank=r, role="rollout", host=h)
+               for r, h in zip((2, 3, 4, 5), "bcdd", strict=True))]
     world = SimpleNamespace(ranks=ranks, ranks_of=lambda role: [r.rank for r in ranks if r.role == role])
     with pytest.raises(PlacementError, match=r"engine 1 spans rollout.nodes_per_engine=2 nodes but its "
                                              r"rollout ranks \[4, 5\] run on hosts \['d', 'd'\]"):

@@ -10,9 +10,9 @@ broken communicator.
 
 The reference engine keeps that protocol and computes on node 0 alone (a difference by design: its
 followers hold no weights, so its tensor parallel size of 1 need not divide over the nodes):
-`Rendezvous.lead` (node 0) hosts the store and returns once every follower has joined; `follow`
-(nodes 1..) joins it, serves the health routes, ignores SIGTERM, and exits 0 when node 0 says stop,
-1 when node 0 is gone.
+`Rendezvous` (node 0) hosts the store and returns once every follower has joined, and at the end
+says stop and waits for each follower to have read it; `follow` (nodes 1..) joins it, serves the
+health routes, ignores SIGTERM, and exits 0 when node 0 says stop, 1 when node 0 is gone.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = ["FOLLOWER_ROUTES", "Rendezvous", "follow", "parse_dist_init_addr"]
 
 FOLLOWER_ROUTES = ("/ping", "/health", "/health_generate")
 """What a follower node serves (GET, 200, empty body): SGLang 0.5.23's dummy health server."""
-STOP_KEY = "hpcrl/stop"
+STOP_KEY, STOPPED_KEY = "hpcrl/stop", "hpcrl/stopped"
 POLL_S = 0.2
 
 
@@ -52,13 +52,17 @@ class Rendezvous:
         # wait_for_workers: the constructor returns once all `nnodes` members have connected
         self.store = TCPStore(host, port, nnodes, is_master=True, timeout=timedelta(seconds=timeout_s),
                               wait_for_workers=True)
-        self.store.add("joined", 1)
+        self.followers = nnodes - 1
         print(f"all {nnodes} nodes joined", flush=True)
 
-    def stop(self) -> None:
-        """Tell the followers to exit (SGLang's ShutdownReq broadcast)."""
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Tell the followers to exit (SGLang's ShutdownReq broadcast) and wait until each has read it
+        (at most `timeout_s`): once this process, and the store with it, is gone, a follower that
+        had not read it would take node 0 for dead."""
         self.store.set(STOP_KEY, "1")
-        time.sleep(2 * POLL_S)  # let them read it before this process (and the store) goes
+        end = time.monotonic() + timeout_s
+        while self.store.add(STOPPED_KEY, 0) < self.followers and time.monotonic() < end:
+            time.sleep(POLL_S / 4)
 
 
 class _Health(BaseHTTPRequestHandler):
@@ -83,7 +87,6 @@ def follow(addr: str, nnodes: int, node_rank: int, host: str, port: int, port_fi
     store_host, store_port = parse_dist_init_addr(addr)
     print(f"node {node_rank} of {nnodes}: joining {addr}", flush=True)
     store = TCPStore(store_host, store_port, nnodes, is_master=False, timeout=timedelta(seconds=timeout_s))
-    store.add("joined", 1)
     httpd = ThreadingHTTPServer((host, port), _Health)
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
@@ -104,6 +107,7 @@ def follow(addr: str, nnodes: int, node_rank: int, host: str, port: int, port_fi
     while True:
         try:
             if store.check([STOP_KEY]):
+                store.add(STOPPED_KEY, 1)  # node 0 waits for every follower's word before it goes
                 print(f"node {node_rank}: stopped by node 0", flush=True)
                 return 0
         except Exception as exc:  # noqa: BLE001 - any store failure means node 0 is gone

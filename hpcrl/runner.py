@@ -256,6 +256,10 @@ def plan_cores(job: JobConfig, env: dict[str, str]) -> None:
 def run_local(job_path: str, overrides: list[str], cli_run_dir: str | None, resume: str = "auto") -> int:
     """`hpcrl run`: resume is "auto" (latest checkpoint of the run dir), "none" or a step number."""
     job = load_job(job_path, overrides)
+    if job.rollout.backend == "sglang" and job.rollout.nodes_per_engine > 1:  # placement.check_engine_hosts
+        raise ConfigError("rollout.nodes_per_engine", job.rollout.nodes_per_engine,
+                          "`hpcrl run` starts every rank on this host, and an SGLang engine's nodes need a "
+                          "host each: run it with `hpcrl submit`, or set rollout.nodes_per_engine: 1")
     run_dir = resolve_run_dir(job, cli_run_dir)
     check_resume(job, run_dir, resume)
     lock = lock_run_dir(job, run_dir)

@@ -151,3 +151,16 @@ def test_the_rendezvous_port_has_free_ports_after_it(monkeypatch):
         assert dist.free_port_block("127.0.0.1", 7) == first + 10
     finally:
         held.close()
+
+
+def test_hpcrl_run_refuses_sglang_engines_over_nodes_before_it_starts(tmp_path):
+    """`hpcrl run` puts every rank on this host; SGLang's nodes would share it (and its ports)."""
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "run", str(REPO / "examples" / "tiny_moe_grpo.yaml"),
+                          "--run-dir", str(tmp_path / "run"), "--set", "rollout.backend=sglang", "--set",
+                          "resources.device=cuda", "--set", "rollout.nodes_per_engine=2", "--set",
+                          "rollout.tp_per_engine=2", "--set", "rollout.weight_sync=broadcast"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 2 and not (tmp_path / "run").exists(), out.stderr[-2000:]
+    assert out.stderr.strip() == ("hpcrl run: error: rollout.nodes_per_engine=2: `hpcrl run` starts every rank on "
+                                  "this host, and an SGLang engine's nodes need a host each: run it with `hpcrl "
+                                  "submit`, or set rollout.nodes_per_engine: 1"), out.stderr

@@ -114,6 +114,14 @@ def _component(key: str, nodes: int, tasks: int, what: str, gpus: int, cpus: int
                           mem_gb=mem_gb, extra_sbatch_options=(*pin, *extra))
 
 
+def rollout_cpu_factor(job: Any) -> int:
+    """How many times resources.cpus_per_rank a rollout rank of its own component gets: one share per
+    GPU of its engine on its node (rollout.tp_per_engine / nodes_per_engine) with device cuda, as
+    SGLang runs a scheduler process per GPU; 1 on CPU."""
+    r = job.rollout
+    return max(1, r.tp_per_engine // r.nodes_per_engine) if job.resources.device == "cuda" else 1
+
+
 def resume_lines(resume: str) -> tuple[str, ...]:
     """Batch-script lines that pass `hpcrl submit --no-resume / --resume-from STEP` (resume "none" or
     a step) to the ranks as HPCRL_RESUME for the first attempt only: a requeued attempt must resume
@@ -145,6 +153,8 @@ def job_spec(job: Any, run_dir: Path, partition: str, resume: str = "auto", expo
                          "for --gpus-per-node), e.g. 8")
     each = {"gpus": res.gpus_per_node if res.device == "cuda" else 0, "cpus": res.cpus_per_rank,
             "mem_gb": None if s.mem_gb < 0 else s.mem_gb}
+    # a rollout rank's engine runs a process per GPU of its node (SGLang's TP schedulers): cores for each
+    rollout_each = {**each, "cpus": res.cpus_per_rank * rollout_cpu_factor(job)}
     num_rollout = r.num_engines * r.nodes_per_engine  # a rank per engine node
     trainers, rollouts = _plural(t.num_procs, "trainer rank"), _plural(num_rollout, "rollout rank")
     warnings = []
@@ -162,7 +172,7 @@ def job_spec(job: Any, run_dir: Path, partition: str, resume: str = "auto", expo
             _component("resources.rollout_nodes", res.rollout_nodes, num_rollout,
                        f"rollout.num_engines={r.num_engines}" + (
                            f" x nodes_per_engine={r.nodes_per_engine}" if r.nodes_per_engine > 1 else ""),
-                       **each, extra=s.rollout_extra_sbatch_options))
+                       **rollout_each, extra=s.rollout_extra_sbatch_options))
     else:
         roles = (f"controller + {trainers} + {rollouts}",)
         components = (_component("resources.nodes", res.nodes, job.world_size, roles[0], **each,
@@ -244,12 +254,18 @@ def check_cluster(job: Any, spec: SlurmJobSpec, roles: tuple[str, ...],
                              f"no node of partition {name} has {c.gpus_per_node} GPUs (at most {max_gpus}); "
                              f"use gpus_per_node <= {max_gpus} or another partition")
         if cpus > max_cpus:
-            fix = (f"use cpus_per_rank <= {max_cpus // c.ntasks_per_node} or more {node_key}"
-                   if max_cpus >= c.ntasks_per_node else f"use more {node_key}")
-            raise SlurmError("resources.cpus_per_rank", c.cpus_per_task,
+            factor = rollout_cpu_factor(job) if i == 1 else 1  # see job_spec
+            per = c.ntasks_per_node * factor
+            shared = c.ntasks_per_node > 1  # more nodes spread the ranks
+            if max_cpus >= per:
+                fix = f"use cpus_per_rank <= {max_cpus // per}" + (f" or more {node_key}" if shared else "")
+            else:
+                fix = f"use more {node_key}" if shared else "use a partition with more CPUs per node"
+            times = f" x {factor} (its engine's GPUs on a node)" if factor > 1 else ""
+            raise SlurmError("resources.cpus_per_rank", job.resources.cpus_per_rank,
                              f"component {i} ({roles[i]}) puts up to {_plural(c.ntasks_per_node, 'rank')} "
-                             f"on a node, {cpus} CPUs with cpus_per_rank={c.cpus_per_task}, but the nodes of "
-                             f"partition {name} have at most {max_cpus}; {fix}")
+                             f"on a node, {cpus} CPUs with cpus_per_rank={job.resources.cpus_per_rank}"
+                             f"{times}, but the nodes of partition {name} have at most {max_cpus}; {fix}")
         if c.mem_gb and c.mem_gb * 1024 > max_mem:
             raise SlurmError("slurm.mem_gb", c.mem_gb,
                              f"no node of partition {name} has {c.mem_gb} GB (at most {max_mem} MB); use "

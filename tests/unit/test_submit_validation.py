@@ -190,6 +190,22 @@ def test_more_cpus_than_a_node_has():
     assert "3 ranks on a node, 6 CPUs" in err.hint and "cpus_per_rank <= 1" in err.hint
 
 
+def test_a_gpu_engine_rank_gets_cores_for_each_of_its_gpus():
+    """SGLang runs a scheduler process per GPU: a rollout rank of the rollout component gets
+    cpus_per_rank per GPU of its engine on its node; trainer ranks and CPU engines cpus_per_rank."""
+    gpu = ("resources.device=cuda", "resources.gpus_per_node=2", "resources.rollout_nodes=2",
+           "rollout.backend=sglang", "rollout.tp_per_engine=2", "rollout.num_engines=2",
+           "model.dtype=bfloat16", "rollout.logprob_tolerance=1.0", "rollout.logprob_mean_tolerance=0.02")
+    spec = spec_of(job_with(*gpu))[0]
+    assert [c.cpus_per_task for c in spec.components] == [1, 2]
+    assert [c.cpus_per_task for c in spec_of(job_with("resources.rollout_nodes=1"))[0].components] == [1, 1]
+    err = reject(job_with(*gpu, "resources.cpus_per_rank=3", "resources.nodes=2"), cluster(partition(cpus=4)))
+    assert (err.path, err.value) == ("resources.cpus_per_rank", 3)
+    assert err.hint.endswith("component 1 (2 rollout ranks) puts up to 1 rank on a node, 6 CPUs with "
+                             "cpus_per_rank=3 x 2 (its engine's GPUs on a node), but the nodes of partition "
+                             "debug have at most 4; use cpus_per_rank <= 2"), err.hint
+
+
 def test_more_memory_than_a_node_has():
     err = reject(job_with("slurm.mem_gb=8"), cluster(partition(mem_mb=4000)))
     assert (err.path, err.value) == ("slurm.mem_gb", 8) and "use mem_gb <= 3" in err.hint

@@ -27,9 +27,10 @@ from typing import Any, TextIO
 from hpcrl.config import ConfigError, JobConfig, load_job
 from hpcrl.config.schema import engine_dtype, engine_routes, weight_sync_mode
 from hpcrl.config.validate_data import longest_prompt
-from hpcrl.models.job_model import (RUN_PARAM_DTYPES, build_layouts, build_spec, layout_summary,
+from hpcrl.models.job_model import (RUN_PARAM_DTYPES, build_layouts, build_spec, layout_summary, model_config,
                                     trainer_build)
 from moe.activation_memory import StepShape, activation_memory
+from moe.hf_megatron import HFModelDims
 from moe.network import Topology
 from moe.report import plan_report, render_text, trainer_memory_line, trainer_memory_summary
 from moe.trainer_memory import PARAM_BYTES, megatron_build, memory_hint
@@ -103,10 +104,11 @@ def plan_job(job: JobConfig) -> dict[str, Any]:
         t["fits"] = t["total_bytes_per_gpu"] <= gpu_bytes
     weights = report["rollout"]["weights_bytes_per_gpu"]
     report["rollout"]["nodes_per_engine"] = job.rollout.nodes_per_engine
-    report["rollout"]["kv_cache"] = kv = kv_cache_report(job, rollout, weights, gpu_bytes, prompt)
+    hf_dims = HFModelDims.from_hf_config(model_config(job)[3])  # the KV cache's and the routes' model
+    report["rollout"]["kv_cache"] = kv = kv_cache_report(job, hf_dims, rollout, weights, gpu_bytes, prompt)
     if kv is not None and not kv["fits"]:
         report["rollout"]["fits"] = False
-    report["routing_replay"] = routes_report(job, prompt)
+    report["routing_replay"] = routes_report(job, hf_dims, prompt)
     report["async"] = async_report(job, report["routing_replay"], prompt)
     moved = report["plan"]["nic_bytes"] + report["plan"]["nvlink_bytes"]
     report["mean_recv_bytes_per_gpu"] = moved / rollout.world_size
@@ -149,18 +151,16 @@ def step_shape(job: JobConfig, prompt: int) -> StepShape:
                      recompute_num_layers=t.recompute_num_layers)
 
 
-def kv_cache_report(job: JobConfig, rollout: Any, weights_bytes: float, gpu_bytes: int,
+def kv_cache_report(job: JobConfig, hf_dims: HFModelDims, rollout: Any, weights_bytes: float, gpu_bytes: int,
                     prompt: int) -> dict[str, Any] | None:
     """rollout.backend sglang: the KV pool SGLang 0.5.23 gives each engine GPU beside `weights_bytes`
     and how a step's samples (at most `prompt` + rollout.max_new_tokens tokens each) fit it
     (hpcrl/rollout/kv_pool.py). None for the reference engine, which allocates its cache per batch."""
     if job.rollout.backend != "sglang":
         return None
-    from hpcrl.models.job_model import model_config
     from hpcrl.rollout.kv_pool import kv_pool
-    from moe.hf_megatron import HFModelDims
 
-    return kv_pool(dims=HFModelDims.from_hf_config(model_config(job)[3]), tp=rollout.tp,
+    return kv_pool(dims=hf_dims, tp=rollout.tp,
                    attn_dp=rollout.dp_attention, num_engines=rollout.num_engines,
                    engine_dtype=engine_dtype(job),
                    server_args=job.rollout.server_args, weights_bytes=weights_bytes, gpu_bytes=gpu_bytes,
@@ -168,7 +168,7 @@ def kv_cache_report(job: JobConfig, rollout: Any, weights_bytes: float, gpu_byte
                    samples=job.data.num_prompts_per_step * job.algorithm.group_size)
 
 
-def routes_report(job: JobConfig, prompt: int) -> dict[str, Any] | None:
+def routes_report(job: JobConfig, hf_dims: HFModelDims, prompt: int) -> dict[str, Any] | None:
     """rollout.routing_replay's extra memory: the routes of one step's samples (uint8/int16 [tokens,
     MoE layers, top_k] per sample, at most `prompt` (`longest_prompt`) + rollout.max_new_tokens - 1
     tokens), and who holds them (`held_by`): the engines'
@@ -177,10 +177,8 @@ def routes_report(job: JobConfig, prompt: int) -> dict[str, Any] | None:
     if job.rollout.routing_replay == "none":
         return None
     from hpcrl.controller.routes import RouteFormat
-    from hpcrl.models.job_model import model_config
-    from moe.hf_megatron import HFModelDims
 
-    fmt = RouteFormat.of(HFModelDims.from_hf_config(model_config(job)[3]))
+    fmt = RouteFormat.of(hf_dims)
     tokens = prompt + job.rollout.max_new_tokens - 1
     per_sample = fmt.bytes_per_token() * tokens
     samples = job.data.num_prompts_per_step * job.algorithm.group_size

@@ -14,16 +14,19 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import numpy as np
 
 from hpcrl.controller.comm import PendingCall, RankFailure, RoleGroup, World
 from hpcrl.controller.routes import RouteFormat
 from hpcrl.rollout.client import EngineClient, EngineError, PendingResponse, routed_experts_fields, wait_answers
+from hpcrl.rollout.engine_watch import first_death
 from hpcrl.rollout.shard_requests import ShardRequests
 from hpcrl.tasks import Example
 
 POLL_S = 0.25  # how often a generation's wait runs its preemption poll (RolloutGroup.collect)
+DEATH_CHECK_S = 2.0  # how often it reads the engines' records (hpcrl/rollout/engine_watch.py)
 
 
 @dataclass
@@ -297,12 +300,16 @@ class RolloutGroup:
     also posts a heartbeat to the ranks, collected at the next step, so a rollout rank that died is
     named even if its engine still answers, and idle ranks keep hearing from the controller.
     An engine over `nodes_per_engine` nodes has as many consecutive ranks; the first (`leaders`)
-    serves its HTTP API, the others start and watch its follower nodes and answer heartbeats.
+    serves its HTTP API, the others start and watch its follower nodes and answer heartbeats. While
+    it waits for a generation, the group reads the engines' records in `run_dir` every DEATH_CHECK_S
+    and stops at the first death: an SGLang engine whose follower node died hangs in its collectives
+    instead of failing the request, and the heartbeats come only at the next step.
     """
 
     def __init__(self, world: World, timeout_s: float, routes: RouteFormat | None = None,
-                 nodes_per_engine: int = 1) -> None:
+                 nodes_per_engine: int = 1, run_dir: Path | None = None) -> None:
         self.group = RoleGroup(world, "rollout")
+        self.run_dir = run_dir
         self.leaders = self.group.ranks[::nodes_per_engine]  # engine i's node 0 rank
         self.timeout_s = timeout_s
         self.routes = routes  # ask the engines for their MoE routes (rollout.routing_replay)
@@ -391,10 +398,16 @@ class RolloutGroup:
         request past the deadline is then reported as hung by its `result()`)."""
         deadline = time.monotonic() + self.timeout_s
         waiting = [answer for _, answer in started.answers]
+        next_check = time.monotonic() + DEATH_CHECK_S
         while waiting and time.monotonic() < deadline:
             waiting = wait_answers(waiting, min(POLL_S, max(deadline - time.monotonic(), 0.0)))
             if waiting and poll is not None:
                 poll()
+            if waiting and self.run_dir is not None and time.monotonic() >= next_check:
+                next_check = time.monotonic() + DEATH_CHECK_S
+                death = first_death(self.run_dir)
+                if death is not None:
+                    raise RankFailure(death)
         for answer in waiting:
             answer.expire()
 

@@ -55,7 +55,7 @@ class Session:
         res = job.resources
         self.policy = PolicyGroup(world, res.timeout_s)
         self.rollouts = RolloutGroup(world, res.timeout_s, route_format(job, run_dir),
-                                     job.rollout.nodes_per_engine)
+                                     job.rollout.nodes_per_engine, run_dir)
         self.tokenizer = load_tokenizer(job)
         self.prompts = prompt_format(job, self.tokenizer, *prompt_limit(job))
         self.sampler = build_sampler(job, self.prompts)

@@ -26,7 +26,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 __all__ = ["EngineDied", "EngineRecord", "dead_engines_first", "engine_log_name", "engine_name",
-           "record_path"]
+           "first_death", "record_path"]
 
 
 class EngineDied(RuntimeError):
@@ -141,6 +141,14 @@ def _records(run_dir: Path) -> list[dict]:
 
 def _key(record: dict) -> tuple[int, int]:
     return record.get("engine", 0), record.get("node", 0)
+
+
+def first_death(run_dir: str | Path) -> str | None:
+    """The death sentence (`describe`) of this attempt's first engine (node) that died unasked, if
+    any: the controller's look while it waits on the engines (an SGLang engine whose follower node
+    died hangs rather than fails)."""
+    records = _records(Path(run_dir)) if (Path(run_dir) / "logs").is_dir() else []
+    return next((describe(r) for r in records if "exit" in r), None)
 
 
 def dead_engines_first(run_dir: str | Path, message: str, wait_s: float = 5.0) -> str:

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -164,3 +165,34 @@ def test_hpcrl_run_refuses_sglang_engines_over_nodes_before_it_starts(tmp_path):
     assert out.stderr.strip() == ("hpcrl run: error: rollout.nodes_per_engine=2: `hpcrl run` starts every rank on "
                                   "this host, and an SGLang engine's nodes need a host each: run it with `hpcrl "
                                   "submit`, or set rollout.nodes_per_engine: 1"), out.stderr
+
+
+def test_a_generation_wait_stops_at_an_engine_nodes_death(tmp_path):
+    """An SGLang engine whose follower node died hangs in its collectives instead of answering:
+    the controller's wait for the engines reads their records and stops at the death (within
+    groups.DEATH_CHECK_S), instead of waiting out resources.timeout_s for a heartbeat."""
+    from hpcrl.controller.comm import RankFailure
+    from hpcrl.controller.groups import DEATH_CHECK_S, PendingRollout, RolloutGroup
+    from hpcrl.rollout.client import EngineClient
+
+    hung = socket.socket()  # node 0: takes the request, never answers
+    hung.bind(("127.0.0.1", 0))
+    hung.listen()
+    ranks = [SimpleNamespace(rank=r, role=role, host="h") for r, role in enumerate(("controller", "trainer",
+                                                                                     "rollout", "rollout"))]
+    world = SimpleNamespace(ranks=ranks, ranks_of=lambda role: [r.rank for r in ranks if r.role == role])
+    group = RolloutGroup(world, timeout_s=60, nodes_per_engine=2, run_dir=tmp_path)
+    assert group.leaders == [2]
+    client = EngineClient(f"http://127.0.0.1:{hung.getsockname()[1]}", timeout_s=60)
+    started = PendingRollout(0, None, [(2, client.start("POST", "/generate", {"input_ids": [[1]]}))])
+    (tmp_path / "logs").mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    EngineRecord(tmp_path, 0, 3, "h", proc, "http://127.0.0.1:1", node=1)
+    begin = time.monotonic()
+    try:
+        with pytest.raises(RankFailure, match=r"^engine 0 node 1 \(rollout rank 3, host h\) died at .*SIGKILL"):
+            group._await(started, None)
+    finally:
+        client.close()
+        hung.close()
+    assert time.monotonic() - begin < DEATH_CHECK_S + 10  # not the 60 s deadline

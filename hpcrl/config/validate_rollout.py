@@ -93,7 +93,8 @@ def check_engine_nodes(job: JobConfig) -> None:
     if r.backend == "sglang" and r.tp_per_engine % n:
         raise ConfigError("rollout.nodes_per_engine", n,
                           f"SGLang splits an engine's rollout.tp_per_engine={r.tp_per_engine} GPUs evenly "
-                          f"over its nodes: use a divisor of tp_per_engine (e.g. tp_per_engine / GPUs per node)")
+                          "over its nodes: use a divisor of tp_per_engine (e.g. tp_per_engine / GPUs per "
+                          "node)")
     if r.backend == "sglang" and weight_sync_mode(job) == "shard":
         raise ConfigError("rollout.weight_sync", r.weight_sync,
                           f"rollout.nodes_per_engine={n}: hpcrl's shard loader has not been run on an engine "

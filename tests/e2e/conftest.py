@@ -6,7 +6,8 @@ import pytest
 from e2e_util import DEEPSEEK_EXAMPLE, EXAMPLE, hpcrl
 
 REFERENCE_ARGS = ["--set", "algorithm.num_steps=8", "--set", "checkpoint.interval_steps=3", "--set",
-                  "logging.progress=false", "--set", "resources.cpu_bind=auto", "--set", "rollout.nodes_per_engine=2"]
+                  "logging.progress=false", "--set", "resources.cpu_bind=auto",
+                  "--set", "rollout.nodes_per_engine=2"]
 """The reference run's settings: 8 steps, checkpoints after steps 2, 5 and 7, ranks bound to cores
 (test_cpu_bind_run), the engine over two nodes (a follower node and its rollout rank, docs/sglang.md;
 test_cpu_bind_run checks their stop). Neither changes a number, which test_resume's runs (one node

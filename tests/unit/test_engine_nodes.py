@@ -156,15 +156,16 @@ def test_the_rendezvous_port_has_free_ports_after_it(monkeypatch):
 
 def test_hpcrl_run_refuses_sglang_engines_over_nodes_before_it_starts(tmp_path):
     """`hpcrl run` puts every rank on this host; SGLang's nodes would share it (and its ports)."""
-    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "run", str(REPO / "examples" / "tiny_moe_grpo.yaml"),
+    example = str(REPO / "examples" / "tiny_moe_grpo.yaml")
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "run", example,
                           "--run-dir", str(tmp_path / "run"), "--set", "rollout.backend=sglang", "--set",
                           "resources.device=cuda", "--set", "rollout.nodes_per_engine=2", "--set",
                           "rollout.tp_per_engine=2", "--set", "rollout.weight_sync=broadcast"],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 2 and not (tmp_path / "run").exists(), out.stderr[-2000:]
-    assert out.stderr.strip() == ("hpcrl run: error: rollout.nodes_per_engine=2: `hpcrl run` starts every rank on "
-                                  "this host, and an SGLang engine's nodes need a host each: run it with `hpcrl "
-                                  "submit`, or set rollout.nodes_per_engine: 1"), out.stderr
+    assert out.stderr.strip() == ("hpcrl run: error: rollout.nodes_per_engine=2: `hpcrl run` starts every "
+                                  "rank on this host, and an SGLang engine's nodes need a host each: run it "
+                                  "with `hpcrl submit`, or set rollout.nodes_per_engine: 1"), out.stderr
 
 
 def test_a_generation_wait_stops_at_an_engine_nodes_death(tmp_path):
@@ -190,7 +191,8 @@ def test_a_generation_wait_stops_at_an_engine_nodes_death(tmp_path):
     EngineRecord(tmp_path, 0, 3, "h", proc, "http://127.0.0.1:1", node=1)
     begin = time.monotonic()
     try:
-        with pytest.raises(RankFailure, match=r"^engine 0 node 1 \(rollout rank 3, host h\) died at .*SIGKILL"):
+        with pytest.raises(RankFailure,
+                           match=r"^engine 0 node 1 \(rollout rank 3, host h\) died at .*SIGKILL"):
             group._await(started, None)
     finally:
         client.close()

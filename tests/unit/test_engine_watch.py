@@ -58,7 +58,8 @@ def test_a_killed_engine_is_recorded_and_named_first(tmp_path):
     assert then == ("  then: rank 1 (trainer, host h, pid 7) failed in phase 'sync' of step 2: "
                     "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:4242")
     # a rollout rank's heartbeat reported it: the death alone (it names the rank), not twice
-    beat = f"hpcrl run failed: rank 2 (rollout) failed in phase 'heartbeat' of step 3: EngineDied: {record.death()}"
+    beat = (f"hpcrl run failed: rank 2 (rollout) failed in phase 'heartbeat' of step 3: EngineDied: "
+            f"{record.death()}")
     assert dead_engines_first(tmp_path, beat) == f"hpcrl run failed: {record.death()}"
     assert dead_engines_first(tmp_path, out) == out  # the death first already
 

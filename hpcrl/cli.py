@@ -120,7 +120,6 @@ def _slurm_errors():
 
 def _render(args: argparse.Namespace) -> int:
     from hpcrl.config import load_job
-    from hpcrl.config.schema import rollout_ranks
     from hpcrl.runner import resolve_run_dir
     from launch.slurm_submit import plan_submission
 
@@ -139,7 +138,6 @@ def _render(args: argparse.Namespace) -> int:
 
 def _submit(args: argparse.Namespace) -> int:
     from hpcrl.config import load_job
-    from hpcrl.config.schema import rollout_ranks
     from hpcrl.jobs import plan_slurm, start_slurm
     from hpcrl.runner import resolve_run_dir
 
@@ -189,7 +187,6 @@ def _submit_sweep(args: argparse.Namespace) -> int:
     import json
 
     from hpcrl.config import load_job
-    from hpcrl.config.schema import rollout_ranks
     from hpcrl.jobs import Executor, Submission, sweep_dir_name, sweep_points
     from hpcrl.runner import resolve_run_dir
 

@@ -300,16 +300,17 @@ class RolloutGroup:
     also posts a heartbeat to the ranks, collected at the next step, so a rollout rank that died is
     named even if its engine still answers, and idle ranks keep hearing from the controller.
     An engine over `nodes_per_engine` nodes has as many consecutive ranks; the first (`leaders`)
-    serves its HTTP API, the others start and watch its follower nodes and answer heartbeats. While
-    it waits for a generation, the group reads the engines' records in `run_dir` every DEATH_CHECK_S
-    and stops at the first death: an SGLang engine whose follower node died hangs in its collectives
-    instead of failing the request, and the heartbeats come only at the next step.
+    serves its HTTP API, the others start and watch its follower nodes and answer heartbeats. With
+    such engines, while it waits for a generation the group reads the engines' records in `run_dir`
+    every DEATH_CHECK_S and stops at the first death: an SGLang engine whose follower node died hangs
+    in its collectives instead of failing the request, and the heartbeats come only at the next step
+    (an engine of one node that dies closes its requests' connections: no records are read).
     """
 
     def __init__(self, world: World, timeout_s: float, routes: RouteFormat | None = None,
                  nodes_per_engine: int = 1, run_dir: Path | None = None) -> None:
         self.group = RoleGroup(world, "rollout")
-        self.run_dir = run_dir
+        self.run_dir = run_dir if nodes_per_engine > 1 else None  # where follower deaths are read
         self.leaders = self.group.ranks[::nodes_per_engine]  # engine i's node 0 rank
         self.timeout_s = timeout_s
         self.routes = routes  # ask the engines for their MoE routes (rollout.routing_replay)
